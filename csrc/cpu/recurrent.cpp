@@ -1,0 +1,125 @@
+// CPU backend of the recurrent sweep (kernels/recurrent.h): the same sweep the CUDA engine runs,
+// one (sequence, head) per task, fp32 state (fp64 for fp64 inputs).
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <vector>
+
+#include "../kernels/recurrent.h"
+#include "../kernels/sequence.h"
+
+namespace fla {
+namespace {
+
+template <typename T, typename A>
+struct Sweep {
+  const RecurrentPass& p;
+
+  A ld(const VecArg& v, int64_t b, int64_t t, int h, int d) const {
+    const T* ptr = static_cast<const T*>(v.ptr);
+    return static_cast<A>(ptr[b * v.sb + t * v.st + h * v.sh + d * v.sd]);
+  }
+  T* at(const VecArg& v, int64_t b, int64_t t, int h, int d) const {
+    return const_cast<T*>(static_cast<const T*>(v.ptr)) + b * v.sb + t * v.st + h * v.sh + d * v.sd;
+  }
+  static A* acc_at(const VecArg& v, int64_t b, int64_t t, int h, int d) {
+    return const_cast<A*>(static_cast<const A*>(v.ptr)) + b * v.sb + t * v.st + h * v.sh + d * v.sd;
+  }
+  static A* at(const MatArg& m, int n, int h, int r, int c) {
+    return static_cast<A*>(m.ptr) + n * m.sn + h * m.sh + r * m.sr + c * m.sc;
+  }
+  static A* vec(const void* p, int64_t i) { return const_cast<A*>(static_cast<const A*>(p)) + i; }
+
+  void run(int n, int h) const {
+    const int Dr = p.Dr, Dc = p.Dc;
+    const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
+    std::vector<A> S(size_t(Dr) * Dc, A(0)), q(Dr), a(Dr), lr(Dr), pc(Dc), acc(Dc, A(0)), du(Dc, A(0));
+    if (p.h0.on())
+      for (int r = 0; r < Dr; ++r)
+        for (int c = 0; c < Dc; ++c) S[r * Dc + c] = *at(p.h0, n, h, r, c);
+    if (p.gate == GateGrad::Consume && p.zeta)
+      for (int c = 0; c < Dc; ++c) acc[c] = *vec(p.zeta, (int64_t(n) * p.H + h) * Dc + c);
+
+    for (int64_t step = 0; step < s.len; ++step) {
+      const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
+      A bonus = 0;
+      for (int r = 0; r < Dr; ++r) {
+        q[r] = ld(p.q, s.b, t, h, r);
+        a[r] = ld(p.a, s.b, t, h, r) * A(p.a_scale);
+        if (p.decay_on_rows) lr[r] = std::exp(ld(p.decay, s.b, t, h, r));
+        if (p.x.on()) bonus += q[r] * ld(p.x, s.b, t, h, r) * (p.ux ? *vec(p.ux, h * Dr + r) : A(1));
+      }
+      auto read = [&] {
+        for (int c = 0; c < Dc; ++c) {
+          A sum = 0;
+          for (int r = 0; r < Dr; ++r) sum += q[r] * S[r * Dc + c];
+          pc[c] = sum * A(p.scale);
+        }
+      };
+      if (p.exclusive) read();
+      for (int c = 0; c < Dc; ++c) {
+        const A bc = ld(p.b, s.b, t, h, c) * A(p.b_scale);
+        const A lc = p.decay_on_rows ? A(1) : std::exp(ld(p.decay, s.b, t, h, c));
+        for (int r = 0; r < Dr; ++r) {
+          A& e = S[r * Dc + c];
+          e = (p.decay_on_rows ? lr[r] : lc) * e + a[r] * bc;
+        }
+      }
+      if (!p.exclusive) read();
+      for (int c = 0; c < Dc; ++c) {
+        A o = pc[c];
+        A yb = 0;
+        if (p.x.on()) {
+          yb = A(p.bonus_scale) * bonus * ld(p.y, s.b, t, h, c);
+          o += yb * (p.uy ? *vec(p.uy, h * Dc + c) : A(1));
+        }
+        if (p.out.on()) *at(p.out, s.b, t, h, c) = static_cast<T>(o);
+        if (p.gate == GateGrad::Produce) {
+          *acc_at(p.ws, s.b, t, h, c) = ld(p.z, s.b, t, h, c) * pc[c];
+        } else if (p.gate == GateGrad::Consume) {
+          const A z = ld(p.z, s.b, t, h, c);
+          acc[c] -= z * pc[c];
+          *at(p.dlam, s.b, t, h, c) = static_cast<T>(acc[c]);
+          acc[c] += *acc_at(p.ws, s.b, t, h, c);
+          du[c] += yb * z;
+        }
+      }
+    }
+    if (p.hT.on())
+      for (int r = 0; r < Dr; ++r)
+        for (int c = 0; c < Dc; ++c) *at(p.hT, n, h, r, c) = S[r * Dc + c];
+    if (p.gate == GateGrad::Produce && p.zeta) {
+      for (int c = 0; c < Dc; ++c) {
+        A z = 0;
+        if (p.zdot.on())
+          for (int r = 0; r < Dr; ++r) z += S[r * Dc + c] * *at(p.zdot, n, h, r, c);
+        *vec(p.zeta, (int64_t(n) * p.H + h) * Dc + c) = z;
+      }
+    }
+    if (p.gate == GateGrad::Consume && p.du)
+      for (int c = 0; c < Dc; ++c) *vec(p.du, (int64_t(n) * p.H + h) * Dc + c) = du[c];
+  }
+};
+
+template <typename T, typename A>
+void run_all(const RecurrentPass& p) {
+  const Sweep<T, A> sweep{p};
+  at::parallel_for(0, int64_t(p.N) * p.H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) sweep.run(int(i / p.H), int(i % p.H));
+  });
+}
+
+}  // namespace
+
+void recurrent_cpu(const RecurrentPass& p) {
+  switch (p.dtype) {
+    case DType::f32: return run_all<float, float>(p);
+    case DType::f64: return run_all<double, double>(p);
+    case DType::bf16: return run_all<c10::BFloat16, float>(p);
+    case DType::f16: return run_all<c10::Half, float>(p);
+  }
+}
+
+}  // namespace fla

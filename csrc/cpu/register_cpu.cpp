@@ -1,0 +1,15 @@
+#include <torch/library.h>
+
+#include "../ops/rwkv6.h"
+
+namespace fla {
+namespace {
+void run_cpu(const RecurrentPass& p) { recurrent_cpu(p); }
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fla, CPU, m) {
+  m.impl("fused_recurrent_rwkv6", &ops::fused_recurrent_rwkv6_impl<run_cpu>);
+  m.impl("fused_recurrent_rwkv6_bwd", &ops::fused_recurrent_rwkv6_bwd_impl<run_cpu>);
+}
+
+}  // namespace fla

@@ -1,0 +1,21 @@
+// CUDA host glue: the sweeps run on the current stream of the inputs' device (the ops set the
+// device guard); no host synchronisation, so every op is CUDA-graph safe.
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/library.h>
+
+#include "../ops/rwkv6.h"
+
+namespace fla {
+namespace {
+void run_cuda(const RecurrentPass& p) {
+  const char* err = recurrent_cuda(p, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == nullptr, "fla_ext: CUDA recurrent sweep failed: ", err);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fla, CUDA, m) {
+  m.impl("fused_recurrent_rwkv6", &ops::fused_recurrent_rwkv6_impl<run_cuda>);
+  m.impl("fused_recurrent_rwkv6_bwd", &ops::fused_recurrent_rwkv6_bwd_impl<run_cuda>);
+}
+
+}  // namespace fla

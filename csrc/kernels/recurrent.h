@@ -1,0 +1,70 @@
+// Torch-free description of one sweep of the diagonal-gate recurrence.
+//
+// A sweep runs, per (sequence n, head h), over time (forward or reversed) with an fp32 state
+// S [Dr x Dc] ("rows" are the contraction axis of the read):
+//   exclusive: p_t = S^T q_t, then S = decay(S) + a_t b_t^T
+//   inclusive: S = decay(S) + a_t b_t^T, then p_t = S^T q_t
+//   out_t[c] = scale * p_t[c] + bonus_scale * (sum_i q_t[i] x_t[i] ux[i]) * y_t[c] * uy[c]
+// where decay multiplies rows by exp(lambda_t[i]) or columns by exp(lambda_t[c]).
+// Every forward and backward sweep of RWKV6/GLA (and both GSA passes) is one such sweep with
+// some operands transposed, which is expressed purely by strides: one engine, many views.
+#pragma once
+#include <cstdint>
+
+namespace fla {
+
+enum class DType : int { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
+
+// A per-step vector stored as [B, T, H, D] (any strides, in elements). The batch index is the
+// sequence index without cu_seqlens and 0 with it; t is the absolute time index.
+struct VecArg {
+  const void* ptr = nullptr;
+  int64_t sb = 0, st = 0, sh = 0, sd = 1;
+  bool on() const { return ptr != nullptr; }
+};
+
+// "acc" buffers (states, workspaces, u) are fp32, or fp64 when the inputs are fp64 (CPU only).
+// A per-(sequence, head) acc matrix [N, H, rows, cols] (any strides): states and their grads.
+struct MatArg {
+  void* ptr = nullptr;
+  int64_t sn = 0, sh = 0, sr = 0, sc = 0;
+  bool on() const { return ptr != nullptr; }
+};
+
+// What the sweep does besides `out`, for the decay gradient (ALGORITHMS.md §5.3 closed form):
+//   Produce: ws_t = z_t * scale * p_t (fp32), and zeta[c] = sum_r S_final[r][c] * zdot[r][c].
+//   Consume: dlambda_t = acc after acc -= z_t * scale * p_t, then acc += ws_t, acc starting at
+//            zeta; also du[c] += bonus_scale * s_t * y_t[c] * z_t[c].
+enum class GateGrad : int { None = 0, Produce = 1, Consume = 2 };
+
+struct RecurrentPass {
+  DType dtype = DType::f32;  // of every VecArg except ws
+  int N = 0, H = 0, T = 0, Dr = 0, Dc = 0;
+  const int64_t* cu_seqlens = nullptr;  // [N+1] on the sweep's device, or null
+  bool reverse = false, exclusive = true, decay_on_rows = true;
+  double scale = 1, a_scale = 1, b_scale = 1, bonus_scale = 0;
+
+  VecArg q, a, b, decay;  // q, a: Dr; b: Dc; decay: Dr or Dc
+  VecArg x, y;            // bonus operands (x: Dr, y: Dc); off when x.ptr is null
+  const void* ux = nullptr;  // [H, Dr] acc contiguous, or null (= 1)
+  const void* uy = nullptr;  // [H, Dc] acc contiguous, or null (= 1)
+  VecArg out;                 // Dc, written (same dtype); may be off
+
+  MatArg h0;  // initial state (read), zero when off
+  MatArg hT;  // final state (written) when on
+
+  GateGrad gate = GateGrad::None;
+  VecArg z;       // Dc, input dtype
+  VecArg ws;      // Dc, acc; written by Produce, read by Consume
+  MatArg zdot;    // Produce: matrix dotted with the final state
+  void* zeta = nullptr;   // [N, H, Dc] acc: written by Produce, read by Consume (null = 0)
+  VecArg dlam;    // Consume: Dc, written (input dtype)
+  void* du = nullptr;     // Consume: [N, H, Dc] acc partials, written when non-null
+};
+
+// Backends. Each runs the sweep on the stream/threads of the caller's device.
+void recurrent_cpu(const RecurrentPass& p);
+// Returns nullptr on success, else the CUDA error string of the launch.
+const char* recurrent_cuda(const RecurrentPass& p, void* stream);
+
+}  // namespace fla

@@ -1,0 +1,4 @@
+#include "recurrent.cuh"
+namespace fla {
+template cudaError_t launch_recurrent<__half>(const RecurrentPass&, cudaStream_t);
+}

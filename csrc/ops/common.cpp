@@ -1,0 +1,129 @@
+#include "common.h"
+
+#include <cstdlib>
+#include <sstream>
+
+namespace fla::ops {
+
+bool value_checks_enabled() {
+  const char* v = std::getenv("FLA_EXT_CHECKS");
+  return v && v[0] != '\0' && v[0] != '0';
+}
+
+std::string shape_str(const Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+MatArg mat(const Tensor& t, bool transpose) {
+  MatArg m;
+  m.ptr = t.data_ptr();
+  m.sn = t.stride(0);
+  m.sh = t.stride(1);
+  m.sr = t.stride(transpose ? 3 : 2);
+  m.sc = t.stride(transpose ? 2 : 3);
+  return m;
+}
+
+DType kernel_dtype(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    case at::kDouble: return DType::f64;
+    default: TORCH_CHECK_VALUE(false, "fla_ext: unsupported dtype ", t.scalar_type());
+  }
+}
+
+at::ScalarType acc_type(const Tensor& activation) {
+  return activation.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_activation(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name) {
+  TORCH_CHECK_VALUE(t.defined(), "fla_ext: `", name, "` must be a tensor, got None");
+  TORCH_CHECK_VALUE(t.dim() == 4, "fla_ext: `", name, "` must be 4-D, got shape ", shape_str(t));
+  const auto dt = t.scalar_type();
+  const bool ok = dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf ||
+                  (dt == at::kDouble && t.device().is_cpu());
+  TORCH_CHECK_VALUE(ok, "fla_ext: `", name, "` must be float32, bfloat16 or float16",
+                    " (float64 on CPU), got ", dt, " on ", t.device());
+  TORCH_CHECK(t.device() == ref.device(), "fla_ext: `", name, "` is on ", t.device(), " but `",
+              ref_name, "` is on ", ref.device());
+  TORCH_CHECK_VALUE(dt == ref.scalar_type(), "fla_ext: `", name, "` has dtype ", dt, " but `",
+                    ref_name, "` has dtype ", ref.scalar_type(), "; all activations must match");
+}
+
+Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int64_t B) {
+  if (!cu.has_value() || !cu->defined()) return Tensor();
+  const Tensor& c = *cu;
+  TORCH_CHECK_VALUE(c.scalar_type() == at::kLong || c.scalar_type() == at::kInt,
+                    "fla_ext: `cu_seqlens` must be int64 (or int32), got ", c.scalar_type());
+  TORCH_CHECK_VALUE(c.dim() == 1 && c.size(0) >= 2,
+                    "fla_ext: `cu_seqlens` must be 1-D with at least 2 entries, got shape ",
+                    shape_str(c));
+  TORCH_CHECK(c.device() == ref.device(), "fla_ext: `cu_seqlens` is on ", c.device(),
+              " but the inputs are on ", ref.device());
+  TORCH_CHECK_VALUE(B == 1, "fla_ext: with `cu_seqlens` the batch size must be 1, got B = ", B);
+  return c.to(at::kLong).contiguous();
+}
+
+void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N, int64_t H,
+                 int64_t R, int64_t C) {
+  TORCH_CHECK(s.device() == ref.device(), "fla_ext: `", name, "` is on ", s.device(),
+              " but the inputs are on ", ref.device());
+  TORCH_CHECK_VALUE(s.scalar_type() == acc_type(ref), "fla_ext: `", name, "` must be ",
+                    acc_type(ref), " (states are float32; float64 for float64 inputs), got ",
+                    s.scalar_type());
+  TORCH_CHECK_VALUE(s.dim() == 4 && s.size(0) == N && s.size(1) == H && s.size(2) == R &&
+                        s.size(3) == C,
+                    "fla_ext: `", name, "` must have shape [N, H, K, V] = [", N, ", ", H, ", ", R,
+                    ", ", C, "], got ", shape_str(s));
+}
+
+void check_head_dim(int64_t d, const char* what) {
+  TORCH_CHECK_VALUE(d >= 1 && d <= kMaxHeadDim, "fla_ext: ", what, " must be in [1, ",
+                    kMaxHeadDim, "], got ", d);
+}
+
+namespace {
+std::string first_index(const Tensor& mask) {
+  const auto idx = mask.nonzero()[0].cpu();
+  std::ostringstream os;
+  os << "(";
+  for (int64_t i = 0; i < idx.numel(); ++i) os << (i ? ", " : "") << idx[i].item<int64_t>();
+  os << ")";
+  return os.str();
+}
+}  // namespace
+
+void check_finite(const Tensor& t, const char* name) {
+  const auto bad = t.isfinite().logical_not();
+  TORCH_CHECK_VALUE(!bad.any().item<bool>(), "fla_ext: `", name,
+                    "` has a non-finite value at index ", first_index(bad), " (FLA_EXT_CHECKS)");
+}
+
+void check_log_decay(const Tensor& w, const char* name) {
+  const auto nan = w.isnan();
+  TORCH_CHECK_VALUE(!nan.any().item<bool>(), "fla_ext: `", name, "` has a NaN at index ",
+                    first_index(nan), " (FLA_EXT_CHECKS)");
+  const auto pos = w > 0;
+  TORCH_CHECK_VALUE(!pos.any().item<bool>(), "fla_ext: `", name,
+                    "` is a log decay and must be <= 0, but is positive at index ",
+                    first_index(pos), " (FLA_EXT_CHECKS; a linear-space decay must go through log)");
+}
+
+void check_cu_values(const Tensor& cu, int64_t T) {
+  const auto c = cu.cpu();
+  const int64_t* p = c.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(p[0] == 0, "fla_ext: `cu_seqlens[0]` must be 0, got ", p[0],
+                    " (FLA_EXT_CHECKS)");
+  for (int64_t i = 1; i < c.size(0); ++i)
+    TORCH_CHECK_VALUE(p[i] >= p[i - 1], "fla_ext: `cu_seqlens` must be non-decreasing, but ",
+                      "cu_seqlens[", i, "] = ", p[i], " < cu_seqlens[", i - 1, "] = ", p[i - 1],
+                      " (FLA_EXT_CHECKS)");
+  TORCH_CHECK_VALUE(p[c.size(0) - 1] == T, "fla_ext: `cu_seqlens[-1]` must equal T = ", T,
+                    ", got ", p[c.size(0) - 1], " (FLA_EXT_CHECKS)");
+}
+
+}  // namespace fla::ops

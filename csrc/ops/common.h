@@ -1,0 +1,70 @@
+// Argument checking and tensor -> kernel-view helpers shared by every op family.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+#include "../kernels/recurrent.h"
+
+namespace fla::ops {
+
+using at::Tensor;
+using Runner = void (*)(const RecurrentPass&);
+
+// Largest K or V any kernel accepts.
+constexpr int64_t kMaxHeadDim = 256;
+
+// True when FLA_EXT_CHECKS=1 (fla_ext.set_checks writes the variable): enables value checks that
+// read device memory (a host sync, so off by default and never inside CUDA-graph capture).
+bool value_checks_enabled();
+
+// The [B, T, H, D] view of an activation given in either layout.
+struct Layout {
+  bool head_first;
+  int64_t B(const Tensor& t) const { return t.size(0); }
+  int64_t T(const Tensor& t) const { return t.size(head_first ? 2 : 1); }
+  int64_t H(const Tensor& t) const { return t.size(head_first ? 1 : 2); }
+  int64_t D(const Tensor& t) const { return t.size(3); }
+  std::string dims() const { return head_first ? "[B, H, T, D]" : "[B, T, H, D]"; }
+  VecArg vec(const Tensor& t) const {
+    VecArg v;
+    v.ptr = t.data_ptr();
+    v.sb = t.stride(0);
+    v.st = t.stride(head_first ? 2 : 1);
+    v.sh = t.stride(head_first ? 1 : 2);
+    v.sd = t.stride(3);
+    return v;
+  }
+  // An uninitialised tensor of this layout with last dim D, shaped like `like`.
+  Tensor empty_like_with_dim(const Tensor& like, int64_t D, at::ScalarType dtype) const {
+    auto sizes = like.sizes().vec();
+    sizes[3] = D;
+    return at::empty(sizes, like.options().dtype(dtype));
+  }
+};
+
+// A [N, H, R, C] fp32 state as a kernel matrix, optionally transposed (rows <-> cols).
+MatArg mat(const Tensor& t, bool transpose = false);
+
+DType kernel_dtype(const Tensor& t);
+// States, workspaces and u are float32, or float64 when the activations are float64.
+at::ScalarType acc_type(const Tensor& activation);
+
+// Throws ValueError/RuntimeError naming `name` unless `t` is a 4-D floating activation on `dev`.
+void check_activation(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name);
+// Checks cu_seqlens (1-D integer, >= 2 entries, same device, B == 1) and returns it as int64.
+Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int64_t B);
+// Checks a state [N, H, R, C] of the acc type of `ref`.
+void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N, int64_t H,
+                 int64_t R, int64_t C);
+void check_head_dim(int64_t d, const char* what);
+
+// FLA_EXT_CHECKS value checks (they read device memory).
+void check_finite(const Tensor& t, const char* name);
+void check_log_decay(const Tensor& w, const char* name);  // no NaN, <= 0 (-inf allowed)
+void check_cu_values(const Tensor& cu, int64_t T);
+
+std::string shape_str(const Tensor& t);
+
+}  // namespace fla::ops

@@ -1,0 +1,242 @@
+// RWKV6 (ALGORITHMS.md §5): o_t = scale * (h_{t-1} + diag(u) k_t v_t^T)^T r_t,
+// h_t = diag(exp(w_t)) h_{t-1} + k_t v_t^T.
+//
+// Forward is one sweep. Backward is three sweeps of the same engine (kernels/recurrent.h):
+//   A (op direction,  S = h^T):  dr, and ws = r * dr' plus zeta = rowsum(h_T * dh_T)
+//   B (reverse,       S = dh):   dv and dh0
+//   C (reverse,       S = dh^T): dk, du, and dw by the closed form
+//        dw_t = sum_{t'>t} r*dr' - sum_{t'>=t} k*dk' + zeta      (dr', dk': without the u-terms)
+// which never divides by a decay, so w = -inf (a hard reset) is exact.
+#include "rwkv6.h"
+
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace fla::ops {
+namespace {
+
+struct Rwkv6Args {
+  Layout L;
+  int64_t B, T, H, K, V, N;
+  Tensor cu;   // int64 or undefined
+  Tensor uacc;  // u in the acc type, contiguous [H, K]
+  double scale;
+};
+
+Rwkv6Args check_rwkv6(const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w,
+                      const Tensor& u, std::optional<double> scale,
+                      const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
+                      bool head_first) {
+  Rwkv6Args a{Layout{head_first}};
+  check_activation(r, "r", r, "r");
+  check_activation(k, "k", r, "r");
+  check_activation(v, "v", r, "r");
+  check_activation(w, "w", r, "r");
+  const Layout& L = a.L;
+  a.B = L.B(r), a.T = L.T(r), a.H = L.H(r), a.K = L.D(r), a.V = L.D(v);
+  for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {w, "w"}})
+    TORCH_CHECK_VALUE(t.sizes() == r.sizes(), "fla_ext: `", name, "` must have the shape of `r` ",
+                      shape_str(r), " (", L.dims(), "), got ", shape_str(t));
+  TORCH_CHECK_VALUE(L.B(v) == a.B && L.T(v) == a.T && L.H(v) == a.H, "fla_ext: `v` must be ",
+                    L.dims(), " with B, T, H of `r` ", shape_str(r), ", got ", shape_str(v));
+  check_head_dim(a.K, "K (last dim of r, k, w)");
+  check_head_dim(a.V, "V (last dim of v)");
+  TORCH_CHECK_VALUE(u.defined(), "fla_ext: `u` must be a tensor, got None");
+  TORCH_CHECK(u.device() == r.device(), "fla_ext: `u` is on ", u.device(), " but `r` is on ",
+              r.device());
+  TORCH_CHECK_VALUE(at::isFloatingType(u.scalar_type()), "fla_ext: `u` must be floating, got ",
+                    u.scalar_type());
+  TORCH_CHECK_VALUE(u.dim() == 2 && u.size(0) == a.H && u.size(1) == a.K,
+                    "fla_ext: `u` must have shape [H, K] = [", a.H, ", ", a.K, "], got ",
+                    shape_str(u));
+  a.cu = check_cu_seqlens(cu_seqlens, r, a.B);
+  a.N = a.cu.defined() ? a.cu.size(0) - 1 : a.B;
+  if (h0.has_value() && h0->defined())
+    check_state(*h0, "initial_state", r, a.N, a.H, a.K, a.V);
+  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(double(a.K));
+  TORCH_CHECK_VALUE(std::isfinite(s), "fla_ext: `scale` must be finite, got ", s);
+  a.scale = s;
+  a.uacc = u.to(acc_type(r)).contiguous();
+  if (value_checks_enabled()) {
+    check_finite(r, "r"), check_finite(k, "k"), check_finite(v, "v"), check_finite(u, "u");
+    check_log_decay(w, "w");
+    if (h0.has_value() && h0->defined()) check_finite(*h0, "initial_state");
+    if (a.cu.defined()) check_cu_values(a.cu, a.T);
+  }
+  return a;
+}
+
+RecurrentPass base_pass(const Rwkv6Args& a, const Tensor& r) {
+  RecurrentPass p;
+  p.dtype = kernel_dtype(r);
+  p.N = int(a.N), p.H = int(a.H), p.T = int(a.T);
+  p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
+  p.exclusive = true;
+  p.bonus_scale = a.scale;
+  return p;
+}
+
+bool has(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_fwd(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
+    bool head_first, Runner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
+  const Layout& L = a.L;
+  Tensor o = L.empty_like_with_dim(v, a.V, r.scalar_type());
+  const auto acc = r.options().dtype(acc_type(r));
+  Tensor hT = output_final_state ? at::empty({a.N, a.H, a.K, a.V}, acc) : at::empty({0}, acc);
+  RecurrentPass p = base_pass(a, r);
+  p.Dr = int(a.K), p.Dc = int(a.V), p.reverse = reverse, p.decay_on_rows = true;
+  p.scale = a.scale;
+  p.q = L.vec(r), p.a = L.vec(k), p.b = L.vec(v), p.decay = L.vec(w);
+  p.x = L.vec(k), p.ux = a.uacc.data_ptr(), p.y = L.vec(v);
+  p.out = L.vec(o);
+  if (has(initial_state)) p.h0 = mat(*initial_state);
+  if (output_final_state) p.hT = mat(hT);
+  run(p);
+  return {o, hT};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6_bwd(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state, bool reverse,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, Runner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
+  const Layout& L = a.L;
+  check_activation(grad_o, "grad_o", r, "r");
+  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
+                    shape_str(v), ", got ", shape_str(grad_o));
+  const bool has_dht = has(grad_final_state);
+  if (has_dht) check_state(*grad_final_state, "grad_final_state", r, a.N, a.H, a.K, a.V);
+  const bool has_h0 = has(initial_state);
+
+  const auto f32 = r.options().dtype(acc_type(r));
+  Tensor dr = at::empty_like(r, at::MemoryFormat::Contiguous);
+  Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
+  Tensor dw = at::empty_like(w, at::MemoryFormat::Contiguous);
+  Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+  Tensor dh0 = has_h0 ? at::empty({a.N, a.H, a.K, a.V}, f32) : at::empty({0}, f32);
+  Tensor ws = at::empty(r.sizes(), f32);  // r * dr' in the acc type, same layout as r
+  Tensor zeta = at::zeros({a.N, a.H, a.K}, f32);
+  Tensor du_part = at::empty({a.N, a.H, a.K}, f32);
+
+  const RecurrentPass base = base_pass(a, r);
+  // A: S = h^T [V x K], reads dO, writes v k^T with the decay on columns (K).
+  RecurrentPass pa = base;
+  pa.Dr = int(a.V), pa.Dc = int(a.K), pa.reverse = reverse, pa.decay_on_rows = false;
+  pa.scale = a.scale;
+  pa.q = L.vec(grad_o), pa.a = L.vec(v), pa.b = L.vec(k), pa.decay = L.vec(w);
+  pa.x = L.vec(v), pa.y = L.vec(k), pa.uy = a.uacc.data_ptr();
+  pa.out = L.vec(dr);
+  if (has_h0) pa.h0 = mat(*initial_state, /*transpose=*/true);
+  pa.gate = GateGrad::Produce, pa.z = L.vec(r), pa.ws = L.vec(ws), pa.zeta = zeta.data_ptr();
+  if (has_dht) pa.zdot = mat(*grad_final_state, true);
+  run(pa);
+
+  // B: S = dh [K x V], reverse time, reads k, writes scale * r dO^T.
+  RecurrentPass pb = base;
+  pb.Dr = int(a.K), pb.Dc = int(a.V), pb.reverse = !reverse, pb.decay_on_rows = true;
+  pb.scale = 1.f, pb.a_scale = a.scale;
+  pb.q = L.vec(k), pb.a = L.vec(r), pb.b = L.vec(grad_o), pb.decay = L.vec(w);
+  pb.x = L.vec(r), pb.ux = a.uacc.data_ptr(), pb.y = L.vec(grad_o);
+  pb.out = L.vec(dv);
+  if (has_dht) pb.h0 = mat(*grad_final_state);
+  if (has_h0) pb.hT = mat(dh0);
+  run(pb);
+
+  // C: S = dh^T [V x K], reverse time, reads v, writes scale * dO r^T; dk, du, dw.
+  RecurrentPass pc = base;
+  pc.Dr = int(a.V), pc.Dc = int(a.K), pc.reverse = !reverse, pc.decay_on_rows = false;
+  pc.scale = 1.f, pc.b_scale = a.scale;
+  pc.q = L.vec(v), pc.a = L.vec(grad_o), pc.b = L.vec(r), pc.decay = L.vec(w);
+  pc.x = L.vec(grad_o), pc.y = L.vec(r), pc.uy = a.uacc.data_ptr();
+  pc.out = L.vec(dk);
+  if (has_dht) pc.h0 = mat(*grad_final_state, true);
+  pc.gate = GateGrad::Consume, pc.z = L.vec(k), pc.ws = L.vec(ws), pc.zeta = zeta.data_ptr();
+  pc.dlam = L.vec(dw), pc.du = du_part.data_ptr();
+  run(pc);
+
+  Tensor du = du_part.sum(0).to(u.scalar_type());
+  return {dr, dk, dv, dw, du, dh0};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autograd: the backward is the fla::fused_recurrent_rwkv6_bwd op, called through the dispatcher
+// so that torch.compile traces it like any other op.
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class FusedRecurrentRwkv6 : public torch::autograd::Function<FusedRecurrentRwkv6> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& r, const Tensor& k,
+                               const Tensor& v, const Tensor& w, const Tensor& u,
+                               std::optional<double> scale,
+                               const std::optional<Tensor>& initial_state,
+                               bool output_final_state, bool reverse,
+                               const std::optional<Tensor>& cu_seqlens, bool head_first) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::fused_recurrent_rwkv6", "")
+                         .typed<decltype(fused_recurrent_rwkv6_impl<nullptr>)>();
+    auto [o, hT] = op.call(r, k, v, w, u, scale, initial_state, output_final_state, reverse,
+                           cu_seqlens, head_first);
+    ctx->save_for_backward({r, k, v, w, u, initial_state.value_or(Tensor()),
+                            cu_seqlens.value_or(Tensor())});
+    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+    ctx->saved_data["reverse"] = reverse;
+    ctx->saved_data["head_first"] = head_first;
+    ctx->saved_data["has_h0"] = initial_state.has_value() && initial_state->defined();
+    if (!output_final_state) ctx->mark_non_differentiable({hT});
+    return {o, hT};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::fused_recurrent_rwkv6_bwd", "")
+                         .typed<decltype(fused_recurrent_rwkv6_bwd_impl<nullptr>)>();
+    const auto s = ctx->get_saved_variables();
+    const auto& sd = ctx->saved_data;
+    std::optional<double> scale;
+    if (!sd.at("scale").isNone()) scale = sd.at("scale").toDouble();
+    std::optional<Tensor> h0, cu, dht;
+    if (sd.at("has_h0").toBool()) h0 = s[5];
+    if (s[6].defined()) cu = s[6];
+    if (grads[1].defined() && grads[1].numel() > 0) dht = grads[1];
+    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
+    auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, dht, scale, h0,
+                                             sd.at("reverse").toBool(), cu,
+                                             sd.at("head_first").toBool());
+    return {dr, dk, dv, dw, du, Tensor(), h0 ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_autograd(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
+    bool head_first) {
+  auto out = FusedRecurrentRwkv6::apply(r, k, v, w, u, scale, initial_state, output_final_state,
+                                        reverse, cu_seqlens, head_first);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fla, Autograd, m) {
+  m.impl("fused_recurrent_rwkv6", &fused_recurrent_rwkv6_autograd);
+}
+
+}  // namespace fla::ops

@@ -1,0 +1,15 @@
+// Every fla_ext schema, in one place. Backends register kernels in cpu/ and cuda/; the
+// Autograd kernels live next to each family in ops/; fake kernels in fla_ext/_fake.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(fla, m) {
+  m.def(
+      "fused_recurrent_rwkv6(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, float? scale=None, "
+      "Tensor? initial_state=None, bool output_final_state=False, bool reverse=False, "
+      "Tensor? cu_seqlens=None, bool head_first=False) -> (Tensor o, Tensor final_state)");
+  m.def(
+      "fused_recurrent_rwkv6_bwd(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, Tensor grad_o, "
+      "Tensor? grad_final_state, float? scale, Tensor? initial_state, bool reverse, "
+      "Tensor? cu_seqlens, bool head_first) "
+      "-> (Tensor dr, Tensor dk, Tensor dv, Tensor dw, Tensor du, Tensor dh0)");
+}

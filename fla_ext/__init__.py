@@ -1,0 +1,32 @@
+"""fla_ext: robust, fast linear-attention ops (GLA, GSA, RWKV6, RWKV7) as PyTorch dispatcher ops.
+
+    import fla_ext
+    o, ht = fla_ext.fused_recurrent_rwkv6(r, k, v, w, u, output_final_state=True)
+
+Ops are also reachable as ``torch.ops.fla.*`` (and from C++ via ``csrc/include/fla_ext``).
+"""
+import glob
+import os
+
+import torch
+
+
+def _load_library() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")))
+    if not found:
+        raise ImportError(
+            "fla_ext: the compiled library fla_ext/_C*.so is missing; build it with "
+            "`pip install --no-build-isolation -e .` (or `make build`)"
+        )
+    torch.ops.load_library(found[0])
+    return found[0]
+
+
+_LIBRARY = _load_library()
+
+from . import _fake  # noqa: E402,F401  (registers fake kernels)
+from .ops import fused_recurrent_rwkv6, set_checks  # noqa: E402
+
+__all__ = ["fused_recurrent_rwkv6", "set_checks"]
+__version__ = "0.1.0"

@@ -1,0 +1,32 @@
+"""Fake (meta) kernels: shapes and dtypes of every op's outputs, for torch.compile and opcheck."""
+import torch
+
+
+def _acc(r):
+    return torch.float64 if r.dtype == torch.float64 else torch.float32
+
+
+def _state_rows(r, head_first, cu_seqlens):
+    B, H = (r.shape[0], r.shape[1]) if head_first else (r.shape[0], r.shape[2])
+    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
+    return N, H
+
+
+@torch.library.register_fake("fla::fused_recurrent_rwkv6")
+def _(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, reverse=False,
+      cu_seqlens=None, head_first=False):
+    N, H = _state_rows(r, head_first, cu_seqlens)
+    K, V = r.shape[-1], v.shape[-1]
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    shape = (N, H, K, V) if output_final_state else (0,)
+    return o, r.new_empty(shape, dtype=_acc(r))
+
+
+@torch.library.register_fake("fla::fused_recurrent_rwkv6_bwd")
+def _(r, k, v, w, u, grad_o, grad_final_state, scale, initial_state, reverse, cu_seqlens,
+      head_first):
+    N, H = _state_rows(r, head_first, cu_seqlens)
+    K, V = r.shape[-1], v.shape[-1]
+    like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    dh0 = r.new_empty((N, H, K, V) if initial_state is not None else (0,), dtype=_acc(r))
+    return like(r), like(k), like(v), like(w), u.new_empty(u.shape), dh0

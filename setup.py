@@ -1,0 +1,65 @@
+"""Build fla_ext._C: CUDA kernels when torch has CUDA and nvcc is found, CPU-only otherwise.
+
+Knobs (environment):
+  FLA_EXT_BUILD_CUDA=0/1   force the CPU-only or the CUDA build
+  TORCH_CUDA_ARCH_LIST     GPU targets (default "8.0;8.6;8.9;9.0+PTX"; "9.0a" for Hopper only)
+  MAX_JOBS                 parallel compile jobs (ninja)
+  FLA_EXT_DEBUG=1          -O0 -g host code and -G device code
+"""
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:  # pragma: no cover - exercised only on broken setups
+    sys.exit(
+        "fla_ext: building needs PyTorch installed first (pip install torch), and then "
+        "`pip install --no-build-isolation -e .` so the build sees that torch."
+    )
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    forced = os.environ.get("FLA_EXT_BUILD_CUDA")
+    if forced is not None:
+        if forced == "1" and (torch.version.cuda is None or cpp_extension.CUDA_HOME is None):
+            sys.exit("fla_ext: FLA_EXT_BUILD_CUDA=1 but torch has no CUDA or nvcc was not found")
+        return forced == "1"
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def rel(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def extension():
+    cuda = want_cuda()
+    debug = os.environ.get("FLA_EXT_DEBUG") == "1"
+    sources = rel("csrc/registration.cpp") + rel("csrc/ops/*.cpp") + rel("csrc/cpu/*.cpp")
+    cxx = ["-O0" if debug else "-O3", "-fvisibility=hidden"] + (["-g"] if debug else [])
+    args = {"cxx": cxx}
+    if cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;8.6;8.9;9.0+PTX")
+        sources += rel("csrc/cuda/*.cpp") + rel("csrc/kernels/*.cu")
+        args["nvcc"] = ["-O3", "-lineinfo", "--expt-relaxed-constexpr",
+                        "-Xptxas=-warn-spills"] + (["-G"] if debug else [])
+        ext = cpp_extension.CUDAExtension
+    else:
+        ext = cpp_extension.CppExtension
+    print(f"fla_ext: building {'CUDA' if cuda else 'CPU-only'} extension"
+          + (f" for {os.environ['TORCH_CUDA_ARCH_LIST']}" if cuda else ""))
+    return ext("fla_ext._C", sources, extra_compile_args=args, include_dirs=[os.path.join(ROOT, "csrc")])
+
+
+setup(
+    name="fla_ext",
+    version="0.1.0",
+    packages=find_packages(include=["fla_ext", "fla_ext.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
