@@ -1,0 +1,34 @@
+// Public C++ API of fla_ext for LibTorch programs: typed calls through the dispatcher, so they
+// run the registered CPU/CUDA kernels and record autograd (gradients flow in C++ as in Python).
+//
+// Link the program against fla_ext's library (or load fla_ext/_C*.so) so that the `fla::` ops
+// are registered; CMakeLists.txt builds `fla_ext_ops` for this.
+#pragma once
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace fla_ext {
+
+// RWKV6 fused recurrent op; see fla_ext.ops.fused_recurrent_rwkv6 for shapes. Returns
+// (o, final_state); final_state is an empty tensor unless output_final_state.
+inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_rwkv6(
+    const at::Tensor& r, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
+    const at::Tensor& u, std::optional<double> scale = std::nullopt,
+    const std::optional<at::Tensor>& initial_state = std::nullopt,
+    bool output_final_state = false, bool reverse = false,
+    const std::optional<at::Tensor>& cu_seqlens = std::nullopt, bool head_first = false) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fla::fused_recurrent_rwkv6", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, std::optional<double>, const std::optional<at::Tensor>&, bool,
+              bool, const std::optional<at::Tensor>&, bool)>();
+  return op.call(r, k, v, w, u, scale, initial_state, output_final_state, reverse, cu_seqlens,
+                 head_first);
+}
+
+}  // namespace fla_ext
