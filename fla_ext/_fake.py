@@ -18,7 +18,7 @@ def _(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, r
     N, H = _state_rows(r, head_first, cu_seqlens)
     K, V = r.shape[-1], v.shape[-1]
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
-    shape = (N, H, K, V) if output_final_state else (0,)
+    shape = (N if output_final_state else 0, H, K, V)
     return o, r.new_empty(shape, dtype=_acc(r))
 
 
@@ -28,5 +28,5 @@ def _(r, k, v, w, u, grad_o, grad_final_state, scale, initial_state, reverse, cu
     N, H = _state_rows(r, head_first, cu_seqlens)
     K, V = r.shape[-1], v.shape[-1]
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
-    dh0 = r.new_empty((N, H, K, V) if initial_state is not None else (0,), dtype=_acc(r))
+    dh0 = r.new_empty((N if initial_state is not None else 0, H, K, V), dtype=_acc(r))
     return like(r), like(k), like(v), like(w), u.new_empty(u.shape), dh0

@@ -35,7 +35,7 @@ struct Sweep {
   void run(int n, int h) const {
     const int Dr = p.Dr, Dc = p.Dc;
     const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
-    std::vector<A> S(size_t(Dr) * Dc, A(0)), q(Dr), a(Dr), lr(Dr), pc(Dc), acc(Dc, A(0)), du(Dc, A(0));
+    std::vector<A> S(size_t(Dr) * Dc, A(0)), q(Dr), a(Dr), lr(Dr), lcs(Dc), pc(Dc), acc(Dc, A(0)), du(Dc, A(0));
     if (p.h0.on())
       for (int r = 0; r < Dr; ++r)
         for (int c = 0; c < Dc; ++c) S[r * Dc + c] = *at(p.h0, n, h, r, c);
@@ -62,6 +62,7 @@ struct Sweep {
       for (int c = 0; c < Dc; ++c) {
         const A bc = ld(p.b, s.b, t, h, c) * A(p.b_scale);
         const A lc = p.decay_on_rows ? A(1) : std::exp(ld(p.decay, s.b, t, h, c));
+        lcs[c] = lc;
         for (int r = 0; r < Dr; ++r) {
           A& e = S[r * Dc + c];
           e = (p.decay_on_rows ? lr[r] : lc) * e + a[r] * bc;
@@ -81,6 +82,7 @@ struct Sweep {
         } else if (p.gate == GateGrad::Consume) {
           const A z = ld(p.z, s.b, t, h, c);
           acc[c] -= z * pc[c];
+          if (lcs[c] == A(0)) acc[c] = 0;
           *at(p.dlam, s.b, t, h, c) = static_cast<T>(acc[c]);
           acc[c] += *acc_at(p.ws, s.b, t, h, c);
           du[c] += yb * z;

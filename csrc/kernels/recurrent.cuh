@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
               bonus_scale = float(p.bonus_scale);
 
   for (int64_t base = 0; base < s.len; base += TC) {
-    const int nt = int(min<int64_t>(TC, s.len - base));
+    const int nt = s.len - base < TC ? int(s.len - base) : TC;
     // Stage the row operands; warp w takes steps w, w+KS, ... and reduces the bonus scalar.
     for (int tau = warp; tau < TC; tau += KS) {
       const int64_t step = base + tau;
@@ -175,6 +175,7 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
         } else if (p.gate == GateGrad::Consume) {
           const float z = sz[tau * BC + lane];
           acc -= z * pc;
+          if (sdc[tau * BC + lane] == 0.f) acc = 0.f;
           *vptr<T>(p.dlam, s.b, t, h, c) = from_f<T>(acc);
           acc += sw[tau * BC + lane];
           du = fmaf(yb, z, du);

@@ -11,6 +11,8 @@
 #pragma once
 #include <cstdint>
 
+#include "sequence.h"  // FLA_HD
+
 namespace fla {
 
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
@@ -20,7 +22,7 @@ enum class DType : int { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
 struct VecArg {
   const void* ptr = nullptr;
   int64_t sb = 0, st = 0, sh = 0, sd = 1;
-  bool on() const { return ptr != nullptr; }
+  FLA_HD bool on() const { return ptr != nullptr; }
 };
 
 // "acc" buffers (states, workspaces, u) are fp32, or fp64 when the inputs are fp64 (CPU only).
@@ -28,13 +30,15 @@ struct VecArg {
 struct MatArg {
   void* ptr = nullptr;
   int64_t sn = 0, sh = 0, sr = 0, sc = 0;
-  bool on() const { return ptr != nullptr; }
+  FLA_HD bool on() const { return ptr != nullptr; }
 };
 
 // What the sweep does besides `out`, for the decay gradient (ALGORITHMS.md §5.3 closed form):
 //   Produce: ws_t = z_t * scale * p_t (fp32), and zeta[c] = sum_r S_final[r][c] * zdot[r][c].
 //   Consume: dlambda_t = acc after acc -= z_t * scale * p_t, then acc += ws_t, acc starting at
-//            zeta; also du[c] += bonus_scale * s_t * y_t[c] * z_t[c].
+//            zeta; also du[c] += bonus_scale * s_t * y_t[c] * z_t[c]. Needs the decay on columns.
+//            Since dlambda_t = exp(lambda_t) * rowsum(dh_t * h_{t-1}) exactly, acc is reset to 0
+//            where exp(lambda_t) == 0: exact, and it drops the rounding carried so far.
 enum class GateGrad : int { None = 0, Produce = 1, Consume = 2 };
 
 struct RecurrentPass {

@@ -1,6 +1,7 @@
 #include "common.h"
 
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 
 namespace fla::ops {
@@ -8,6 +9,16 @@ namespace fla::ops {
 bool value_checks_enabled() {
   const char* v = std::getenv("FLA_EXT_CHECKS");
   return v && v[0] != '\0' && v[0] != '0';
+}
+
+Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  static const bool poison = [] {
+    const char* v = std::getenv("FLA_EXT_POISON");
+    return v && v[0] == '1';
+  }();
+  Tensor t = at::empty(sizes, opts);
+  if (poison) t.fill_(std::numeric_limits<double>::quiet_NaN());
+  return t;
 }
 
 std::string shape_str(const Tensor& t) {

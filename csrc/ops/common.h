@@ -19,6 +19,9 @@ constexpr int64_t kMaxHeadDim = 256;
 // read device memory (a host sync, so off by default and never inside CUDA-graph capture).
 bool value_checks_enabled();
 
+// Uninitialised outputs; NaN-filled when FLA_EXT_POISON=1 (tests), so unwritten elements show.
+Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& opts);
+
 // The [B, T, H, D] view of an activation given in either layout.
 struct Layout {
   bool head_first;
@@ -40,7 +43,7 @@ struct Layout {
   Tensor empty_like_with_dim(const Tensor& like, int64_t D, at::ScalarType dtype) const {
     auto sizes = like.sizes().vec();
     sizes[3] = D;
-    return at::empty(sizes, like.options().dtype(dtype));
+    return new_output(sizes, like.options().dtype(dtype));
   }
 };
 

@@ -92,7 +92,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_fwd(
   const Layout& L = a.L;
   Tensor o = L.empty_like_with_dim(v, a.V, r.scalar_type());
   const auto acc = r.options().dtype(acc_type(r));
-  Tensor hT = output_final_state ? at::empty({a.N, a.H, a.K, a.V}, acc) : at::empty({0}, acc);
+  Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V}, acc);
   RecurrentPass p = base_pass(a, r);
   p.Dr = int(a.K), p.Dc = int(a.V), p.reverse = reverse, p.decay_on_rows = true;
   p.scale = a.scale;
@@ -121,14 +121,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
   const bool has_h0 = has(initial_state);
 
   const auto f32 = r.options().dtype(acc_type(r));
-  Tensor dr = at::empty_like(r, at::MemoryFormat::Contiguous);
-  Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
-  Tensor dw = at::empty_like(w, at::MemoryFormat::Contiguous);
-  Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
-  Tensor dh0 = has_h0 ? at::empty({a.N, a.H, a.K, a.V}, f32) : at::empty({0}, f32);
-  Tensor ws = at::empty(r.sizes(), f32);  // r * dr' in the acc type, same layout as r
-  Tensor zeta = at::zeros({a.N, a.H, a.K}, f32);
-  Tensor du_part = at::empty({a.N, a.H, a.K}, f32);
+  Tensor dr = new_output(r.sizes(), r.options());
+  Tensor dk = new_output(k.sizes(), k.options());
+  Tensor dw = new_output(w.sizes(), w.options());
+  Tensor dv = new_output(v.sizes(), v.options());
+  Tensor dh0 = new_output({has_h0 ? a.N : 0, a.H, a.K, a.V}, f32);
+  Tensor ws = new_output(r.sizes(), f32);  // r * dr' in the acc type, same layout as r
+  Tensor zeta = new_output({a.N, a.H, a.K}, f32);
+  Tensor du_part = new_output({a.N, a.H, a.K}, f32);
 
   const RecurrentPass base = base_pass(a, r);
   // A: S = h^T [V x K], reads dO, writes v k^T with the decay on columns (K).

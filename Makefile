@@ -1,0 +1,49 @@
+# The README's commands. `demo` and `test` set themselves up from a fresh clone (virtual env,
+# pinned torch, build); `gpu-check` and `bench` use the system python of a GPU machine as is.
+PYTHON      ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+TORCH_PIN   ?= torch==2.14.1
+MAX_JOBS    ?= 2
+export MAX_JOBS
+
+# ccache makes rebuilds of unchanged sources (and repeated CI runs) cheap when it is installed.
+ifneq ($(shell command -v ccache 2>/dev/null),)
+export PYTORCH_NVCC := ccache $(shell command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)
+export CXX := ccache g++
+export CC := ccache gcc
+endif
+
+.PHONY: demo test build pytest cpp-test gpu-check bench clean
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)" pytest ninja numpy expecttest matplotlib tqdm
+	touch $@
+
+# In-place build: ninja keeps it incremental. (`pip install --no-build-isolation -e .` also works.)
+build: $(VENV)/.deps
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) setup.py -q build_ext --inplace
+
+demo: build
+	$(PY) examples/demo.py
+
+test: pytest cpp-test
+
+pytest: build
+	FLA_EXT_POISON=1 $(PY) -m pytest -q tests
+
+cpp-test: build
+	PYTHON=$(PY) PATH="$(abspath $(VENV))/bin:$$PATH" bash tests/cpp/run.sh
+
+# On a GPU machine with torch installed and the extension built (pip install -e .):
+gpu-check:
+	FLA_EXT_POISON=1 $(PYTHON) -m pytest -q -m cuda tests
+	$(PYTHON) benchmarks/bench_ops.py
+
+bench:
+	$(PYTHON) benchmarks/bench_ops.py
+
+clean:
+	rm -rf build fla_ext/_C*.so *.egg-info

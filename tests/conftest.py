@@ -1,0 +1,48 @@
+import os
+
+# Outputs are NaN-filled before kernels run, so an element a kernel forgets to write fails.
+os.environ.setdefault("FLA_EXT_POISON", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import fla_ext  # noqa: E402,F401
+
+HAS_CUDA = torch.cuda.is_available()
+
+# Every test that takes `device` runs on the CPU and, marked `cuda`, on the GPU when present.
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),
+]
+
+# ALGORITHMS.md §8.3: (tol for values, tol for decay gradients, atol escape for ~0 references).
+TOL = {
+    torch.float64: (1e-10, 1e-10, 1e-12),
+    torch.float32: (1e-5, 5e-5, 1e-6),
+    torch.bfloat16: (1e-2, 2e-2, 1e-4),
+    torch.float16: (1e-2, 2e-2, 1e-4),
+}
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    den = ref.norm().item()
+    return (x - ref).norm().item() / den if den > 0 else (x - ref).norm().item()
+
+
+def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float, atol: float):
+    """ALGORITHMS.md §8.2: rel L2 <= tol or max|x - ref| <= atol; never NaN/Inf."""
+    assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
+    xd = x.detach().double().cpu()
+    assert torch.isfinite(xd).all(), f"{name}: {(~torch.isfinite(xd)).sum().item()} non-finite values"
+    r = rel_err(x, ref)
+    m = (xd - ref.double().cpu()).abs().max().item() if x.numel() else 0.0
+    assert r <= tol or m <= atol, f"{name}: rel err {r:.3e} > {tol:.0e} and max abs err {m:.3e} > {atol:.0e}"
+
+
+@pytest.fixture
+def gen():
+    """A fresh seed per test (reported on failure through the test id order, deterministic)."""
+    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,251 @@
+"""fla::fused_recurrent_rwkv6: forward and every gradient vs the float64 oracle, on CPU and CUDA."""
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICES, TOL, assert_close
+from fla_ext import fused_recurrent_rwkv6, reference
+
+NAMES = ["r", "k", "v", "w", "u", "h0"]
+
+
+def log_decay(kind: str, shape, gen) -> torch.Tensor:
+    """ALGORITHMS.md §8.4 gate regimes (float32, on the CPU)."""
+    T = shape[1]
+    if kind == "typical":
+        return F.logsigmoid(torch.randn(shape, generator=gen))
+    if kind == "near0":
+        return F.logsigmoid(torch.randn(shape, generator=gen)) / 16
+    if kind == "zero":
+        return torch.zeros(shape)
+    if kind == "u5":
+        return -5 * torch.rand(shape, generator=gen)
+    if kind == "u30":
+        return -30 * torch.rand(shape, generator=gen)
+    if kind == "rwkv":  # -exp(N(0, 2^2)), as RWKV6 layers produce
+        return -torch.exp(2 * torch.randn(shape, generator=gen))
+    if kind == "neg1e4":
+        return torch.full(shape, -1e4)
+    if kind == "neginf":
+        return torch.full(shape, -math.inf)
+    if kind in ("mixed1e4", "mixedinf"):
+        w = -0.1 * torch.rand(shape, generator=gen)
+        spike = torch.rand(shape, generator=gen) < 0.07
+        return torch.where(spike, torch.tensor(-1e4 if kind == "mixed1e4" else -math.inf), w)
+    if kind in ("spike0", "spike15"):
+        w = -0.1 * torch.rand(shape, generator=gen)
+        t = torch.arange(T).view(1, T, *([1] * (len(shape) - 2)))
+        rows = (t % 16) == (0 if kind == "spike0" else 15)
+        return torch.where(rows.expand(shape), torch.tensor(-1e4), w)
+    raise ValueError(kind)
+
+
+def make(B, T, H, K, V, dtype, device, gen, *, head_first=False, noncontig=False, h0=True,
+         w_kind="typical", u_scale=1.0, N=None):
+    """Inputs in the kernel dtype (fla layout or head_first), built from float32 CPU draws."""
+    def act(D, x=None):
+        x = torch.randn(B, T, H, D, generator=gen) if x is None else x
+        if head_first:
+            x = x.transpose(1, 2)
+        x = x.contiguous().to(device=device, dtype=dtype)
+        if noncontig:  # a strided view: every second element of a wider buffer
+            wide = torch.empty(*x.shape[:-1], 2 * D, device=device, dtype=dtype)
+            wide[..., ::2] = x
+            x = wide[..., ::2]
+        return x
+    r, k, v = act(K), act(K), act(V)
+    w = act(K, log_decay(w_kind, (B, T, H, K), gen))
+    u = (u_scale * torch.randn(H, K, generator=gen)).to(device=device, dtype=dtype)
+    N = B if N is None else N
+    state = torch.float64 if dtype == torch.float64 else torch.float32
+    s0 = torch.randn(N, H, K, V, generator=gen).to(device=device, dtype=state) if h0 else None
+    return r, k, v, w, u, s0
+
+
+def run_and_check(r, k, v, w, u, h0, *, dht_on=True, scale=None, reverse=False, cu=None,
+                  head_first=False, gen=None, tol_scale=1.0):
+    dtype = r.dtype
+    tol, tol_dw, atol = TOL[dtype]
+    tol, tol_dw = tol * tol_scale, tol_dw * tol_scale
+    ins = [t.detach().clone().requires_grad_(True) for t in (r, k, v, w, u)]
+    h0_in = h0.detach().clone().requires_grad_(True) if h0 is not None else None
+    o, ht = fused_recurrent_rwkv6(*ins, scale=scale, initial_state=h0_in, output_final_state=True,
+                                  reverse=reverse, cu_seqlens=cu, head_first=head_first)
+    o_ref, ht_ref = reference.rwkv6(r, k, v, w, u, scale=scale, initial_state=h0, reverse=reverse,
+                                    cu_seqlens=cu, head_first=head_first)
+    assert o.dtype == dtype and ht.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close("o", o, o_ref, tol, atol)
+    assert_close("ht", ht, ht_ref, tol, atol)
+
+    do = torch.randn(o.shape, generator=gen).to(o)
+    dht = torch.randn(ht.shape, generator=gen).to(ht) if dht_on else None
+    loss = (o * do).sum() + ((ht * dht).sum() if dht_on else 0)
+    loss.backward()
+    g_ref = reference.rwkv6_bwd(r, k, v, w, u, do, dht, scale=scale, initial_state=h0,
+                                reverse=reverse, cu_seqlens=cu, head_first=head_first)
+    for name, x in zip(NAMES, ins + [h0_in]):
+        if x is None:
+            continue
+        assert x.grad is not None, f"no gradient for {name}"
+        assert_close(f"d{name}", x.grad, g_ref[name], tol_dw if name == "w" else tol, atol)
+    return o, ht
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid: shapes (K != V both ways, T = 1, odd sizes), dtypes, layouts, h0/dht, direction.
+
+SHAPES = [(2, 37, 3, 16, 64), (2, 20, 2, 128, 32), (1, 1, 2, 64, 64), (2, 33, 2, 60, 100),
+          (1, 18, 1, 256, 8)]
+FLAGS = list(itertools.product([False, True], repeat=3))  # (head_first, noncontig, reverse)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}".format(*s))
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "hf{}nc{}rev{}".format(*map(int, f)))
+def test_grid(device, dtype, shape, flags, gen):
+    head_first, noncontig, reverse = flags
+    h0_on = (shape[1] + int(reverse)) % 2 == 0 or head_first  # both states of h0 over the grid
+    dht_on = not noncontig or reverse
+    r, k, v, w, u, h0 = make(*shape, dtype, device, gen, head_first=head_first,
+                             noncontig=noncontig, h0=h0_on)
+    run_and_check(r, k, v, w, u, h0, dht_on=dht_on, reverse=reverse, head_first=head_first, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("h0_on,dht_on", [(False, False), (True, False), (False, True), (True, True)])
+def test_state_options(device, h0_on, dht_on, gen):
+    r, k, v, w, u, h0 = make(2, 23, 2, 32, 48, torch.float32, device, gen, h0=h0_on)
+    run_and_check(r, k, v, w, u, h0, dht_on=dht_on, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16(device, gen):
+    r, k, v, w, u, h0 = make(2, 29, 2, 64, 64, torch.float16, device, gen)
+    run_and_check(r * 0.5, k * 0.5, v, w, u, h0, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_final_state_and_defaults(device, gen):
+    r, k, v, w, u, _ = make(2, 9, 2, 16, 8, torch.float32, device, gen, h0=False)
+    o, ht = fused_recurrent_rwkv6(r, k, v, w, u)
+    assert ht is None
+    o_ref, _ = reference.rwkv6(r, k, v, w, u)
+    assert_close("o", o, o_ref, 1e-5, 1e-6)
+    # scale defaults to K ** -0.5; an explicit one is honoured
+    o2, _ = fused_recurrent_rwkv6(r, k, v, w, u, scale=0.3)
+    assert_close("o(scale)", o2, reference.rwkv6(r, k, v, w, u, scale=0.3)[0], 1e-5, 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variable length
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cu", [[0, 3, 3, 9], [0, 1, 17, 81, 145, 400, 1000]], ids=["empty", "ragged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_varlen(device, cu, dtype, gen):
+    T, N = cu[-1], len(cu) - 1
+    r, k, v, w, u, h0 = make(1, T, 2, 32, 16, dtype, device, gen, N=N)
+    cu_t = torch.tensor(cu, dtype=torch.long, device=device)
+    o, ht = run_and_check(r, k, v, w, u, h0, cu=cu_t, gen=gen)
+    # each sequence alone gives the same output and state (states are independent)
+    for n in range(N):
+        a, b = cu[n], cu[n + 1]
+        on, hn = fused_recurrent_rwkv6(r[:, a:b], k[:, a:b], v[:, a:b], w[:, a:b], u,
+                                       initial_state=h0[n:n + 1], output_final_state=True)
+        torch.testing.assert_close(on, o[:, a:b], rtol=0, atol=0)
+        torch.testing.assert_close(hn, ht[n:n + 1], rtol=0, atol=0)
+    if cu == [0, 3, 3, 9]:  # the empty sequence passes its state through, both ways
+        torch.testing.assert_close(ht[1], h0[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_int32_head_first(device, gen):
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    r, k, v, w, u, h0 = make(1, 12, 3, 16, 24, torch.float32, device, gen, N=2, head_first=True)
+    run_and_check(r, k, v, w, u, h0, cu=cu, head_first=True, reverse=True, gen=gen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stress suite (ALGORITHMS.md §8.4): no NaN/Inf, errors within §8.3 tolerances.
+
+STRESS = ["typical", "near0", "zero", "u5", "u30", "rwkv", "neg1e4", "neginf", "mixed1e4",
+          "mixedinf", "spike0", "spike15"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("w_kind", STRESS)
+def test_stress_gates(device, dtype, w_kind, gen):
+    r, k, v, w, u, h0 = make(2, 70, 2, 64, 32, dtype, device, gen, w_kind=w_kind)
+    run_and_check(r, k, v, w, u, h0, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("u_scale", [0.0, 30.0])
+def test_stress_bonus(device, u_scale, gen):
+    r, k, v, w, u, h0 = make(2, 40, 2, 32, 32, torch.float32, device, gen, u_scale=u_scale)
+    run_and_check(r, k, v, w, u, h0, scale=0.7, gen=gen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,w_kind", [(4096, "typical"), (8192, "typical"), (4096, "zero")])
+def test_stress_long(device, T, w_kind, gen):
+    r, k, v, w, u, h0 = make(1, T, 1, 64, 64, torch.float32, device, gen, w_kind=w_kind)
+    run_and_check(r, k, v, w, u, h0, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("w_fill", [-1e4, -math.inf])
+def test_analytic_hard_decay(device, w_fill, gen):
+    """ALGORITHMS.md §8.4 item 2: with exp(w) = 0 only the previous token and the bonus remain."""
+    B, T, H, K, V = 2, 11, 2, 16, 8
+    r, k, v, _, u, h0 = make(B, T, H, K, V, torch.float32, device, gen)
+    w = torch.full_like(r, w_fill)
+    s = K ** -0.5
+    ins = [t.clone().requires_grad_(True) for t in (r, k, v, w, u, h0)]
+    o, ht = fused_recurrent_rwkv6(*ins[:5], initial_state=ins[5], output_final_state=True)
+    expect = torch.zeros_like(o)
+    expect[:, 1:] = torch.einsum("bthk,bthk->bth", r[:, 1:], k[:, :-1])[..., None] * v[:, :-1]
+    expect[:, 0] = torch.einsum("bhk,bhkv->bhv", r[:, 0], h0)
+    expect += torch.einsum("bthk,hk,bthk->bth", r, u, k)[..., None] * v
+    torch.testing.assert_close(o, s * expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht, torch.einsum("bhk,bhv->bhkv", k[:, -1], v[:, -1]))
+    do = torch.randn(o.shape, generator=gen).to(o)
+    (o * do).sum().backward()
+    torch.testing.assert_close(ins[5].grad, s * torch.einsum("bhk,bhv->bhkv", r[:, 0], do[:, 0]),
+                               rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(ins[3].grad).all()
+    assert ins[3].grad.abs().max() < 1e-5  # d/dw of exp(w) = 0 factors is 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact fp64 path: gradcheck, and inputs left untouched
+
+def test_gradcheck_fp64(gen):
+    B, T, H, K, V = 1, 7, 2, 3, 4
+    r, k, v, w, u, h0 = make(1, T, H, K, V, torch.float64, "cpu", gen, N=2)
+    cu = torch.tensor([0, 3, 7])
+    ins = [t.clone().requires_grad_(True) for t in (r, k, v, w, u, h0)]
+
+    def f(r, k, v, w, u, h0):
+        o, ht = fused_recurrent_rwkv6(r, k, v, w, u, initial_state=h0, output_final_state=True,
+                                      cu_seqlens=cu)
+        return o, ht
+
+    assert torch.autograd.gradcheck(f, ins, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_unchanged(device, gen):
+    r, k, v, w, u, h0 = make(2, 19, 2, 16, 24, torch.bfloat16, device, gen, noncontig=True)
+    ins = [t.clone().requires_grad_(True) for t in (r, k, v, w, u)] + [h0.clone().requires_grad_(True)]
+    before = [t.detach().clone() for t in ins]
+    o, ht = fused_recurrent_rwkv6(*ins[:5], initial_state=ins[5], output_final_state=True)
+    (o.float().sum() + ht.sum()).backward()
+    for name, a, b in zip(NAMES, ins, before):
+        assert torch.equal(a.detach(), b), f"{name} was modified"
