@@ -19,6 +19,14 @@ def set_checks(enabled: bool = True) -> None:
     os.environ["FLA_EXT_CHECKS"] = "1" if enabled else "0"
 
 
+def _require_tensors(**named) -> None:
+    # The dispatcher's own message for None/non-tensors ("tensor does not have a device") does
+    # not say which argument is wrong.
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"fla_ext: `{name}` must be a torch.Tensor, got {type(x).__name__}")
+
+
 def fused_recurrent_rwkv6(
     r: torch.Tensor,
     k: torch.Tensor,
@@ -61,6 +69,7 @@ def fused_recurrent_rwkv6(
         >>> u = torch.randn(H, K)
         >>> o, ht = fused_recurrent_rwkv6(r, k, v, w, u, output_final_state=True)
     """
+    _require_tensors(r=r, k=k, v=v, w=w, u=u)
     o, ht = torch.ops.fla.fused_recurrent_rwkv6(
         r, k, v, w, u, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
     )

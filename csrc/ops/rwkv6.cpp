@@ -198,6 +198,7 @@ class FusedRecurrentRwkv6 : public torch::autograd::Function<FusedRecurrentRwkv6
     ctx->saved_data["reverse"] = reverse;
     ctx->saved_data["head_first"] = head_first;
     ctx->saved_data["has_h0"] = initial_state.has_value() && initial_state->defined();
+    ctx->saved_data["has_ht"] = output_final_state;
     if (!output_final_state) ctx->mark_non_differentiable({hT});
     return {o, hT};
   }
@@ -213,7 +214,7 @@ class FusedRecurrentRwkv6 : public torch::autograd::Function<FusedRecurrentRwkv6
     std::optional<Tensor> h0, cu, dht;
     if (sd.at("has_h0").toBool()) h0 = s[5];
     if (s[6].defined()) cu = s[6];
-    if (grads[1].defined() && grads[1].numel() > 0) dht = grads[1];
+    if (sd.at("has_ht").toBool() && grads[1].defined()) dht = grads[1];
     Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
     auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, dht, scale, h0,
                                              sd.at("reverse").toBool(), cu,

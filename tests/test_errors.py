@@ -1,0 +1,103 @@
+"""Bad input: a clear error naming the argument, raised before any kernel runs."""
+import math
+
+import pytest
+import torch
+
+import fla_ext
+from conftest import DEVICES
+from fla_ext import fused_recurrent_rwkv6
+
+
+def good(device="cpu", B=2, T=5, H=2, K=4, V=6, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
+    return dict(r=mk(B, T, H, K), k=mk(B, T, H, K), v=mk(B, T, H, V),
+                w=-torch.rand(B, T, H, K, generator=g).to(device, dtype), u=mk(H, K))
+
+
+def call(**kw):
+    args = good()
+    extra = {n: kw.pop(n) for n in list(kw) if n not in args}
+    args.update(kw)
+    return fused_recurrent_rwkv6(args["r"], args["k"], args["v"], args["w"], args["u"], **extra)
+
+
+CASES = [
+    (dict(r=torch.randn(2, 5, 2)), ValueError, r"`r` must be 4-D"),
+    (dict(k=torch.randn(2, 5, 2, 3)), ValueError, r"`k` must have the shape of `r`"),
+    (dict(w=torch.randn(2, 5, 2, 3)), ValueError, r"`w` must have the shape of `r`"),
+    (dict(v=torch.randn(2, 4, 2, 6)), ValueError, r"`v` must be \[B, T, H, D\]"),
+    (dict(u=torch.randn(3, 4)), ValueError, r"`u` must have shape \[H, K\] = \[2, 4\]"),
+    (dict(v=torch.randn(2, 5, 2, 6, dtype=torch.float64)), ValueError, r"`v` has dtype Double but `r`"),
+    (dict(r=torch.randint(0, 3, (2, 5, 2, 4))), ValueError, r"`r` must be float32, bfloat16 or float16"),
+    (dict(r=torch.randn(2, 5, 2, 300), k=torch.randn(2, 5, 2, 300), w=-torch.rand(2, 5, 2, 300),
+          u=torch.randn(2, 300)), ValueError, r"K \(last dim of r, k, w\) must be in \[1, 256\]"),
+    (dict(initial_state=torch.randn(2, 2, 4, 5)), ValueError, r"`initial_state` must have shape \[N, H, K, V\] = \[2, 2, 4, 6\]"),
+    (dict(initial_state=torch.randn(2, 2, 4, 6, dtype=torch.float64)), ValueError, r"`initial_state` must be Float"),
+    (dict(cu_seqlens=torch.tensor([0, 5])), ValueError, r"batch size must be 1, got B = 2"),
+    (dict(cu_seqlens=torch.tensor([0.0, 5.0])), ValueError, r"`cu_seqlens` must be int64"),
+    (dict(cu_seqlens=torch.tensor([[0, 5]])), ValueError, r"`cu_seqlens` must be 1-D"),
+    (dict(scale=math.nan), ValueError, r"`scale` must be finite"),
+    (dict(u=None), TypeError, r"`u` must be a torch.Tensor, got NoneType"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,msg", CASES, ids=[c[2][:30] for c in CASES])
+def test_bad_input(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call(**kw)
+
+
+def test_bad_grad_shapes():
+    a = good()
+    with pytest.raises(ValueError, match=r"`grad_o` must have the shape of `v`"):
+        torch.ops.fla.fused_recurrent_rwkv6_bwd(a["r"], a["k"], a["v"], a["w"], a["u"], a["r"],
+                                                None, None, None, False, None, False)
+    with pytest.raises(ValueError, match=r"`grad_final_state` must have shape"):
+        torch.ops.fla.fused_recurrent_rwkv6_bwd(a["r"], a["k"], a["v"], a["w"], a["u"], a["v"],
+                                                torch.zeros(1, 2, 4, 6), None, None, False, None, False)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_device_mismatch():
+    a = good()
+    with pytest.raises(RuntimeError, match=r"`k` is on cuda:0 but `r` is on cpu"):
+        fused_recurrent_rwkv6(a["r"], a["k"].cuda(), a["v"], a["w"], a["u"])
+    with pytest.raises(ValueError, match=r"float64 on CPU"):
+        b = good("cuda", dtype=torch.float64)
+        fused_recurrent_rwkv6(b["r"], b["k"], b["v"], b["w"], b["u"])
+
+
+@pytest.fixture
+def checks():
+    fla_ext.set_checks(True)
+    yield
+    fla_ext.set_checks(False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_value_checks(device, checks):
+    a = good(device)
+    r = a["r"].clone()
+    r[1, 2, 0, 3] = math.nan
+    with pytest.raises(ValueError, match=r"`r` has a non-finite value at index \(1, 2, 0, 3\)"):
+        fused_recurrent_rwkv6(r, a["k"], a["v"], a["w"], a["u"])
+    w = a["w"].clone()
+    w[0, 4, 1, 2] = 0.5  # a linear-space decay passed by mistake
+    with pytest.raises(ValueError, match=r"`w` is a log decay and must be <= 0, but is positive at index \(0, 4, 1, 2\)"):
+        fused_recurrent_rwkv6(a["r"], a["k"], a["v"], w, a["u"])
+    w[0, 4, 1, 2] = -math.inf  # a hard reset is valid
+    fused_recurrent_rwkv6(a["r"], a["k"], a["v"], w, a["u"])
+    one = good(device, B=1, T=10)
+    for cu, msg in [([0, 4, 3, 10], r"non-decreasing"), ([0, 4, 9], r"must equal T = 10"),
+                    ([1, 4, 10], r"`cu_seqlens\[0\]` must be 0")]:
+        with pytest.raises(ValueError, match=msg):
+            fused_recurrent_rwkv6(*one.values(), cu_seqlens=torch.tensor(cu, device=device))
+
+
+def test_checks_off_by_default():
+    a = good()
+    a["w"][0, 0, 0, 0] = 0.5
+    fused_recurrent_rwkv6(**a)  # no device read, no error
