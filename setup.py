@@ -15,10 +15,10 @@ from setuptools import find_packages, setup
 try:
     import torch
     from torch.utils import cpp_extension
-except ImportError:  # pragma: no cover - exercised only on broken setups
+except ImportError as e:  # pragma: no cover - exercised only on broken setups
     sys.exit(
-        "fla_ext: building needs PyTorch installed first (pip install torch), and then "
-        "`pip install --no-build-isolation -e .` so the build sees that torch."
+        f"fla_ext: building needs PyTorch ({e}; python: {sys.executable}). Install torch into "
+        "this python first, then `python -m pip install --no-build-isolation -e .`."
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
