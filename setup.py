@@ -41,7 +41,7 @@ def extension():
     cuda = want_cuda()
     debug = os.environ.get("FLA_EXT_DEBUG") == "1"
     sources = rel("csrc/registration.cpp") + rel("csrc/ops/*.cpp") + rel("csrc/cpu/*.cpp")
-    cxx = ["-O0" if debug else "-O3", "-fvisibility=hidden"] + (["-g"] if debug else [])
+    cxx = ["-O0" if debug else "-O3"] + (["-g"] if debug else [])
     args = {"cxx": cxx}
     if cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;8.6;8.9;9.0+PTX")

@@ -16,7 +16,7 @@
 namespace fla {
 namespace recurrent_detail {
 
-constexpr int KS = 4;   // warps per CTA, splitting the rows
+constexpr int KS = 8;   // warps per CTA, splitting the rows
 constexpr int BC = 32;  // columns per CTA
 constexpr int TC = 16;  // time steps per staged chunk
 
@@ -43,14 +43,78 @@ __device__ __forceinline__ float* mptr(const MatArg& m, int n, int h, int r, int
   return static_cast<float*>(m.ptr) + n * m.sn + h * m.sh + int64_t(r) * m.sr + int64_t(c) * m.sc;
 }
 
+// Shared memory per CTA for chunks of `tc` steps (runtime: decode uses tc = 1).
 template <int RPT>
-constexpr size_t smem_floats() {
-  return size_t(3) * TC * KS * RPT + size_t(5) * TC * BC + size_t(TC) * KS * BC + TC + KS * BC;
+__host__ __device__ constexpr size_t smem_floats(int tc) {
+  constexpr int DrP = KS * RPT;
+  return size_t(tc) * (3 * DrP + 5 * BC + KS * BC + DrP / (DrP < 32 ? DrP : 32)) + KS * BC;
+}
+
+// Loads of one chunk, held in registers so that they are in flight during the serial loop of
+// the previous chunk (the loop needs ~1 us; a global load ~0.6 us: without this every chunk
+// paid several exposed load latencies).
+template <int RPT>
+struct Prefetch {
+  static constexpr int DrP = KS * RPT, NT = KS * 32;
+  static constexpr int NR = (TC * DrP + NT - 1) / NT;  // row elements per thread
+  static constexpr int NC = (TC * BC + NT - 1) / NT;   // column elements per thread
+  float q[NR], a[NR], l[NR], x[NR];
+  float b[NC], d[NC], y[NC], z[NC], w[NC];
+};
+
+template <typename T, int RPT>
+__device__ __forceinline__ void prefetch(Prefetch<RPT>& f, const RecurrentPass& p, const SeqSpan& s,
+                                         int64_t base, int tc, int h, int ct) {
+  using F = Prefetch<RPT>;
+  const int nt = s.len - base < tc ? int(s.len - base) : tc;
+#pragma unroll
+  for (int j = 0; j < F::NR; ++j) {
+    const int e = j * F::NT + threadIdx.x, tau = e / F::DrP, r = e % F::DrP;
+    f.q[j] = f.a[j] = f.x[j] = 0.f, f.l[j] = 0.f;
+    if (tau < nt && r < p.Dr) {
+      const int64_t step = base + tau;
+      const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
+      f.q[j] = ld<T>(p.q, s.b, t, h, r);
+      f.a[j] = ld<T>(p.a, s.b, t, h, r);
+      if (p.decay_on_rows) f.l[j] = ld<T>(p.decay, s.b, t, h, r);
+      if (p.x.on()) f.x[j] = ld<T>(p.x, s.b, t, h, r);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < F::NC; ++j) {
+    const int e = j * F::NT + threadIdx.x, tau = e / BC, cc = ct * BC + e % BC;
+    f.b[j] = f.d[j] = f.y[j] = f.z[j] = f.w[j] = 0.f;
+    if (tau < nt && cc < p.Dc) {
+      const int64_t step = base + tau;
+      const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
+      f.b[j] = ld<T>(p.b, s.b, t, h, cc);
+      if (!p.decay_on_rows) f.d[j] = ld<T>(p.decay, s.b, t, h, cc);
+      if (p.x.on()) f.y[j] = ld<T>(p.y, s.b, t, h, cc);
+      if (p.gate != GateGrad::None) f.z[j] = ld<T>(p.z, s.b, t, h, cc);
+      if (p.gate == GateGrad::Consume) f.w[j] = *vptr<float>(p.ws, s.b, t, h, cc);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void lds(float (&dst)[N], const float* src) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < N; j += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src + j);
+      dst[j] = v.x, dst[j + 1] = v.y, dst[j + 2] = v.z, dst[j + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) dst[j] = src[j];
+  }
 }
 
 template <typename T, int RPT>
-__global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constant__ RecurrentPass p) {
-  constexpr int DrP = KS * RPT;
+__global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constant__ RecurrentPass p, int tc) {
+  constexpr int DrP = KS * RPT, NT = KS * 32;
+  constexpr int SEG = DrP < 32 ? DrP : 32;  // lanes sharing one step in the row staging
+  constexpr int NSEG = DrP / SEG;
   const int ctiles = (p.Dc + BC - 1) / BC;
   const int ct = blockIdx.x % ctiles;
   const int nh = blockIdx.x / ctiles;
@@ -61,18 +125,26 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
   const bool cok = c < p.Dc;
   const int row0 = warp * RPT;
 
-  extern __shared__ float sm[];
-  float* sq = sm;                 // [TC][DrP]  q
-  float* sa = sq + TC * DrP;      // [TC][DrP]  a * a_scale
-  float* sl = sa + TC * DrP;      // [TC][DrP]  exp(decay) on rows
-  float* sb = sl + TC * DrP;      // [TC][BC]   b * b_scale
-  float* sdc = sb + TC * BC;      // [TC][BC]   exp(decay) on columns
-  float* sy = sdc + TC * BC;      // [TC][BC]   bonus_scale * s_t * y * uy (0 without bonus)
-  float* sz = sy + TC * BC;       // [TC][BC]   z
-  float* sw = sz + TC * BC;       // [TC][BC]   ws (Consume)
-  float* spart = sw + TC * BC;    // [TC][KS][BC] partial reads
-  float* sbon = spart + TC * KS * BC;  // [TC] bonus scalars
-  float* sred = sbon + TC;        // [KS][BC]
+  extern __shared__ __align__(16) float sm[];
+  float* sq = sm;                     // [tc][DrP]  q
+  float* sa = sq + tc * DrP;          // [tc][DrP]  a * a_scale
+  float* sl = sa + tc * DrP;          // [tc][DrP]  exp(decay) on rows
+  float* sb = sl + tc * DrP;          // [tc][BC]   b * b_scale
+  float* sdc = sb + tc * BC;          // [tc][BC]   exp(decay) on columns
+  float* sy = sdc + tc * BC;          // [tc][BC]   y
+  float* sz = sy + tc * BC;           // [tc][BC]   z
+  float* sw = sz + tc * BC;           // [tc][BC]   ws (Consume)
+  float* spart = sw + tc * BC;        // [tc][KS][BC] partial reads
+  float* sbon = spart + tc * KS * BC; // [tc][NSEG] bonus partial sums
+  float* sred = sbon + tc * NSEG;     // [KS][BC]
+
+  const float scale = float(p.scale), a_scale = float(p.a_scale), b_scale = float(p.b_scale),
+              bonus_scale = float(p.bonus_scale);
+  const bool bonus = p.x.on();
+  // Each thread stages one fixed row (NT is a multiple of DrP) and fixed columns.
+  const int my_row = threadIdx.x % DrP;
+  const float ux = (bonus && p.ux && my_row < p.Dr) ? *fptr(p.ux, h * p.Dr + my_row) : 1.f;
+  const float uy = (bonus && p.uy && cok) ? *fptr(p.uy, h * p.Dc + c) : 1.f;
 
   float S[RPT];
 #pragma unroll
@@ -82,61 +154,38 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
   }
   float acc = 0.f, du = 0.f;
   if (p.gate == GateGrad::Consume && p.zeta && cok) acc = *fptr(p.zeta, (int64_t(n) * p.H + h) * p.Dc + c);
-  const bool bonus = p.x.on();
-  const float scale = float(p.scale), a_scale = float(p.a_scale), b_scale = float(p.b_scale),
-              bonus_scale = float(p.bonus_scale);
 
-  for (int64_t base = 0; base < s.len; base += TC) {
-    const int nt = s.len - base < TC ? int(s.len - base) : TC;
-    // Stage the row operands; warp w takes steps w, w+KS, ... and reduces the bonus scalar.
-    for (int tau = warp; tau < TC; tau += KS) {
-      const int64_t step = base + tau;
-      const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
-      float bon = 0.f;
-      for (int r = lane; r < DrP; r += 32) {
-        float qv = 0.f, av = 0.f, lv = 1.f;
-        if (tau < nt && r < p.Dr) {
-          qv = ld<T>(p.q, s.b, t, h, r);
-          av = ld<T>(p.a, s.b, t, h, r) * a_scale;
-          if (p.decay_on_rows) lv = expf(ld<T>(p.decay, s.b, t, h, r));
-          if (bonus) bon += qv * ld<T>(p.x, s.b, t, h, r) * (p.ux ? *fptr(p.ux, h * p.Dr + r) : 1.f);
-        }
-        sq[tau * DrP + r] = qv, sa[tau * DrP + r] = av, sl[tau * DrP + r] = lv;
-      }
+  Prefetch<RPT> f;
+  if (s.len > 0) prefetch<T, RPT>(f, p, s, 0, tc, h, ct);
+  for (int64_t base = 0; base < s.len; base += tc) {
+    const int nt = s.len - base < tc ? int(s.len - base) : tc;
+    __syncthreads();  // the previous epilogue is done with shared memory
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) bon += __shfl_xor_sync(0xffffffffu, bon, o);
-      if (lane == 0) sbon[tau] = bon;
-    }
-    // Stage the column operands.
-    for (int i = threadIdx.x; i < TC * BC; i += KS * 32) {
-      const int tau = i / BC, cc = ct * BC + i % BC;
-      const int64_t step = base + tau;
-      const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
-      float bv = 0.f, dv = 1.f, zv = 0.f, wv = 0.f;
-      if (tau < nt && cc < p.Dc) {
-        bv = ld<T>(p.b, s.b, t, h, cc) * b_scale;
-        if (!p.decay_on_rows) dv = expf(ld<T>(p.decay, s.b, t, h, cc));
-        if (p.gate != GateGrad::None) zv = ld<T>(p.z, s.b, t, h, cc);
-        if (p.gate == GateGrad::Consume) wv = *vptr<float>(p.ws, s.b, t, h, cc);
+    for (int j = 0; j < Prefetch<RPT>::NR; ++j) {
+      const int e = j * NT + threadIdx.x, tau = e / DrP;
+      float bon = f.q[j] * f.x[j] * ux;
+#pragma unroll
+      for (int o = SEG / 2; o > 0; o >>= 1) bon += __shfl_xor_sync(0xffffffffu, bon, o);
+      if (tau < tc) {
+        sq[e] = f.q[j], sa[e] = f.a[j] * a_scale, sl[e] = expf(f.l[j]);
+        if (e % SEG == 0) sbon[tau * NSEG + (e % DrP) / SEG] = bon;
       }
-      sb[i] = bv, sdc[i] = dv, sz[i] = zv, sw[i] = wv;
+    }
+#pragma unroll
+    for (int j = 0; j < Prefetch<RPT>::NC; ++j) {
+      const int e = j * NT + threadIdx.x;
+      if (e < tc * BC) {
+        sb[e] = f.b[j] * b_scale, sdc[e] = expf(f.d[j]), sy[e] = f.y[j], sz[e] = f.z[j], sw[e] = f.w[j];
+      }
     }
     __syncthreads();
-    // Bonus factor per (step, column), now that the scalars exist.
-    for (int i = threadIdx.x; i < TC * BC; i += KS * 32) {
-      const int tau = i / BC, cc = ct * BC + i % BC;
-      const int64_t step = base + tau;
-      const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
-      float yv = 0.f;
-      if (bonus && tau < nt && cc < p.Dc)
-        yv = bonus_scale * sbon[tau] * ld<T>(p.y, s.b, t, h, cc);
-      sy[i] = yv;
-    }
+    if (base + tc < s.len) prefetch<T, RPT>(f, p, s, base + tc, tc, h, ct);
+
     // The serial part: registers and broadcast shared reads only.
     for (int tau = 0; tau < nt; ++tau) {
-      const float* q = sq + tau * DrP + row0;
-      const float* a = sa + tau * DrP + row0;
-      const float* l = sl + tau * DrP + row0;
+      float q[RPT], a[RPT];
+      lds(q, sq + tau * DrP + row0);
+      lds(a, sa + tau * DrP + row0);
       const float bv = sb[tau * BC + lane];
       float part = 0.f;
       if (p.exclusive) {
@@ -144,6 +193,8 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
         for (int j = 0; j < RPT; ++j) part = fmaf(q[j], S[j], part);
       }
       if (p.decay_on_rows) {
+        float l[RPT];
+        lds(l, sl + tau * DrP + row0);
 #pragma unroll
         for (int j = 0; j < RPT; ++j) S[j] = fmaf(l[j], S[j], a[j] * bv);
       } else {
@@ -158,21 +209,26 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
       spart[(tau * KS + warp) * BC + lane] = part;
     }
     __syncthreads();
-    // Epilogue: warp 0 sums the KS partial reads in step order (Consume needs the order).
-    if (warp == 0 && cok) {
-      for (int tau = 0; tau < nt; ++tau) {
+
+    // Epilogue: sum the KS partial reads. Consume carries a running sum over steps, so one warp
+    // walks them in order; otherwise the warps share the steps.
+    const bool consume = p.gate == GateGrad::Consume;
+    if (cok && (!consume || warp == 0)) {
+      for (int tau = consume ? 0 : warp; tau < nt; tau += consume ? 1 : KS) {
         const int64_t step = base + tau;
         const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
         float sum = 0.f;
 #pragma unroll
         for (int w = 0; w < KS; ++w) sum += spart[(tau * KS + w) * BC + lane];
         const float pc = sum * scale;
-        const float yb = sy[tau * BC + lane];
-        if (p.out.on())
-          *vptr<T>(p.out, s.b, t, h, c) = from_f<T>(pc + yb * (p.uy ? *fptr(p.uy, h * p.Dc + c) : 1.f));
+        float bsum = 0.f;
+#pragma unroll
+        for (int g = 0; g < NSEG; ++g) bsum += sbon[tau * NSEG + g];
+        const float yb = bonus ? bonus_scale * bsum * sy[tau * BC + lane] : 0.f;
+        if (p.out.on()) *vptr<T>(p.out, s.b, t, h, c) = from_f<T>(pc + yb * uy);
         if (p.gate == GateGrad::Produce) {
           *vptr<float>(p.ws, s.b, t, h, c) = sz[tau * BC + lane] * pc;
-        } else if (p.gate == GateGrad::Consume) {
+        } else if (consume) {
           const float z = sz[tau * BC + lane];
           acc -= z * pc;
           if (sdc[tau * BC + lane] == 0.f) acc = 0.f;
@@ -182,7 +238,6 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
         }
       }
     }
-    __syncthreads();
   }
 
   if (p.hT.on() && cok) {
@@ -197,6 +252,7 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
       for (int j = 0; j < RPT; ++j)
         if (row0 + j < p.Dr) z = fmaf(S[j], *mptr(p.zdot, n, h, row0 + j, c), z);
     }
+    __syncthreads();
     sred[warp * BC + lane] = z;
     __syncthreads();
     if (warp == 0 && cok) {
@@ -215,27 +271,29 @@ cudaError_t launch(const RecurrentPass& p, cudaStream_t stream) {
   const int ctiles = (p.Dc + BC - 1) / BC;
   const int64_t blocks = int64_t(p.N) * p.H * ctiles;
   if (blocks == 0) return cudaSuccess;
-  const size_t smem = smem_floats<RPT>() * sizeof(float);
+  // Without cu_seqlens the longest sequence is T: short ones (decode) get small chunks.
+  const int tc = (p.cu_seqlens == nullptr && p.T < TC) ? (p.T > 0 ? p.T : 1) : TC;
+  const size_t smem = smem_floats<RPT>(tc) * sizeof(float);
   auto kernel = recurrent_kernel<T, RPT>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
   }
-  kernel<<<unsigned(blocks), KS * 32, smem, stream>>>(p);
+  kernel<<<unsigned(blocks), KS * 32, smem, stream>>>(p, tc);
   return cudaGetLastError();
 }
 
 }  // namespace recurrent_detail
 
-// Rows per thread is the only compile-time size: the smallest of 4..64 that covers Dr.
+// Rows per thread is the only compile-time size: the smallest of 2..32 that covers Dr.
 template <typename T>
 cudaError_t launch_recurrent(const RecurrentPass& p, cudaStream_t stream) {
   using namespace recurrent_detail;
+  if (p.Dr <= KS * 2) return launch<T, 2>(p, stream);
   if (p.Dr <= KS * 4) return launch<T, 4>(p, stream);
   if (p.Dr <= KS * 8) return launch<T, 8>(p, stream);
   if (p.Dr <= KS * 16) return launch<T, 16>(p, stream);
-  if (p.Dr <= KS * 32) return launch<T, 32>(p, stream);
-  return launch<T, 64>(p, stream);
+  return launch<T, 32>(p, stream);
 }
 
 }  // namespace fla
