@@ -12,6 +12,7 @@ ifneq ($(shell command -v ccache 2>/dev/null),)
 export PYTORCH_NVCC := ccache $(shell command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)
 export CXX := ccache g++
 export CC := ccache gcc
+export LDSHARED := g++ -shared
 endif
 
 .PHONY: demo test build pytest cpp-test gpu-check bench clean

@@ -8,9 +8,27 @@ Knobs (environment):
 """
 import glob
 import os
+import shutil
 import sys
 
 from setuptools import find_packages, setup
+
+
+
+def _cuda_home_hint() -> None:
+    # torch guesses CUDA_HOME as the parent of the `nvcc` on PATH; a wrapper script such as
+    # /usr/local/bin/nvcc then yields /usr/local, which has no CUDA headers.
+    if "CUDA_HOME" in os.environ or "CUDA_PATH" in os.environ:
+        return
+    nvcc = shutil.which("nvcc")
+    guess = os.path.dirname(os.path.dirname(nvcc)) if nvcc else None
+    header = "include/cuda_runtime_api.h"
+    if (guess is None or not os.path.exists(os.path.join(guess, header))) and os.path.exists(
+            os.path.join("/usr/local/cuda", header)):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+
+_cuda_home_hint()
 
 try:
     import torch
@@ -33,11 +51,28 @@ def want_cuda() -> bool:
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
+def use_path_toolchain() -> None:
+    """Compile and link with the g++ on PATH unless CC/CXX say otherwise.
+
+    setuptools defaults to the compiler Python itself was built with. On the GPU image that is
+    /opt/gcc, whose libstdc++ link script copies locale facets into the extension; those private
+    copies are not the ones the process's libstdc++ initialised, so every error message that
+    formats a number segfaulted. The system toolchain links against the runtime libstdc++.
+    """
+    if "CXX" in os.environ or "CC" in os.environ:
+        return
+    gxx, gcc = shutil.which("g++"), shutil.which("gcc")
+    if gxx and gcc:
+        os.environ["CC"], os.environ["CXX"] = gcc, gxx
+        os.environ.setdefault("LDSHARED", f"{gxx} -shared")
+
+
 def rel(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
 def extension():
+    use_path_toolchain()
     cuda = want_cuda()
     debug = os.environ.get("FLA_EXT_DEBUG") == "1"
     sources = rel("csrc/registration.cpp") + rel("csrc/ops/*.cpp") + rel("csrc/cpu/*.cpp")

@@ -16,7 +16,7 @@ Tensor = torch.Tensor
 
 
 def _f64(x: Optional[Tensor]) -> Optional[Tensor]:
-    return None if x is None else x.detach().to(torch.float64)
+    return None if x is None else x.detach().to("cpu", torch.float64)
 
 
 def _spans(B: int, T: int, cu_seqlens: Optional[Tensor]) -> List[Tuple[int, int, int]]:

@@ -1,6 +1,6 @@
 // CUDA host glue: the sweeps run on the current stream of the inputs' device (the ops set the
 // device guard); no host synchronisation, so every op is CUDA-graph safe.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "../ops/rwkv6.h"
@@ -8,7 +8,7 @@
 namespace fla {
 namespace {
 void run_cuda(const RecurrentPass& p) {
-  const char* err = recurrent_cuda(p, at::cuda::getCurrentCUDAStream().stream());
+  const char* err = recurrent_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA recurrent sweep failed: ", err);
 }
 }  // namespace

@@ -1,8 +1,7 @@
 // CUDA engine for the recurrent sweep of kernels/recurrent.h.
 //
-// One CTA per (sequence, head, 32-column tile); lane = column, warp w owns rows
-// [w*RPT, (w+1)*RPT) of the fp32 state in registers, so the read S^T q needs no shuffles, only a
-// KS-way sum through shared memory. Time advances in chunks of TC steps: all operands of a chunk
+// One CTA per (sequence, head, 32-column tile); each thread owns RPT rows of one column of the
+// fp32 state in registers (layout: Shape below). Time advances in chunks of TC steps: all operands of a chunk
 // are staged into shared memory with coalesced loads (decays already exponentiated, exponents
 // are always <= 0), then the serial loop touches only registers and broadcast shared reads.
 #pragma once
@@ -16,9 +15,8 @@
 namespace fla {
 namespace recurrent_detail {
 
-constexpr int KS = 8;   // warps per CTA, splitting the rows
-constexpr int BC = 32;  // columns per CTA
-constexpr int TC = 16;  // time steps per staged chunk
+constexpr int BC = 32;  // state columns per CTA
+constexpr int TC = 16;  // time steps per staged chunk (1 for decode: T == 1)
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -43,34 +41,42 @@ __device__ __forceinline__ float* mptr(const MatArg& m, int n, int h, int r, int
   return static_cast<float*>(m.ptr) + n * m.sn + h * m.sh + int64_t(r) * m.sr + int64_t(c) * m.sc;
 }
 
-// Shared memory per CTA for chunks of `tc` steps (runtime: decode uses tc = 1).
-template <int RPT>
-__host__ __device__ constexpr size_t smem_floats(int tc) {
-  constexpr int DrP = KS * RPT;
-  return size_t(tc) * (3 * DrP + 5 * BC + KS * BC + DrP / (DrP < 32 ? DrP : 32)) + KS * BC;
-}
-
-// Loads of one chunk, held in registers so that they are in flight during the serial loop of
-// the previous chunk (the loop needs ~1 us; a global load ~0.6 us: without this every chunk
-// paid several exposed load latencies).
-template <int RPT>
-struct Prefetch {
-  static constexpr int DrP = KS * RPT, NT = KS * 32;
-  static constexpr int NR = (TC * DrP + NT - 1) / NT;  // row elements per thread
-  static constexpr int NC = (TC * BC + NT - 1) / NT;   // column elements per thread
-  float q[NR], a[NR], l[NR], x[NR];
-  float b[NC], d[NC], y[NC], z[NC], w[NC];
+// Thread layout: RG row groups x CW columns per warp (RG * CW = 32), RG warps per CTA covering
+// BC columns. A thread holds RPT consecutive rows of one column; the read S^T q is finished by
+// log2(RG) shuffles and the lanes of row group 0 write the outputs inline.
+template <int RPT, int RG, int TCN>
+struct Shape {
+  static constexpr int CW = 32 / RG, NW = BC / CW, NT = NW * 32, DrP = RG * RPT;
+  static constexpr int SEG = DrP < 32 ? DrP : 32, NSEG = DrP / SEG;
+  static constexpr int NR = (TCN * DrP + NT - 1) / NT;  // staged row elements per thread
+  static constexpr int NC = (TCN * BC + NT - 1) / NT;   // staged column elements per thread
+  static_assert(NT % DrP == 0, "each thread stages one fixed row");
 };
 
-template <typename T, int RPT>
-__device__ __forceinline__ void prefetch(Prefetch<RPT>& f, const RecurrentPass& p, const SeqSpan& s,
+template <int RPT, int RG>
+__host__ __device__ constexpr size_t smem_floats(int tc) {
+  using Sh = Shape<RPT, RG, TC>;
+  return size_t(tc) * (3 * Sh::DrP + 5 * BC + Sh::NSEG + 1);
+}
+
+// One chunk's loads, held in registers so that they are in flight during the serial loop of the
+// previous chunk instead of exposing a global-load latency per staging step.
+template <int RPT, int RG, int TCN>
+struct Prefetch {
+  using Sh = Shape<RPT, RG, TCN>;
+  float q[Sh::NR], a[Sh::NR], l[Sh::NR], x[Sh::NR];
+  float b[Sh::NC], d[Sh::NC], y[Sh::NC], z[Sh::NC], w[Sh::NC];
+};
+
+template <typename T, int RPT, int RG, int TCN>
+__device__ __forceinline__ void prefetch(Prefetch<RPT, RG, TCN>& f, const RecurrentPass& p, const SeqSpan& s,
                                          int64_t base, int tc, int h, int ct) {
-  using F = Prefetch<RPT>;
+  using Sh = Shape<RPT, RG, TCN>;
   const int nt = s.len - base < tc ? int(s.len - base) : tc;
 #pragma unroll
-  for (int j = 0; j < F::NR; ++j) {
-    const int e = j * F::NT + threadIdx.x, tau = e / F::DrP, r = e % F::DrP;
-    f.q[j] = f.a[j] = f.x[j] = 0.f, f.l[j] = 0.f;
+  for (int j = 0; j < Sh::NR; ++j) {
+    const int e = j * Sh::NT + threadIdx.x, tau = e / Sh::DrP, r = e % Sh::DrP;
+    f.q[j] = f.a[j] = f.x[j] = f.l[j] = 0.f;
     if (tau < nt && r < p.Dr) {
       const int64_t step = base + tau;
       const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
@@ -81,8 +87,8 @@ __device__ __forceinline__ void prefetch(Prefetch<RPT>& f, const RecurrentPass& 
     }
   }
 #pragma unroll
-  for (int j = 0; j < F::NC; ++j) {
-    const int e = j * F::NT + threadIdx.x, tau = e / BC, cc = ct * BC + e % BC;
+  for (int j = 0; j < Sh::NC; ++j) {
+    const int e = j * Sh::NT + threadIdx.x, tau = e / BC, cc = ct * BC + e % BC;
     f.b[j] = f.d[j] = f.y[j] = f.z[j] = f.w[j] = 0.f;
     if (tau < nt && cc < p.Dc) {
       const int64_t step = base + tau;
@@ -98,50 +104,52 @@ __device__ __forceinline__ void prefetch(Prefetch<RPT>& f, const RecurrentPass& 
 
 template <int N>
 __device__ __forceinline__ void lds(float (&dst)[N], const float* src) {
-  if constexpr (N % 4 == 0) {
+  static_assert(N % 4 == 0, "vector shared loads");
 #pragma unroll
-    for (int j = 0; j < N; j += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(src + j);
-      dst[j] = v.x, dst[j + 1] = v.y, dst[j + 2] = v.z, dst[j + 3] = v.w;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) dst[j] = src[j];
+  for (int j = 0; j < N; j += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(src + j);
+    dst[j] = v.x, dst[j + 1] = v.y, dst[j + 2] = v.z, dst[j + 3] = v.w;
   }
 }
 
-template <typename T, int RPT>
-__global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constant__ RecurrentPass p, int tc) {
-  constexpr int DrP = KS * RPT, NT = KS * 32;
-  constexpr int SEG = DrP < 32 ? DrP : 32;  // lanes sharing one step in the row staging
-  constexpr int NSEG = DrP / SEG;
+template <int RG>
+__device__ __forceinline__ float sum_row_groups(float v) {
+#pragma unroll
+  for (int o = 16; o >= 32 / RG; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename T, int RPT, int RG, int TCN>
+__global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, TCN == 1 ? 512 / Shape<RPT, RG, TCN>::NT : 1) recurrent_kernel(const __grid_constant__ RecurrentPass p, int tc) {
+  using Sh = Shape<RPT, RG, TCN>;
+  constexpr int DrP = Sh::DrP, NT = Sh::NT, SEG = Sh::SEG, NSEG = Sh::NSEG, CW = Sh::CW;
   const int ctiles = (p.Dc + BC - 1) / BC;
   const int ct = blockIdx.x % ctiles;
   const int nh = blockIdx.x / ctiles;
   const int h = nh % p.H, n = nh / p.H;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int c = ct * BC + lane;
+  const int rg = lane / CW, cl = warp * CW + lane % CW;  // row group; column within the tile
+  const int c = ct * BC + cl;
   const bool cok = c < p.Dc;
-  const int row0 = warp * RPT;
+  const bool writer = cok && rg == 0;
+  const int row0 = rg * RPT;
 
   extern __shared__ __align__(16) float sm[];
-  float* sq = sm;                     // [tc][DrP]  q
-  float* sa = sq + tc * DrP;          // [tc][DrP]  a * a_scale
-  float* sl = sa + tc * DrP;          // [tc][DrP]  exp(decay) on rows
-  float* sb = sl + tc * DrP;          // [tc][BC]   b * b_scale
-  float* sdc = sb + tc * BC;          // [tc][BC]   exp(decay) on columns
-  float* sy = sdc + tc * BC;          // [tc][BC]   y
-  float* sz = sy + tc * BC;           // [tc][BC]   z
-  float* sw = sz + tc * BC;           // [tc][BC]   ws (Consume)
-  float* spart = sw + tc * BC;        // [tc][KS][BC] partial reads
-  float* sbon = spart + tc * KS * BC; // [tc][NSEG] bonus partial sums
-  float* sred = sbon + tc * NSEG;     // [KS][BC]
+  float* sq = sm;                    // [tc][DrP]  q
+  float* sa = sq + tc * DrP;         // [tc][DrP]  a * a_scale
+  float* sl = sa + tc * DrP;         // [tc][DrP]  exp(decay) on rows
+  float* sb = sl + tc * DrP;         // [tc][BC]   b * b_scale
+  float* sdc = sb + tc * BC;         // [tc][BC]   exp(decay) on columns
+  float* sy = sdc + tc * BC;         // [tc][BC]   y
+  float* sz = sy + tc * BC;          // [tc][BC]   z
+  float* sw = sz + tc * BC;          // [tc][BC]   ws (Consume)
+  float* sbon = sw + tc * BC;        // [tc][NSEG] bonus partial sums
+  float* sbt = sbon + tc * NSEG;     // [tc]       bonus_scale * bonus sum
 
-  const float scale = float(p.scale), a_scale = float(p.a_scale), b_scale = float(p.b_scale),
-              bonus_scale = float(p.bonus_scale);
+  const float scale = float(p.scale), a_scale = float(p.a_scale), b_scale = float(p.b_scale);
   const bool bonus = p.x.on();
-  // Each thread stages one fixed row (NT is a multiple of DrP) and fixed columns.
+  const bool consume = p.gate == GateGrad::Consume;
   const int my_row = threadIdx.x % DrP;
   const float ux = (bonus && p.ux && my_row < p.Dr) ? *fptr(p.ux, h * p.Dr + my_row) : 1.f;
   const float uy = (bonus && p.uy && cok) ? *fptr(p.uy, h * p.Dc + c) : 1.f;
@@ -153,15 +161,15 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
     S[j] = (p.h0.on() && cok && r < p.Dr) ? *mptr(p.h0, n, h, r, c) : 0.f;
   }
   float acc = 0.f, du = 0.f;
-  if (p.gate == GateGrad::Consume && p.zeta && cok) acc = *fptr(p.zeta, (int64_t(n) * p.H + h) * p.Dc + c);
+  if (consume && p.zeta && writer) acc = *fptr(p.zeta, (int64_t(n) * p.H + h) * p.Dc + c);
 
-  Prefetch<RPT> f;
-  if (s.len > 0) prefetch<T, RPT>(f, p, s, 0, tc, h, ct);
+  Prefetch<RPT, RG, TCN> f;
+  if (s.len > 0) prefetch<T, RPT, RG, TCN>(f, p, s, 0, tc, h, ct);
   for (int64_t base = 0; base < s.len; base += tc) {
     const int nt = s.len - base < tc ? int(s.len - base) : tc;
-    __syncthreads();  // the previous epilogue is done with shared memory
+    __syncthreads();  // the previous chunk is done with shared memory
 #pragma unroll
-    for (int j = 0; j < Prefetch<RPT>::NR; ++j) {
+    for (int j = 0; j < Sh::NR; ++j) {
       const int e = j * NT + threadIdx.x, tau = e / DrP;
       float bon = f.q[j] * f.x[j] * ux;
 #pragma unroll
@@ -172,25 +180,31 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
       }
     }
 #pragma unroll
-    for (int j = 0; j < Prefetch<RPT>::NC; ++j) {
+    for (int j = 0; j < Sh::NC; ++j) {
       const int e = j * NT + threadIdx.x;
-      if (e < tc * BC) {
+      if (e < tc * BC)
         sb[e] = f.b[j] * b_scale, sdc[e] = expf(f.d[j]), sy[e] = f.y[j], sz[e] = f.z[j], sw[e] = f.w[j];
-      }
     }
     __syncthreads();
-    if (base + tc < s.len) prefetch<T, RPT>(f, p, s, base + tc, tc, h, ct);
+    if (threadIdx.x < tc) {
+      float t = 0.f;
+#pragma unroll
+      for (int g = 0; g < NSEG; ++g) t += sbon[threadIdx.x * NSEG + g];
+      sbt[threadIdx.x] = float(p.bonus_scale) * t;
+    }
+    if (base + tc < s.len) prefetch<T, RPT, RG, TCN>(f, p, s, base + tc, tc, h, ct);
+    __syncthreads();
 
-    // The serial part: registers and broadcast shared reads only.
+    // The serial part: registers, shuffles and broadcast shared reads.
     for (int tau = 0; tau < nt; ++tau) {
       float q[RPT], a[RPT];
       lds(q, sq + tau * DrP + row0);
       lds(a, sa + tau * DrP + row0);
-      const float bv = sb[tau * BC + lane];
-      float part = 0.f;
+      const float bv = sb[tau * BC + cl];
+      float part0 = 0.f, part1 = 0.f;  // two chains halve the latency of the read
       if (p.exclusive) {
 #pragma unroll
-        for (int j = 0; j < RPT; ++j) part = fmaf(q[j], S[j], part);
+        for (int j = 0; j < RPT; j += 2) part0 = fmaf(q[j], S[j], part0), part1 = fmaf(q[j + 1], S[j + 1], part1);
       }
       if (p.decay_on_rows) {
         float l[RPT];
@@ -198,42 +212,28 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
 #pragma unroll
         for (int j = 0; j < RPT; ++j) S[j] = fmaf(l[j], S[j], a[j] * bv);
       } else {
-        const float dc = sdc[tau * BC + lane];
+        const float dc = sdc[tau * BC + cl];
 #pragma unroll
         for (int j = 0; j < RPT; ++j) S[j] = fmaf(dc, S[j], a[j] * bv);
       }
       if (!p.exclusive) {
 #pragma unroll
-        for (int j = 0; j < RPT; ++j) part = fmaf(q[j], S[j], part);
+        for (int j = 0; j < RPT; j += 2) part0 = fmaf(q[j], S[j], part0), part1 = fmaf(q[j + 1], S[j + 1], part1);
       }
-      spart[(tau * KS + warp) * BC + lane] = part;
-    }
-    __syncthreads();
-
-    // Epilogue: sum the KS partial reads. Consume carries a running sum over steps, so one warp
-    // walks them in order; otherwise the warps share the steps.
-    const bool consume = p.gate == GateGrad::Consume;
-    if (cok && (!consume || warp == 0)) {
-      for (int tau = consume ? 0 : warp; tau < nt; tau += consume ? 1 : KS) {
+      const float pc = sum_row_groups<RG>(part0 + part1) * scale;
+      if (writer) {
         const int64_t step = base + tau;
         const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < KS; ++w) sum += spart[(tau * KS + w) * BC + lane];
-        const float pc = sum * scale;
-        float bsum = 0.f;
-#pragma unroll
-        for (int g = 0; g < NSEG; ++g) bsum += sbon[tau * NSEG + g];
-        const float yb = bonus ? bonus_scale * bsum * sy[tau * BC + lane] : 0.f;
+        const float yb = bonus ? sbt[tau] * sy[tau * BC + cl] : 0.f;
         if (p.out.on()) *vptr<T>(p.out, s.b, t, h, c) = from_f<T>(pc + yb * uy);
         if (p.gate == GateGrad::Produce) {
-          *vptr<float>(p.ws, s.b, t, h, c) = sz[tau * BC + lane] * pc;
+          *vptr<float>(p.ws, s.b, t, h, c) = sz[tau * BC + cl] * pc;
         } else if (consume) {
-          const float z = sz[tau * BC + lane];
+          const float z = sz[tau * BC + cl];
           acc -= z * pc;
-          if (sdc[tau * BC + lane] == 0.f) acc = 0.f;
+          if (sdc[tau * BC + cl] == 0.f) acc = 0.f;
           *vptr<T>(p.dlam, s.b, t, h, c) = from_f<T>(acc);
-          acc += sw[tau * BC + lane];
+          acc += sw[tau * BC + cl];
           du = fmaf(yb, z, du);
         }
       }
@@ -252,48 +252,50 @@ __global__ void __launch_bounds__(KS * 32) recurrent_kernel(const __grid_constan
       for (int j = 0; j < RPT; ++j)
         if (row0 + j < p.Dr) z = fmaf(S[j], *mptr(p.zdot, n, h, row0 + j, c), z);
     }
-    __syncthreads();
-    sred[warp * BC + lane] = z;
-    __syncthreads();
-    if (warp == 0 && cok) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < KS; ++w) sum += sred[w * BC + lane];
-      *fptr(p.zeta, (int64_t(n) * p.H + h) * p.Dc + c) = sum;
-    }
+    z = sum_row_groups<RG>(z);
+    if (writer) *fptr(p.zeta, (int64_t(n) * p.H + h) * p.Dc + c) = z;
   }
-  if (p.gate == GateGrad::Consume && p.du && warp == 0 && cok)
-    *fptr(p.du, (int64_t(n) * p.H + h) * p.Dc + c) = du;
+  if (consume && p.du && writer) *fptr(p.du, (int64_t(n) * p.H + h) * p.Dc + c) = du;
 }
 
-template <typename T, int RPT>
+template <typename T, int RPT, int RG, int TCN>
+cudaError_t launch_tc(const RecurrentPass& p, int tc, cudaStream_t stream) {
+  const int ctiles = (p.Dc + BC - 1) / BC;
+  const size_t smem = smem_floats<RPT, RG>(tc) * sizeof(float);
+  auto kernel = recurrent_kernel<T, RPT, RG, TCN>;
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e != cudaSuccess) return e;
+  }
+  kernel<<<unsigned(int64_t(p.N) * p.H * ctiles), Shape<RPT, RG, TCN>::NT, smem, stream>>>(p, tc);
+  return cudaGetLastError();
+}
+
+template <typename T, int RPT, int RG>
 cudaError_t launch(const RecurrentPass& p, cudaStream_t stream) {
   const int ctiles = (p.Dc + BC - 1) / BC;
   const int64_t blocks = int64_t(p.N) * p.H * ctiles;
   if (blocks == 0) return cudaSuccess;
   // Without cu_seqlens the longest sequence is T: short ones (decode) get small chunks.
+  // Decode (every sequence one token) has its own instantiation: prefetch registers for a
+  // 16-step chunk would cost it most of its occupancy.
   const int tc = (p.cu_seqlens == nullptr && p.T < TC) ? (p.T > 0 ? p.T : 1) : TC;
-  const size_t smem = smem_floats<RPT>(tc) * sizeof(float);
-  auto kernel = recurrent_kernel<T, RPT>;
-  if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess) return e;
-  }
-  kernel<<<unsigned(blocks), KS * 32, smem, stream>>>(p, tc);
-  return cudaGetLastError();
+  if (tc == 1) return launch_tc<T, RPT, RG, 1>(p, 1, stream);
+  return launch_tc<T, RPT, RG, TC>(p, tc, stream);
 }
 
 }  // namespace recurrent_detail
 
-// Rows per thread is the only compile-time size: the smallest of 2..32 that covers Dr.
+// The compile-time shapes: 16 rows per thread and as many row groups as Dr needs (32 rows per
+// thread only for Dr > 128).
 template <typename T>
 cudaError_t launch_recurrent(const RecurrentPass& p, cudaStream_t stream) {
   using namespace recurrent_detail;
-  if (p.Dr <= KS * 2) return launch<T, 2>(p, stream);
-  if (p.Dr <= KS * 4) return launch<T, 4>(p, stream);
-  if (p.Dr <= KS * 8) return launch<T, 8>(p, stream);
-  if (p.Dr <= KS * 16) return launch<T, 16>(p, stream);
-  return launch<T, 32>(p, stream);
+  if (p.Dr <= 16) return launch<T, 16, 1>(p, stream);
+  if (p.Dr <= 32) return launch<T, 16, 2>(p, stream);
+  if (p.Dr <= 64) return launch<T, 16, 4>(p, stream);
+  if (p.Dr <= 128) return launch<T, 16, 8>(p, stream);
+  return launch<T, 32, 8>(p, stream);
 }
 
 }  // namespace fla

@@ -1,0 +1,275 @@
+// C++ tests of fla_ext through its public header (csrc/include/fla_ext/fla_ext.h): forward
+// against a plain loop of the RWKV6 recurrence, autograd backward against finite differences,
+// argument errors, a call through the dispatcher by name, and varlen (cu_seqlens).
+//
+// Catch2 v3 or v2: CMakeLists.txt defines FLA_EXT_CATCH2_V3 or FLA_EXT_CATCH2_V2; without either
+// the header that exists is used (v3 needs Catch2WithMain linked, v2 brings its own main).
+// CATCH_CONFIG_PREFIX_ALL: c10's logging header defines a glog-style CHECK (abort on failure), so
+// the Catch2 macros are used with their CATCH_ prefix only.
+#define CATCH_CONFIG_PREFIX_ALL
+#if defined(FLA_EXT_CATCH2_V3)
+#include <catch2/catch_all.hpp>
+#elif defined(FLA_EXT_CATCH2_V2)
+#define CATCH_CONFIG_MAIN
+#include <catch2/catch.hpp>
+#elif __has_include(<catch2/catch_all.hpp>)
+#include <catch2/catch_all.hpp>
+#elif __has_include(<catch2/catch.hpp>)
+#define CATCH_CONFIG_MAIN
+#include <catch2/catch.hpp>
+#else
+#error "fla_ext tests need Catch2 (v3: catch2/catch_all.hpp, or v2: catch2/catch.hpp)"
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+
+#include <fla_ext/fla_ext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t B = 2, T = 9, H = 2, K = 3, V = 5;
+
+struct Inputs {
+  Tensor r, k, v, w, u, h0;  // [B, T, H, K|V] activations, u [H, K], h0 [N, H, K, V]
+};
+
+// Random RWKV6 inputs in `dtype` (float32/float64); the state in the matching acc type.
+Inputs make_inputs(at::ScalarType dtype, int64_t b, int64_t t, int64_t n, uint64_t seed) {
+  at::manual_seed(seed);
+  const auto o = at::TensorOptions().dtype(at::kDouble);
+  Inputs in;
+  in.r = at::randn({b, t, H, K}, o).to(dtype);
+  in.k = at::randn({b, t, H, K}, o).to(dtype);
+  in.v = at::randn({b, t, H, V}, o).to(dtype);
+  in.w = (-at::exp(0.5 * at::randn({b, t, H, K}, o) - 1.0)).to(dtype);  // log decay < 0
+  in.u = at::randn({H, K}, o).to(dtype);
+  in.h0 = at::randn({n, H, K, V}, o).to(dtype);  // acc type == activation type for f32/f64
+  return in;
+}
+
+// The RWKV6 recurrence as a plain loop in double, one sequence per batch row:
+//   o_t = scale * (h_{t-1} + diag(u) k_t v_t^T)^T r_t,   h_t = diag(exp(w_t)) h_{t-1} + k_t v_t^T
+// Returns o [B, T, H, V] and h_T [B, H, K, V] (float64).
+std::pair<Tensor, Tensor> rwkv6_loop(const Inputs& in, double scale) {
+  const auto r = in.r.to(at::kDouble).contiguous(), k = in.k.to(at::kDouble).contiguous(),
+             v = in.v.to(at::kDouble).contiguous(), w = in.w.to(at::kDouble).contiguous(),
+             u = in.u.to(at::kDouble).contiguous();
+  const int64_t nb = r.size(0), nt = r.size(1);
+  Tensor o = at::zeros({nb, nt, H, V}, at::kDouble);
+  Tensor hT = in.h0.to(at::kDouble).clone().contiguous();
+  auto R = r.accessor<double, 4>(), Kx = k.accessor<double, 4>(), Vx = v.accessor<double, 4>(),
+       W = w.accessor<double, 4>(), O = o.accessor<double, 4>(), S = hT.accessor<double, 4>();
+  auto U = u.accessor<double, 2>();
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t j = 0; j < V; ++j) {
+          double acc = 0;
+          for (int64_t i = 0; i < K; ++i)
+            acc += R[b][t][h][i] * (S[b][h][i][j] + U[h][i] * Kx[b][t][h][i] * Vx[b][t][h][j]);
+          O[b][t][h][j] = scale * acc;
+        }
+        for (int64_t i = 0; i < K; ++i)
+          for (int64_t j = 0; j < V; ++j)
+            S[b][h][i][j] = std::exp(W[b][t][h][i]) * S[b][h][i][j] +
+                            Kx[b][t][h][i] * Vx[b][t][h][j];
+      }
+  return {o, hT};
+}
+
+// max |a - b| / (1 + |b|), both taken to float64.
+double max_err(const Tensor& a, const Tensor& b) {
+  CATCH_REQUIRE(a.sizes() == b.sizes());
+  const auto a64 = a.to(at::kDouble), b64 = b.to(at::kDouble);
+  return ((a64 - b64).abs() / (1.0 + b64.abs())).max().item<double>();
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no exception)";
+}
+
+}  // namespace
+
+CATCH_TEST_CASE("forward matches the RWKV6 loop (float32 and float64)", "[forward]") {
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-12;
+    CATCH_CAPTURE(c10::toString(dtype));
+    const Inputs in = make_inputs(dtype, B, T, B, 1234);
+    auto [o, hT] = fla_ext::fused_recurrent_rwkv6(in.r, in.k, in.v, in.w, in.u,
+                                                  /*scale=*/std::nullopt, in.h0,
+                                                  /*output_final_state=*/true);
+    CATCH_REQUIRE(o.scalar_type() == dtype);
+    CATCH_REQUIRE(o.sizes() == at::IntArrayRef({B, T, H, V}));
+    CATCH_REQUIRE(hT.sizes() == at::IntArrayRef({B, H, K, V}));
+    auto [o_ref, hT_ref] = rwkv6_loop(in, 1.0 / std::sqrt(double(K)));  // default scale K^-0.5
+    CATCH_CHECK(max_err(o, o_ref) <= tol);
+    CATCH_CHECK(max_err(hT, hT_ref) <= tol);
+
+    // An explicit scale, and no final state requested: an empty state comes back.
+    auto [o2, hT2] = fla_ext::fused_recurrent_rwkv6(in.r, in.k, in.v, in.w, in.u, 0.7, in.h0);
+    CATCH_CHECK(max_err(o2, rwkv6_loop(in, 0.7).first) <= tol);
+    CATCH_CHECK(hT2.numel() == 0);
+  }
+}
+
+CATCH_TEST_CASE("autograd backward matches finite differences (float64)", "[backward]") {
+  const Inputs in = make_inputs(at::kDouble, B, T, B, 99);
+  std::vector<Tensor> xs = {in.r, in.k, in.v, in.w, in.u, in.h0};
+  const char* names[] = {"r", "k", "v", "w", "u", "initial_state"};
+  for (auto& x : xs) x = x.clone().requires_grad_(true);
+  const Tensor go = at::randn({B, T, H, V}, at::kDouble);
+  const Tensor gh = at::randn({B, H, K, V}, at::kDouble);
+
+  auto loss_of = [&](const std::vector<Tensor>& a) {
+    auto [o, hT] = fla_ext::fused_recurrent_rwkv6(a[0], a[1], a[2], a[3], a[4], std::nullopt,
+                                                  a[5], /*output_final_state=*/true);
+    return (o * go).sum() + (hT * gh).sum();
+  };
+  Tensor loss = loss_of(xs);
+  CATCH_REQUIRE(loss.requires_grad());
+  loss.backward();
+
+  at::NoGradGuard no_grad;
+  constexpr double eps = 1e-6, rtol = 1e-6;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    CATCH_CAPTURE(names[i]);
+    const Tensor grad = xs[i].grad();
+    CATCH_REQUIRE(grad.defined());
+    CATCH_REQUIRE(grad.sizes() == xs[i].sizes());
+    std::vector<Tensor> a;
+    for (const auto& x : xs) a.push_back(x.detach().clone());
+    Tensor flat = a[i].view(-1);  // shares storage with a[i]
+    const Tensor gflat = grad.contiguous().view(-1);
+    double worst = 0;
+    for (int64_t j = 0; j < flat.numel(); ++j) {
+      const double x0 = flat[j].item<double>();
+      flat[j] = x0 + eps;
+      const double lp = loss_of(a).item<double>();
+      flat[j] = x0 - eps;
+      const double lm = loss_of(a).item<double>();
+      flat[j] = x0;
+      const double fd = (lp - lm) / (2 * eps);
+      const double err = std::abs(gflat[j].item<double>() - fd) / std::max(1.0, std::abs(fd));
+      worst = std::max(worst, err);
+    }
+    CATCH_CHECK(worst <= rtol);
+  }
+}
+
+CATCH_TEST_CASE("bad arguments throw with a message naming the argument", "[errors]") {
+  const Inputs in = make_inputs(at::kFloat, B, T, B, 5);
+  const Tensor bad_u = at::randn({H, K + 1});
+  const std::string msg = message_of(
+      [&] { fla_ext::fused_recurrent_rwkv6(in.r, in.k, in.v, in.w, bad_u); });
+  CATCH_CAPTURE(msg);
+  CATCH_CHECK(msg.find("`u`") != std::string::npos);
+  CATCH_CHECK(msg.find("[H, K]") != std::string::npos);
+  CATCH_CHECK_THROWS_AS(fla_ext::fused_recurrent_rwkv6(in.r, in.k, in.v, in.w, bad_u),
+                        c10::ValueError);
+
+  // A state of the wrong shape names initial_state; k of another shape names k.
+  const std::string msg_h0 = message_of([&] {
+    fla_ext::fused_recurrent_rwkv6(in.r, in.k, in.v, in.w, in.u, std::nullopt,
+                                   at::zeros({B, H, K, V + 1}));
+  });
+  CATCH_CAPTURE(msg_h0);
+  CATCH_CHECK(msg_h0.find("`initial_state`") != std::string::npos);
+  const std::string msg_k = message_of([&] {
+    fla_ext::fused_recurrent_rwkv6(in.r, in.k.narrow(1, 0, T - 1), in.v, in.w, in.u);
+  });
+  CATCH_CAPTURE(msg_k);
+  CATCH_CHECK(msg_k.find("`k`") != std::string::npos);
+}
+
+CATCH_TEST_CASE("the op is a dispatcher op callable by name", "[dispatcher]") {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fla::fused_recurrent_rwkv6", "");
+  CATCH_CHECK(op.schema().name() == "fla::fused_recurrent_rwkv6");
+  CATCH_CHECK(op.schema().arguments().size() == 11);
+  CATCH_CHECK(op.schema().returns().size() == 2);
+  CATCH_CHECK(op.hasKernelForDispatchKey(c10::DispatchKey::CPU));
+  CATCH_CHECK(
+      c10::Dispatcher::singleton().findSchema({"fla::fused_recurrent_rwkv6_bwd", ""}).has_value());
+
+  // A boxed call: the arguments on an IValue stack, in schema order.
+  const Inputs in = make_inputs(at::kFloat, B, T, B, 7);
+  torch::jit::Stack stack{in.r, in.k, in.v, in.w, in.u, c10::IValue(0.5), in.h0, true,
+                          false, c10::IValue(), false};
+  op.callBoxed(&stack);
+  CATCH_REQUIRE(stack.size() == 2);
+  const Tensor o = stack[0].toTensor(), hT = stack[1].toTensor();
+
+  // The same through the typed call of the public header.
+  auto [o2, hT2] = fla_ext::fused_recurrent_rwkv6(in.r, in.k, in.v, in.w, in.u, 0.5, in.h0, true);
+  CATCH_CHECK(at::equal(o, o2));
+  CATCH_CHECK(at::equal(hT, hT2));
+}
+
+CATCH_TEST_CASE("varlen: cu_seqlens gives each sequence's own result", "[varlen]") {
+  const std::vector<int64_t> cu = {0, 3, 3, 9};  // lengths 3, 0, 6
+  const int64_t N = int64_t(cu.size()) - 1;
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    CATCH_CAPTURE(c10::toString(dtype));
+    const double tol = dtype == at::kFloat ? 1e-6 : 1e-13;
+    const Inputs in = make_inputs(dtype, 1, T, N, 42);
+    const Tensor cu_t = at::tensor(cu, at::kLong);
+    auto [o, hT] = fla_ext::fused_recurrent_rwkv6(in.r, in.k, in.v, in.w, in.u, std::nullopt,
+                                                  in.h0, true, false, cu_t);
+    CATCH_REQUIRE(o.sizes() == at::IntArrayRef({1, T, H, V}));
+    CATCH_REQUIRE(hT.sizes() == at::IntArrayRef({N, H, K, V}));
+    for (int64_t n = 0; n < N; ++n) {
+      CATCH_CAPTURE(n);
+      const int64_t bos = cu[n], len = cu[n + 1] - cu[n];
+      const Tensor h0n = in.h0.narrow(0, n, 1).contiguous();
+      if (len == 0) {  // an empty sequence passes its state through unchanged
+        CATCH_CHECK(max_err(hT.narrow(0, n, 1), h0n) <= tol);
+        continue;
+      }
+      auto seq = [&](const Tensor& x) { return x.narrow(1, bos, len).contiguous(); };
+      auto [on, hTn] = fla_ext::fused_recurrent_rwkv6(seq(in.r), seq(in.k), seq(in.v),
+                                                      seq(in.w), in.u, std::nullopt, h0n, true);
+      CATCH_CHECK(max_err(o.narrow(1, bos, len), on) <= tol);
+      CATCH_CHECK(max_err(hT.narrow(0, n, 1), hTn) <= tol);
+    }
+  }
+}
+
+CATCH_TEST_CASE("CUDA kernels match the CPU (float32, forward and backward)", "[cuda]") {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fla::fused_recurrent_rwkv6", "");
+  if (!at::hasCUDA() || !op.hasKernelForDispatchKey(c10::DispatchKey::CUDA)) {
+    CATCH_WARN("skipped: no GPU, or fla_ext built without -DFLA_EXT_CUDA=ON");
+    return;
+  }
+  const Inputs in = make_inputs(at::kFloat, B, T, B, 11);
+  const Tensor go = at::randn({B, T, H, V}), gh = at::randn({B, H, K, V});
+  auto run = [&](at::Device dev) {
+    std::vector<Tensor> xs = {in.r, in.k, in.v, in.w, in.u, in.h0};
+    for (auto& x : xs) x = x.to(dev).detach().requires_grad_(true);  // fresh leaves
+    auto [o, hT] = fla_ext::fused_recurrent_rwkv6(xs[0], xs[1], xs[2], xs[3], xs[4],
+                                                  std::nullopt, xs[5], true);
+    ((o * go.to(dev)).sum() + (hT * gh.to(dev)).sum()).backward();
+    std::vector<Tensor> out = {o.detach().cpu(), hT.detach().cpu()};
+    for (auto& x : xs) out.push_back(x.grad().cpu());
+    return out;
+  };
+  const auto cpu = run(at::kCPU), gpu = run(at::Device(at::kCUDA, 0));
+  const char* names[] = {"o", "final_state", "dr", "dk", "dv", "dw", "du", "dh0"};
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    CATCH_CAPTURE(names[i]);
+    CATCH_CHECK(max_err(gpu[i], cpu[i]) <= 1e-4);
+  }
+}
