@@ -9,7 +9,9 @@ Knobs (environment):
 import glob
 import os
 import shutil
+import subprocess
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 
@@ -51,20 +53,32 @@ def want_cuda() -> bool:
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
-def use_path_toolchain() -> None:
-    """Compile and link with the g++ on PATH unless CC/CXX say otherwise.
+def _links_shared_libstdcxx(cxx: str) -> bool:
+    try:
+        out = subprocess.run(cxx.split() + ["-print-file-name=libstdc++.so"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return os.path.isabs(out) and os.path.exists(out)
 
-    setuptools defaults to the compiler Python itself was built with. On the GPU image that is
-    /opt/gcc, whose libstdc++ link script copies locale facets into the extension; those private
-    copies are not the ones the process's libstdc++ initialised, so every error message that
-    formats a number segfaulted. The system toolchain links against the runtime libstdc++.
+
+def use_shared_libstdcxx_toolchain() -> None:
+    """Make sure the extension links the shared libstdc++ that the process loads.
+
+    The GPU image exports CC/CXX=/opt/gcc/..., a compiler that finds no shared libstdc++ and
+    links its pieces statically: the extension then carries private locale facets that the
+    process never initialised, and every error message that formats a number segfaulted. When the
+    configured compiler is like that, use the g++ on PATH instead.
     """
-    if "CXX" in os.environ or "CC" in os.environ:
+    configured = os.environ.get("CXX") or (sysconfig.get_config_var("CXX") or "g++")
+    if _links_shared_libstdcxx(configured):
         return
-    gxx, gcc = shutil.which("g++"), shutil.which("gcc")
-    if gxx and gcc:
-        os.environ["CC"], os.environ["CXX"] = gcc, gxx
-        os.environ.setdefault("LDSHARED", f"{gxx} -shared")
+    for gxx in (shutil.which("g++"), "/usr/bin/g++"):
+        if gxx and _links_shared_libstdcxx(gxx):
+            gcc = os.path.join(os.path.dirname(gxx), "gcc")
+            os.environ.update(CC=gcc if os.path.exists(gcc) else gxx, CXX=gxx, LDSHARED=f"{gxx} -shared")
+            print(f"fla_ext: {configured} links no shared libstdc++; building with {gxx}")
+            return
 
 
 def rel(pattern):
@@ -72,7 +86,7 @@ def rel(pattern):
 
 
 def extension():
-    use_path_toolchain()
+    use_shared_libstdcxx_toolchain()
     cuda = want_cuda()
     debug = os.environ.get("FLA_EXT_DEBUG") == "1"
     sources = rel("csrc/registration.cpp") + rel("csrc/ops/*.cpp") + rel("csrc/cpu/*.cpp")

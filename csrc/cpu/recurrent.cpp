@@ -31,6 +31,15 @@ struct Sweep {
     return static_cast<A*>(m.ptr) + n * m.sn + h * m.sh + r * m.sr + c * m.sc;
   }
   static A* vec(const void* p, int64_t i) { return const_cast<A*>(static_cast<const A*>(p)) + i; }
+  A uval(const void* u, int64_t i) const {
+    switch (p.udtype) {
+      case DType::f32: return A(static_cast<const float*>(u)[i]);
+      case DType::f64: return A(static_cast<const double*>(u)[i]);
+      case DType::bf16: return A(static_cast<const c10::BFloat16*>(u)[i]);
+      case DType::f16: return A(static_cast<const c10::Half*>(u)[i]);
+    }
+    return A(0);
+  }
 
   void run(int n, int h) const {
     const int Dr = p.Dr, Dc = p.Dc;
@@ -49,7 +58,7 @@ struct Sweep {
         q[r] = ld(p.q, s.b, t, h, r);
         a[r] = ld(p.a, s.b, t, h, r) * A(p.a_scale);
         if (p.decay_on_rows) lr[r] = std::exp(ld(p.decay, s.b, t, h, r));
-        if (p.x.on()) bonus += q[r] * ld(p.x, s.b, t, h, r) * (p.ux ? *vec(p.ux, h * Dr + r) : A(1));
+        if (p.x.on()) bonus += q[r] * ld(p.x, s.b, t, h, r) * (p.ux ? uval(p.ux, h * Dr + r) : A(1));
       }
       auto read = [&] {
         for (int c = 0; c < Dc; ++c) {
@@ -74,7 +83,7 @@ struct Sweep {
         A yb = 0;
         if (p.x.on()) {
           yb = A(p.bonus_scale) * bonus * ld(p.y, s.b, t, h, c);
-          o += yb * (p.uy ? *vec(p.uy, h * Dc + c) : A(1));
+          o += yb * (p.uy ? uval(p.uy, h * Dc + c) : A(1));
         }
         if (p.out.on()) *at(p.out, s.b, t, h, c) = static_cast<T>(o);
         if (p.gate == GateGrad::Produce) {

@@ -50,8 +50,9 @@ struct RecurrentPass {
 
   VecArg q, a, b, decay;  // q, a: Dr; b: Dc; decay: Dr or Dc
   VecArg x, y;            // bonus operands (x: Dr, y: Dc); off when x.ptr is null
-  const void* ux = nullptr;  // [H, Dr] acc contiguous, or null (= 1)
-  const void* uy = nullptr;  // [H, Dc] acc contiguous, or null (= 1)
+  const void* ux = nullptr;  // [H, Dr] contiguous, or null (= 1)
+  const void* uy = nullptr;  // [H, Dc] contiguous, or null (= 1)
+  DType udtype = DType::f32;  // of ux / uy (read as is: no conversion launch per call)
   VecArg out;                 // Dc, written (same dtype); may be off
 
   MatArg h0;  // initial state (read), zero when off

@@ -21,7 +21,7 @@ struct Rwkv6Args {
   Layout L;
   int64_t B, T, H, K, V, N;
   Tensor cu;   // int64 or undefined
-  Tensor uacc;  // u in the acc type, contiguous [H, K]
+  Tensor uc;  // u contiguous [H, K], own dtype (float64 inputs: float64)
   double scale;
 };
 
@@ -46,8 +46,9 @@ Rwkv6Args check_rwkv6(const Tensor& r, const Tensor& k, const Tensor& v, const T
   TORCH_CHECK_VALUE(u.defined(), "fla_ext: `u` must be a tensor, got None");
   TORCH_CHECK(u.device() == r.device(), "fla_ext: `u` is on ", u.device(), " but `r` is on ",
               r.device());
-  TORCH_CHECK_VALUE(at::isFloatingType(u.scalar_type()), "fla_ext: `u` must be floating, got ",
-                    u.scalar_type());
+  const auto ut = u.scalar_type();
+  TORCH_CHECK_VALUE(ut == at::kFloat || ut == at::kBFloat16 || ut == at::kHalf || ut == at::kDouble,
+                    "fla_ext: `u` must be float32, bfloat16, float16 or float64, got ", ut);
   TORCH_CHECK_VALUE(u.dim() == 2 && u.size(0) == a.H && u.size(1) == a.K,
                     "fla_ext: `u` must have shape [H, K] = [", a.H, ", ", a.K, "], got ",
                     shape_str(u));
@@ -58,7 +59,8 @@ Rwkv6Args check_rwkv6(const Tensor& r, const Tensor& k, const Tensor& v, const T
   const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(double(a.K));
   TORCH_CHECK_VALUE(std::isfinite(s), "fla_ext: `scale` must be finite, got ", s);
   a.scale = s;
-  a.uacc = u.to(acc_type(r)).contiguous();
+  // Kernels read u in its own dtype; only float64 is converted (to the acc type).
+  a.uc = (r.scalar_type() == at::kDouble || ut == at::kDouble ? u.to(acc_type(r)) : u).contiguous();
   if (value_checks_enabled()) {
     check_finite(r, "r"), check_finite(k, "k"), check_finite(v, "v"), check_finite(u, "u");
     check_log_decay(w, "w");
@@ -75,6 +77,7 @@ RecurrentPass base_pass(const Rwkv6Args& a, const Tensor& r) {
   p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
   p.exclusive = true;
   p.bonus_scale = a.scale;
+  p.udtype = kernel_dtype(a.uc);
   return p;
 }
 
@@ -97,7 +100,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_fwd(
   p.Dr = int(a.K), p.Dc = int(a.V), p.reverse = reverse, p.decay_on_rows = true;
   p.scale = a.scale;
   p.q = L.vec(r), p.a = L.vec(k), p.b = L.vec(v), p.decay = L.vec(w);
-  p.x = L.vec(k), p.ux = a.uacc.data_ptr(), p.y = L.vec(v);
+  p.x = L.vec(k), p.ux = a.uc.data_ptr(), p.y = L.vec(v);
   p.out = L.vec(o);
   if (has(initial_state)) p.h0 = mat(*initial_state);
   if (output_final_state) p.hT = mat(hT);
@@ -136,7 +139,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
   pa.Dr = int(a.V), pa.Dc = int(a.K), pa.reverse = reverse, pa.decay_on_rows = false;
   pa.scale = a.scale;
   pa.q = L.vec(grad_o), pa.a = L.vec(v), pa.b = L.vec(k), pa.decay = L.vec(w);
-  pa.x = L.vec(v), pa.y = L.vec(k), pa.uy = a.uacc.data_ptr();
+  pa.x = L.vec(v), pa.y = L.vec(k), pa.uy = a.uc.data_ptr();
   pa.out = L.vec(dr);
   if (has_h0) pa.h0 = mat(*initial_state, /*transpose=*/true);
   pa.gate = GateGrad::Produce, pa.z = L.vec(r), pa.ws = L.vec(ws), pa.zeta = zeta.data_ptr();
@@ -148,7 +151,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
   pb.Dr = int(a.K), pb.Dc = int(a.V), pb.reverse = !reverse, pb.decay_on_rows = true;
   pb.scale = 1.f, pb.a_scale = a.scale;
   pb.q = L.vec(k), pb.a = L.vec(r), pb.b = L.vec(grad_o), pb.decay = L.vec(w);
-  pb.x = L.vec(r), pb.ux = a.uacc.data_ptr(), pb.y = L.vec(grad_o);
+  pb.x = L.vec(r), pb.ux = a.uc.data_ptr(), pb.y = L.vec(grad_o);
   pb.out = L.vec(dv);
   if (has_dht) pb.h0 = mat(*grad_final_state);
   if (has_h0) pb.hT = mat(dh0);
@@ -159,7 +162,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
   pc.Dr = int(a.V), pc.Dc = int(a.K), pc.reverse = !reverse, pc.decay_on_rows = false;
   pc.scale = 1.f, pc.b_scale = a.scale;
   pc.q = L.vec(v), pc.a = L.vec(grad_o), pc.b = L.vec(r), pc.decay = L.vec(w);
-  pc.x = L.vec(grad_o), pc.y = L.vec(r), pc.uy = a.uacc.data_ptr();
+  pc.x = L.vec(grad_o), pc.y = L.vec(r), pc.uy = a.uc.data_ptr();
   pc.out = L.vec(dk);
   if (has_dht) pc.h0 = mat(*grad_final_state, true);
   pc.gate = GateGrad::Consume, pc.z = L.vec(k), pc.ws = L.vec(ws), pc.zeta = zeta.data_ptr();
