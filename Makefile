@@ -7,13 +7,6 @@ TORCH_PIN   ?= torch==2.14.1
 MAX_JOBS    ?= 2
 export MAX_JOBS
 
-# ccache makes rebuilds of unchanged sources (and repeated CI runs) cheap when it is installed.
-ifneq ($(shell command -v ccache 2>/dev/null),)
-export PYTORCH_NVCC := ccache $(shell command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)
-export CXX := ccache g++
-export CC := ccache gcc
-export LDSHARED := g++ -shared
-endif
 
 .PHONY: demo test build pytest cpp-test gpu-check bench clean
 
