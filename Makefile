@@ -6,6 +6,8 @@ PY          := $(VENV)/bin/python
 TORCH_PIN   ?= torch==2.14.1
 MAX_JOBS    ?= 2
 export MAX_JOBS
+# The in-place build lives in the repo: scripts under examples/ and benchmarks/ import it from here.
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 
 .PHONY: demo test build pytest cpp-test gpu-check bench clean
