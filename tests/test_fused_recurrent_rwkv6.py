@@ -151,13 +151,15 @@ def test_varlen(device, cu, dtype, gen):
     r, k, v, w, u, h0 = make(1, T, 2, 32, 16, dtype, device, gen, N=N)
     cu_t = torch.tensor(cu, dtype=torch.long, device=device)
     o, ht = run_and_check(r, k, v, w, u, h0, cu=cu_t, gen=gen)
-    # each sequence alone gives the same output and state (states are independent)
+    # each sequence alone gives the same output and state (states are independent); to rounding
+    # only, since a lone 1-token sequence takes the decode instantiation (another sum order)
+    same = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for n in range(N):
         a, b = cu[n], cu[n + 1]
         on, hn = fused_recurrent_rwkv6(r[:, a:b], k[:, a:b], v[:, a:b], w[:, a:b], u,
                                        initial_state=h0[n:n + 1], output_final_state=True)
-        torch.testing.assert_close(on, o[:, a:b], rtol=0, atol=0)
-        torch.testing.assert_close(hn, ht[n:n + 1], rtol=0, atol=0)
+        torch.testing.assert_close(on, o[:, a:b], **same)
+        torch.testing.assert_close(hn, ht[n:n + 1], **same)
     if cu == [0, 3, 3, 9]:  # the empty sequence passes its state through, both ways
         torch.testing.assert_close(ht[1], h0[1], rtol=0, atol=0)
 
