@@ -25,7 +25,7 @@ struct VecArg {
   FLA_HD bool on() const { return ptr != nullptr; }
 };
 
-// "acc" buffers (states, workspaces, u) are fp32, or fp64 when the inputs are fp64 (CPU only).
+// "acc" buffers (states, workspaces) are fp32, or fp64 when the inputs are fp64 (CPU only).
 // A per-(sequence, head) acc matrix [N, H, rows, cols] (any strides): states and their grads.
 struct MatArg {
   void* ptr = nullptr;
