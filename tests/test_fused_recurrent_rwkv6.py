@@ -251,3 +251,29 @@ def test_inputs_unchanged(device, gen):
     (o.float().sum() + ht.sum()).backward()
     for name, a, b in zip(NAMES, ins, before):
         assert torch.equal(a.detach(), b), f"{name} was modified"
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: one token with a state. CUDA takes a dedicated one-step kernel when V % 4 == 0 and the
+# states are row-contiguous; the other cases (and the backward's gate sweeps) take the engine.
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(3, 1, 2, 128, 32), (2, 1, 2, 16, 100), (2, 1, 3, 64, 6),
+                                   (1, 1, 1, 256, 256), (4, 1, 2, 5, 12)],
+                         ids=lambda s: "B{}T{}H{}K{}V{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode(device, shape, dtype, gen):
+    r, k, v, w, u, h0 = make(*shape, dtype, device, gen, w_kind="mixedinf")
+    run_and_check(r, k, v, w, u, h0, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_strided_state(device, gen):
+    B, H, K, V = 2, 2, 32, 16
+    r, k, v, w, u, _ = make(B, 1, H, K, V, torch.float32, device, gen, h0=False)
+    wide = torch.randn(B, H, K, 2 * V, generator=gen).to(device)
+    h0 = wide[..., ::2]  # not row-contiguous: the decode kernel must decline it
+    o, ht = fused_recurrent_rwkv6(r, k, v, w, u, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = reference.rwkv6(r, k, v, w, u, initial_state=h0)
+    assert_close("o", o, o_ref, 1e-5, 1e-6)
+    assert_close("ht", ht, ht_ref, 1e-5, 1e-6)
