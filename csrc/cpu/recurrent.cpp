@@ -57,7 +57,7 @@ struct Sweep {
       for (int r = 0; r < Dr; ++r) {
         q[r] = ld(p.q, s.b, t, h, r);
         a[r] = ld(p.a, s.b, t, h, r) * A(p.a_scale);
-        if (p.decay_on_rows) lr[r] = std::exp(ld(p.decay, s.b, t, h, r));
+        lr[r] = (p.decay_on_rows && p.decay.on()) ? std::exp(ld(p.decay, s.b, t, h, r)) : A(1);
         if (p.x.on()) bonus += q[r] * ld(p.x, s.b, t, h, r) * (p.ux ? uval(p.ux, h * Dr + r) : A(1));
       }
       auto read = [&] {
@@ -67,17 +67,22 @@ struct Sweep {
           pc[c] = sum * A(p.scale);
         }
       };
-      if (p.exclusive) read();
+      // One pass over the columns applies the write and, unless it comes last, the decay.
+      const bool decay_now = p.order != Order::DecayLast;
+      if (p.order == Order::ReadFirst) read();
       for (int c = 0; c < Dc; ++c) {
         const A bc = ld(p.b, s.b, t, h, c) * A(p.b_scale);
-        const A lc = p.decay_on_rows ? A(1) : std::exp(ld(p.decay, s.b, t, h, c));
+        const A lc = (!p.decay_on_rows && p.decay.on()) ? std::exp(ld(p.decay, s.b, t, h, c)) : A(1);
         lcs[c] = lc;
         for (int r = 0; r < Dr; ++r) {
           A& e = S[r * Dc + c];
-          e = (p.decay_on_rows ? lr[r] : lc) * e + a[r] * bc;
+          e = (decay_now ? lr[r] * lc : A(1)) * e + a[r] * bc;
         }
       }
-      if (!p.exclusive) read();
+      if (p.order != Order::ReadFirst) read();
+      if (!decay_now)
+        for (int r = 0; r < Dr; ++r)
+          for (int c = 0; c < Dc; ++c) S[r * Dc + c] *= lr[r] * lcs[c];
       for (int c = 0; c < Dc; ++c) {
         A o = pc[c];
         A yb = 0;
@@ -89,11 +94,12 @@ struct Sweep {
         if (p.gate == GateGrad::Produce) {
           *acc_at(p.ws, s.b, t, h, c) = ld(p.z, s.b, t, h, c) * pc[c];
         } else if (p.gate == GateGrad::Consume) {
-          const A z = ld(p.z, s.b, t, h, c);
+          const A z = ld(p.z, s.b, t, h, c), ws = *acc_at(p.ws, s.b, t, h, c);
+          if (p.ws_inclusive) acc[c] += ws;
           acc[c] -= z * pc[c];
           if (lcs[c] == A(0)) acc[c] = 0;
           *at(p.dlam, s.b, t, h, c) = static_cast<T>(acc[c]);
-          acc[c] += *acc_at(p.ws, s.b, t, h, c);
+          if (!p.ws_inclusive) acc[c] += ws;
           du[c] += yb * z;
         }
       }

@@ -89,7 +89,7 @@ __device__ __forceinline__ void prefetch(Prefetch<RPT, RG, TCN>& f, const Recurr
       const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
       f.q[j] = ld<T>(p.q, s.b, t, h, r);
       f.a[j] = ld<T>(p.a, s.b, t, h, r);
-      if (p.decay_on_rows) f.l[j] = ld<T>(p.decay, s.b, t, h, r);
+      if (p.decay_on_rows && p.decay.on()) f.l[j] = ld<T>(p.decay, s.b, t, h, r);
       if (p.x.on()) f.x[j] = ld<T>(p.x, s.b, t, h, r);
     }
   }
@@ -101,7 +101,7 @@ __device__ __forceinline__ void prefetch(Prefetch<RPT, RG, TCN>& f, const Recurr
       const int64_t step = base + tau;
       const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
       f.b[j] = ld<T>(p.b, s.b, t, h, cc);
-      if (!p.decay_on_rows) f.d[j] = ld<T>(p.decay, s.b, t, h, cc);
+      if (!p.decay_on_rows && p.decay.on()) f.d[j] = ld<T>(p.decay, s.b, t, h, cc);
       if (p.x.on()) f.y[j] = ld<T>(p.y, s.b, t, h, cc);
       if (p.gate != GateGrad::None) f.z[j] = ld<T>(p.z, s.b, t, h, cc);
       if (p.gate == GateGrad::Consume) f.w[j] = *vptr<float>(p.ws, s.b, t, h, cc);
@@ -209,24 +209,37 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
       lds(a, sa + tau * DrP + row0);
       const float bv = sb[tau * BC + cl];
       float part0 = 0.f, part1 = 0.f;  // two chains halve the latency of the read
-      if (p.exclusive) {
+      auto read = [&] {
 #pragma unroll
         for (int j = 0; j < RPT; j += 2) part0 = fmaf(q[j], S[j], part0), part1 = fmaf(q[j + 1], S[j + 1], part1);
+      };
+      if (p.order == Order::ReadFirst) read();
+      if (p.order == Order::DecayLast) {
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) S[j] = fmaf(a[j], bv, S[j]);
+        read();
       }
       if (p.decay_on_rows) {
         float l[RPT];
         lds(l, sl + tau * DrP + row0);
+        if (p.order == Order::DecayLast) {
 #pragma unroll
-        for (int j = 0; j < RPT; ++j) S[j] = fmaf(l[j], S[j], a[j] * bv);
+          for (int j = 0; j < RPT; ++j) S[j] *= l[j];
+        } else {
+#pragma unroll
+          for (int j = 0; j < RPT; ++j) S[j] = fmaf(l[j], S[j], a[j] * bv);
+        }
       } else {
         const float dc = sdc[tau * BC + cl];
+        if (p.order == Order::DecayLast) {
 #pragma unroll
-        for (int j = 0; j < RPT; ++j) S[j] = fmaf(dc, S[j], a[j] * bv);
-      }
-      if (!p.exclusive) {
+          for (int j = 0; j < RPT; ++j) S[j] *= dc;
+        } else {
 #pragma unroll
-        for (int j = 0; j < RPT; j += 2) part0 = fmaf(q[j], S[j], part0), part1 = fmaf(q[j + 1], S[j + 1], part1);
+          for (int j = 0; j < RPT; ++j) S[j] = fmaf(dc, S[j], a[j] * bv);
+        }
       }
+      if (p.order == Order::ReadLast) read();
       const float pc = sum_row_groups<RG>(part0 + part1) * scale;
       if (writer) {
         const int64_t step = base + tau;
@@ -236,11 +249,12 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
         if (p.gate == GateGrad::Produce) {
           *vptr<float>(p.ws, s.b, t, h, c) = sz[tau * BC + cl] * pc;
         } else if (consume) {
-          const float z = sz[tau * BC + cl];
+          const float z = sz[tau * BC + cl], ws = sw[tau * BC + cl];
+          if (p.ws_inclusive) acc += ws;
           acc -= z * pc;
           if (sdc[tau * BC + cl] == 0.f) acc = 0.f;
           *vptr<T>(p.dlam, s.b, t, h, c) = from_f<T>(acc);
-          acc += sw[tau * BC + cl];
+          if (!p.ws_inclusive) acc += ws;
           du = fmaf(yb, z, du);
         }
       }

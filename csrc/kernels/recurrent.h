@@ -2,8 +2,9 @@
 //
 // A sweep runs, per (sequence n, head h), over time (forward or reversed) with an fp32 state
 // S [Dr x Dc] ("rows" are the contraction axis of the read):
-//   exclusive: p_t = S^T q_t, then S = decay(S) + a_t b_t^T
-//   inclusive: S = decay(S) + a_t b_t^T, then p_t = S^T q_t
+//   ReadFirst: p_t = S^T q_t, then S = decay(S) + a_t b_t^T         (RWKV6: exclusive read)
+//   ReadLast:  S = decay(S) + a_t b_t^T, then p_t = S^T q_t         (GLA: inclusive read)
+//   DecayLast: S = S + a_t b_t^T, p_t = S^T q_t, then S = decay(S)  (GLA backward, reversed)
 //   out_t[c] = scale * p_t[c] + bonus_scale * (sum_i q_t[i] x_t[i] ux[i]) * y_t[c] * uy[c]
 // where decay multiplies rows by exp(lambda_t[i]) or columns by exp(lambda_t[c]).
 // Every forward and backward sweep of RWKV6/GLA (and both GSA passes) is one such sweep with
@@ -16,6 +17,7 @@
 namespace fla {
 
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
+enum class Order : int { ReadFirst = 0, ReadLast = 1, DecayLast = 2 };
 
 // A per-step vector stored as [B, T, H, D] (any strides, in elements). The batch index is the
 // sequence index without cu_seqlens and 0 with it; t is the absolute time index.
@@ -36,7 +38,7 @@ struct MatArg {
 // What the sweep does besides `out`, for the decay gradient (ALGORITHMS.md §5.3 closed form):
 //   Produce: ws_t = z_t * scale * p_t (fp32), and zeta[c] = sum_r S_final[r][c] * zdot[r][c].
 //   Consume: dlambda_t = acc after acc -= z_t * scale * p_t, then acc += ws_t, acc starting at
-//            zeta; also du[c] += bonus_scale * s_t * y_t[c] * z_t[c]. Needs the decay on columns.
+//            zeta (ws_inclusive: acc += ws_t comes first); also du[c] += bonus_scale * s_t * y_t[c] * z_t[c]. Needs the decay on columns.
 //            Since dlambda_t = exp(lambda_t) * rowsum(dh_t * h_{t-1}) exactly, acc is reset to 0
 //            where exp(lambda_t) == 0: exact, and it drops the rounding carried so far.
 enum class GateGrad : int { None = 0, Produce = 1, Consume = 2 };
@@ -45,10 +47,11 @@ struct RecurrentPass {
   DType dtype = DType::f32;  // of every VecArg except ws
   int N = 0, H = 0, T = 0, Dr = 0, Dc = 0;
   const int64_t* cu_seqlens = nullptr;  // [N+1] on the sweep's device, or null
-  bool reverse = false, exclusive = true, decay_on_rows = true;
+  bool reverse = false, decay_on_rows = true, ws_inclusive = false;
+  Order order = Order::ReadFirst;
   double scale = 1, a_scale = 1, b_scale = 1, bonus_scale = 0;
 
-  VecArg q, a, b, decay;  // q, a: Dr; b: Dc; decay: Dr or Dc
+  VecArg q, a, b, decay;  // q, a: Dr; b: Dc; decay: Dr or Dc (off: no decay)
   VecArg x, y;            // bonus operands (x: Dr, y: Dc); off when x.ptr is null
   const void* ux = nullptr;  // [H, Dr] contiguous, or null (= 1)
   const void* uy = nullptr;  // [H, Dc] contiguous, or null (= 1)

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(NT) decode_kernel(const __grid_constant__ Recu
     if (r < p.Dr) {
       q = ld<T>(p.q, b, t, h, r);
       a = ld<T>(p.a, b, t, h, r) * float(p.a_scale);
-      if (p.decay_on_rows) l = expf(ld<T>(p.decay, b, t, h, r));
+      if (p.decay_on_rows && p.decay.on()) l = expf(ld<T>(p.decay, b, t, h, r));
       if (bonus) bon += q * ld<T>(p.x, b, t, h, r) * (p.ux ? ldu(p.ux, h * p.Dr + r, p.udtype) : 1.f);
     }
     sq[r] = q, sa[r] = a, sl[r] = l;
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(NT) decode_kernel(const __grid_constant__ Recu
     const int c = ct * COLS + tid;
     const bool ok = c < p.Dc;
     sb[tid] = ok ? ld<T>(p.b, b, t, h, c) * float(p.b_scale) : 0.f;
-    sdc[tid] = (ok && !p.decay_on_rows) ? expf(ld<T>(p.decay, b, t, h, c)) : 1.f;
+    sdc[tid] = (ok && !p.decay_on_rows && p.decay.on()) ? expf(ld<T>(p.decay, b, t, h, c)) : 1.f;
     sy[tid] = (ok && bonus) ? ld<T>(p.y, b, t, h, c) * (p.uy ? ldu(p.uy, h * p.Dc + c, p.udtype) : 1.f) : 0.f;
   }
 #pragma unroll
@@ -89,14 +89,23 @@ __global__ void __launch_bounds__(NT) decode_kernel(const __grid_constant__ Recu
       part.z = fmaf(q, S[j].z, part.z), part.w = fmaf(q, S[j].w, part.w);
     }
   };
-  if (p.exclusive) read();
+  const bool decay_last = p.order == Order::DecayLast;
+  if (p.order == Order::ReadFirst) read();
 #pragma unroll
   for (int j = 0; j < RPT; ++j) {
-    const float a = sa[rg * RPT + j], l = sl[rg * RPT + j];
-    S[j].x = fmaf(l * dc.x, S[j].x, a * bv.x), S[j].y = fmaf(l * dc.y, S[j].y, a * bv.y);
-    S[j].z = fmaf(l * dc.z, S[j].z, a * bv.z), S[j].w = fmaf(l * dc.w, S[j].w, a * bv.w);
+    const float a = sa[rg * RPT + j], l = decay_last ? 1.f : sl[rg * RPT + j];
+    const float4 d = decay_last ? make_float4(1.f, 1.f, 1.f, 1.f) : dc;
+    S[j].x = fmaf(l * d.x, S[j].x, a * bv.x), S[j].y = fmaf(l * d.y, S[j].y, a * bv.y);
+    S[j].z = fmaf(l * d.z, S[j].z, a * bv.z), S[j].w = fmaf(l * d.w, S[j].w, a * bv.w);
   }
-  if (!p.exclusive) read();
+  if (p.order != Order::ReadFirst) read();
+  if (decay_last) {
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const float l = sl[rg * RPT + j];
+      S[j].x *= l * dc.x, S[j].y *= l * dc.y, S[j].z *= l * dc.z, S[j].w *= l * dc.w;
+    }
+  }
   if (p.hT.on() && cok) {
 #pragma unroll
     for (int j = 0; j < RPT; ++j)

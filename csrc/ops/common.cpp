@@ -1,5 +1,6 @@
 #include "common.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <sstream>
@@ -135,6 +136,54 @@ void check_cu_values(const Tensor& cu, int64_t T) {
                       " (FLA_EXT_CHECKS)");
   TORCH_CHECK_VALUE(p[c.size(0) - 1] == T, "fla_ext: `cu_seqlens[-1]` must equal T = ", T,
                     ", got ", p[c.size(0) - 1], " (FLA_EXT_CHECKS)");
+}
+
+}  // namespace fla::ops
+
+namespace fla::ops {
+
+DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tensor& v,
+                    const Tensor& g, const char* gn, std::optional<double> scale,
+                    const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
+                    bool head_first) {
+  DiagArgs a{Layout{head_first}};
+  const Layout& L = a.L;
+  check_activation(q, qn, q, qn);
+  check_activation(k, "k", q, qn);
+  check_activation(v, "v", q, qn);
+  if (g.defined()) check_activation(g, gn, q, qn);
+  a.B = L.B(q), a.T = L.T(q), a.H = L.H(q), a.K = L.D(q), a.V = L.D(v);
+  for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {g, gn}})
+    TORCH_CHECK_VALUE(!t.defined() || t.sizes() == q.sizes(), "fla_ext: `", name,
+                      "` must have the shape of `", qn, "` ", shape_str(q), " (", L.dims(),
+                      "), got ", shape_str(t));
+  TORCH_CHECK_VALUE(L.B(v) == a.B && L.T(v) == a.T && L.H(v) == a.H, "fla_ext: `v` must be ",
+                    L.dims(), " with B, T, H of `", qn, "` ", shape_str(q), ", got ",
+                    shape_str(v));
+  const std::string kname = std::string("K (last dim of ") + qn + ", k" +
+                            (g.defined() ? std::string(", ") + gn : std::string()) + ")";
+  check_head_dim(a.K, kname.c_str());
+  check_head_dim(a.V, "V (last dim of v)");
+  a.cu = check_cu_seqlens(cu_seqlens, q, a.B);
+  a.N = a.cu.defined() ? a.cu.size(0) - 1 : a.B;
+  if (has(h0)) check_state(*h0, "initial_state", q, a.N, a.H, a.K, a.V);
+  a.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(double(a.K));
+  TORCH_CHECK_VALUE(std::isfinite(a.scale), "fla_ext: `scale` must be finite, got ", a.scale);
+  if (value_checks_enabled()) {
+    check_finite(q, qn), check_finite(k, "k"), check_finite(v, "v");
+    if (g.defined()) check_log_decay(g, gn);
+    if (has(h0)) check_finite(*h0, "initial_state");
+    if (a.cu.defined()) check_cu_values(a.cu, a.T);
+  }
+  return a;
+}
+
+RecurrentPass base_pass(const DiagArgs& a, const Tensor& q) {
+  RecurrentPass p;
+  p.dtype = kernel_dtype(q);
+  p.N = int(a.N), p.H = int(a.H), p.T = int(a.T);
+  p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
+  return p;
 }
 
 }  // namespace fla::ops

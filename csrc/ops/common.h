@@ -70,4 +70,21 @@ void check_cu_values(const Tensor& cu, int64_t T);
 
 std::string shape_str(const Tensor& t);
 
+inline bool has(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
+
+// The checked shapes of a diagonal-gate op: reader q and key k [B, T, H, K], values v
+// [B, T, H, V], log decay g like q (or undefined: no decay), initial state [N, H, K, V].
+struct DiagArgs {
+  Layout L;
+  int64_t B, T, H, K, V, N;
+  Tensor cu;  // int64, or undefined
+  double scale;
+};
+DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tensor& v,
+                    const Tensor& g, const char* gn, std::optional<double> scale,
+                    const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
+                    bool head_first);
+// A sweep with the sizes, dtype and sequences of `a` filled in.
+RecurrentPass base_pass(const DiagArgs& a, const Tensor& q);
+
 }  // namespace fla::ops

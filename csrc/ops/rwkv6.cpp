@@ -12,37 +12,20 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <cmath>
 
 namespace fla::ops {
 namespace {
 
-struct Rwkv6Args {
-  Layout L;
-  int64_t B, T, H, K, V, N;
-  Tensor cu;   // int64 or undefined
+struct Rwkv6Args : DiagArgs {
   Tensor uc;  // u contiguous [H, K], own dtype (float64 inputs: float64)
-  double scale;
 };
 
 Rwkv6Args check_rwkv6(const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w,
                       const Tensor& u, std::optional<double> scale,
                       const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
                       bool head_first) {
-  Rwkv6Args a{Layout{head_first}};
-  check_activation(r, "r", r, "r");
-  check_activation(k, "k", r, "r");
-  check_activation(v, "v", r, "r");
-  check_activation(w, "w", r, "r");
-  const Layout& L = a.L;
-  a.B = L.B(r), a.T = L.T(r), a.H = L.H(r), a.K = L.D(r), a.V = L.D(v);
-  for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {w, "w"}})
-    TORCH_CHECK_VALUE(t.sizes() == r.sizes(), "fla_ext: `", name, "` must have the shape of `r` ",
-                      shape_str(r), " (", L.dims(), "), got ", shape_str(t));
-  TORCH_CHECK_VALUE(L.B(v) == a.B && L.T(v) == a.T && L.H(v) == a.H, "fla_ext: `v` must be ",
-                    L.dims(), " with B, T, H of `r` ", shape_str(r), ", got ", shape_str(v));
-  check_head_dim(a.K, "K (last dim of r, k, w)");
-  check_head_dim(a.V, "V (last dim of v)");
+  TORCH_CHECK_VALUE(w.defined(), "fla_ext: `w` must be a tensor, got None");
+  Rwkv6Args a{check_diag(r, "r", k, v, w, "w", scale, h0, cu_seqlens, head_first)};
   TORCH_CHECK_VALUE(u.defined(), "fla_ext: `u` must be a tensor, got None");
   TORCH_CHECK(u.device() == r.device(), "fla_ext: `u` is on ", u.device(), " but `r` is on ",
               r.device());
@@ -52,36 +35,19 @@ Rwkv6Args check_rwkv6(const Tensor& r, const Tensor& k, const Tensor& v, const T
   TORCH_CHECK_VALUE(u.dim() == 2 && u.size(0) == a.H && u.size(1) == a.K,
                     "fla_ext: `u` must have shape [H, K] = [", a.H, ", ", a.K, "], got ",
                     shape_str(u));
-  a.cu = check_cu_seqlens(cu_seqlens, r, a.B);
-  a.N = a.cu.defined() ? a.cu.size(0) - 1 : a.B;
-  if (h0.has_value() && h0->defined())
-    check_state(*h0, "initial_state", r, a.N, a.H, a.K, a.V);
-  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(double(a.K));
-  TORCH_CHECK_VALUE(std::isfinite(s), "fla_ext: `scale` must be finite, got ", s);
-  a.scale = s;
   // Kernels read u in its own dtype; only float64 is converted (to the acc type).
   a.uc = (r.scalar_type() == at::kDouble || ut == at::kDouble ? u.to(acc_type(r)) : u).contiguous();
-  if (value_checks_enabled()) {
-    check_finite(r, "r"), check_finite(k, "k"), check_finite(v, "v"), check_finite(u, "u");
-    check_log_decay(w, "w");
-    if (h0.has_value() && h0->defined()) check_finite(*h0, "initial_state");
-    if (a.cu.defined()) check_cu_values(a.cu, a.T);
-  }
+  if (value_checks_enabled()) check_finite(u, "u");
   return a;
 }
 
-RecurrentPass base_pass(const Rwkv6Args& a, const Tensor& r) {
-  RecurrentPass p;
-  p.dtype = kernel_dtype(r);
-  p.N = int(a.N), p.H = int(a.H), p.T = int(a.T);
-  p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
-  p.exclusive = true;
+RecurrentPass rwkv6_pass(const Rwkv6Args& a, const Tensor& r) {
+  RecurrentPass p = base_pass(a, r);
+  p.order = Order::ReadFirst;
   p.bonus_scale = a.scale;
   p.udtype = kernel_dtype(a.uc);
   return p;
 }
-
-bool has(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
 
 }  // namespace
 
@@ -96,7 +62,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_fwd(
   Tensor o = L.empty_like_with_dim(v, a.V, r.scalar_type());
   const auto acc = r.options().dtype(acc_type(r));
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V}, acc);
-  RecurrentPass p = base_pass(a, r);
+  RecurrentPass p = rwkv6_pass(a, r);
   p.Dr = int(a.K), p.Dc = int(a.V), p.reverse = reverse, p.decay_on_rows = true;
   p.scale = a.scale;
   p.q = L.vec(r), p.a = L.vec(k), p.b = L.vec(v), p.decay = L.vec(w);
@@ -133,7 +99,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
   Tensor zeta = new_output({a.N, a.H, a.K}, f32);
   Tensor du_part = new_output({a.N, a.H, a.K}, f32);
 
-  const RecurrentPass base = base_pass(a, r);
+  const RecurrentPass base = rwkv6_pass(a, r);
   // A: S = h^T [V x K], reads dO, writes v k^T with the decay on columns (K).
   RecurrentPass pa = base;
   pa.Dr = int(a.V), pa.Dc = int(a.K), pa.reverse = reverse, pa.decay_on_rows = false;
