@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["fused_recurrent_rwkv6", "set_checks"]
+__all__ = ["fused_recurrent_gla", "fused_recurrent_rwkv6", "set_checks"]
 
 
 def set_checks(enabled: bool = True) -> None:
@@ -72,5 +72,46 @@ def fused_recurrent_rwkv6(
     _require_tensors(r=r, k=k, v=v, w=w, u=u)
     o, ht = torch.ops.fla.fused_recurrent_rwkv6(
         r, k, v, w, u, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
+    )
+    return o, (ht if output_final_state else None)
+
+
+def fused_recurrent_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    head_first: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""Gated linear attention, step by step (fused recurrent kernel):
+
+    .. math:: h_t = \mathrm{diag}(e^{g_t}) h_{t-1} + k_t v_t^\top,\quad o_t = s\, h_t^\top q_t
+
+    Args:
+        q, k, gk: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``gk`` is the log decay
+            on the key dimension (<= 0; ``-inf`` is a hard reset), or None for no decay.
+        v: ``[B, T, H, V]``; K and V are independent (1..256).
+        gv: value-side decay of fla's signature: not supported yet (raises).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: float32 ``[N, H, K, V]``; output_final_state, reverse, cu_seqlens,
+            head_first: as in :func:`fused_recurrent_rwkv6`.
+
+    Returns:
+        ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
+    """
+    if gv is not None:
+        raise NotImplementedError("fla_ext.fused_recurrent_gla: the value-side decay `gv` is not "
+                                  "supported yet; pass the key-side decay `gk`")
+    _require_tensors(q=q, k=k, v=v)
+    if gk is not None:
+        _require_tensors(gk=gk)
+    o, ht = torch.ops.fla.fused_recurrent_gla(
+        q, k, v, gk, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
     )
     return o, (ht if output_final_state else None)

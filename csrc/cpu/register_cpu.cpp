@@ -1,5 +1,6 @@
 #include <torch/library.h>
 
+#include "../ops/gla.h"
 #include "../ops/rwkv6.h"
 
 namespace fla {
@@ -10,6 +11,8 @@ void run_cpu(const RecurrentPass& p) { recurrent_cpu(p); }
 TORCH_LIBRARY_IMPL(fla, CPU, m) {
   m.impl("fused_recurrent_rwkv6", &ops::fused_recurrent_rwkv6_impl<run_cpu>);
   m.impl("fused_recurrent_rwkv6_bwd", &ops::fused_recurrent_rwkv6_bwd_impl<run_cpu>);
+  m.impl("fused_recurrent_gla", &ops::fused_recurrent_gla_impl<run_cpu>);
+  m.impl("fused_recurrent_gla_bwd", &ops::fused_recurrent_gla_bwd_impl<run_cpu>);
 }
 
 }  // namespace fla

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "../ops/gla.h"
 #include "../ops/rwkv6.h"
 
 namespace fla {
@@ -16,6 +17,8 @@ void run_cuda(const RecurrentPass& p) {
 TORCH_LIBRARY_IMPL(fla, CUDA, m) {
   m.impl("fused_recurrent_rwkv6", &ops::fused_recurrent_rwkv6_impl<run_cuda>);
   m.impl("fused_recurrent_rwkv6_bwd", &ops::fused_recurrent_rwkv6_bwd_impl<run_cuda>);
+  m.impl("fused_recurrent_gla", &ops::fused_recurrent_gla_impl<run_cuda>);
+  m.impl("fused_recurrent_gla_bwd", &ops::fused_recurrent_gla_bwd_impl<run_cuda>);
 }
 
 }  // namespace fla

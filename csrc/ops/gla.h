@@ -1,0 +1,41 @@
+// GLA fused-recurrent ops (ALGORITHMS.md §4): sweeps of the recurrent engine.
+#pragma once
+#include <tuple>
+
+#include "common.h"
+
+namespace fla::ops {
+
+std::tuple<Tensor, Tensor> fused_recurrent_gla_fwd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
+    bool head_first, Runner run);
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_bwd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
+    const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state, bool reverse,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, Runner run);
+
+template <Runner R>
+std::tuple<Tensor, Tensor> fused_recurrent_gla_impl(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
+    bool head_first) {
+  return fused_recurrent_gla_fwd(q, k, v, gk, scale, initial_state, output_final_state, reverse,
+                                 cu_seqlens, head_first, R);
+}
+
+template <Runner R>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_bwd_impl(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
+    const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state, bool reverse,
+    const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  return fused_recurrent_gla_bwd(q, k, v, gk, grad_o, grad_final_state, scale, initial_state,
+                                 reverse, cu_seqlens, head_first, R);
+}
+
+}  // namespace fla::ops

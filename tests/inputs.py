@@ -1,0 +1,64 @@
+"""Random inputs shared by the op tests: ALGORITHMS.md §8.4 gate regimes, both layouts, strided."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def log_decay(kind: str, shape, gen) -> torch.Tensor:
+    """ALGORITHMS.md §8.4 gate regimes (float32, on the CPU)."""
+    T = shape[1]
+    if kind == "typical":
+        return F.logsigmoid(torch.randn(shape, generator=gen))
+    if kind == "near0":
+        return F.logsigmoid(torch.randn(shape, generator=gen)) / 16
+    if kind == "zero":
+        return torch.zeros(shape)
+    if kind == "u5":
+        return -5 * torch.rand(shape, generator=gen)
+    if kind == "u30":
+        return -30 * torch.rand(shape, generator=gen)
+    if kind == "rwkv":  # -exp(N(0, 2^2)), as RWKV6 layers produce
+        return -torch.exp(2 * torch.randn(shape, generator=gen))
+    if kind == "neg1e4":
+        return torch.full(shape, -1e4)
+    if kind == "neginf":
+        return torch.full(shape, -math.inf)
+    if kind in ("mixed1e4", "mixedinf"):
+        w = -0.1 * torch.rand(shape, generator=gen)
+        spike = torch.rand(shape, generator=gen) < 0.07
+        return torch.where(spike, torch.tensor(-1e4 if kind == "mixed1e4" else -math.inf), w)
+    if kind in ("spike0", "spike15"):
+        w = -0.1 * torch.rand(shape, generator=gen)
+        t = torch.arange(T).view(1, T, *([1] * (len(shape) - 2)))
+        rows = (t % 16) == (0 if kind == "spike0" else 15)
+        return torch.where(rows.expand(shape), torch.tensor(-1e4), w)
+    raise ValueError(kind)
+
+
+def make_diag(B, T, H, K, V, dtype, device, gen, *, head_first=False, noncontig=False, h0=True,
+              w_kind="typical", N=None):
+    """(q, k, v, g, h0) of a diagonal-gate op in the kernel dtype (fla layout or head_first),
+    built from float32 CPU draws; h0 is None unless requested."""
+    def act(D, x=None):
+        x = torch.randn(B, T, H, D, generator=gen) if x is None else x
+        if head_first:
+            x = x.transpose(1, 2)
+        x = x.contiguous().to(device=device, dtype=dtype)
+        if noncontig:  # a strided view: every second element of a wider buffer
+            wide = torch.empty(*x.shape[:-1], 2 * D, device=device, dtype=dtype)
+            wide[..., ::2] = x
+            x = wide[..., ::2]
+        return x
+    q, k, v = act(K), act(K), act(V)
+    g = act(K, log_decay(w_kind, (B, T, H, K), gen))
+    N = B if N is None else N
+    state = torch.float64 if dtype == torch.float64 else torch.float32
+    s0 = torch.randn(N, H, K, V, generator=gen).to(device=device, dtype=state) if h0 else None
+    return q, k, v, g, s0
+
+
+
+
+STRESS = ["typical", "near0", "zero", "u5", "u30", "rwkv", "neg1e4", "neginf", "mixed1e4",
+          "mixedinf", "spike0", "spike15"]
