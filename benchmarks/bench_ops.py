@@ -184,6 +184,39 @@ def _rwkv6(case: Case, requires_grad: bool, device: torch.device) -> Built:
     return Built(inputs, impls, ("o", "ht"), {"fla": why} if why else {}, reference)
 
 
+@register("fused_recurrent_gla", _rwkv6_cases)
+def _gla(case: Case, requires_grad: bool, device: torch.device) -> Built:
+    B, T, H, K, V = (case.dims[d] for d in "BTHKV")
+    dt = case.dtype
+    h0 = (torch.randn(B, H, K, V, device=device, dtype=torch.float32)
+          if case.opts.get("initial_state") else None)
+    ofs = bool(case.opts.get("output_final_state"))
+    inputs = _leaves(dict(
+        q=_randn((B, T, H, K), dt, device), k=_randn((B, T, H, K), dt, device),
+        v=_randn((B, T, H, V), dt, device),
+        g=torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device)).to(dt),
+        h0=h0), requires_grad)
+    q, k, v, g = (inputs[n] for n in "qkvg")
+    h0 = inputs.get("h0")
+    kw = dict(initial_state=h0, output_final_state=ofs)
+
+    impls = {"fla_ext": lambda: fla_ext.fused_recurrent_gla(q, k, v, gk=g, **kw)}
+    fla_fn, why = optional_fn("fla.ops.gla", "fused_recurrent_gla", device)
+    if fla_fn is not None:
+        impls["fla"] = lambda: fla_fn(q, k, v, gk=g, **kw)
+
+    def reference(grad_outputs):
+        o, ht = fla_ref.gla(q, k, v, g, initial_state=h0)
+        grads = {}
+        if grad_outputs is not None:
+            gr = fla_ref.gla_bwd(q, k, v, g, grad_outputs[0],
+                                 dht=grad_outputs[1] if ofs else None, initial_state=h0)
+            grads = {n: gr[n] for n, x in inputs.items() if x.requires_grad}
+        return [o, ht if ofs else None], grads
+
+    return Built(inputs, impls, ("o", "ht"), {"fla": why} if why else {}, reference)
+
+
 # ------------------------------------------------------------------------------------------------
 # Timing
 # ------------------------------------------------------------------------------------------------
