@@ -127,6 +127,48 @@ CATCH_TEST_CASE("forward matches the RWKV6 loop (float32 and float64)", "[forwar
   }
 }
 
+CATCH_TEST_CASE("GLA: forward matches its loop, gradients match finite differences", "[gla]") {
+  // h_t = diag(exp(g_t)) h_{t-1} + k_t v_t^T, o_t = scale h_t^T q_t (inclusive), in float64.
+  const Inputs in = make_inputs(at::kDouble, B, T, B, 77);
+  const Tensor q = in.r, g = in.w;
+  auto loop = [&](const Tensor& qq, const Tensor& gg) {
+    Tensor h = in.h0.clone();
+    std::vector<Tensor> os;
+    for (int64_t t = 0; t < T; ++t) {
+      h = gg.select(1, t).exp().unsqueeze(-1) * h +
+          in.k.select(1, t).unsqueeze(-1) * in.v.select(1, t).unsqueeze(-2);
+      os.push_back(std::sqrt(1.0 / K) * (h * qq.select(1, t).unsqueeze(-1)).sum(2));
+    }
+    return std::make_pair(at::stack(os, 1), h);
+  };
+  auto [o, hT] = fla_ext::fused_recurrent_gla(q, in.k, in.v, g, std::nullopt, in.h0, true);
+  auto [o_ref, hT_ref] = loop(q, g);
+  CATCH_CHECK(max_err(o, o_ref) <= 1e-12);
+  CATCH_CHECK(max_err(hT, hT_ref) <= 1e-12);
+
+  // d/dq and d/dg of sum(o) through C++ autograd vs central differences of the op.
+  const Tensor qg = q.clone().requires_grad_(true), gg = g.clone().requires_grad_(true);
+  auto [o2, unused] = fla_ext::fused_recurrent_gla(qg, in.k, in.v, gg, std::nullopt, in.h0);
+  o2.sum().backward();
+  for (auto [x, grad] : {std::make_pair(q, qg.grad()), std::make_pair(g, gg.grad())}) {
+    const double eps = 1e-6;
+    Tensor flat = x.flatten();
+    for (int64_t i = 0; i < flat.numel(); i += 7) {
+      Tensor xp = x.clone(), xm = x.clone();
+      xp.view(-1)[i] += eps, xm.view(-1)[i] -= eps;
+      const bool is_q = x.data_ptr() == q.data_ptr();
+      auto f = [&](const Tensor& y) {
+        return std::get<0>(fla_ext::fused_recurrent_gla(is_q ? y : q, in.k, in.v, is_q ? g : y,
+                                                        std::nullopt, in.h0))
+            .sum()
+            .item<double>();
+      };
+      const double fd = (f(xp) - f(xm)) / (2 * eps);
+      CATCH_CHECK(std::abs(grad.view(-1)[i].item<double>() - fd) <= 1e-6 * (1 + std::abs(fd)));
+    }
+  }
+}
+
 CATCH_TEST_CASE("autograd backward matches finite differences (float64)", "[backward]") {
   const Inputs in = make_inputs(at::kDouble, B, T, B, 99);
   std::vector<Tensor> xs = {in.r, in.k, in.v, in.w, in.u, in.h0};
