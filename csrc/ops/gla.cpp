@@ -8,16 +8,12 @@
 //        dg_t = sum_{t'>=t} (q*dq - k*dk) + zeta,  exact-zero where exp(g_t) == 0.
 #include "gla.h"
 
+#include "autograd_state.h"
+
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 namespace fla::ops {
-namespace {
-
-Tensor opt(const std::optional<Tensor>& t) { return has(t) ? *t : Tensor(); }
-
-}  // namespace
-
 std::tuple<Tensor, Tensor> fused_recurrent_gla_fwd(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
@@ -121,10 +117,7 @@ class FusedRecurrentGla : public torch::autograd::Function<FusedRecurrentGla> {
     auto [o, hT] = op.call(q, k, v, gk, scale, initial_state, output_final_state, reverse,
                            cu_seqlens, head_first);
     ctx->save_for_backward({q, k, v, opt(gk), opt(initial_state), opt(cu_seqlens)});
-    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
-    ctx->saved_data["reverse"] = reverse;
-    ctx->saved_data["head_first"] = head_first;
-    ctx->saved_data["has_ht"] = output_final_state;
+    SweepFlags{scale, reverse, head_first, output_final_state}.save(ctx);
     if (!output_final_state) ctx->mark_non_differentiable({hT});
     return {o, hT};
   }
@@ -134,16 +127,10 @@ class FusedRecurrentGla : public torch::autograd::Function<FusedRecurrentGla> {
                          .findSchemaOrThrow("fla::fused_recurrent_gla_bwd", "")
                          .typed<decltype(fused_recurrent_gla_bwd_impl<nullptr>)>();
     const auto s = ctx->get_saved_variables();
-    const auto& sd = ctx->saved_data;
-    std::optional<double> scale;
-    if (!sd.at("scale").isNone()) scale = sd.at("scale").toDouble();
-    auto some = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
-    std::optional<Tensor> dht;
-    if (sd.at("has_ht").toBool() && grads[1].defined()) dht = grads[1];
+    const auto f = SweepFlags::load(ctx);
     Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
-    auto [dq, dk, dv, dg, dh0] = op.call(s[0], s[1], s[2], some(s[3]), go, dht, scale, some(s[4]),
-                                         sd.at("reverse").toBool(), some(s[5]),
-                                         sd.at("head_first").toBool());
+    auto [dq, dk, dv, dg, dh0] = op.call(s[0], s[1], s[2], some(s[3]), go, f.dht(grads), f.scale,
+                                         some(s[4]), f.reverse, some(s[5]), f.head_first);
     return {dq, dk, dv, s[3].defined() ? dg : Tensor(), Tensor(), s[4].defined() ? dh0 : Tensor(),
             Tensor(), Tensor(), Tensor(), Tensor()};
   }

@@ -9,6 +9,8 @@
 // which never divides by a decay, so w = -inf (a hard reset) is exact.
 #include "rwkv6.h"
 
+#include "autograd_state.h"
+
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -161,13 +163,8 @@ class FusedRecurrentRwkv6 : public torch::autograd::Function<FusedRecurrentRwkv6
                          .typed<decltype(fused_recurrent_rwkv6_impl<nullptr>)>();
     auto [o, hT] = op.call(r, k, v, w, u, scale, initial_state, output_final_state, reverse,
                            cu_seqlens, head_first);
-    ctx->save_for_backward({r, k, v, w, u, initial_state.value_or(Tensor()),
-                            cu_seqlens.value_or(Tensor())});
-    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
-    ctx->saved_data["reverse"] = reverse;
-    ctx->saved_data["head_first"] = head_first;
-    ctx->saved_data["has_h0"] = initial_state.has_value() && initial_state->defined();
-    ctx->saved_data["has_ht"] = output_final_state;
+    ctx->save_for_backward({r, k, v, w, u, opt(initial_state), opt(cu_seqlens)});
+    SweepFlags{scale, reverse, head_first, output_final_state}.save(ctx);
     if (!output_final_state) ctx->mark_non_differentiable({hT});
     return {o, hT};
   }
@@ -177,18 +174,12 @@ class FusedRecurrentRwkv6 : public torch::autograd::Function<FusedRecurrentRwkv6
                          .findSchemaOrThrow("fla::fused_recurrent_rwkv6_bwd", "")
                          .typed<decltype(fused_recurrent_rwkv6_bwd_impl<nullptr>)>();
     const auto s = ctx->get_saved_variables();
-    const auto& sd = ctx->saved_data;
-    std::optional<double> scale;
-    if (!sd.at("scale").isNone()) scale = sd.at("scale").toDouble();
-    std::optional<Tensor> h0, cu, dht;
-    if (sd.at("has_h0").toBool()) h0 = s[5];
-    if (s[6].defined()) cu = s[6];
-    if (sd.at("has_ht").toBool() && grads[1].defined()) dht = grads[1];
+    const auto f = SweepFlags::load(ctx);
     Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
-    auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, dht, scale, h0,
-                                             sd.at("reverse").toBool(), cu,
-                                             sd.at("head_first").toBool());
-    return {dr, dk, dv, dw, du, Tensor(), h0 ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(),
+    auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, f.dht(grads),
+                                             f.scale, some(s[5]), f.reverse, some(s[6]),
+                                             f.head_first);
+    return {dr, dk, dv, dw, du, Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(),
             Tensor()};
   }
 };

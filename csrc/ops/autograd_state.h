@@ -1,0 +1,41 @@
+// What the recurrent ops' autograd Functions keep between forward and backward besides tensors.
+#pragma once
+#include <torch/autograd.h>
+
+#include <optional>
+
+namespace fla::ops {
+
+inline at::Tensor opt(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? *t : at::Tensor();
+}
+inline std::optional<at::Tensor> some(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+struct SweepFlags {
+  std::optional<double> scale;
+  bool reverse = false, head_first = false, has_ht = false;
+
+  void save(torch::autograd::AutogradContext* ctx) const {
+    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+    ctx->saved_data["reverse"] = reverse;
+    ctx->saved_data["head_first"] = head_first;
+    ctx->saved_data["has_ht"] = has_ht;
+  }
+  static SweepFlags load(torch::autograd::AutogradContext* ctx) {
+    const auto& sd = ctx->saved_data;
+    SweepFlags f;
+    if (!sd.at("scale").isNone()) f.scale = sd.at("scale").toDouble();
+    f.reverse = sd.at("reverse").toBool();
+    f.head_first = sd.at("head_first").toBool();
+    f.has_ht = sd.at("has_ht").toBool();
+    return f;
+  }
+  // The final state's incoming gradient, when the forward returned one.
+  std::optional<at::Tensor> dht(const torch::autograd::variable_list& grads) const {
+    return has_ht && grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
+  }
+};
+
+}  // namespace fla::ops
