@@ -37,6 +37,20 @@ def _segments(lam: Tensor) -> Dict[str, Tensor]:
     return dict(seg=seg, G=G, E=E, Omega=Omega, Gamma=G[..., -1])
 
 
+def _pair_factors(sg: Dict[str, Tensor], exclusive: bool):
+    """(fac [B, H, K, L, L], read [B, H, K, L], keep [L, L]): the decay factor of a write at row j
+    seen by the reader at row i, the reader's exponent from the chunk start, and the pairs that
+    carry a decay. GLA reads inclusively (j <= i, exponent sum_{j<s<=i}, reader G); RWKV6
+    exclusively (j < i, exponent sum_{j<s<i}: seg one row up, reader E)."""
+    seg = sg["seg"]
+    i = torch.arange(seg.shape[-1])
+    if not exclusive:
+        return torch.exp(seg), sg["G"], i[:, None] >= i[None, :]
+    keep = i[:, None] > i[None, :]
+    ex = torch.cat([torch.full_like(seg[..., :1, :], -torch.inf), seg[..., :-1, :]], dim=-2)
+    return torch.exp(ex) * keep, sg["E"], keep
+
+
 def _bhl(x: Tensor) -> Tensor:  # [B, L, H, D] -> [B, H, L, D]
     return x.permute(0, 2, 1, 3)
 
@@ -55,13 +69,7 @@ def chunk_fwd(q, k, v, g, u=None, scale=None, initial_state=None, chunk_size=64)
         sl = slice(c0, min(c0 + chunk_size, T))
         qc, kc, vc = _bhl(q[:, sl]), _bhl(k[:, sl]), _bhl(v[:, sl])       # [B, H, L, D]
         sg = _segments(g[:, sl])
-        seg = sg["seg"]                                                  # [B, H, K, L, L]
-        if u is None:   # inclusive: exponent sum_{j<s<=i}, j <= i
-            fac, read = torch.exp(seg), sg["G"]
-        else:           # exclusive: exponent sum_{j<s<i}, j < i (the row above in seg)
-            L = seg.shape[-1]
-            ex = torch.cat([torch.full_like(seg[..., :1, :], -torch.inf), seg[..., :-1, :]], dim=-2)
-            fac, read = torch.exp(ex) * (torch.arange(L)[:, None] > torch.arange(L)[None, :]), sg["E"]
+        fac, read, _ = _pair_factors(sg, exclusive=u is not None)
         A = torch.einsum("bhik,bhjk,bhkij->bhij", qc, kc, fac)
         if u is not None:
             A = A + torch.diag_embed(torch.einsum("bhik,hk,bhik->bhi", qc, u, kc))
@@ -89,21 +97,13 @@ def chunk_bwd(q, k, v, g, do, dht=None, u=None, scale=None, initial_state=None, 
     dv = torch.zeros(B, T, H, V, dtype=torch.float64)
     du = torch.zeros(H, K, dtype=torch.float64) if u is not None else None
     dHst, zetas = [None] * len(starts), [None] * len(starts)
-    L_idx = lambda L: torch.arange(L)  # noqa: E731
     for n in reversed(range(len(starts))):
         sl = slice(starts[n], min(starts[n] + chunk_size, T))
         qc, kc, vc, doc = _bhl(q[:, sl]), _bhl(k[:, sl]), _bhl(v[:, sl]), _bhl(do[:, sl])
-        L = qc.shape[2]
         sg = _segments(g[:, sl])
         S, A, dSp = inter["Hst"][n], inter["A"][n], dS
         dHst[n] = dSp
-        i = L_idx(L)
-        if u is None:
-            fac, read, keep = torch.exp(sg["seg"]), sg["G"], i[:, None] >= i[None, :]
-        else:
-            ex = torch.cat([torch.full_like(sg["seg"][..., :1, :], -torch.inf), sg["seg"][..., :-1, :]], dim=-2)
-            keep = i[:, None] > i[None, :]
-            fac, read = torch.exp(ex) * keep, sg["E"]
+        fac, read, keep = _pair_factors(sg, exclusive=u is not None)
         eread, eomega = torch.exp(read).transpose(-1, -2), torch.exp(sg["Omega"]).transpose(-1, -2)
         qhat, khat = qc * eread, kc * eomega
         dA = s * torch.tril(doc @ vc.transpose(-1, -2))                  # diagonal included
