@@ -21,4 +21,21 @@ TORCH_LIBRARY(fla, m) {
       "Tensor? grad_final_state, float? scale, Tensor? initial_state, bool reverse, "
       "Tensor? cu_seqlens, bool head_first) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dgk, Tensor dh0)");
+  m.def(
+      "chunk_gla(Tensor q, Tensor k, Tensor v, Tensor g, float? scale=None, "
+      "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None, "
+      "bool head_first=False) -> (Tensor o, Tensor final_state)");
+  m.def(
+      "chunk_gla_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor grad_o, "
+      "Tensor? grad_final_state, float? scale, Tensor? initial_state, Tensor? cu_seqlens, "
+      "bool head_first) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dh0)");
+  m.def(
+      "chunk_rwkv6(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, float? scale=None, "
+      "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None, "
+      "bool head_first=False) -> (Tensor o, Tensor final_state)");
+  m.def(
+      "chunk_rwkv6_bwd(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, Tensor grad_o, "
+      "Tensor? grad_final_state, float? scale, Tensor? initial_state, Tensor? cu_seqlens, "
+      "bool head_first) "
+      "-> (Tensor dr, Tensor dk, Tensor dv, Tensor dw, Tensor du, Tensor dh0)");
 }

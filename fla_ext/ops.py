@@ -9,7 +9,13 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["fused_recurrent_gla", "fused_recurrent_rwkv6", "set_checks"]
+__all__ = [
+    "chunk_gla",
+    "chunk_rwkv6",
+    "fused_recurrent_gla",
+    "fused_recurrent_rwkv6",
+    "set_checks",
+]
 
 
 def set_checks(enabled: bool = True) -> None:
@@ -113,5 +119,57 @@ def fused_recurrent_gla(
         _require_tensors(gk=gk)
     o, ht = torch.ops.fla.fused_recurrent_gla(
         q, k, v, gk, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
+    )
+    return o, (ht if output_final_state else None)
+
+
+def chunk_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    head_first: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""Gated linear attention, chunk-parallel (for training): the same map as
+    :func:`fused_recurrent_gla` with ``gk=g``, computed chunk by chunk (64 rows) with every decay
+    factor formed so that its exponent is never positive (any ``g <= 0``, ``-inf`` included).
+
+    Args:
+        q, k, g: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``g`` is the log decay.
+        v: ``[B, T, H, V]``. scale (default ``K ** -0.5``), initial_state, output_final_state,
+            cu_seqlens, head_first: as in :func:`fused_recurrent_rwkv6`.
+
+    Returns:
+        ``(o, final_state)``.
+    """
+    _require_tensors(q=q, k=k, v=v, g=g)
+    o, ht = torch.ops.fla.chunk_gla(
+        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, head_first
+    )
+    return o, (ht if output_final_state else None)
+
+
+def chunk_rwkv6(
+    r: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    head_first: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""RWKV6, chunk-parallel (for training): the same map as :func:`fused_recurrent_rwkv6`
+    (exclusive read plus the bonus ``u``), computed chunk by chunk with never-positive decay
+    exponents. Arguments and returns as in :func:`fused_recurrent_rwkv6` (no ``reverse``)."""
+    _require_tensors(r=r, k=k, v=v, w=w, u=u)
+    o, ht = torch.ops.fla.chunk_rwkv6(
+        r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, head_first
     )
     return o, (ht if output_final_state else None)

@@ -1,11 +1,13 @@
 #include <torch/library.h>
 
+#include "../ops/chunk.h"
 #include "../ops/gla.h"
 #include "../ops/rwkv6.h"
 
 namespace fla {
 namespace {
 void run_cpu(const RecurrentPass& p) { recurrent_cpu(p); }
+void run_chunk_cpu(const ChunkPass& p) { chunk_cpu(p); }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fla, CPU, m) {
@@ -13,6 +15,10 @@ TORCH_LIBRARY_IMPL(fla, CPU, m) {
   m.impl("fused_recurrent_rwkv6_bwd", &ops::fused_recurrent_rwkv6_bwd_impl<run_cpu>);
   m.impl("fused_recurrent_gla", &ops::fused_recurrent_gla_impl<run_cpu>);
   m.impl("fused_recurrent_gla_bwd", &ops::fused_recurrent_gla_bwd_impl<run_cpu>);
+  m.impl("chunk_gla", &ops::chunk_gla_impl<run_chunk_cpu>);
+  m.impl("chunk_gla_bwd", &ops::chunk_gla_bwd_impl<run_chunk_cpu>);
+  m.impl("chunk_rwkv6", &ops::chunk_rwkv6_impl<run_chunk_cpu>);
+  m.impl("chunk_rwkv6_bwd", &ops::chunk_rwkv6_bwd_impl<run_chunk_cpu>);
 }
 
 }  // namespace fla

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "../ops/chunk.h"
 #include "../ops/gla.h"
 #include "../ops/rwkv6.h"
 
@@ -12,6 +13,10 @@ void run_cuda(const RecurrentPass& p) {
   const char* err = recurrent_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA recurrent sweep failed: ", err);
 }
+void run_chunk_cuda(const ChunkPass& p) {
+  const char* err = chunk_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == nullptr, "fla_ext: CUDA chunk kernel failed: ", err);
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fla, CUDA, m) {
@@ -19,6 +24,10 @@ TORCH_LIBRARY_IMPL(fla, CUDA, m) {
   m.impl("fused_recurrent_rwkv6_bwd", &ops::fused_recurrent_rwkv6_bwd_impl<run_cuda>);
   m.impl("fused_recurrent_gla", &ops::fused_recurrent_gla_impl<run_cuda>);
   m.impl("fused_recurrent_gla_bwd", &ops::fused_recurrent_gla_bwd_impl<run_cuda>);
+  m.impl("chunk_gla", &ops::chunk_gla_impl<run_chunk_cuda>);
+  m.impl("chunk_gla_bwd", &ops::chunk_gla_bwd_impl<run_chunk_cuda>);
+  m.impl("chunk_rwkv6", &ops::chunk_rwkv6_impl<run_chunk_cuda>);
+  m.impl("chunk_rwkv6_bwd", &ops::chunk_rwkv6_bwd_impl<run_chunk_cuda>);
 }
 
 }  // namespace fla

@@ -14,13 +14,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-
 namespace fla::ops {
-namespace {
-
-struct Rwkv6Args : DiagArgs {
-  Tensor uc;  // u contiguous [H, K], own dtype (float64 inputs: float64)
-};
 
 Rwkv6Args check_rwkv6(const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w,
                       const Tensor& u, std::optional<double> scale,
@@ -42,6 +36,8 @@ Rwkv6Args check_rwkv6(const Tensor& r, const Tensor& k, const Tensor& v, const T
   if (value_checks_enabled()) check_finite(u, "u");
   return a;
 }
+
+namespace {
 
 RecurrentPass rwkv6_pass(const Rwkv6Args& a, const Tensor& r) {
   RecurrentPass p = base_pass(a, r);

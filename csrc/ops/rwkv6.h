@@ -6,6 +6,15 @@
 
 namespace fla::ops {
 
+struct Rwkv6Args : DiagArgs {
+  Tensor uc;  // u contiguous [H, K], own dtype (float64 inputs: float64)
+};
+// The shared checks of the RWKV6 ops (fused recurrent and chunk).
+Rwkv6Args check_rwkv6(const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w,
+                      const Tensor& u, std::optional<double> scale,
+                      const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
+                      bool head_first);
+
 std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_fwd(
     const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,

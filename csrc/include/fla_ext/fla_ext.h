@@ -51,4 +51,39 @@ inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_gla(
                  head_first);
 }
 
+// Chunked GLA (training path); see fla_ext.ops.chunk_gla. Returns (o, final_state).
+inline std::tuple<at::Tensor, at::Tensor> chunk_gla(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    std::optional<double> scale = std::nullopt,
+    const std::optional<at::Tensor>& initial_state = std::nullopt,
+    bool output_final_state = false, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+    bool head_first = false) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fla::chunk_gla", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, std::optional<double>,
+                           const std::optional<at::Tensor>&, bool,
+                           const std::optional<at::Tensor>&, bool)>();
+  return op.call(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, head_first);
+}
+
+// Chunked RWKV6 (training path); see fla_ext.ops.chunk_rwkv6. Returns (o, final_state).
+inline std::tuple<at::Tensor, at::Tensor> chunk_rwkv6(
+    const at::Tensor& r, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
+    const at::Tensor& u, std::optional<double> scale = std::nullopt,
+    const std::optional<at::Tensor>& initial_state = std::nullopt,
+    bool output_final_state = false, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+    bool head_first = false) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fla::chunk_rwkv6", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, std::optional<double>,
+                           const std::optional<at::Tensor>&, bool,
+                           const std::optional<at::Tensor>&, bool)>();
+  return op.call(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+                 head_first);
+}
+
 }  // namespace fla_ext

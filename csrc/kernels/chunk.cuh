@@ -1,0 +1,636 @@
+// CUDA engine for the chunked diagonal-gate algebra of kernels/chunk.h (ALGORITHMS.md §1-§5).
+//
+// Kernels (all fp32 arithmetic, SIMT FMA: fp32 inputs get fp32 accuracy, never TF32):
+//   state  (N, H, K/64 x V/64 tiles; serial over chunks)  forward: Hst[c] and S+ = γS + K̂ᵀV;
+//          backward: dHst[c], dS = γdS+ + ρQ̂ᵀdO, and the zeta partials rowsum(S+ ⊙ dS+).
+//   out    (chunk slot, H, V/64)  the pair matrix A over all K tiles, then
+//          forward o = ρ(Q̂ S + A V), or backward dv = K̂ dS+ + ρ Aᵀ dO.
+//   grad_qk (chunk slot, H, K/64)  dA, dq, dk (inter + intra), dg by the segmented reverse
+//          cumsum with exact resets, the u terms and the du partials.
+// Decay exponents (log2 units) are only ever *added* (§2.6 additive segment sums), so they are
+// <= 0 in every factor, -inf is exact and nothing cancels: off-diagonal sub-chunk blocks use the
+// §1.2 boundary references (query from its sub-chunk start, key to its sub-chunk end, the
+// sub-chunk totals in between), diagonal blocks sum λ pair by pair.
+#pragma once
+#include "chunk.h"
+#include "elements.cuh"
+#include "sequence.h"
+
+namespace fla {
+namespace chunk_detail {
+using namespace elements;
+
+constexpr int C = kChunk, SC = kSubChunk, NSC = kChunk / kSubChunk;
+constexpr int DT = kChunkTile;  // channels per K or V tile (== C: every smem tile is 64 x LD)
+constexpr int LD = DT + 4;      // row stride: 16-byte aligned rows, conflict-free 4x4 tiles
+constexpr int NTH = 256;        // 16 x 16 threads, each a 4 x 4 block of a 64 x 64 tile
+constexpr float kLog2e = 1.4426950408889634f;
+static_assert(C == DT && NTH == 4 * DT && NSC == 4, "tile shapes");
+
+using Tile = float[LD];  // a tile is Tile[64]
+
+// Where one CTA's chunk lives.
+struct Pos {
+  int n, L;
+  int64_t b, t0, slot, c, nch;
+};
+
+__device__ __forceinline__ int64_t num_chunks(int64_t len) { return (len + C - 1) / C; }
+
+// Chunk slot -> (sequence, chunk); false for slots that hold no chunk (final-state / gap slots).
+__device__ __forceinline__ bool locate(const ChunkPass& p, int64_t slot, Pos& o) {
+  int n;
+  if (p.cu_seqlens) {
+    int lo = 0, hi = p.N - 1;  // the last sequence whose first slot is <= slot
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (chunk_slot(p.cu_seqlens, mid, p.T, 0) <= slot) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+  } else {
+    n = int(slot / (num_chunks(p.T) + 1));
+  }
+  const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
+  const int64_t c = slot - chunk_slot(p.cu_seqlens, n, p.T, 0), nch = num_chunks(s.len);
+  if (c < 0 || c >= nch) return false;
+  o.n = n, o.b = s.b, o.t0 = s.bos + c * C, o.L = int(s.len - c * C < C ? s.len - c * C : C);
+  o.slot = slot, o.c = c, o.nch = nch;
+  return true;
+}
+
+// Rows [t0, t0 + L) x channels [d0, d0 + DT) of an activation into s[row][ch] (transposed:
+// s[ch][row]), times mul, zero outside the sequence and past D: padded rows and channels then
+// contribute exactly 0 (λ = 0 there, §2.4).
+template <typename T, bool TRANSPOSE>
+__device__ __forceinline__ void load_rows(Tile* s, const VecArg& a, int64_t b, int64_t t0, int L,
+                                          int h, int d0, int D, float mul) {
+  for (int e = threadIdx.x; e < C * DT; e += NTH) {
+    const int r = e / DT, c = e % DT;
+    float x = 0.f;
+    if (r < L && d0 + c < D) x = ld<T>(a, b, t0 + r, h, d0 + c) * mul;
+    if (TRANSPOSE) s[c][r] = x; else s[r][c] = x;
+  }
+}
+
+// Rows [r0, r0 + DT) x cols [c0, c0 + DT) of a row-major fp32 [R, Cn] matrix (transposed:
+// s[col][row]), zero outside.
+template <bool TRANSPOSE>
+__device__ __forceinline__ void load_mat(Tile* s, const float* m, int R, int Cn, int r0, int c0) {
+  for (int e = threadIdx.x; e < DT * DT; e += NTH) {
+    const int r = e / DT, c = e % DT;
+    const float x = (r0 + r < R && c0 + c < Cn) ? m[int64_t(r0 + r) * Cn + c0 + c] : 0.f;
+    if (TRANSPOSE) s[c][r] = x; else s[r][c] = x;
+  }
+}
+
+// acc[r][s] += Σ_k a(4ty + r, k) b(k, 4tx + s), with a stored [row][k] or, TA, [k][row]; b [k][col].
+template <bool TA>
+__device__ __forceinline__ void mma4(float (&acc)[4][4], const Tile* a, const Tile* b, int K) {
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+#pragma unroll 4
+  for (int k = 0; k < K; ++k) {
+    float av[4];
+    if (TA) {
+      const float4 t = *reinterpret_cast<const float4*>(&a[k][4 * ty]);
+      av[0] = t.x, av[1] = t.y, av[2] = t.z, av[3] = t.w;
+    } else {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) av[r] = a[4 * ty + r][k];
+    }
+    const float4 bv = *reinterpret_cast<const float4*>(&b[k][4 * tx]);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      acc[r][0] += av[r] * bv.x, acc[r][1] += av[r] * bv.y;
+      acc[r][2] += av[r] * bv.z, acc[r][3] += av[r] * bv.w;
+    }
+  }
+}
+
+// Per channel of a K tile: sub-chunk totals τ_m and, from them by addition only, the factors
+// before[m] = exp2(Σ_{l<m} τ_l), after[m] = exp2(Σ_{l>m} τ_l), gap[m'][m] = exp2(Σ_{m'<l<m} τ_l)
+// and gamma = exp2(Σ τ).
+struct Decays {
+  float tau[NSC][DT], before[NSC][DT], after[NSC][DT], gap[NSC][NSC][DT], gamma[DT];
+};
+
+__device__ __forceinline__ void chunk_decays(Decays& d, const Tile* lam) {
+  {
+    const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < SC; ++i) t += lam[m * SC + i][ch];
+    d.tau[m][ch] = t;
+  }
+  __syncthreads();
+  if (threadIdx.x < DT) {
+    const int ch = threadIdx.x;
+    float all = 0.f;
+#pragma unroll
+    for (int m = 0; m < NSC; ++m) {
+      float b = 0.f, a = 0.f;
+      for (int l = 0; l < m; ++l) b += d.tau[l][ch];
+      for (int l = m + 1; l < NSC; ++l) a += d.tau[l][ch];
+      d.before[m][ch] = exp2f(b), d.after[m][ch] = exp2f(a);
+      all += d.tau[m][ch];
+#pragma unroll
+      for (int mk = 0; mk < NSC; ++mk) {
+        float g = 0.f;
+        for (int l = mk + 1; l < m; ++l) g += d.tau[l][ch];
+        d.gap[mk][m][ch] = exp2f(g);
+      }
+    }
+    d.gamma[ch] = exp2f(all);
+  }
+  __syncthreads();
+}
+
+// In-sub-chunk walks of thread (m, ch): x[i][ch] *= exp2(reader exponent from the sub-chunk
+// start: Pin_i inclusive, Pex_i exclusive), y[j][ch] *= exp2(Qex_j = Σ_{j<s<=end(m)} λ_s).
+// y may be stored transposed (YT: y[ch][j]).
+template <Reader RD>
+__device__ __forceinline__ void scale_reader(Tile* x, const Tile* lam, int m, int ch, float mul) {
+  float e = 0.f;
+#pragma unroll
+  for (int i = m * SC; i < (m + 1) * SC; ++i) {
+    if (RD == Reader::Inclusive) e += lam[i][ch];
+    x[i][ch] *= mul * exp2f(e);
+    if (RD == Reader::Exclusive) e += lam[i][ch];
+  }
+}
+template <bool YT>
+__device__ __forceinline__ void scale_key(Tile* y, const Tile* lam, int m, int ch, float mul) {
+  float e = 0.f;
+#pragma unroll
+  for (int j = (m + 1) * SC - 1; j >= m * SC; --j) {
+    float& v = YT ? y[ch][j] : y[j][ch];
+    v *= mul * exp2f(e);
+    e += lam[j][ch];
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// State pass. Forward: S starts at h0, Hst[c] = S before chunk c, S = γ S + K̂ᵀ V, final state
+// into the slot after the last chunk (and hT). Backward: D starts at dht, dHst[c] = D before
+// (= dS+ of chunk c), zeta partials, D = γ D + ρ Q̂ᵀ dO, then dh0.
+template <typename T, Reader RD, bool BWD>
+__global__ void __launch_bounds__(NTH) chunk_state_kernel(ChunkPass p, int ntv) {
+  extern __shared__ float4 smem4[];
+  Tile* X = reinterpret_cast<Tile*>(smem4);
+  Tile* LAM = X + C;
+  Tile* Y = LAM + C;
+  Decays& d = *reinterpret_cast<Decays*>(Y + C);
+
+  const int n = blockIdx.x, h = blockIdx.y, tk = blockIdx.z / ntv, tv = blockIdx.z % ntv;
+  const int k0 = tk * DT, v0 = tv * DT, ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
+  const int64_t nch = num_chunks(s.len);
+  const int64_t KV = int64_t(p.K) * p.V;
+
+  float S[4][4];
+  const MatArg& init = BWD ? p.dht : p.h0;
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
+      S[r][c] = (init.on() && row < p.K && col < p.V) ? *mptr(init, n, h, row, col) : 0.f;
+    }
+  float* ws = static_cast<float*>(BWD ? p.dhst : p.hst);
+
+  auto store = [&](float* base) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
+        if (row < p.K && col < p.V) base[int64_t(row) * p.V + col] = S[r][c];
+      }
+  };
+
+  for (int64_t i = 0; i < nch; ++i) {
+    const int64_t c = BWD ? nch - 1 - i : i;
+    const int64_t slot = chunk_slot(p.cu_seqlens, n, p.T, c);
+    store(ws + (slot * p.H + h) * KV);
+    if (BWD) {  // zeta partial over this V tile: rowsum(S+ ⊙ dS+), S+ = Hst[slot + 1]
+      const float* Sp = static_cast<const float*>(p.hst) + ((slot + 1) * p.H + h) * KV;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = k0 + 4 * ty + r;
+        float z = 0.f;
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+          const int col = v0 + 4 * tx + cc;
+          if (row < p.K && col < p.V) z += Sp[int64_t(row) * p.V + col] * S[r][cc];
+        }
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
+        if (tx == 0 && row < p.K)
+          static_cast<float*>(p.zeta)[((slot * p.H + h) * ntv + tv) * p.K + row] = z;
+      }
+    }
+    const int L = int(s.len - c * C < C ? s.len - c * C : C);
+    const int64_t t0 = s.bos + c * C;
+    __syncthreads();
+    load_rows<T, false>(X, BWD ? p.q : p.k, s.b, t0, L, h, k0, p.K, 1.f);
+    load_rows<T, false>(LAM, p.g, s.b, t0, L, h, k0, p.K, kLog2e);
+    load_rows<T, false>(Y, BWD ? p.dout : p.v, s.b, t0, L, h, v0, p.V, 1.f);
+    __syncthreads();
+    chunk_decays(d, LAM);
+    {
+      const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+      if (BWD) scale_reader<RD>(X, LAM, m, ch, float(p.scale) * d.before[m][ch]);
+      else scale_key<false>(X, LAM, m, ch, d.after[m][ch]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float gm = d.gamma[4 * ty + r];
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) S[r][cc] *= gm;
+    }
+    mma4<true>(S, X, Y, C);
+  }
+  if (BWD) {
+    if (p.dh0.on())
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
+          if (row < p.K && col < p.V) *mptr(p.dh0, n, h, row, col) = S[r][c];
+        }
+  } else {
+    store(ws + (chunk_slot(p.cu_seqlens, n, p.T, nch) * p.H + h) * KV);
+    if (p.hT.on())
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
+          if (row < p.K && col < p.V) *mptr(p.hT, n, h, row, col) = S[r][c];
+        }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Diagonal sub-chunk blocks of A (and the u bonus on the diagonal), added into A for one K tile.
+// Thread (m, i, jg) owns row 16m + i and columns 16m + 4jg .. +3; the exponent of pair (i, j),
+// Σ_{j<s<=i} λ_s (exclusive: s < i), is built by walking j down from the row: additions only.
+template <Reader RD>
+__device__ __forceinline__ void diag_pairs(Tile* A, const Tile* Q, const Tile* KT_,
+                                           const Tile* lam, const float* u) {
+  const int m = threadIdx.x / 64, I = m * SC + (threadIdx.x / 4) % SC, j0 = m * SC + 4 * (threadIdx.x % 4);
+  const int iend = RD == Reader::Inclusive ? I : I - 1;  // last key row that carries a decay
+  const bool bonus = RD == Reader::Exclusive && I >= j0 && I < j0 + 4;
+  if (j0 > iend && !bonus) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, b = 0.f;
+  for (int ch = 0; ch < DT; ++ch) {
+    const float qi = Q[I][ch];
+    const float4 kv = *reinterpret_cast<const float4*>(&KT_[ch][j0]);
+    const float kj[4] = {kv.x, kv.y, kv.z, kv.w};
+    float e = 0.f;
+    for (int s = j0 + 4; s <= iend; ++s) e += lam[s][ch];
+#pragma unroll
+    for (int jj = 3; jj >= 0; --jj) {
+      if (j0 + jj <= iend) {
+        acc[jj] += qi * kj[jj] * exp2f(e);
+        e += lam[j0 + jj][ch];
+      }
+    }
+    if (bonus) b += qi * u[ch] * kj[I - j0];
+  }
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj)
+    if (j0 + jj <= iend) A[I][j0 + jj] += acc[jj];
+  if (bonus) A[I][I] += b;
+}
+
+// Forward outputs (DV = false): o = ρ (Q̂ S + A V). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO.
+template <typename T, Reader RD, bool DV>
+__global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
+  extern __shared__ float4 smem4[];
+  Tile* QX = reinterpret_cast<Tile*>(smem4);  // q, then q ⊙ exp2(reader exp), then Q̂
+  Tile* KYt = QX + C;                          // k transposed [ch][j], then ⊙ exp2(Qex), K̂
+  Tile* W = KYt + C;                           // λ, then the state tile, then V / dO
+  Tile* A = W + C;
+  Decays& d = *reinterpret_cast<Decays*>(A + C);
+  float* us = reinterpret_cast<float*>(&d + 1);
+
+  Pos pos;
+  if (!locate(p, blockIdx.x, pos)) return;
+  const int h = blockIdx.y, v0 = blockIdx.z * DT, ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+  const int64_t KV = int64_t(p.K) * p.V;
+
+  for (int e = threadIdx.x; e < C * LD; e += NTH) A[e / LD][e % LD] = 0.f;
+  float acc[4][4] = {};
+  for (int k0 = 0; k0 < p.K; k0 += DT) {
+    __syncthreads();
+    load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+    load_rows<T, true>(KYt, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+    load_rows<T, false>(W, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+    if (RD == Reader::Exclusive && threadIdx.x < DT)
+      us[threadIdx.x] = k0 + threadIdx.x < p.K ? ldu(p.u, int64_t(h) * p.K + k0 + threadIdx.x, p.udtype) : 0.f;
+    __syncthreads();
+    chunk_decays(d, W);
+    diag_pairs<RD>(A, QX, KYt, W, us);
+    __syncthreads();
+    scale_reader<RD>(QX, W, m, ch, 1.f);
+    scale_key<true>(KYt, W, m, ch, 1.f);
+    __syncthreads();
+    {  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk) of A
+      const int mq = ty / 4, mk = tx / 4;
+      if (mk < mq) {
+        float a[4][4] = {};
+        for (int c = 0; c < DT; ++c) {
+          const float g = d.gap[mk][mq][c];
+          const float4 kv = *reinterpret_cast<const float4*>(&KYt[c][4 * tx]);
+          const float kj[4] = {kv.x * g, kv.y * g, kv.z * g, kv.w * g};
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float qi = QX[4 * ty + r][c];
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) a[r][cc] += qi * kj[cc];
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) A[4 * ty + r][4 * tx + cc] += a[r][cc];
+      }
+    }
+    __syncthreads();
+    // Q̂ = q ⊙ exp2(G or E) = QX ⊙ before[m];  K̂ = k ⊙ exp2(Ω) = KYt ⊙ after[m].
+    if (DV) {
+      for (int j = m * SC; j < (m + 1) * SC; ++j) KYt[ch][j] *= d.after[m][ch];
+    } else {
+      for (int i = m * SC; i < (m + 1) * SC; ++i) QX[i][ch] *= d.before[m][ch];
+    }
+    const float* st = static_cast<const float*>(DV ? p.dhst : p.hst) + (pos.slot * p.H + h) * KV;
+    load_mat<false>(W, st, p.K, p.V, k0, v0);
+    __syncthreads();
+    if (DV) mma4<true>(acc, KYt, W, DT);
+    else mma4<false>(acc, QX, W, DT);
+  }
+  __syncthreads();
+  load_rows<T, false>(W, DV ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+  const float rho = float(p.scale);
+  if (DV)  // dv = K̂ dS+ + ρ Aᵀ dO: fold ρ into A
+    for (int e = threadIdx.x; e < C * C; e += NTH) A[e / C][e % C] *= rho;
+  __syncthreads();
+  if (DV) mma4<true>(acc, A, W, C);
+  else mma4<false>(acc, A, W, C);
+  const VecArg& out = DV ? p.dv : p.o;
+  const float mul = DV ? 1.f : rho;
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      const int row = 4 * ty + r, col = v0 + 4 * tx + cc;
+      if (row < pos.L && col < p.V) *vptr<T>(out, pos.b, pos.t0 + row, h, col) = from_f<T>(mul * acc[r][cc]);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// dq, dk, dg (and du partials) for one chunk and K tile.
+template <typename T, Reader RD>
+__global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int ntv) {
+  extern __shared__ float4 smem4[];
+  Tile* DA = reinterpret_cast<Tile*>(smem4);
+  Tile* DQ = DA + C;
+  Tile* DK = DQ + C;
+  Tile* QX = DK + C;   // phase 1: dO^T; phase 2: q, then q ⊙ exp2(reader exponent)
+  Tile* KY = QX + C;   // phase 1: V^T;  phase 2: k, then k ⊙ exp2(Qex)
+  Tile* LAM = KY + C;  // phase 1: S^T;  phase 2: λ
+  Decays& d = *reinterpret_cast<Decays*>(LAM + C);
+  float* zs = reinterpret_cast<float*>(&d + 1);  // [DT] zeta
+  float* us = zs + DT;                            // [DT] u
+  float* carry = us + DT;                         // [NSC][DT] top-of-sub-chunk scan values
+  int* resets = reinterpret_cast<int*>(carry + NSC * DT);  // [NSC][DT]
+  float* dup = reinterpret_cast<float*>(resets + NSC * DT);  // [NSC][DT] du partials
+
+  Pos pos;
+  if (!locate(p, blockIdx.x, pos)) return;
+  const int h = blockIdx.y, k0 = blockIdx.z * DT, ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+  const int64_t KV = int64_t(p.K) * p.V;
+  const float rho = float(p.scale);
+
+  // Phase 1, over V tiles: dA = dO Vᵀ, dqi = dO Sᵀ, dki = V dS+ᵀ.
+  float da[4][4] = {}, dqi[4][4] = {}, dki[4][4] = {};
+  const float* S = static_cast<const float*>(p.hst) + (pos.slot * p.H + h) * KV;
+  const float* dS = static_cast<const float*>(p.dhst) + (pos.slot * p.H + h) * KV;
+  for (int v0 = 0; v0 < p.V; v0 += DT) {
+    __syncthreads();
+    load_rows<T, true>(QX, p.dout, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+    load_rows<T, true>(KY, p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+    load_mat<true>(LAM, S, p.K, p.V, k0, v0);
+    load_mat<true>(DQ, dS, p.K, p.V, k0, v0);
+    __syncthreads();
+    mma4<true>(da, QX, KY, DT);
+    mma4<true>(dqi, QX, LAM, DT);
+    mma4<true>(dki, KY, DQ, DT);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      const int i = 4 * ty + r, j = 4 * tx + cc;
+      DA[i][j] = j <= i ? rho * da[r][cc] : 0.f;  // tril, diagonal included (u terms)
+      DQ[i][j] = rho * dqi[r][cc];
+      DK[i][j] = dki[r][cc];
+    }
+  if (threadIdx.x < DT) {
+    float z = 0.f;
+    const int kk = k0 + threadIdx.x;
+    if (kk < p.K)
+      for (int t = 0; t < ntv; ++t)
+        z += static_cast<const float*>(p.zeta)[((pos.slot * p.H + h) * ntv + t) * p.K + kk];
+    zs[threadIdx.x] = z;
+    us[threadIdx.x] = RD == Reader::Exclusive && kk < p.K ? ldu(p.u, int64_t(h) * p.K + kk, p.udtype) : 0.f;
+  }
+  __syncthreads();
+
+  // Phase 2: the K tile's q, k, λ.
+  load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+  load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+  load_rows<T, false>(LAM, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+  __syncthreads();
+  chunk_decays(d, LAM);
+
+  // Diagonal sub-chunk blocks, thread (m, ch) over its 16 rows, exponents walked additively.
+  float dgq[SC], dgk[SC];
+#pragma unroll
+  for (int ii = 0; ii < SC; ++ii) {
+    const int i = m * SC + ii;
+    float e = 0.f, a = 0.f;  // dq_i += Σ_{j<=i (j<i)} dA_ij k_j exp2(Σ_{j<s<=i (<i)} λ_s)
+    for (int j = RD == Reader::Inclusive ? i : i - 1; j >= m * SC; --j) {
+      a += DA[i][j] * KY[j][ch] * exp2f(e);
+      e += LAM[j][ch];
+    }
+    dgq[ii] = a;
+    e = 0.f, a = 0.f;        // dk_i += Σ_{j>=i (j>i)} dA_ji q_j exp2(Σ_{i<s<=j (<j)} λ_s)
+    for (int j = RD == Reader::Inclusive ? i : i + 1; j < (m + 1) * SC; ++j) {
+      if (RD == Reader::Inclusive && j > i) e += LAM[j][ch];
+      a += DA[j][i] * QX[j][ch] * exp2f(e);
+      if (RD == Reader::Exclusive) e += LAM[j][ch];
+    }
+    dgk[ii] = a;
+  }
+  __syncthreads();
+  // Inter terms to the sub-chunk references; operands for the off-diagonal blocks.
+  for (int ii = 0; ii < SC; ++ii) {
+    DQ[m * SC + ii][ch] *= d.before[m][ch];
+    DK[m * SC + ii][ch] *= d.after[m][ch];
+  }
+  scale_reader<RD>(QX, LAM, m, ch, 1.f);
+  scale_key<false>(KY, LAM, m, ch, 1.f);
+  __syncthreads();
+  {  // off-diagonal: DQ[i] += Σ_{j in mk<mq} dA_ij KY_j gap;  DK[j] += Σ_{i in mq>mk} dA_ij QX_i gap
+    const int mr = ty / 4;
+    float aq[4][4] = {}, ak[4][4] = {};
+    for (int j = 0; j < mr * SC; ++j) {
+      const int mk = j / SC;
+      const float4 kv = *reinterpret_cast<const float4*>(&KY[j][4 * tx]);
+      const float4 gv = *reinterpret_cast<const float4*>(&d.gap[mk][mr][4 * tx]);
+      const float kj[4] = {kv.x * gv.x, kv.y * gv.y, kv.z * gv.z, kv.w * gv.w};
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float w = DA[4 * ty + r][j];
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) aq[r][cc] += w * kj[cc];
+      }
+    }
+    for (int i = (mr + 1) * SC; i < C; ++i) {
+      const int mq = i / SC;
+      const float4 qv = *reinterpret_cast<const float4*>(&QX[i][4 * tx]);
+      const float4 gv = *reinterpret_cast<const float4*>(&d.gap[mr][mq][4 * tx]);
+      const float qi[4] = {qv.x * gv.x, qv.y * gv.y, qv.z * gv.z, qv.w * gv.w};
+      const float4 wv = *reinterpret_cast<const float4*>(&DA[i][4 * ty]);
+      const float w[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) ak[r][cc] += w[r] * qi[cc];
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) {
+        DQ[4 * ty + r][4 * tx + cc] += aq[r][cc];
+        DK[4 * ty + r][4 * tx + cc] += ak[r][cc];
+      }
+  }
+  __syncthreads();
+  // Row factors exp2(reader exponent) and exp2(Qex), then the diagonal blocks: dq', dk' complete.
+  {
+    float e = 0.f;
+    for (int ii = 0; ii < SC; ++ii) {
+      const int i = m * SC + ii;
+      if (RD == Reader::Inclusive) e += LAM[i][ch];
+      DQ[i][ch] = DQ[i][ch] * exp2f(e) + dgq[ii];
+      if (RD == Reader::Exclusive) e += LAM[i][ch];
+    }
+    e = 0.f;
+    for (int ii = SC - 1; ii >= 0; --ii) {
+      const int j = m * SC + ii;
+      DK[j][ch] = DK[j][ch] * exp2f(e) + dgk[ii];
+      e += LAM[j][ch];
+    }
+  }
+  __syncthreads();
+
+  // dg by the reverse cumsum (§3; RWKV6 reader terms strictly after t), as a segmented scan over
+  // the 4 sub-chunks: where exp(λ_t) == 0 the true dg_t is exactly 0, and so is the suffix sum
+  // (ζ included) it stands for, so the scan restarts from 0 there.
+  const int kk = k0 + ch;
+  auto step = [&](float& acc, int t, bool write) {
+    const float q = t < pos.L && kk < p.K ? ld<T>(p.q, pos.b, pos.t0 + t, h, kk) : 0.f;
+    const float k = t < pos.L && kk < p.K ? ld<T>(p.k, pos.b, pos.t0 + t, h, kk) : 0.f;
+    const bool dead = exp2f(LAM[t][ch]) == 0.f && t < pos.L;
+    const float xq = q * DQ[t][ch], xk = k * DK[t][ch];
+    if (RD == Reader::Inclusive) acc += xq - xk; else acc -= xk;
+    float dg = acc;
+    if (dead) dg = 0.f, acc = 0.f;
+    if (RD == Reader::Exclusive) acc += xq;
+    if (write && t < pos.L && kk < p.K) {
+      const float dA = DA[t][t];
+      *vptr<T>(p.dg, pos.b, pos.t0 + t, h, kk) = from_f<T>(dg);
+      *vptr<T>(p.dq, pos.b, pos.t0 + t, h, kk) = from_f<T>(DQ[t][ch] + dA * us[ch] * k);
+      *vptr<T>(p.dk, pos.b, pos.t0 + t, h, kk) = from_f<T>(DK[t][ch] + dA * us[ch] * q);
+      if (RD == Reader::Exclusive) dup[m * DT + ch] += dA * q * k;
+    }
+    return dead;
+  };
+  {
+    float acc = 0.f;
+    int reset = 0;
+    for (int t = (m + 1) * SC - 1; t >= m * SC; --t) reset |= step(acc, t, false);
+    carry[m * DT + ch] = acc, resets[m * DT + ch] = reset;
+    dup[m * DT + ch] = 0.f;
+  }
+  __syncthreads();
+  {
+    float acc = zs[ch];
+    for (int l = NSC - 1; l > m; --l) acc = resets[l * DT + ch] ? carry[l * DT + ch] : acc + carry[l * DT + ch];
+    for (int t = (m + 1) * SC - 1; t >= m * SC; --t) step(acc, t, true);
+  }
+  if (RD == Reader::Exclusive && p.du) {
+    __syncthreads();
+    if (threadIdx.x < DT && kk < p.K)
+      static_cast<float*>(p.du)[(pos.slot * p.H + h) * p.K + kk] =
+          dup[ch] + dup[DT + ch] + dup[2 * DT + ch] + dup[3 * DT + ch];
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+constexpr size_t kTileBytes = sizeof(float) * C * LD;
+constexpr size_t kStateSmem = 3 * kTileBytes + sizeof(Decays);
+constexpr size_t kOutSmem = 4 * kTileBytes + sizeof(Decays) + sizeof(float) * DT;
+constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * (2 + 3 * NSC) * DT;
+
+template <typename K>
+inline cudaError_t set_smem(K kernel, size_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
+
+template <typename T, Reader RD>
+cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
+  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+  const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
+  const dim3 state_grid(p.N, p.H, ntk * ntv);
+  cudaError_t e;
+  auto state_fwd = chunk_state_kernel<T, RD, false>;
+  if ((e = set_smem(state_fwd, kStateSmem)) != cudaSuccess) return e;
+  state_fwd<<<state_grid, NTH, kStateSmem, stream>>>(p, ntv);
+  if (!p.dout.on()) {
+    auto out = chunk_out_kernel<T, RD, false>;
+    if ((e = set_smem(out, kOutSmem)) != cudaSuccess) return e;
+    if (slots > 0) out<<<dim3(unsigned(slots), p.H, ntv), NTH, kOutSmem, stream>>>(p);
+    return cudaGetLastError();
+  }
+  auto state_bwd = chunk_state_kernel<T, RD, true>;
+  if ((e = set_smem(state_bwd, kStateSmem)) != cudaSuccess) return e;
+  state_bwd<<<state_grid, NTH, kStateSmem, stream>>>(p, ntv);
+  auto dv = chunk_out_kernel<T, RD, true>;
+  if ((e = set_smem(dv, kOutSmem)) != cudaSuccess) return e;
+  auto dqk = chunk_grad_qk_kernel<T, RD>;
+  if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
+  if (slots > 0) {
+    dv<<<dim3(unsigned(slots), p.H, ntv), NTH, kOutSmem, stream>>>(p);
+    dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, ntv);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace chunk_detail
+
+template <typename T>
+cudaError_t launch_chunk(const ChunkPass& p, cudaStream_t stream) {
+  return p.reader == Reader::Inclusive
+             ? chunk_detail::launch_chunk_reader<T, Reader::Inclusive>(p, stream)
+             : chunk_detail::launch_chunk_reader<T, Reader::Exclusive>(p, stream);
+}
+
+}  // namespace fla

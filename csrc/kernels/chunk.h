@@ -1,0 +1,69 @@
+// Torch-free description of the chunked diagonal-gate algebra (ALGORITHMS.md §1-§5): GLA
+// (inclusive reader) and RWKV6 (exclusive reader plus the bonus u), forward and backward.
+//
+// Per (sequence, head) the time axis is cut into chunks of kChunk rows, restarted at every
+// sequence start. The chunk-start states live in a workspace `hst` of fp32 (fp64 for fp64
+// inputs) [slots, H, K, V] matrices, contiguous; sequence n's chunk c has slot
+// chunk_slot(n, c) and the state after its last chunk (the final state) the slot after that.
+// The slot map needs no host knowledge of cu_seqlens, so every launch is CUDA-graph safe.
+#pragma once
+#include <cstdint>
+
+#include "recurrent.h"  // DType, VecArg, MatArg
+
+namespace fla {
+
+constexpr int kChunk = 64;     // C
+constexpr int kSubChunk = 16;  // c: the §1.2 reference points sit on sub-chunk boundaries
+constexpr int kChunkTile = 64;  // K and V tile of the CUDA kernels (sizes the zeta workspace)
+
+enum class Reader : int { Inclusive = 0, Exclusive = 1 };
+
+struct ChunkPass {
+  DType dtype = DType::f32;  // of every VecArg
+  int N = 0, H = 0, T = 0, K = 0, V = 0;
+  const int64_t* cu_seqlens = nullptr;  // [N+1] on the pass's device, or null
+  Reader reader = Reader::Inclusive;
+  double scale = 1;
+
+  VecArg q, k, v, g;           // q, k, g: K; v: V; g off = no decay
+  const void* u = nullptr;     // [H, K] contiguous bonus (Exclusive), dtype udtype
+  DType udtype = DType::f32;
+  MatArg h0;                   // initial state, zero when off
+
+  // Forward: o (written) and hT (written when on).
+  VecArg o;
+  MatArg hT;
+
+  // Backward (when `dout` is on): every gradient below is written when on.
+  VecArg dout;
+  MatArg dht;                  // incoming final-state gradient, zero when off
+  VecArg dq, dk, dv, dg;
+  MatArg dh0;
+  void* du = nullptr;          // [slots, H, K] acc per-chunk partials of du (summed by the op)
+
+  void* hst = nullptr;         // [slots, H, K, V] acc workspace (chunk-start states)
+  void* dhst = nullptr;        // [slots, H, K, V] acc workspace (backward: dS at chunk ends)
+  // [slots, H, ceil(V / kChunkTile), K] acc workspace (backward): per-V-tile partial sums of
+  // zeta = rowsum(S+ * dS+) (ALGORITHMS.md §3); a backend may leave it unused.
+  void* zeta = nullptr;
+};
+
+// Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens).
+inline int64_t chunk_slots(int N, int T, bool varlen) {
+  const int64_t per = (int64_t(T) + kChunk - 1) / kChunk + 1;
+  return varlen ? int64_t(T) / kChunk + 2 * int64_t(N) + 1 : int64_t(N) * per;
+}
+
+// Slot of chunk c of sequence n (its final state: c = number of chunks). With cu_seqlens the
+// offset floor(bos / C) + 2n is monotone and leaves room for ceil(len / C) + 1 slots.
+FLA_HD int64_t chunk_slot(const int64_t* cu_seqlens, int n, int T, int64_t c) {
+  if (cu_seqlens) return cu_seqlens[n] / kChunk + 2 * int64_t(n) + c;
+  return int64_t(n) * ((int64_t(T) + kChunk - 1) / kChunk + 1) + c;
+}
+
+void chunk_cpu(const ChunkPass& p);
+// Returns nullptr on success, else the CUDA error string of the failed launch.
+const char* chunk_cuda(const ChunkPass& p, void* stream);
+
+}  // namespace fla

@@ -1,0 +1,241 @@
+// Chunked GLA and RWKV6 (ALGORITHMS.md §4-§5). The forward is one chunk pass (state pass, then
+// the per-chunk outputs); the backward recomputes the chunk-start states, runs the reverse
+// state pass for dHst, then the per-chunk gradients. Backends: cpu/chunk.cpp (float64
+// exponents, the algebra as written) and kernels/chunk*.cu.
+#include "chunk.h"
+
+#include "autograd_state.h"
+#include "rwkv6.h"
+
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace fla::ops {
+namespace {
+
+ChunkPass chunk_pass(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
+                     const Tensor& v, const Tensor& g, const Tensor& uc,
+                     const std::optional<Tensor>& h0) {
+  ChunkPass p;
+  p.dtype = kernel_dtype(q);
+  p.N = int(a.N), p.H = int(a.H), p.T = int(a.T), p.K = int(a.K), p.V = int(a.V);
+  p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
+  p.reader = reader;
+  p.scale = a.scale;
+  p.q = a.L.vec(q), p.k = a.L.vec(k), p.v = a.L.vec(v), p.g = a.L.vec(g);
+  if (uc.defined()) p.u = uc.data_ptr(), p.udtype = kernel_dtype(uc);
+  if (has(h0)) p.h0 = mat(*h0);
+  return p;
+}
+
+Tensor state_workspace(const DiagArgs& a, const Tensor& q) {
+  const int64_t slots = chunk_slots(int(a.N), int(a.T), a.cu.defined());
+  return new_output({slots, a.H, a.K, a.V}, q.options().dtype(acc_type(q)));
+}
+
+std::tuple<Tensor, Tensor> chunk_forward(const DiagArgs& a, Reader reader, const Tensor& q,
+                                         const Tensor& k, const Tensor& v, const Tensor& g,
+                                         const Tensor& uc, const std::optional<Tensor>& h0,
+                                         bool output_final_state, ChunkRunner run) {
+  Tensor o = a.L.empty_like_with_dim(v, a.V, q.scalar_type());
+  Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
+                         q.options().dtype(acc_type(q)));
+  Tensor hst = state_workspace(a, q);
+  ChunkPass p = chunk_pass(a, reader, q, k, v, g, uc, h0);
+  p.o = a.L.vec(o);
+  if (output_final_state) p.hT = mat(hT);
+  p.hst = hst.data_ptr();
+  run(p);
+  return {o, hT};
+}
+
+struct ChunkGrads {
+  Tensor dq, dk, dv, dg, du, dh0;
+};
+
+ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& g, const Tensor& uc,
+                          const Tensor& grad_o, const std::optional<Tensor>& dht,
+                          const std::optional<Tensor>& h0, const char* qn, ChunkRunner run) {
+  check_activation(grad_o, "grad_o", q, qn);
+  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
+                    shape_str(v), ", got ", shape_str(grad_o));
+  if (has(dht)) check_state(*dht, "grad_final_state", q, a.N, a.H, a.K, a.V);
+  const auto acc = q.options().dtype(acc_type(q));
+  ChunkGrads r;
+  r.dq = new_output(q.sizes(), q.options()), r.dk = new_output(k.sizes(), k.options());
+  r.dv = new_output(v.sizes(), v.options()), r.dg = new_output(g.sizes(), g.options());
+  r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
+  Tensor hst = state_workspace(a, q), dhst = state_workspace(a, q);
+  const int64_t vtiles = (a.V + kChunkTile - 1) / kChunkTile;
+  Tensor zeta = new_output({hst.size(0), a.H, vtiles, a.K}, acc);
+  // Gap slots (varlen) and final-state slots hold no chunk: their du partials must read 0.
+  Tensor du_part = uc.defined() ? at::zeros({hst.size(0), a.H, a.K}, acc) : Tensor();
+
+  ChunkPass p = chunk_pass(a, reader, q, k, v, g, uc, h0);
+  p.dout = a.L.vec(grad_o);
+  if (has(dht)) p.dht = mat(*dht);
+  p.dq = a.L.vec(r.dq), p.dk = a.L.vec(r.dk), p.dv = a.L.vec(r.dv), p.dg = a.L.vec(r.dg);
+  if (has(h0)) p.dh0 = mat(r.dh0);
+  if (du_part.defined()) p.du = du_part.data_ptr();
+  p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();
+  run(p);
+  if (du_part.defined()) r.du = du_part.sum(0);
+  return r;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> chunk_gla_fwd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    ChunkRunner run) {
+  c10::OptionalDeviceGuard guard(q.device());
+  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
+  const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
+  return chunk_forward(a, Reader::Inclusive, q, k, v, g, Tensor(), initial_state,
+                       output_final_state, run);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
+    const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
+    bool head_first, ChunkRunner run) {
+  c10::OptionalDeviceGuard guard(q.device());
+  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
+  const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
+  auto r = chunk_backward(a, Reader::Inclusive, q, k, v, g, Tensor(), grad_o, grad_final_state,
+                          initial_state, "q", run);
+  return {r.dq, r.dk, r.dv, r.dg, r.dh0};
+}
+
+std::tuple<Tensor, Tensor> chunk_rwkv6_fwd(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    ChunkRunner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
+  return chunk_forward(a, Reader::Exclusive, r, k, v, w, a.uc, initial_state,
+                       output_final_state, run);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, ChunkRunner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
+  auto g = chunk_backward(a, Reader::Exclusive, r, k, v, w, a.uc, grad_o, grad_final_state,
+                          initial_state, "r", run);
+  return {g.dq, g.dk, g.dv, g.dg, g.du.to(u.scalar_type()), g.dh0};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autograd: the backward ops are called through the dispatcher (traceable by torch.compile).
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class ChunkGla : public torch::autograd::Function<ChunkGla> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const Tensor& g, std::optional<double> scale,
+                               const std::optional<Tensor>& initial_state,
+                               bool output_final_state, const std::optional<Tensor>& cu_seqlens,
+                               bool head_first) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::chunk_gla", "")
+                         .typed<decltype(chunk_gla_impl<nullptr>)>();
+    auto [o, hT] = op.call(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+                           head_first);
+    ctx->save_for_backward({q, k, v, g, opt(initial_state), opt(cu_seqlens)});
+    SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
+    if (!output_final_state) ctx->mark_non_differentiable({hT});
+    return {o, hT};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::chunk_gla_bwd", "")
+                         .typed<decltype(chunk_gla_bwd_impl<nullptr>)>();
+    const auto s = ctx->get_saved_variables();
+    const auto f = SweepFlags::load(ctx);
+    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
+    auto [dq, dk, dv, dg, dh0] = op.call(s[0], s[1], s[2], s[3], go, f.dht(grads), f.scale,
+                                         some(s[4]), some(s[5]), f.head_first);
+    return {dq, dk, dv, dg, Tensor(), s[4].defined() ? dh0 : Tensor(), Tensor(), Tensor(),
+            Tensor()};
+  }
+};
+
+class ChunkRwkv6 : public torch::autograd::Function<ChunkRwkv6> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& r, const Tensor& k,
+                               const Tensor& v, const Tensor& w, const Tensor& u,
+                               std::optional<double> scale,
+                               const std::optional<Tensor>& initial_state,
+                               bool output_final_state, const std::optional<Tensor>& cu_seqlens,
+                               bool head_first) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::chunk_rwkv6", "")
+                         .typed<decltype(chunk_rwkv6_impl<nullptr>)>();
+    auto [o, hT] = op.call(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+                           head_first);
+    ctx->save_for_backward({r, k, v, w, u, opt(initial_state), opt(cu_seqlens)});
+    SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
+    if (!output_final_state) ctx->mark_non_differentiable({hT});
+    return {o, hT};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::chunk_rwkv6_bwd", "")
+                         .typed<decltype(chunk_rwkv6_bwd_impl<nullptr>)>();
+    const auto s = ctx->get_saved_variables();
+    const auto f = SweepFlags::load(ctx);
+    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
+    auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, f.dht(grads),
+                                             f.scale, some(s[5]), some(s[6]), f.head_first);
+    return {dr,       dk,       dv,       dw, du, Tensor(), s[5].defined() ? dh0 : Tensor(),
+            Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> chunk_gla_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const Tensor& g, std::optional<double> scale,
+                                              const std::optional<Tensor>& initial_state,
+                                              bool output_final_state,
+                                              const std::optional<Tensor>& cu_seqlens,
+                                              bool head_first) {
+  auto out = ChunkGla::apply(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+                             head_first);
+  return {out[0], out[1]};
+}
+
+std::tuple<Tensor, Tensor> chunk_rwkv6_autograd(const Tensor& r, const Tensor& k,
+                                                const Tensor& v, const Tensor& w,
+                                                const Tensor& u, std::optional<double> scale,
+                                                const std::optional<Tensor>& initial_state,
+                                                bool output_final_state,
+                                                const std::optional<Tensor>& cu_seqlens,
+                                                bool head_first) {
+  auto out = ChunkRwkv6::apply(r, k, v, w, u, scale, initial_state, output_final_state,
+                               cu_seqlens, head_first);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fla, Autograd, m) {
+  m.impl("chunk_gla", &chunk_gla_autograd);
+  m.impl("chunk_rwkv6", &chunk_rwkv6_autograd);
+}
+
+}  // namespace fla::ops

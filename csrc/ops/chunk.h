@@ -1,0 +1,81 @@
+// Chunked GLA and RWKV6 ops (ALGORITHMS.md §4-§5): one chunk engine (kernels/chunk.h) with an
+// inclusive (GLA) or exclusive-plus-bonus (RWKV6) reader.
+#pragma once
+#include <tuple>
+
+#include "../kernels/chunk.h"
+#include "common.h"
+
+namespace fla::ops {
+
+using ChunkRunner = void (*)(const ChunkPass&);
+
+std::tuple<Tensor, Tensor> chunk_gla_fwd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    ChunkRunner run);
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
+    const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
+    bool head_first, ChunkRunner run);
+
+std::tuple<Tensor, Tensor> chunk_rwkv6_fwd(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    ChunkRunner run);
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, ChunkRunner run);
+
+// Backend adaptors with the exact schema signatures, instantiated by cpu/ and cuda/.
+template <ChunkRunner R>
+std::tuple<Tensor, Tensor> chunk_gla_impl(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& g, std::optional<double> scale,
+                                          const std::optional<Tensor>& initial_state,
+                                          bool output_final_state,
+                                          const std::optional<Tensor>& cu_seqlens,
+                                          bool head_first) {
+  return chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+                       head_first, R);
+}
+
+template <ChunkRunner R>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd_impl(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
+    const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
+    bool head_first) {
+  return chunk_gla_bwd(q, k, v, g, grad_o, grad_final_state, scale, initial_state, cu_seqlens,
+                       head_first, R);
+}
+
+template <ChunkRunner R>
+std::tuple<Tensor, Tensor> chunk_rwkv6_impl(const Tensor& r, const Tensor& k, const Tensor& v,
+                                            const Tensor& w, const Tensor& u,
+                                            std::optional<double> scale,
+                                            const std::optional<Tensor>& initial_state,
+                                            bool output_final_state,
+                                            const std::optional<Tensor>& cu_seqlens,
+                                            bool head_first) {
+  return chunk_rwkv6_fwd(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+                         head_first, R);
+}
+
+template <ChunkRunner R>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd_impl(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  return chunk_rwkv6_bwd(r, k, v, w, u, grad_o, grad_final_state, scale, initial_state,
+                         cu_seqlens, head_first, R);
+}
+
+}  // namespace fla::ops
