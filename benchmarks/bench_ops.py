@@ -151,70 +151,71 @@ def _rwkv6_cases(quick: bool) -> List[Case]:
     ]
 
 
-@register("fused_recurrent_rwkv6", _rwkv6_cases)
-def _rwkv6(case: Case, requires_grad: bool, device: torch.device) -> Built:
-    B, T, H, K, V = (case.dims[d] for d in "BTHKV")
-    dt = case.dtype
-    h0 = (torch.randn(B, H, K, V, device=device, dtype=torch.float32)
-          if case.opts.get("initial_state") else None)
-    ofs = bool(case.opts.get("output_final_state"))
-    inputs = _leaves(dict(
-        r=_randn((B, T, H, K), dt, device), k=_randn((B, T, H, K), dt, device),
-        v=_randn((B, T, H, V), dt, device),
-        w=torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device)).to(dt),
-        u=_randn((H, K), dt, device, 0.5), h0=h0), requires_grad)
-    r, k, v, w, u = (inputs[n] for n in "rkvwu")
-    h0 = inputs.get("h0")
-    kw = dict(initial_state=h0, output_final_state=ofs)
-
-    impls = {"fla_ext": lambda: fla_ext.fused_recurrent_rwkv6(r, k, v, w, u, **kw)}
-    fla_fn, why = optional_fn("fla.ops.rwkv6", "fused_recurrent_rwkv6", device)
-    if fla_fn is not None:
-        impls["fla"] = lambda: fla_fn(r, k, v, w, u, **kw)
-
-    def reference(grad_outputs):
-        o, ht = fla_ref.rwkv6(r, k, v, w, u, initial_state=h0)
-        grads = {}
-        if grad_outputs is not None:
-            g = fla_ref.rwkv6_bwd(r, k, v, w, u, grad_outputs[0],
-                                  dht=grad_outputs[1] if ofs else None, initial_state=h0)
-            grads = {n: g[n] for n, x in inputs.items() if x.requires_grad}
-        return [o, ht if ofs else None], grads
-
-    return Built(inputs, impls, ("o", "ht"), {"fla": why} if why else {}, reference)
+def _chunk_cases(quick: bool) -> List[Case]:
+    if quick:
+        return [Case("full", dict(B=2, T=130, H=2, K=16, V=32), torch.bfloat16, MODES)]
+    full = dict(B=8, T=4096, H=16, K=64, V=64)
+    return [
+        Case("full", full, torch.bfloat16, MODES),
+        Case("full", dict(full, K=128, V=128), torch.bfloat16, MODES),
+        Case("full", full, torch.float32, MODES),
+    ]
 
 
-@register("fused_recurrent_gla", _rwkv6_cases)
-def _gla(case: Case, requires_grad: bool, device: torch.device) -> Built:
-    B, T, H, K, V = (case.dims[d] for d in "BTHKV")
-    dt = case.dtype
-    h0 = (torch.randn(B, H, K, V, device=device, dtype=torch.float32)
-          if case.opts.get("initial_state") else None)
-    ofs = bool(case.opts.get("output_final_state"))
-    inputs = _leaves(dict(
-        q=_randn((B, T, H, K), dt, device), k=_randn((B, T, H, K), dt, device),
-        v=_randn((B, T, H, V), dt, device),
-        g=torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device)).to(dt),
-        h0=h0), requires_grad)
-    q, k, v, g = (inputs[n] for n in "qkvg")
-    h0 = inputs.get("h0")
-    kw = dict(initial_state=h0, output_final_state=ofs)
+def _diag_op(family: str, mode: str):
+    """Build function for {fused_recurrent, chunk}_{rwkv6, gla}: same inputs, same oracle."""
+    rwkv = family == "rwkv6"
+    reader = "r" if rwkv else "q"
 
-    impls = {"fla_ext": lambda: fla_ext.fused_recurrent_gla(q, k, v, gk=g, **kw)}
-    fla_fn, why = optional_fn("fla.ops.gla", "fused_recurrent_gla", device)
-    if fla_fn is not None:
-        impls["fla"] = lambda: fla_fn(q, k, v, gk=g, **kw)
+    def build(case: Case, requires_grad: bool, device: torch.device) -> Built:
+        B, T, H, K, V = (case.dims[d] for d in "BTHKV")
+        dt = case.dtype
+        h0 = (torch.randn(B, H, K, V, device=device, dtype=torch.float32)
+              if case.opts.get("initial_state") else None)
+        ofs = bool(case.opts.get("output_final_state"))
+        gate = "w" if rwkv else "g"
+        raw = {reader: _randn((B, T, H, K), dt, device), "k": _randn((B, T, H, K), dt, device),
+               "v": _randn((B, T, H, V), dt, device),
+               gate: torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device)).to(dt)}
+        if rwkv:
+            raw["u"] = _randn((H, K), dt, device, 0.5)
+        raw["h0"] = h0
+        inputs = _leaves(raw, requires_grad)
+        args = [inputs[n] for n in (reader, "k", "v")]
+        kw = dict(initial_state=inputs.get("h0"), output_final_state=ofs)
+        if rwkv:
+            args += [inputs["w"], inputs["u"]]
+        elif mode == "chunk":
+            args.append(inputs["g"])
+        else:
+            kw["gk"] = inputs["g"]
+        name = f"{mode}_{family}"
+        ours = getattr(fla_ext, name)
+        impls = {"fla_ext": lambda: ours(*args, **kw)}
+        fla_fn, why = optional_fn(f"fla.ops.{family}", name, device)
+        if fla_fn is not None:
+            impls["fla"] = lambda: fla_fn(*args, **kw)
 
-    def reference(grad_outputs):
-        o, ht = fla_ref.gla(q, k, v, g, initial_state=h0)
-        grads = {}
-        if grad_outputs is not None:
-            gr = fla_ref.gla_bwd(q, k, v, g, grad_outputs[0],
-                                 dht=grad_outputs[1] if ofs else None, initial_state=h0)
-            grads = {n: gr[n] for n, x in inputs.items() if x.requires_grad}
-        return [o, ht if ofs else None], grads
+        def reference(grad_outputs):
+            ins = [inputs[n] for n in (reader, "k", "v", gate)] + ([inputs["u"]] if rwkv else [])
+            fwd, bwd = (fla_ref.rwkv6, fla_ref.rwkv6_bwd) if rwkv else (fla_ref.gla, fla_ref.gla_bwd)
+            o, ht = fwd(*ins, initial_state=h0)
+            grads = {}
+            if grad_outputs is not None:
+                gr = bwd(*ins, grad_outputs[0], dht=grad_outputs[1] if ofs else None,
+                         initial_state=h0)
+                grads = {n: gr[n] for n, x in inputs.items() if x.requires_grad}
+            return [o, ht if ofs else None], grads
 
-    return Built(inputs, impls, ("o", "ht"), {"fla": why} if why else {}, reference)
+        return Built(inputs, impls, ("o", "ht"), {"fla": why} if why else {}, reference)
+
+    return build
+
+
+register("fused_recurrent_rwkv6", _rwkv6_cases)(_diag_op("rwkv6", "fused_recurrent"))
+register("fused_recurrent_gla", _rwkv6_cases)(_diag_op("gla", "fused_recurrent"))
+register("chunk_rwkv6", _chunk_cases)(_diag_op("rwkv6", "chunk"))
+register("chunk_gla", _chunk_cases)(_diag_op("gla", "chunk"))
 
 
 # ------------------------------------------------------------------------------------------------

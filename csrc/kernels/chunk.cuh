@@ -58,29 +58,60 @@ __device__ __forceinline__ bool locate(const ChunkPass& p, int64_t slot, Pos& o)
   return true;
 }
 
-// Rows [t0, t0 + L) x channels [d0, d0 + DT) of an activation into s[row][ch] (transposed:
-// s[ch][row]), times mul, zero outside the sequence and past D: padded rows and channels then
-// contribute exactly 0 (λ = 0 there, §2.4).
+// Tile loads are split into fetch (every load of the tile issued back to back into registers)
+// and store (to shared memory), so a tile costs one memory latency, not sixteen, and a serial
+// kernel can keep the next chunk's fetch in flight while it computes.
+constexpr int kPer = C * DT / NTH;  // elements per thread per tile
+
+// Rows [t0, t0 + L) x channels [d0, d0 + DT) of an activation, times mul, zero outside the
+// sequence and past D: padded rows and channels then contribute exactly 0 (λ = 0, §2.4).
+struct RowFetch {
+  float x[kPer];
+  // Thread x owns channel x % DT of rows x / DT + 4 it: one base pointer, a fixed row step.
+  template <typename T>
+  __device__ __forceinline__ void fetch(const VecArg& a, int64_t b, int64_t t0, int L, int h,
+                                        int d0, int D, float mul) {
+    const int c = threadIdx.x % DT, r0 = threadIdx.x / DT;
+    const bool on = d0 + c < D;
+    const T* base = on ? vptr<T>(a, b, t0 + r0, h, d0 + c) : nullptr;
+    const int64_t step = int64_t(NTH / DT) * a.st;
+#pragma unroll
+    for (int it = 0; it < kPer; ++it)
+      x[it] = (on && r0 + it * (NTH / DT) < L) ? to_f(base[it * step]) * mul : 0.f;
+  }
+  // Rows [r0, r0 + DT) x cols [c0, c0 + DT) of a row-major fp32 [R, Cn] matrix, zero outside.
+  __device__ __forceinline__ void fetch_mat(const float* m, int R, int Cn, int r0, int c0) {
+    const int c = threadIdx.x % DT, rr = threadIdx.x / DT;
+    const bool on = c0 + c < Cn;
+    const float* base = m + int64_t(r0 + rr) * Cn + c0 + c;
+#pragma unroll
+    for (int it = 0; it < kPer; ++it)
+      x[it] = (on && r0 + rr + it * (NTH / DT) < R) ? base[int64_t(it) * (NTH / DT) * Cn] : 0.f;
+  }
+  // s[row][ch], or transposed s[ch][row].
+  template <bool TRANSPOSE>
+  __device__ __forceinline__ void store(Tile* s) const {
+#pragma unroll
+    for (int it = 0; it < kPer; ++it) {
+      const int e = threadIdx.x + it * NTH, r = e / DT, c = e % DT;
+      if (TRANSPOSE) s[c][r] = x[it]; else s[r][c] = x[it];
+    }
+  }
+};
+
 template <typename T, bool TRANSPOSE>
 __device__ __forceinline__ void load_rows(Tile* s, const VecArg& a, int64_t b, int64_t t0, int L,
                                           int h, int d0, int D, float mul) {
-  for (int e = threadIdx.x; e < C * DT; e += NTH) {
-    const int r = e / DT, c = e % DT;
-    float x = 0.f;
-    if (r < L && d0 + c < D) x = ld<T>(a, b, t0 + r, h, d0 + c) * mul;
-    if (TRANSPOSE) s[c][r] = x; else s[r][c] = x;
-  }
+  RowFetch f;
+  f.fetch<T>(a, b, t0, L, h, d0, D, mul);
+  f.store<TRANSPOSE>(s);
 }
 
-// Rows [r0, r0 + DT) x cols [c0, c0 + DT) of a row-major fp32 [R, Cn] matrix (transposed:
-// s[col][row]), zero outside.
 template <bool TRANSPOSE>
 __device__ __forceinline__ void load_mat(Tile* s, const float* m, int R, int Cn, int r0, int c0) {
-  for (int e = threadIdx.x; e < DT * DT; e += NTH) {
-    const int r = e / DT, c = e % DT;
-    const float x = (r0 + r < R && c0 + c < Cn) ? m[int64_t(r0 + r) * Cn + c0 + c] : 0.f;
-    if (TRANSPOSE) s[c][r] = x; else s[r][c] = x;
-  }
+  RowFetch f;
+  f.fetch_mat(m, R, Cn, r0, c0);
+  f.store<TRANSPOSE>(s);
 }
 
 // acc[r][s] += Σ_k a(4ty + r, k) b(k, 4tx + s), with a stored [row][k] or, TA, [k][row]; b [k][col].
@@ -114,33 +145,31 @@ struct Decays {
 };
 
 __device__ __forceinline__ void chunk_decays(Decays& d, const Tile* lam) {
-  {
-    const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
-    float t = 0.f;
+  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+  float t = 0.f;
 #pragma unroll
-    for (int i = 0; i < SC; ++i) t += lam[m * SC + i][ch];
-    d.tau[m][ch] = t;
-  }
+  for (int i = 0; i < SC; ++i) t += lam[m * SC + i][ch];
+  d.tau[m][ch] = t;
   __syncthreads();
-  if (threadIdx.x < DT) {
-    const int ch = threadIdx.x;
-    float all = 0.f;
+  float tau[NSC];
 #pragma unroll
-    for (int m = 0; m < NSC; ++m) {
-      float b = 0.f, a = 0.f;
-      for (int l = 0; l < m; ++l) b += d.tau[l][ch];
-      for (int l = m + 1; l < NSC; ++l) a += d.tau[l][ch];
-      d.before[m][ch] = exp2f(b), d.after[m][ch] = exp2f(a);
-      all += d.tau[m][ch];
+  for (int l = 0; l < NSC; ++l) tau[l] = d.tau[l][ch];
+  float b = 0.f, a = 0.f;
 #pragma unroll
-      for (int mk = 0; mk < NSC; ++mk) {
-        float g = 0.f;
-        for (int l = mk + 1; l < m; ++l) g += d.tau[l][ch];
-        d.gap[mk][m][ch] = exp2f(g);
-      }
-    }
-    d.gamma[ch] = exp2f(all);
+  for (int l = 0; l < NSC; ++l) {
+    if (l < m) b += tau[l];
+    if (l > m) a += tau[l];
   }
+  d.before[m][ch] = exp2f(b), d.after[m][ch] = exp2f(a);
+#pragma unroll
+  for (int mk = 0; mk < NSC; ++mk) {  // gap[mk][m] = exp2(Σ_{mk<l<m} τ_l)
+    float g = 0.f;
+#pragma unroll
+    for (int l = 0; l < NSC; ++l)
+      if (l > mk && l < m) g += tau[l];
+    d.gap[mk][m][ch] = exp2f(g);
+  }
+  if (m == 0) d.gamma[ch] = exp2f(tau[0] + tau[1] + tau[2] + tau[3]);
   __syncthreads();
 }
 
@@ -172,58 +201,53 @@ __device__ __forceinline__ void scale_key(Tile* y, const Tile* lam, int m, int c
 // State pass. Forward: S starts at h0, Hst[c] = S before chunk c, S = γ S + K̂ᵀ V, final state
 // into the slot after the last chunk (and hT). Backward: D starts at dht, dHst[c] = D before
 // (= dS+ of chunk c), zeta partials, D = γ D + ρ Q̂ᵀ dO, then dh0.
+// The pass is serial over chunks, so its parallelism is (N, H, K/64, V/SV): narrow SV-column
+// tiles give several CTAs per SM to hide the latency of each chunk's loads and barriers.
+constexpr int SV = kStateCols;
+
 template <typename T, Reader RD, bool BWD>
-__global__ void __launch_bounds__(NTH) chunk_state_kernel(ChunkPass p, int ntv) {
+__global__ void __launch_bounds__(NTH, 3) chunk_state_kernel(ChunkPass p, int ntv) {
   extern __shared__ float4 smem4[];
   Tile* X = reinterpret_cast<Tile*>(smem4);
   Tile* LAM = X + C;
-  Tile* Y = LAM + C;
+  float (*Y)[SV] = reinterpret_cast<float (*)[SV]>(LAM + C);
   Decays& d = *reinterpret_cast<Decays*>(Y + C);
 
   const int n = blockIdx.x, h = blockIdx.y, tk = blockIdx.z / ntv, tv = blockIdx.z % ntv;
-  const int k0 = tk * DT, v0 = tv * DT, ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  const int k0 = tk * DT, ty = threadIdx.x / SV, tx = threadIdx.x % SV, col = tv * SV + tx;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int64_t nch = num_chunks(s.len);
   const int64_t KV = int64_t(p.K) * p.V;
+  static_assert(NTH / SV * 4 == DT, "4 rows per thread");
 
-  float S[4][4];
+  float S[4];
   const MatArg& init = BWD ? p.dht : p.h0;
 #pragma unroll
-  for (int r = 0; r < 4; ++r)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
-      S[r][c] = (init.on() && row < p.K && col < p.V) ? *mptr(init, n, h, row, col) : 0.f;
-    }
-  float* ws = static_cast<float*>(BWD ? p.dhst : p.hst);
-
+  for (int r = 0; r < 4; ++r) {
+    const int row = k0 + 4 * ty + r;
+    S[r] = (init.on() && row < p.K && col < p.V) ? *mptr(init, n, h, row, col) : 0.f;
+  }
   auto store = [&](float* base) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
-        if (row < p.K && col < p.V) base[int64_t(row) * p.V + col] = S[r][c];
-      }
+    for (int r = 0; r < 4; ++r) {
+      const int row = k0 + 4 * ty + r;
+      if (row < p.K && col < p.V) base[int64_t(row) * p.V + col] = S[r];
+    }
   };
+  float* ws = static_cast<float*>(BWD ? p.dhst : p.hst);
 
   for (int64_t i = 0; i < nch; ++i) {
     const int64_t c = BWD ? nch - 1 - i : i;
     const int64_t slot = chunk_slot(p.cu_seqlens, n, p.T, c);
     store(ws + (slot * p.H + h) * KV);
-    if (BWD) {  // zeta partial over this V tile: rowsum(S+ ⊙ dS+), S+ = Hst[slot + 1]
+    if (BWD) {  // zeta partial over this column tile: rowsum(S+ ⊙ dS+), S+ = Hst[slot + 1]
       const float* Sp = static_cast<const float*>(p.hst) + ((slot + 1) * p.H + h) * KV;
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int row = k0 + 4 * ty + r;
-        float z = 0.f;
+        float z = row < p.K && col < p.V ? Sp[int64_t(row) * p.V + col] * S[r] : 0.f;
 #pragma unroll
-        for (int cc = 0; cc < 4; ++cc) {
-          const int col = v0 + 4 * tx + cc;
-          if (row < p.K && col < p.V) z += Sp[int64_t(row) * p.V + col] * S[r][cc];
-        }
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
+        for (int off = SV / 2; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
         if (tx == 0 && row < p.K)
           static_cast<float*>(p.zeta)[((slot * p.H + h) * ntv + tv) * p.K + row] = z;
       }
@@ -233,7 +257,11 @@ __global__ void __launch_bounds__(NTH) chunk_state_kernel(ChunkPass p, int ntv) 
     __syncthreads();
     load_rows<T, false>(X, BWD ? p.q : p.k, s.b, t0, L, h, k0, p.K, 1.f);
     load_rows<T, false>(LAM, p.g, s.b, t0, L, h, k0, p.K, kLog2e);
-    load_rows<T, false>(Y, BWD ? p.dout : p.v, s.b, t0, L, h, v0, p.V, 1.f);
+    const VecArg& y = BWD ? p.dout : p.v;
+    for (int e = threadIdx.x; e < C * SV; e += NTH) {
+      const int r = e / SV, cc = tv * SV + e % SV;
+      Y[r][e % SV] = (r < L && cc < p.V) ? ld<T>(y, s.b, t0 + r, h, cc) : 0.f;
+    }
     __syncthreads();
     chunk_decays(d, LAM);
     {
@@ -243,66 +271,69 @@ __global__ void __launch_bounds__(NTH) chunk_state_kernel(ChunkPass p, int ntv) 
     }
     __syncthreads();
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float gm = d.gamma[4 * ty + r];
-#pragma unroll
-      for (int cc = 0; cc < 4; ++cc) S[r][cc] *= gm;
+    for (int r = 0; r < 4; ++r) S[r] *= d.gamma[4 * ty + r];
+#pragma unroll 8
+    for (int j = 0; j < C; ++j) {
+      const float4 xv = *reinterpret_cast<const float4*>(&X[j][4 * ty]);
+      const float yv = Y[j][tx];
+      S[0] += xv.x * yv, S[1] += xv.y * yv, S[2] += xv.z * yv, S[3] += xv.w * yv;
     }
-    mma4<true>(S, X, Y, C);
   }
   if (BWD) {
     if (p.dh0.on())
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
-          if (row < p.K && col < p.V) *mptr(p.dh0, n, h, row, col) = S[r][c];
-        }
+      for (int r = 0; r < 4; ++r) {
+        const int row = k0 + 4 * ty + r;
+        if (row < p.K && col < p.V) *mptr(p.dh0, n, h, row, col) = S[r];
+      }
   } else {
     store(ws + (chunk_slot(p.cu_seqlens, n, p.T, nch) * p.H + h) * KV);
     if (p.hT.on())
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
-          if (row < p.K && col < p.V) *mptr(p.hT, n, h, row, col) = S[r][c];
-        }
+      for (int r = 0; r < 4; ++r) {
+        const int row = k0 + 4 * ty + r;
+        if (row < p.K && col < p.V) *mptr(p.hT, n, h, row, col) = S[r];
+      }
   }
 }
 
 // ------------------------------------------------------------------------------------------------
 // Diagonal sub-chunk blocks of A (and the u bonus on the diagonal), added into A for one K tile.
-// Thread (m, i, jg) owns row 16m + i and columns 16m + 4jg .. +3; the exponent of pair (i, j),
-// Σ_{j<s<=i} λ_s (exclusive: s < i), is built by walking j down from the row: additions only.
+// Thread (m, i, cq) owns row 16m + i and the channels ≡ cq (mod 4); walking the key row j down
+// from the row builds the exponent Σ_{j<s<=i} λ_s (exclusive: s < i) by additions only. The
+// four channel quarters are summed by shuffles.
 template <Reader RD>
 __device__ __forceinline__ void diag_pairs(Tile* A, const Tile* Q, const Tile* KT_,
                                            const Tile* lam, const float* u) {
-  const int m = threadIdx.x / 64, I = m * SC + (threadIdx.x / 4) % SC, j0 = m * SC + 4 * (threadIdx.x % 4);
+  const int m = threadIdx.x / 64, I = m * SC + (threadIdx.x / 4) % SC, cq = threadIdx.x % 4;
   const int iend = RD == Reader::Inclusive ? I : I - 1;  // last key row that carries a decay
-  const bool bonus = RD == Reader::Exclusive && I >= j0 && I < j0 + 4;
-  if (j0 > iend && !bonus) return;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, b = 0.f;
-  for (int ch = 0; ch < DT; ++ch) {
-    const float qi = Q[I][ch];
-    const float4 kv = *reinterpret_cast<const float4*>(&KT_[ch][j0]);
-    const float kj[4] = {kv.x, kv.y, kv.z, kv.w};
-    float e = 0.f;
-    for (int s = j0 + 4; s <= iend; ++s) e += lam[s][ch];
+  float acc[SC], b = 0.f;
 #pragma unroll
-    for (int jj = 3; jj >= 0; --jj) {
-      if (j0 + jj <= iend) {
-        acc[jj] += qi * kj[jj] * exp2f(e);
-        e += lam[j0 + jj][ch];
+  for (int jj = 0; jj < SC; ++jj) acc[jj] = 0.f;
+  for (int ch = cq; ch < DT; ch += 4) {
+    const float qi = Q[I][ch];
+    float e = 0.f;
+#pragma unroll
+    for (int jj = SC - 1; jj >= 0; --jj) {
+      const int j = m * SC + jj;
+      if (j <= iend) {
+        acc[jj] += qi * KT_[ch][j] * exp2f(e);
+        e += lam[j][ch];
       }
     }
-    if (bonus) b += qi * u[ch] * kj[I - j0];
+    if (RD == Reader::Exclusive) b += qi * u[ch] * KT_[ch][I];
   }
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj)
-    if (j0 + jj <= iend) A[I][j0 + jj] += acc[jj];
-  if (bonus) A[I][I] += b;
+  for (int jj = 0; jj < SC; ++jj) {
+    acc[jj] += __shfl_xor_sync(0xffffffffu, acc[jj], 1);
+    acc[jj] += __shfl_xor_sync(0xffffffffu, acc[jj], 2);
+  }
+  b += __shfl_xor_sync(0xffffffffu, b, 1);
+  b += __shfl_xor_sync(0xffffffffu, b, 2);
+#pragma unroll
+  for (int jj = 0; jj < SC; ++jj)
+    if (jj % 4 == cq && m * SC + jj <= iend) A[I][m * SC + jj] += acc[jj];
+  if (RD == Reader::Exclusive && cq == 0) A[I][I] += b;
 }
 
 // Forward outputs (DV = false): o = ρ (Q̂ S + A V). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO.
@@ -394,7 +425,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
 // ------------------------------------------------------------------------------------------------
 // dq, dk, dg (and du partials) for one chunk and K tile.
 template <typename T, Reader RD>
-__global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int ntv) {
+__global__ void __launch_bounds__(NTH, 1) chunk_grad_qk_kernel(ChunkPass p, int nts) {
   extern __shared__ float4 smem4[];
   Tile* DA = reinterpret_cast<Tile*>(smem4);
   Tile* DQ = DA + C;
@@ -445,8 +476,8 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     float z = 0.f;
     const int kk = k0 + threadIdx.x;
     if (kk < p.K)
-      for (int t = 0; t < ntv; ++t)
-        z += static_cast<const float*>(p.zeta)[((pos.slot * p.H + h) * ntv + t) * p.K + kk];
+      for (int t = 0; t < nts; ++t)
+        z += static_cast<const float*>(p.zeta)[((pos.slot * p.H + h) * nts + t) * p.K + kk];
     zs[threadIdx.x] = z;
     us[threadIdx.x] = RD == Reader::Exclusive && kk < p.K ? ldu(p.u, int64_t(h) * p.K + kk, p.udtype) : 0.f;
   }
@@ -544,10 +575,12 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   // dg by the reverse cumsum (§3; RWKV6 reader terms strictly after t), as a segmented scan over
   // the 4 sub-chunks: where exp(λ_t) == 0 the true dg_t is exactly 0, and so is the suffix sum
   // (ζ included) it stands for, so the scan restarts from 0 there.
+  load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);  // raw q, k again
+  load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+  __syncthreads();
   const int kk = k0 + ch;
   auto step = [&](float& acc, int t, bool write) {
-    const float q = t < pos.L && kk < p.K ? ld<T>(p.q, pos.b, pos.t0 + t, h, kk) : 0.f;
-    const float k = t < pos.L && kk < p.K ? ld<T>(p.k, pos.b, pos.t0 + t, h, kk) : 0.f;
+    const float q = QX[t][ch], k = KY[t][ch];
     const bool dead = exp2f(LAM[t][ch]) == 0.f && t < pos.L;
     const float xq = q * DQ[t][ch], xk = k * DK[t][ch];
     if (RD == Reader::Inclusive) acc += xq - xk; else acc -= xk;
@@ -586,7 +619,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
 
 // ------------------------------------------------------------------------------------------------
 constexpr size_t kTileBytes = sizeof(float) * C * LD;
-constexpr size_t kStateSmem = 3 * kTileBytes + sizeof(Decays);
+constexpr size_t kStateSmem = 2 * kTileBytes + sizeof(float) * C * SV + sizeof(Decays);
 constexpr size_t kOutSmem = 4 * kTileBytes + sizeof(Decays) + sizeof(float) * DT;
 constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * (2 + 3 * NSC) * DT;
 
@@ -597,13 +630,13 @@ inline cudaError_t set_smem(K kernel, size_t bytes) {
 
 template <typename T, Reader RD>
 cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
-  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT, nts = (p.V + SV - 1) / SV;
   const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
-  const dim3 state_grid(p.N, p.H, ntk * ntv);
+  const dim3 state_grid(p.N, p.H, ntk * nts);
   cudaError_t e;
   auto state_fwd = chunk_state_kernel<T, RD, false>;
   if ((e = set_smem(state_fwd, kStateSmem)) != cudaSuccess) return e;
-  state_fwd<<<state_grid, NTH, kStateSmem, stream>>>(p, ntv);
+  state_fwd<<<state_grid, NTH, kStateSmem, stream>>>(p, nts);
   if (!p.dout.on()) {
     auto out = chunk_out_kernel<T, RD, false>;
     if ((e = set_smem(out, kOutSmem)) != cudaSuccess) return e;
@@ -612,14 +645,14 @@ cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
   }
   auto state_bwd = chunk_state_kernel<T, RD, true>;
   if ((e = set_smem(state_bwd, kStateSmem)) != cudaSuccess) return e;
-  state_bwd<<<state_grid, NTH, kStateSmem, stream>>>(p, ntv);
+  state_bwd<<<state_grid, NTH, kStateSmem, stream>>>(p, nts);
   auto dv = chunk_out_kernel<T, RD, true>;
   if ((e = set_smem(dv, kOutSmem)) != cudaSuccess) return e;
   auto dqk = chunk_grad_qk_kernel<T, RD>;
   if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
   if (slots > 0) {
     dv<<<dim3(unsigned(slots), p.H, ntv), NTH, kOutSmem, stream>>>(p);
-    dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, ntv);
+    dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, nts);
   }
   return cudaGetLastError();
 }

@@ -15,7 +15,8 @@ namespace fla {
 
 constexpr int kChunk = 64;     // C
 constexpr int kSubChunk = 16;  // c: the §1.2 reference points sit on sub-chunk boundaries
-constexpr int kChunkTile = 64;  // K and V tile of the CUDA kernels (sizes the zeta workspace)
+constexpr int kChunkTile = 64;  // K and V tile of the CUDA kernels
+constexpr int kStateCols = 16;  // state columns per CTA of the CUDA state pass (zeta partials)
 
 enum class Reader : int { Inclusive = 0, Exclusive = 1 };
 
@@ -44,7 +45,7 @@ struct ChunkPass {
 
   void* hst = nullptr;         // [slots, H, K, V] acc workspace (chunk-start states)
   void* dhst = nullptr;        // [slots, H, K, V] acc workspace (backward: dS at chunk ends)
-  // [slots, H, ceil(V / kChunkTile), K] acc workspace (backward): per-V-tile partial sums of
+  // [slots, H, ceil(V / kStateCols), K] acc workspace (backward): per-column-tile partial sums of
   // zeta = rowsum(S+ * dS+) (ALGORITHMS.md §3); a backend may leave it unused.
   void* zeta = nullptr;
 };

@@ -67,7 +67,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   r.dv = new_output(v.sizes(), v.options()), r.dg = new_output(g.sizes(), g.options());
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
   Tensor hst = state_workspace(a, q), dhst = state_workspace(a, q);
-  const int64_t vtiles = (a.V + kChunkTile - 1) / kChunkTile;
+  const int64_t vtiles = (a.V + kStateCols - 1) / kStateCols;
   Tensor zeta = new_output({hst.size(0), a.H, vtiles, a.K}, acc);
   // Gap slots (varlen) and final-state slots hold no chunk: their du partials must read 0.
   Tensor du_part = uc.defined() ? at::zeros({hst.size(0), a.H, a.K}, acc) : Tensor();
