@@ -1,8 +1,8 @@
 // CUDA engine for the chunked diagonal-gate algebra of kernels/chunk.h (ALGORITHMS.md §1-§5).
 //
 // Kernels (all fp32 arithmetic, SIMT FMA: fp32 inputs get fp32 accuracy, never TF32):
-//   state  (N, H, K/64 x V/64 tiles; serial over chunks)  forward: Hst[c] and S+ = γS + K̂ᵀV;
-//          backward: dHst[c], dS = γdS+ + ρQ̂ᵀdO, and the zeta partials rowsum(S+ ⊙ dS+).
+//   delta + scan  the chunk-state recurrence: per-chunk K̂ᵀV (forward) or ρQ̂ᵀdO (backward) in
+//          parallel, then an elementwise serial scan S = γS + Δ giving Hst (dHst, zeta partials).
 //   out    (chunk slot, H, V/64)  the pair matrix A over all K tiles, then
 //          forward o = ρ(Q̂ S + A V), or backward dv = K̂ dS+ + ρ Aᵀ dO.
 //   grad_qk (chunk slot, H, K/64)  dA, dq, dk (inter + intra), dg by the segmented reverse
@@ -198,102 +198,105 @@ __device__ __forceinline__ void scale_key(Tile* y, const Tile* lam, int m, int c
 }
 
 // ------------------------------------------------------------------------------------------------
-// State pass. Forward: S starts at h0, Hst[c] = S before chunk c, S = γ S + K̂ᵀ V, final state
-// into the slot after the last chunk (and hT). Backward: D starts at dht, dHst[c] = D before
-// (= dS+ of chunk c), zeta partials, D = γ D + ρ Q̂ᵀ dO, then dh0.
-// The pass is serial over chunks, so its parallelism is (N, H, K/64, V/SV): narrow SV-column
-// tiles give several CTAs per SM to hide the latency of each chunk's loads and barriers.
-constexpr int SV = kStateCols;
-
+// State passes, split into a parallel and a serial part so that the serial part moves bytes only.
+// delta (chunk slot, H, K/64 x V/64), per chunk:
+//   forward   ΔS_c = K̂ᵀ V     into Hst[slot + 1]   (the slot the scan fills next)
+//   backward  ΔD_c = ρ Q̂ᵀ dO  into dHst[slot]
+//   and γ_c = exp2(Σ λ) per channel into `gam`.
+// scan (N, H, K x V elements), serial over chunks, in place:
+//   forward   Hst[c] = S; S = γ_c S + ΔS_c; the final S into the slot after the last chunk (hT)
+//   backward  dHst[c] = D (= dS+ of chunk c), zeta partials rowsum(S+ ⊙ dS+) per 32 columns,
+//             D = γ_c D + ΔD_c, then dh0.
 template <typename T, Reader RD, bool BWD>
-__global__ void __launch_bounds__(NTH, 3) chunk_state_kernel(ChunkPass p, int ntv) {
+__global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int ntv) {
   extern __shared__ float4 smem4[];
   Tile* X = reinterpret_cast<Tile*>(smem4);
   Tile* LAM = X + C;
-  float (*Y)[SV] = reinterpret_cast<float (*)[SV]>(LAM + C);
+  Tile* Y = LAM + C;
   Decays& d = *reinterpret_cast<Decays*>(Y + C);
 
-  const int n = blockIdx.x, h = blockIdx.y, tk = blockIdx.z / ntv, tv = blockIdx.z % ntv;
-  const int k0 = tk * DT, ty = threadIdx.x / SV, tx = threadIdx.x % SV, col = tv * SV + tx;
+  Pos pos;
+  if (!locate(p, blockIdx.x, pos)) return;
+  const int h = blockIdx.y, k0 = blockIdx.z / ntv * DT, v0 = blockIdx.z % ntv * DT;
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  load_rows<T, false>(X, BWD ? p.q : p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+  load_rows<T, false>(LAM, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+  load_rows<T, false>(Y, BWD ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+  __syncthreads();
+  chunk_decays(d, LAM);
+  {
+    const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+    if (BWD) scale_reader<RD>(X, LAM, m, ch, float(p.scale) * d.before[m][ch]);
+    else scale_key<false>(X, LAM, m, ch, d.after[m][ch]);
+    if (v0 == 0 && m == 0 && k0 + ch < p.K)
+      static_cast<float*>(p.gam)[(pos.slot * p.H + h) * p.K + k0 + ch] = d.gamma[ch];
+  }
+  __syncthreads();
+  float acc[4][4] = {};
+  mma4<true>(acc, X, Y, C);
+  float* out = static_cast<float*>(BWD ? p.dhst : p.hst) +
+               ((pos.slot + (BWD ? 0 : 1)) * p.H + h) * int64_t(p.K) * p.V;
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
+      if (row < p.K && col < p.V) out[int64_t(row) * p.V + col] = acc[r][c];
+    }
+}
+
+constexpr int SV = kStateCols;  // columns per zeta partial: one warp of the scan
+
+template <bool BWD>
+__global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) {
+  const int n = blockIdx.x, h = blockIdx.y;
+  const int64_t e = int64_t(blockIdx.z) * NTH + threadIdx.x;
+  const int k = int(e / vpad), v = int(e % vpad);
+  if (k >= p.K) return;  // whole warps: vpad is a multiple of 32
+  const bool on = v < p.V;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
-  const int64_t nch = num_chunks(s.len);
-  const int64_t KV = int64_t(p.K) * p.V;
-  static_assert(NTH / SV * 4 == DT, "4 rows per thread");
-
-  float S[4];
+  const int64_t nch = num_chunks(s.len), KV = int64_t(p.K) * p.V, kv = int64_t(k) * p.V + v;
   const MatArg& init = BWD ? p.dht : p.h0;
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int row = k0 + 4 * ty + r;
-    S[r] = (init.on() && row < p.K && col < p.V) ? *mptr(init, n, h, row, col) : 0.f;
-  }
-  auto store = [&](float* base) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = k0 + 4 * ty + r;
-      if (row < p.K && col < p.V) base[int64_t(row) * p.V + col] = S[r];
+  float run = on && init.on() ? *mptr(init, n, h, k, v) : 0.f;
+  float* hst = static_cast<float*>(p.hst);
+  float* dhst = static_cast<float*>(p.dhst);
+  const float* gam = static_cast<const float*>(p.gam);
+  auto at = [&](float* ws, int64_t slot) { return ws + (slot * p.H + h) * KV + kv; };
+  // The loads of chunk i + 1 are issued before the stores of chunk i: one memory latency per
+  // step would otherwise serialise the scan (the compiler cannot move loads past the stores).
+  struct Step { float delta, sp, g; };
+  auto fetch = [&](int64_t i) {
+    Step f{0.f, 0.f, 1.f};
+    if (i >= nch) return f;
+    const int64_t slot = chunk_slot(p.cu_seqlens, n, p.T, BWD ? nch - 1 - i : i);
+    f.g = gam[(slot * p.H + h) * p.K + k];
+    if (on) {
+      f.delta = BWD ? *at(dhst, slot) : *at(hst, slot + 1);
+      if (BWD) f.sp = *at(hst, slot + 1);
     }
+    return f;
   };
-  float* ws = static_cast<float*>(BWD ? p.dhst : p.hst);
-
+  Step cur = fetch(0);
   for (int64_t i = 0; i < nch; ++i) {
-    const int64_t c = BWD ? nch - 1 - i : i;
-    const int64_t slot = chunk_slot(p.cu_seqlens, n, p.T, c);
-    store(ws + (slot * p.H + h) * KV);
-    if (BWD) {  // zeta partial over this column tile: rowsum(S+ ⊙ dS+), S+ = Hst[slot + 1]
-      const float* Sp = static_cast<const float*>(p.hst) + ((slot + 1) * p.H + h) * KV;
+    const Step nxt = fetch(i + 1);
+    const int64_t slot = chunk_slot(p.cu_seqlens, n, p.T, BWD ? nch - 1 - i : i);
+    if (on) *at(BWD ? dhst : hst, slot) = run;
+    if (BWD) {
+      float z = cur.sp * run;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = k0 + 4 * ty + r;
-        float z = row < p.K && col < p.V ? Sp[int64_t(row) * p.V + col] * S[r] : 0.f;
-#pragma unroll
-        for (int off = SV / 2; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
-        if (tx == 0 && row < p.K)
-          static_cast<float*>(p.zeta)[((slot * p.H + h) * ntv + tv) * p.K + row] = z;
-      }
+      for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
+      if (v % 32 == 0)
+        static_cast<float*>(p.zeta)[((slot * p.H + h) * (vpad / SV) + v / SV) * p.K + k] = z;
     }
-    const int L = int(s.len - c * C < C ? s.len - c * C : C);
-    const int64_t t0 = s.bos + c * C;
-    __syncthreads();
-    load_rows<T, false>(X, BWD ? p.q : p.k, s.b, t0, L, h, k0, p.K, 1.f);
-    load_rows<T, false>(LAM, p.g, s.b, t0, L, h, k0, p.K, kLog2e);
-    const VecArg& y = BWD ? p.dout : p.v;
-    for (int e = threadIdx.x; e < C * SV; e += NTH) {
-      const int r = e / SV, cc = tv * SV + e % SV;
-      Y[r][e % SV] = (r < L && cc < p.V) ? ld<T>(y, s.b, t0 + r, h, cc) : 0.f;
-    }
-    __syncthreads();
-    chunk_decays(d, LAM);
-    {
-      const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
-      if (BWD) scale_reader<RD>(X, LAM, m, ch, float(p.scale) * d.before[m][ch]);
-      else scale_key<false>(X, LAM, m, ch, d.after[m][ch]);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 4; ++r) S[r] *= d.gamma[4 * ty + r];
-#pragma unroll 8
-    for (int j = 0; j < C; ++j) {
-      const float4 xv = *reinterpret_cast<const float4*>(&X[j][4 * ty]);
-      const float yv = Y[j][tx];
-      S[0] += xv.x * yv, S[1] += xv.y * yv, S[2] += xv.z * yv, S[3] += xv.w * yv;
-    }
+    run = cur.g * run + cur.delta;
+    cur = nxt;
   }
+  if (!on) return;
   if (BWD) {
-    if (p.dh0.on())
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = k0 + 4 * ty + r;
-        if (row < p.K && col < p.V) *mptr(p.dh0, n, h, row, col) = S[r];
-      }
+    if (p.dh0.on()) *mptr(p.dh0, n, h, k, v) = run;
   } else {
-    store(ws + (chunk_slot(p.cu_seqlens, n, p.T, nch) * p.H + h) * KV);
-    if (p.hT.on())
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = k0 + 4 * ty + r;
-        if (row < p.K && col < p.V) *mptr(p.hT, n, h, row, col) = S[r];
-      }
+    *at(hst, chunk_slot(p.cu_seqlens, n, p.T, nch)) = run;
+    if (p.hT.on()) *mptr(p.hT, n, h, k, v) = run;
   }
 }
 
@@ -425,7 +428,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
 // ------------------------------------------------------------------------------------------------
 // dq, dk, dg (and du partials) for one chunk and K tile.
 template <typename T, Reader RD>
-__global__ void __launch_bounds__(NTH, 1) chunk_grad_qk_kernel(ChunkPass p, int nts) {
+__global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int nts) {
   extern __shared__ float4 smem4[];
   Tile* DA = reinterpret_cast<Tile*>(smem4);
   Tile* DQ = DA + C;
@@ -436,9 +439,11 @@ __global__ void __launch_bounds__(NTH, 1) chunk_grad_qk_kernel(ChunkPass p, int 
   Decays& d = *reinterpret_cast<Decays*>(LAM + C);
   float* zs = reinterpret_cast<float*>(&d + 1);  // [DT] zeta
   float* us = zs + DT;                            // [DT] u
-  float* carry = us + DT;                         // [NSC][DT] top-of-sub-chunk scan values
-  int* resets = reinterpret_cast<int*>(carry + NSC * DT);  // [NSC][DT]
-  float* dup = reinterpret_cast<float*>(resets + NSC * DT);  // [NSC][DT] du partials
+  // The dg scan's arrays reuse the decays' space (dead by then): 110 KB keeps 2 CTAs per SM.
+  float* carry = reinterpret_cast<float*>(&d);              // [NSC][DT] sub-chunk scan values
+  int* resets = reinterpret_cast<int*>(carry + NSC * DT);   // [NSC][DT]
+  float* dup = reinterpret_cast<float*>(resets + NSC * DT); // [NSC][DT] du partials
+  static_assert(sizeof(Decays) >= 3 * NSC * DT * sizeof(float), "scan arrays fit");
 
   Pos pos;
   if (!locate(p, blockIdx.x, pos)) return;
@@ -619,33 +624,40 @@ __global__ void __launch_bounds__(NTH, 1) chunk_grad_qk_kernel(ChunkPass p, int 
 
 // ------------------------------------------------------------------------------------------------
 constexpr size_t kTileBytes = sizeof(float) * C * LD;
-constexpr size_t kStateSmem = 2 * kTileBytes + sizeof(float) * C * SV + sizeof(Decays);
+constexpr size_t kDeltaSmem = 3 * kTileBytes + sizeof(Decays);
 constexpr size_t kOutSmem = 4 * kTileBytes + sizeof(Decays) + sizeof(float) * DT;
-constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * (2 + 3 * NSC) * DT;
+constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * 2 * DT;
 
 template <typename K>
 inline cudaError_t set_smem(K kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
 }
 
+template <typename T, Reader RD, bool BWD>
+cudaError_t launch_state(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT, vpad = (p.V + SV - 1) / SV * SV;
+  auto delta = chunk_delta_kernel<T, RD, BWD>;
+  cudaError_t e = set_smem(delta, kDeltaSmem);
+  if (e != cudaSuccess) return e;
+  if (slots > 0) delta<<<dim3(unsigned(slots), p.H, ntk * ntv), NTH, kDeltaSmem, stream>>>(p, ntv);
+  const int64_t elems = int64_t(p.K) * vpad;
+  chunk_scan_kernel<BWD><<<dim3(p.N, p.H, unsigned((elems + NTH - 1) / NTH)), NTH, 0, stream>>>(p, vpad);
+  return cudaGetLastError();
+}
+
 template <typename T, Reader RD>
 cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
   const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT, nts = (p.V + SV - 1) / SV;
   const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
-  const dim3 state_grid(p.N, p.H, ntk * nts);
   cudaError_t e;
-  auto state_fwd = chunk_state_kernel<T, RD, false>;
-  if ((e = set_smem(state_fwd, kStateSmem)) != cudaSuccess) return e;
-  state_fwd<<<state_grid, NTH, kStateSmem, stream>>>(p, nts);
+  if ((e = launch_state<T, RD, false>(p, slots, stream)) != cudaSuccess) return e;
   if (!p.dout.on()) {
     auto out = chunk_out_kernel<T, RD, false>;
     if ((e = set_smem(out, kOutSmem)) != cudaSuccess) return e;
     if (slots > 0) out<<<dim3(unsigned(slots), p.H, ntv), NTH, kOutSmem, stream>>>(p);
     return cudaGetLastError();
   }
-  auto state_bwd = chunk_state_kernel<T, RD, true>;
-  if ((e = set_smem(state_bwd, kStateSmem)) != cudaSuccess) return e;
-  state_bwd<<<state_grid, NTH, kStateSmem, stream>>>(p, nts);
+  if ((e = launch_state<T, RD, true>(p, slots, stream)) != cudaSuccess) return e;
   auto dv = chunk_out_kernel<T, RD, true>;
   if ((e = set_smem(dv, kOutSmem)) != cudaSuccess) return e;
   auto dqk = chunk_grad_qk_kernel<T, RD>;

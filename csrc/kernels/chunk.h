@@ -16,7 +16,7 @@ namespace fla {
 constexpr int kChunk = 64;     // C
 constexpr int kSubChunk = 16;  // c: the §1.2 reference points sit on sub-chunk boundaries
 constexpr int kChunkTile = 64;  // K and V tile of the CUDA kernels
-constexpr int kStateCols = 16;  // state columns per CTA of the CUDA state pass (zeta partials)
+constexpr int kStateCols = 32;  // columns per zeta partial of the CUDA state scan
 
 enum class Reader : int { Inclusive = 0, Exclusive = 1 };
 
@@ -48,6 +48,7 @@ struct ChunkPass {
   // [slots, H, ceil(V / kStateCols), K] acc workspace (backward): per-column-tile partial sums of
   // zeta = rowsum(S+ * dS+) (ALGORITHMS.md §3); a backend may leave it unused.
   void* zeta = nullptr;
+  void* gam = nullptr;         // [slots, H, K] acc workspace: per-chunk total decay exp(Σ λ)
 };
 
 // Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens).

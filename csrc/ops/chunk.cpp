@@ -33,6 +33,10 @@ Tensor state_workspace(const DiagArgs& a, const Tensor& q) {
   return new_output({slots, a.H, a.K, a.V}, q.options().dtype(acc_type(q)));
 }
 
+Tensor decay_workspace(const DiagArgs& a, const Tensor& hst) {
+  return new_output({hst.size(0), a.H, a.K}, hst.options());
+}
+
 std::tuple<Tensor, Tensor> chunk_forward(const DiagArgs& a, Reader reader, const Tensor& q,
                                          const Tensor& k, const Tensor& v, const Tensor& g,
                                          const Tensor& uc, const std::optional<Tensor>& h0,
@@ -40,11 +44,11 @@ std::tuple<Tensor, Tensor> chunk_forward(const DiagArgs& a, Reader reader, const
   Tensor o = a.L.empty_like_with_dim(v, a.V, q.scalar_type());
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
-  Tensor hst = state_workspace(a, q);
+  Tensor hst = state_workspace(a, q), gam = decay_workspace(a, hst);
   ChunkPass p = chunk_pass(a, reader, q, k, v, g, uc, h0);
   p.o = a.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
-  p.hst = hst.data_ptr();
+  p.hst = hst.data_ptr(), p.gam = gam.data_ptr();
   run(p);
   return {o, hT};
 }
@@ -79,7 +83,15 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   if (has(h0)) p.dh0 = mat(r.dh0);
   if (du_part.defined()) p.du = du_part.data_ptr();
   p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();
-  run(p);
+  Tensor gam = decay_workspace(a, hst);
+  p.gam = gam.data_ptr();
+  if (a.T > 0) {
+    run(p);
+  } else if (has(h0)) {
+    // No rows: every activation pointer is null, so the pass would read as a forward (dout
+    // off). Every sequence is empty: the state gradient passes through and du stays 0.
+    has(dht) ? r.dh0.copy_(*dht) : r.dh0.zero_();
+  }
   if (du_part.defined()) r.du = du_part.sum(0);
   return r;
 }
