@@ -495,26 +495,6 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   __syncthreads();
   chunk_decays(d, LAM);
 
-  // Diagonal sub-chunk blocks, thread (m, ch) over its 16 rows, exponents walked additively.
-  float dgq[SC], dgk[SC];
-#pragma unroll
-  for (int ii = 0; ii < SC; ++ii) {
-    const int i = m * SC + ii;
-    float e = 0.f, a = 0.f;  // dq_i += Σ_{j<=i (j<i)} dA_ij k_j exp2(Σ_{j<s<=i (<i)} λ_s)
-    for (int j = RD == Reader::Inclusive ? i : i - 1; j >= m * SC; --j) {
-      a += DA[i][j] * KY[j][ch] * exp2f(e);
-      e += LAM[j][ch];
-    }
-    dgq[ii] = a;
-    e = 0.f, a = 0.f;        // dk_i += Σ_{j>=i (j>i)} dA_ji q_j exp2(Σ_{i<s<=j (<j)} λ_s)
-    for (int j = RD == Reader::Inclusive ? i : i + 1; j < (m + 1) * SC; ++j) {
-      if (RD == Reader::Inclusive && j > i) e += LAM[j][ch];
-      a += DA[j][i] * QX[j][ch] * exp2f(e);
-      if (RD == Reader::Exclusive) e += LAM[j][ch];
-    }
-    dgk[ii] = a;
-  }
-  __syncthreads();
   // Inter terms to the sub-chunk references; operands for the off-diagonal blocks.
   for (int ii = 0; ii < SC; ++ii) {
     DQ[m * SC + ii][ch] *= d.before[m][ch];
@@ -559,29 +539,48 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
       }
   }
   __syncthreads();
-  // Row factors exp2(reader exponent) and exp2(Qex), then the diagonal blocks: dq', dk' complete.
+  // Row factors exp2(reader exponent) and exp2(Qex).
   {
     float e = 0.f;
     for (int ii = 0; ii < SC; ++ii) {
       const int i = m * SC + ii;
       if (RD == Reader::Inclusive) e += LAM[i][ch];
-      DQ[i][ch] = DQ[i][ch] * exp2f(e) + dgq[ii];
+      DQ[i][ch] *= exp2f(e);
       if (RD == Reader::Exclusive) e += LAM[i][ch];
     }
     e = 0.f;
     for (int ii = SC - 1; ii >= 0; --ii) {
       const int j = m * SC + ii;
-      DK[j][ch] = DK[j][ch] * exp2f(e) + dgk[ii];
+      DK[j][ch] *= exp2f(e);
       e += LAM[j][ch];
     }
   }
   __syncthreads();
+  load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);  // raw q, k again
+  load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+  __syncthreads();
+  // Diagonal sub-chunk blocks, thread (m, ch) over its 16 rows, exponents walked additively:
+  // dq' and dk' complete. Same (row, channel) ownership as the row factors: no barrier between.
+  for (int ii = 0; ii < SC; ++ii) {
+    const int i = m * SC + ii;
+    float e = 0.f, a = 0.f;  // dq_i += Σ_{j<=i (j<i)} dA_ij k_j exp2(Σ_{j<s<=i (<i)} λ_s)
+    for (int j = RD == Reader::Inclusive ? i : i - 1; j >= m * SC; --j) {
+      a += DA[i][j] * KY[j][ch] * exp2f(e);
+      e += LAM[j][ch];
+    }
+    DQ[i][ch] += a;
+    e = 0.f, a = 0.f;        // dk_i += Σ_{j>=i (j>i)} dA_ji q_j exp2(Σ_{i<s<=j (<j)} λ_s)
+    for (int j = RD == Reader::Inclusive ? i : i + 1; j < (m + 1) * SC; ++j) {
+      if (RD == Reader::Inclusive && j > i) e += LAM[j][ch];
+      a += DA[j][i] * QX[j][ch] * exp2f(e);
+      if (RD == Reader::Exclusive) e += LAM[j][ch];
+    }
+    DK[i][ch] += a;
+  }
 
   // dg by the reverse cumsum (§3; RWKV6 reader terms strictly after t), as a segmented scan over
   // the 4 sub-chunks: where exp(λ_t) == 0 the true dg_t is exactly 0, and so is the suffix sum
   // (ζ included) it stands for, so the scan restarts from 0 there.
-  load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);  // raw q, k again
-  load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
   __syncthreads();
   const int kk = k0 + ch;
   auto step = [&](float& acc, int t, bool write) {
