@@ -6,7 +6,10 @@ import torch
 
 import fla_ext
 from conftest import DEVICES
-from fla_ext import fused_recurrent_rwkv6
+from fla_ext import chunk_gla, chunk_rwkv6, fused_recurrent_rwkv6
+
+# Both RWKV6 modes share the argument checks; each must run them (and name the argument).
+RWKV6_OPS = [pytest.param(fused_recurrent_rwkv6, id="fused"), pytest.param(chunk_rwkv6, id="chunk")]
 
 
 def good(device="cpu", B=2, T=5, H=2, K=4, V=6, dtype=torch.float32):
@@ -16,11 +19,11 @@ def good(device="cpu", B=2, T=5, H=2, K=4, V=6, dtype=torch.float32):
                 w=-torch.rand(B, T, H, K, generator=g).to(device, dtype), u=mk(H, K))
 
 
-def call(**kw):
+def call(op=fused_recurrent_rwkv6, **kw):
     args = good()
     extra = {n: kw.pop(n) for n in list(kw) if n not in args}
     args.update(kw)
-    return fused_recurrent_rwkv6(args["r"], args["k"], args["v"], args["w"], args["u"], **extra)
+    return op(args["r"], args["k"], args["v"], args["w"], args["u"], **extra)
 
 
 CASES = [
@@ -43,20 +46,53 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("op", RWKV6_OPS)
 @pytest.mark.parametrize("kw,exc,msg", CASES, ids=[c[2][:30] for c in CASES])
-def test_bad_input(kw, exc, msg):
+def test_bad_input(op, kw, exc, msg):
     with pytest.raises(exc, match=msg):
-        call(**kw)
+        call(op, **kw)
 
 
-def test_bad_grad_shapes():
+def call_gla(**kw):
+    a = good()
+    args = dict(q=a["r"], k=a["k"], v=a["v"], g=a["w"])
+    args.update(kw)
+    return chunk_gla(**args)
+
+
+GLA_CASES = [
+    (dict(g=None), TypeError, r"`g` must be a torch.Tensor, got NoneType"),
+    (dict(g=-torch.rand(2, 5, 2, 3)), ValueError, r"`g` must have the shape of `q`"),
+    (dict(q=torch.randn(2, 5, 2, 300), k=torch.randn(2, 5, 2, 300), g=-torch.rand(2, 5, 2, 300)),
+     ValueError, r"K \(last dim of q, k, g\) must be in \[1, 256\]"),
+    (dict(initial_state=torch.randn(3, 2, 4, 6)), ValueError, r"`initial_state` must have shape"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,msg", GLA_CASES, ids=[c[2][:30] for c in GLA_CASES])
+def test_bad_input_chunk_gla(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call_gla(**kw)
+
+
+# The backward ops as called by autograd: (r, k, v, w, u, grad_o, grad_final_state) -> grads.
+BWD_OPS = [
+    pytest.param(lambda r, k, v, w, u, do, dht: torch.ops.fla.fused_recurrent_rwkv6_bwd(
+        r, k, v, w, u, do, dht, None, None, False, None, False), id="fused_rwkv6"),
+    pytest.param(lambda r, k, v, w, u, do, dht: torch.ops.fla.chunk_rwkv6_bwd(
+        r, k, v, w, u, do, dht, None, None, None, False), id="chunk_rwkv6"),
+    pytest.param(lambda r, k, v, w, u, do, dht: torch.ops.fla.chunk_gla_bwd(
+        r, k, v, w, do, dht, None, None, None, False), id="chunk_gla"),
+]
+
+
+@pytest.mark.parametrize("bwd", BWD_OPS)
+def test_bad_grad_shapes(bwd):
     a = good()
     with pytest.raises(ValueError, match=r"`grad_o` must have the shape of `v`"):
-        torch.ops.fla.fused_recurrent_rwkv6_bwd(a["r"], a["k"], a["v"], a["w"], a["u"], a["r"],
-                                                None, None, None, False, None, False)
+        bwd(a["r"], a["k"], a["v"], a["w"], a["u"], a["r"], None)
     with pytest.raises(ValueError, match=r"`grad_final_state` must have shape"):
-        torch.ops.fla.fused_recurrent_rwkv6_bwd(a["r"], a["k"], a["v"], a["w"], a["u"], a["v"],
-                                                torch.zeros(1, 2, 4, 6), None, None, False, None, False)
+        bwd(a["r"], a["k"], a["v"], a["w"], a["u"], a["v"], torch.zeros(1, 2, 4, 6))
 
 
 @pytest.mark.cuda
@@ -78,23 +114,24 @@ def checks():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_value_checks(device, checks):
+@pytest.mark.parametrize("op", RWKV6_OPS)
+def test_value_checks(device, op, checks):
     a = good(device)
     r = a["r"].clone()
     r[1, 2, 0, 3] = math.nan
     with pytest.raises(ValueError, match=r"`r` has a non-finite value at index \(1, 2, 0, 3\)"):
-        fused_recurrent_rwkv6(r, a["k"], a["v"], a["w"], a["u"])
+        op(r, a["k"], a["v"], a["w"], a["u"])
     w = a["w"].clone()
     w[0, 4, 1, 2] = 0.5  # a linear-space decay passed by mistake
     with pytest.raises(ValueError, match=r"`w` is a log decay and must be <= 0, but is positive at index \(0, 4, 1, 2\)"):
-        fused_recurrent_rwkv6(a["r"], a["k"], a["v"], w, a["u"])
+        op(a["r"], a["k"], a["v"], w, a["u"])
     w[0, 4, 1, 2] = -math.inf  # a hard reset is valid
-    fused_recurrent_rwkv6(a["r"], a["k"], a["v"], w, a["u"])
+    op(a["r"], a["k"], a["v"], w, a["u"])
     one = good(device, B=1, T=10)
     for cu, msg in [([0, 4, 3, 10], r"non-decreasing"), ([0, 4, 9], r"must equal T = 10"),
                     ([1, 4, 10], r"`cu_seqlens\[0\]` must be 0")]:
         with pytest.raises(ValueError, match=msg):
-            fused_recurrent_rwkv6(*one.values(), cu_seqlens=torch.tensor(cu, device=device))
+            op(*one.values(), cu_seqlens=torch.tensor(cu, device=device))
 
 
 def test_checks_off_by_default():

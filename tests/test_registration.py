@@ -1,18 +1,83 @@
 """The ops are real dispatcher ops: opcheck, fake kernels, torch.compile, CUDA graphs."""
+from dataclasses import dataclass
+from typing import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import fla_ext
 from conftest import DEVICES
-from fla_ext import fused_recurrent_rwkv6
+
+
+@dataclass(frozen=True)
+class Sample:
+    q: torch.Tensor  # r for RWKV6
+    k: torch.Tensor
+    v: torch.Tensor
+    w: torch.Tensor  # g for GLA
+    u: torch.Tensor
+    s0: object       # initial state or None
+    fin: bool        # output_final_state
+    cu: object       # cu_seqlens or None
+    hf: bool         # head_first
+
+    def grads_in(self):
+        N = self.cu.numel() - 1 if self.cu is not None else self.q.shape[0]
+        shape = (N, *self.u.shape, self.v.shape[-1])  # [N, H, K, V]
+        dht = torch.randn(shape, device=self.v.device) if self.fin else None
+        return torch.randn_like(self.v), dht
+
+    def inputs(self):
+        return [self.q, self.k, self.v, self.w, self.u, self.s0]
+
+
+@dataclass(frozen=True)
+class Op:
+    """An op family's forward and backward ops, their schema arguments built from a Sample, and
+    the Python entry point (always returning the final state)."""
+    fwd: Callable
+    bwd: Callable
+    fwd_args: Callable   # Sample -> tuple
+    bwd_args: Callable   # Sample, do, dht -> tuple
+    call: Callable       # (q, k, v, w, u, s0) -> (o, ht)
+    uses_u: bool = False
+
+
+OPS = {
+    "fused_recurrent_rwkv6": Op(
+        torch.ops.fla.fused_recurrent_rwkv6.default,
+        torch.ops.fla.fused_recurrent_rwkv6_bwd.default,
+        lambda s: (s.q, s.k, s.v, s.w, s.u, None, s.s0, s.fin, False, s.cu, s.hf),
+        lambda s, do, dht: (s.q, s.k, s.v, s.w, s.u, do, dht, 0.5, s.s0, False, s.cu, s.hf),
+        lambda q, k, v, w, u, s0: fla_ext.fused_recurrent_rwkv6(q, k, v, w, u, initial_state=s0,
+                                                                output_final_state=True),
+        uses_u=True),
+    "chunk_rwkv6": Op(
+        torch.ops.fla.chunk_rwkv6.default, torch.ops.fla.chunk_rwkv6_bwd.default,
+        lambda s: (s.q, s.k, s.v, s.w, s.u, None, s.s0, s.fin, s.cu, s.hf),
+        lambda s, do, dht: (s.q, s.k, s.v, s.w, s.u, do, dht, 0.5, s.s0, s.cu, s.hf),
+        lambda q, k, v, w, u, s0: fla_ext.chunk_rwkv6(q, k, v, w, u, initial_state=s0,
+                                                      output_final_state=True),
+        uses_u=True),
+    "chunk_gla": Op(
+        torch.ops.fla.chunk_gla.default, torch.ops.fla.chunk_gla_bwd.default,
+        lambda s: (s.q, s.k, s.v, s.w, None, s.s0, s.fin, s.cu, s.hf),
+        lambda s, do, dht: (s.q, s.k, s.v, s.w, do, dht, 0.5, s.s0, s.cu, s.hf),
+        lambda q, k, v, w, u, s0: fla_ext.chunk_gla(q, k, v, w, initial_state=s0,
+                                                    output_final_state=True)),
+}
+OP_NAMES = list(OPS)
 
 
 def samples(device, dtype=torch.float32, requires_grad=True):
     g = torch.Generator().manual_seed(7)
     out = []
+    # T = 70 crosses a chunk boundary; the varlen sample has a sequence over one (5 + 67 rows).
     for (B, T, H, K, V, hf, h0, fin, cu) in [(2, 9, 2, 8, 16, False, True, True, None),
-                                            (1, 12, 2, 16, 8, True, False, False, [0, 5, 12]),
-                                            (2, 1, 1, 4, 4, False, False, True, None)]:
+                                            (1, 72, 2, 16, 8, True, False, False, [0, 5, 72]),
+                                            (2, 1, 1, 4, 4, False, False, True, None),
+                                            (1, 70, 1, 8, 4, False, True, True, None)]:
         shp = lambda D: (B, H, T, D) if hf else (B, T, H, D)  # noqa: E731
         mk = lambda D: torch.randn(shp(D), generator=g).to(device, dtype)  # noqa: E731
         r, k, v = mk(K), mk(K), mk(V)
@@ -20,47 +85,45 @@ def samples(device, dtype=torch.float32, requires_grad=True):
         u = torch.randn(H, K, generator=g).to(device, dtype)
         N = len(cu) - 1 if cu else B
         s0 = torch.randn(N, H, K, V, generator=g).to(device) if h0 else None
-        ts = [r, k, v, w, u] + ([s0] if h0 else [])
         if requires_grad:
-            for t in ts:
+            for t in [r, k, v, w, u] + ([s0] if h0 else []):
                 t.requires_grad_(True)
         cu_t = torch.tensor(cu, device=device) if cu else None
-        out.append((r, k, v, w, u, None, s0, fin, False, cu_t, hf))
+        out.append(Sample(r, k, v, w, u, s0, fin, cu_t, hf))
     return out
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_forward(device):
-    for args in samples(device):
-        torch.library.opcheck(torch.ops.fla.fused_recurrent_rwkv6.default, args)
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_opcheck_forward(device, name):
+    for s in samples(device):
+        torch.library.opcheck(OPS[name].fwd, OPS[name].fwd_args(s))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_backward(device):
-    for (r, k, v, w, u, scale, s0, fin, rev, cu, hf) in samples(device, requires_grad=False):
-        do = torch.randn_like(v)
-        N, H, K, V = (s0.shape if s0 is not None else (cu.numel() - 1 if cu is not None else r.shape[0],
-                                                        u.shape[0], r.shape[-1], v.shape[-1]))
-        dht = torch.randn(N, H, K, V, device=device) if fin else None
-        torch.library.opcheck(torch.ops.fla.fused_recurrent_rwkv6_bwd.default,
-                              (r, k, v, w, u, do, dht, 0.5, s0, rev, cu, hf))
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_opcheck_backward(device, name):
+    for s in samples(device, requires_grad=False):
+        torch.library.opcheck(OPS[name].bwd, OPS[name].bwd_args(s, *s.grads_in()))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph_fwd_bwd(device):
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_compile_fullgraph_fwd_bwd(device, name):
     torch._dynamo.reset()
-    r, k, v, w, u, _, s0, _, _, _, _ = samples(device)[0]
+    op = OPS[name]
+    ins = samples(device)[0].inputs()
+    wrt = [t for t in ins if op.uses_u or t is not ins[4]]  # GLA has no u
 
-    def f(r, k, v, w, u, s0):
-        o, ht = fused_recurrent_rwkv6(r, k, v, w, u, initial_state=s0, output_final_state=True)
+    def f(*ts):
+        o, ht = op.call(*ts)
         return (o * o).sum() + ht.square().sum()
 
     cf = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    ins = [r, k, v, w, u, s0]
     loss_c = cf(*ins)
-    g_c = torch.autograd.grad(loss_c, ins)
+    g_c = torch.autograd.grad(loss_c, wrt)
     loss_e = f(*ins)
-    g_e = torch.autograd.grad(loss_e, ins)
+    g_e = torch.autograd.grad(loss_e, wrt)
     torch.testing.assert_close(loss_c, loss_e)
     for a, b in zip(g_c, g_e):
         torch.testing.assert_close(a, b)
@@ -68,28 +131,29 @@ def test_compile_fullgraph_fwd_bwd(device):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_graph_capture():
-    r, k, v, w, u, _, s0, _, _, _, _ = samples("cuda", requires_grad=False)[0]
-    do = torch.randn_like(v)
-    static = dict(o=None, dr=None)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up outside capture
-        fused_recurrent_rwkv6(r, k, v, w, u, initial_state=s0, output_final_state=True)
-    torch.cuda.current_stream().wait_stream(s)
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_cuda_graph_capture(name):
+    op = OPS[name]
+    s = samples("cuda", requires_grad=False)[0]
+    do, dht = s.grads_in()
+    bwd_args = op.bwd_args(s, do, None)
+    static = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside capture
+        op.call(*s.inputs())
+        op.bwd(*bwd_args)
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static["o"], static["ht"] = fused_recurrent_rwkv6(r, k, v, w, u, initial_state=s0,
-                                                          output_final_state=True)
-        static["grads"] = torch.ops.fla.fused_recurrent_rwkv6_bwd(r, k, v, w, u, do, None, None, s0,
-                                                                  False, None, False)
+        static["o"], static["ht"] = op.call(*s.inputs())
+        static["grads"] = op.bwd(*bwd_args)
     for _ in range(2):
-        r.copy_(torch.randn_like(r))  # new inputs in the captured buffers
+        s.q.copy_(torch.randn_like(s.q))  # new inputs in the captured buffers
         graph.replay()
         torch.cuda.synchronize()
-        o, ht = fused_recurrent_rwkv6(r, k, v, w, u, initial_state=s0, output_final_state=True)
-        grads = torch.ops.fla.fused_recurrent_rwkv6_bwd(r, k, v, w, u, do, None, None, s0, False,
-                                                        None, False)
+        o, ht = op.call(*s.inputs())
+        grads = op.bwd(*bwd_args)
         torch.testing.assert_close(static["o"], o, rtol=0, atol=0)
         torch.testing.assert_close(static["ht"], ht, rtol=0, atol=0)
         for a, b in zip(static["grads"], grads):

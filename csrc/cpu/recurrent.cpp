@@ -1,45 +1,29 @@
 // CPU backend of the recurrent sweep (kernels/recurrent.h): the same sweep the CUDA engine runs,
 // one (sequence, head) per task, fp32 state (fp64 for fp64 inputs).
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <cmath>
 #include <vector>
 
 #include "../kernels/recurrent.h"
 #include "../kernels/sequence.h"
+#include "elements.h"
 
 namespace fla {
 namespace {
+
+using cpu::elem;
 
 template <typename T, typename A>
 struct Sweep {
   const RecurrentPass& p;
 
   A ld(const VecArg& v, int64_t b, int64_t t, int h, int d) const {
-    const T* ptr = static_cast<const T*>(v.ptr);
-    return static_cast<A>(ptr[b * v.sb + t * v.st + h * v.sh + d * v.sd]);
+    return cpu::load<A, T>(v, b, t, h, d);
   }
-  T* at(const VecArg& v, int64_t b, int64_t t, int h, int d) const {
-    return const_cast<T*>(static_cast<const T*>(v.ptr)) + b * v.sb + t * v.st + h * v.sh + d * v.sd;
-  }
-  static A* acc_at(const VecArg& v, int64_t b, int64_t t, int h, int d) {
-    return const_cast<A*>(static_cast<const A*>(v.ptr)) + b * v.sb + t * v.st + h * v.sh + d * v.sd;
-  }
-  static A* at(const MatArg& m, int n, int h, int r, int c) {
-    return static_cast<A*>(m.ptr) + n * m.sn + h * m.sh + r * m.sr + c * m.sc;
-  }
+  static A* at(const MatArg& m, int n, int h, int r, int c) { return elem<A>(m, n, h, r, c); }
   static A* vec(const void* p, int64_t i) { return const_cast<A*>(static_cast<const A*>(p)) + i; }
-  A uval(const void* u, int64_t i) const {
-    switch (p.udtype) {
-      case DType::f32: return A(static_cast<const float*>(u)[i]);
-      case DType::f64: return A(static_cast<const double*>(u)[i]);
-      case DType::bf16: return A(static_cast<const c10::BFloat16*>(u)[i]);
-      case DType::f16: return A(static_cast<const c10::Half*>(u)[i]);
-    }
-    return A(0);
-  }
+  A uval(const void* u, int64_t i) const { return cpu::load_param<A>(p.udtype, u, i); }
 
   void run(int n, int h) const {
     const int Dr = p.Dr, Dc = p.Dc;
@@ -90,15 +74,15 @@ struct Sweep {
           yb = A(p.bonus_scale) * bonus * ld(p.y, s.b, t, h, c);
           o += yb * (p.uy ? uval(p.uy, h * Dc + c) : A(1));
         }
-        if (p.out.on()) *at(p.out, s.b, t, h, c) = static_cast<T>(o);
+        if (p.out.on()) *elem<T>(p.out, s.b, t, h, c) = static_cast<T>(o);
         if (p.gate == GateGrad::Produce) {
-          *acc_at(p.ws, s.b, t, h, c) = ld(p.z, s.b, t, h, c) * pc[c];
+          *elem<A>(p.ws, s.b, t, h, c) = ld(p.z, s.b, t, h, c) * pc[c];
         } else if (p.gate == GateGrad::Consume) {
-          const A z = ld(p.z, s.b, t, h, c), ws = *acc_at(p.ws, s.b, t, h, c);
+          const A z = ld(p.z, s.b, t, h, c), ws = *elem<A>(p.ws, s.b, t, h, c);
           if (p.ws_inclusive) acc[c] += ws;
           acc[c] -= z * pc[c];
           if (lcs[c] == A(0)) acc[c] = 0;
-          *at(p.dlam, s.b, t, h, c) = static_cast<T>(acc[c]);
+          *elem<T>(p.dlam, s.b, t, h, c) = static_cast<T>(acc[c]);
           if (!p.ws_inclusive) acc[c] += ws;
           du[c] += yb * z;
         }
@@ -131,12 +115,7 @@ void run_all(const RecurrentPass& p) {
 }  // namespace
 
 void recurrent_cpu(const RecurrentPass& p) {
-  switch (p.dtype) {
-    case DType::f32: return run_all<float, float>(p);
-    case DType::f64: return run_all<double, double>(p);
-    case DType::bf16: return run_all<c10::BFloat16, float>(p);
-    case DType::f16: return run_all<c10::Half, float>(p);
-  }
+  cpu::dispatch_dtype(p.dtype, [&](auto t, auto a) { run_all<decltype(t), decltype(a)>(p); });
 }
 
 }  // namespace fla

@@ -115,11 +115,13 @@ __device__ __forceinline__ void load_mat(Tile* s, const float* m, int R, int Cn,
 }
 
 // acc[r][s] += Σ_k a(4ty + r, k) b(k, 4tx + s), with a stored [row][k] or, TA, [k][row]; b [k][col].
+// Only k in [k0, k1) is summed (triangular operands skip their zero blocks).
 template <bool TA>
-__device__ __forceinline__ void mma4(float (&acc)[4][4], const Tile* a, const Tile* b, int K) {
+__device__ __forceinline__ void mma4(float (&acc)[4][4], const Tile* a, const Tile* b, int K,
+                                     int k0 = 0) {
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
 #pragma unroll 4
-  for (int k = 0; k < K; ++k) {
+  for (int k = k0; k < K; ++k) {
     float av[4];
     if (TA) {
       const float4 t = *reinterpret_cast<const float4*>(&a[k][4 * ty]);
@@ -310,6 +312,7 @@ __device__ __forceinline__ void diag_pairs(Tile* A, const Tile* Q, const Tile* K
                                            const Tile* lam, const float* u) {
   const int m = threadIdx.x / 64, I = m * SC + (threadIdx.x / 4) % SC, cq = threadIdx.x % 4;
   const int iend = RD == Reader::Inclusive ? I : I - 1;  // last key row that carries a decay
+  const int jwarp = (threadIdx.x / 32 % 2) * 8 + 7;       // this warp's last row: skip above it
   float acc[SC], b = 0.f;
 #pragma unroll
   for (int jj = 0; jj < SC; ++jj) acc[jj] = 0.f;
@@ -319,7 +322,7 @@ __device__ __forceinline__ void diag_pairs(Tile* A, const Tile* Q, const Tile* K
 #pragma unroll
     for (int jj = SC - 1; jj >= 0; --jj) {
       const int j = m * SC + jj;
-      if (j <= iend) {
+      if (jj <= jwarp && j <= iend) {
         acc[jj] += qi * KT_[ch][j] * exp2f(e);
         e += lam[j][ch];
       }
@@ -412,8 +415,10 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
   if (DV)  // dv = K̂ dS+ + ρ Aᵀ dO: fold ρ into A
     for (int e = threadIdx.x; e < C * C; e += NTH) A[e / C][e % C] *= rho;
   __syncthreads();
-  if (DV) mma4<true>(acc, A, W, C);
-  else mma4<false>(acc, A, W, C);
+  // A is lower triangular: row i of A V needs j <= i, row j of Aᵀ dO needs i >= j.
+  const int ty4 = 4 * (threadIdx.x / 16);
+  if (DV) mma4<true>(acc, A, W, C, ty4);
+  else mma4<false>(acc, A, W, ty4 + 4);
   const VecArg& out = DV ? p.dv : p.o;
   const float mul = DV ? 1.f : rho;
 #pragma unroll

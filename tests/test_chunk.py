@@ -1,0 +1,218 @@
+"""fla::chunk_gla and fla::chunk_rwkv6 (the chunked algorithm, 64-row chunks: ALGORITHMS.md
+§4-§5): forward and every gradient vs the float64 oracle, vs the fused recurrent mode, the
+§8.4 stress suite and varlen, on CPU and CUDA."""
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICES, TOL, assert_close
+from families import FAMILIES, GLA, leaves, run_and_check
+from inputs import STRESS
+
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+DTYPES = [pytest.param(F32, id="fp32"), pytest.param(BF16, id="bf16")]
+
+# T: a single partial chunk, one row short of a chunk, exactly one, one over, two plus a bit.
+# K != V both ways; K, V over the CUDA tile of 64 (several tiles, partial tiles); K = 256 (max).
+SHAPES = [(2, 1, 2, 16, 32), (1, 63, 2, 128, 32), (2, 64, 1, 24, 100), (2, 65, 2, 32, 48),
+          (1, 130, 2, 60, 20), (1, 80, 1, 256, 8)]
+LAYOUTS = [(False, False), (True, False), (False, True), (True, True)]  # (head_first, noncontig)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}".format(*s))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda f: "hf{}nc{}".format(*map(int, f)))
+def test_grid(device, dtype, fam, shape, layout, gen):
+    head_first, noncontig = layout
+    T = shape[1]
+    # every (h0, dht) pair occurs for every T; a non-default scale on the strided inputs
+    x = fam.make(*shape, dtype, device, gen, head_first=head_first, noncontig=noncontig,
+                 h0=(T + head_first) % 2 == 0)
+    run_and_check(fam, "chunk", x, dht_on=(T + noncontig) % 2 == 1, head_first=head_first,
+                  scale=0.7 if noncontig else None, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("w_kind,cu", [("typical", None), ("u30", None), ("mixedinf", None),
+                                       ("spike15", None), ("typical", [0, 70, 70, 135, 200])],
+                         ids=["typical", "u30", "mixedinf", "spike15", "varlen"])
+def test_matches_fused(device, fam, w_kind, cu, gen):
+    """Same inputs (initial state and final-state gradient included): chunk == fused_recurrent
+    to fp32 accuracy, forward and backward (the decay gradient, a cumsum of cancelling terms,
+    to its own §8.3 tolerance: the recurrent mode is ~1e-5 there on u30)."""
+    N = len(cu) - 1 if cu else 2
+    x = fam.make(1 if cu else 2, cu[-1] if cu else 100, 2, 32, 24, F32, device, gen,
+                 w_kind=w_kind, N=N)
+    kw = dict(cu_seqlens=torch.tensor(cu, device=device) if cu else None, output_final_state=True)
+    do = torch.randn(x["v"].shape, generator=gen).to(device)
+    dht = torch.randn(x["h0"].shape, generator=gen).to(device)
+    out = {}
+    for mode in ("chunk", "fused"):
+        ins = leaves(x)
+        o, ht = fam.call(mode, ins, **kw)
+        ((o * do).sum() + (ht * dht).sum()).backward()
+        out[mode] = dict(o=o, ht=ht, **{f"d{n}": t.grad for n, t in ins.items()})
+    tol, tol_decay, atol = TOL[F32]
+    for name, ref in out["fused"].items():
+        decay = name == "d" + fam.decay
+        assert_close(name, out["chunk"][name], ref, tol_decay if decay else tol, atol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stress suite (ALGORITHMS.md §8.4)
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [pytest.param(F64, id="fp64")] + DTYPES)
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("w_kind", STRESS)
+def test_stress_gates(device, dtype, fam, w_kind, gen):
+    if dtype == F64 and device != "cpu":
+        pytest.skip("float64 is CPU only")
+    x = fam.make(2, 70, 2, 64, 32, dtype, device, gen, w_kind=w_kind)
+    run_and_check(fam, "chunk", x, gen=gen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("T,w_kind", [(4096, "typical"), (8192, "typical"), (4096, "zero")])
+def test_stress_long(device, fam, T, w_kind, gen):
+    x = fam.make(1, T, 1, 64, 64, F32, device, gen, w_kind=w_kind)
+    run_and_check(fam, "chunk", x, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("fill", [-1e4, -math.inf])
+def test_analytic_hard_decay(device, fam, fill, gen):
+    """§8.4 item 2, over two chunks: with exp(lambda) = 0 a token sees only itself (GLA) or the
+    previous token and the bonus (RWKV6); the decay gradient is exactly 0 everywhere, and so is
+    dh0 for GLA (RWKV6: only o_0 reads h0)."""
+    B, T, H, K, V = 2, 70, 2, 16, 8
+    x = fam.make(B, T, H, K, V, F32, device, gen)
+    q, k, v, h0 = x[fam.args[0]], x["k"], x["v"], x["h0"]
+    x[fam.decay] = torch.full_like(q, fill)
+    s = K ** -0.5
+    ins = leaves(x)
+    o, ht = fam.call("chunk", ins, output_final_state=True)
+    if fam is GLA:
+        expect = (q * k).sum(-1, keepdim=True) * v
+    else:
+        expect = torch.einsum("bthk,hk,bthk->bth", q, x["u"], k)[..., None] * v
+        expect[:, 1:] += torch.einsum("bthk,bthk->bth", q[:, 1:], k[:, :-1])[..., None] * v[:, :-1]
+        expect[:, 0] += torch.einsum("bhk,bhkv->bhv", q[:, 0], h0)
+    torch.testing.assert_close(o, s * expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht, torch.einsum("bhk,bhv->bhkv", k[:, -1], v[:, -1]))
+    do = torch.randn(o.shape, generator=gen).to(o)
+    ((o * do).sum() + ht.square().sum()).backward()
+    assert torch.equal(ins[fam.decay].grad, torch.zeros_like(q))  # exactly, not ~0
+    if fam is GLA:
+        assert torch.equal(ins["h0"].grad, torch.zeros_like(h0))
+    else:
+        dh0 = s * torch.einsum("bhk,bhv->bhkv", q[:, 0], do[:, 0])
+        torch.testing.assert_close(ins["h0"].grad, dh0, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES + [pytest.param(F16, id="fp16")])
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("spike", [-100.0, -20.0])
+def test_first_row_spike(device, dtype, fam, spike, gen):
+    """§2.3: a decay below -88.7 (fp32/bf16; -11 for fp16 operands) at the first row of a
+    sub-chunk (rows = 0 mod 16). A reference at that row's inclusive cumsum would give the
+    exclusive reader exp(-lambda) = inf there, and inf * 0 = NaN in the off-diagonal blocks."""
+    B, T, H, K, V = 2, 80, 2, 64, 32
+    x = fam.make(B, T, H, K, V, dtype, device, gen)
+    w = -0.1 * torch.rand(B, T, H, K, generator=gen)
+    w[:, ::16] = spike
+    x[fam.decay] = w.to(device=device, dtype=dtype)
+    if dtype == F16:  # keep o and the gradients well inside the fp16 range
+        for n in fam.args[:2]:
+            x[n] = x[n] * 0.5
+    run_and_check(fam, "chunk", x, gen=gen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variable length
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("cu", [[0, 70, 70, 135, 200], [0, 1, 17, 81, 145, 400]],
+                         ids=["empty", "ragged"])
+def test_varlen(device, dtype, fam, cu, gen):
+    """Sequences straddling chunk boundaries (each is chunked from its own start), an empty one,
+    lengths 1, 16, 64, 64, 255: vs the oracle and vs each sequence run alone."""
+    T, N = cu[-1], len(cu) - 1
+    x = fam.make(1, T, 2, 32, 16, dtype, device, gen, N=N)
+    cu_t = torch.tensor(cu, dtype=torch.long, device=device)
+    o, ht, grads = run_and_check(fam, "chunk", x, cu_seqlens=cu_t, gen=gen)
+    same = dict(rtol=1e-6, atol=1e-6) if dtype == F32 else dict(rtol=1e-2, atol=1e-2)
+    for n in range(N):
+        a, b = cu[n], cu[n + 1]
+        xn = {name: t if name == "u" else t[:, a:b] for name, t in x.items() if name != "h0"}
+        xn["h0"] = x["h0"][n:n + 1]
+        on, hn = fam.call("chunk", xn, output_final_state=True)
+        torch.testing.assert_close(on, o[:, a:b], **same)
+        torch.testing.assert_close(hn, ht[n:n + 1], **same)
+    for n in range(N):
+        if cu[n] == cu[n + 1]:  # an empty sequence passes its state and its gradient through
+            assert torch.equal(ht[n], x["h0"][n])
+            ins = leaves(x)
+            _, ht2 = fam.call("chunk", ins, output_final_state=True, cu_seqlens=cu_t)
+            dht = torch.randn(ht2.shape, generator=gen).to(ht2)
+            (ht2 * dht).sum().backward()
+            assert torch.equal(ins["h0"].grad[n], dht[n])
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact fp64 path, defaults, inputs left untouched
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_gradcheck_fp64(fam, gen):
+    """Two sequences, the second over a chunk boundary (67 rows), every input incl. h0."""
+    x = fam.make(1, 70, 1, 2, 3, F64, "cpu", gen, N=2)
+    cu = torch.tensor([0, 3, 70])
+    names = list(fam.args) + ["h0"]
+
+    def f(*ts):
+        return fam.call("chunk", dict(zip(names, ts)), output_final_state=True, cu_seqlens=cu)
+
+    ins = [x[n].clone().requires_grad_(True) for n in names]
+    assert torch.autograd.gradcheck(f, ins, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_defaults_and_inputs_unchanged(device, fam, gen):
+    x = fam.make(2, 70, 2, 16, 24, BF16, device, gen, noncontig=True)
+    # no final state requested: None, and the same o as with one
+    o1, ht = fam.call("chunk", x)
+    assert ht is None
+    o2, _ = fam.call("chunk", x, output_final_state=True)
+    assert torch.equal(o1, o2)
+    ins = leaves(x)
+    before = {n: t.detach().clone() for n, t in ins.items()}
+    o, ht = fam.call("chunk", ins, output_final_state=True)
+    (o.float().sum() + ht.sum()).backward()
+    for name, t in ins.items():
+        assert torch.equal(t.detach(), before[name]), f"{name} was modified"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_no_rows(device, fam, gen):
+    """T = 0: the state passes through both ways (no activation has data to point at)."""
+    x = fam.make(2, 0, 2, 8, 4, F32, device, gen)
+    ins = leaves(x)
+    o, ht = fam.call("chunk", ins, output_final_state=True)
+    assert o.shape == x["v"].shape and torch.equal(ht, x["h0"])
+    dht = torch.randn(ht.shape, generator=gen).to(ht)
+    (ht * dht).sum().backward()
+    assert torch.equal(ins["h0"].grad, dht)
+    if "u" in ins:
+        assert torch.equal(ins["u"].grad, torch.zeros_like(x["u"]))
