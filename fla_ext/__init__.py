@@ -26,7 +26,14 @@ def _load_library() -> str:
 _LIBRARY = _load_library()
 
 from . import _fake  # noqa: E402,F401  (registers fake kernels)
-from .ops import fused_recurrent_gla, fused_recurrent_rwkv6, set_checks  # noqa: E402
+from .ops import (  # noqa: E402
+    fused_mul_recurrent_rwkv7,
+    fused_recurrent_gla,
+    fused_recurrent_rwkv6,
+    fused_recurrent_rwkv7,
+    set_checks,
+)
 
-__all__ = ["fused_recurrent_gla", "fused_recurrent_rwkv6", "set_checks"]
+__all__ = ["fused_mul_recurrent_rwkv7", "fused_recurrent_gla", "fused_recurrent_rwkv6",
+           "fused_recurrent_rwkv7", "set_checks"]
 __version__ = "0.1.0"

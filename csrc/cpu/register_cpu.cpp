@@ -2,10 +2,12 @@
 
 #include "../ops/gla.h"
 #include "../ops/rwkv6.h"
+#include "../ops/rwkv7.h"
 
 namespace fla {
 namespace {
 void run_cpu(const RecurrentPass& p) { recurrent_cpu(p); }
+void run_dplr_cpu(const DplrPass& p) { dplr_cpu(p); }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fla, CPU, m) {
@@ -13,6 +15,8 @@ TORCH_LIBRARY_IMPL(fla, CPU, m) {
   m.impl("fused_recurrent_rwkv6_bwd", &ops::fused_recurrent_rwkv6_bwd_impl<run_cpu>);
   m.impl("fused_recurrent_gla", &ops::fused_recurrent_gla_impl<run_cpu>);
   m.impl("fused_recurrent_gla_bwd", &ops::fused_recurrent_gla_bwd_impl<run_cpu>);
+  m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cpu>);
+  m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cpu>);
 }
 
 }  // namespace fla
