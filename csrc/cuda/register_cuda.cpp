@@ -5,12 +5,17 @@
 
 #include "../ops/gla.h"
 #include "../ops/rwkv6.h"
+#include "../ops/rwkv7.h"
 
 namespace fla {
 namespace {
 void run_cuda(const RecurrentPass& p) {
   const char* err = recurrent_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA recurrent sweep failed: ", err);
+}
+void run_dplr_cuda(const DplrPass& p) {
+  const char* err = dplr_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == nullptr, "fla_ext: CUDA DPLR (RWKV7) kernel failed: ", err);
 }
 }  // namespace
 
@@ -19,6 +24,8 @@ TORCH_LIBRARY_IMPL(fla, CUDA, m) {
   m.impl("fused_recurrent_rwkv6_bwd", &ops::fused_recurrent_rwkv6_bwd_impl<run_cuda>);
   m.impl("fused_recurrent_gla", &ops::fused_recurrent_gla_impl<run_cuda>);
   m.impl("fused_recurrent_gla_bwd", &ops::fused_recurrent_gla_bwd_impl<run_cuda>);
+  m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cuda>);
+  m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cuda>);
 }
 
 }  // namespace fla
