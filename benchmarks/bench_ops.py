@@ -162,6 +162,44 @@ def _chunk_cases(quick: bool) -> List[Case]:
     ]
 
 
+@register("fused_recurrent_rwkv7", _rwkv6_cases)
+def _rwkv7(case: Case, requires_grad: bool, device: torch.device) -> Built:
+    """RWKV-7's inputs: w in its own range [-e^-0.5, 0], a = -kk, b = kk * iclr, scale 1.
+    fla's fused_recurrent_rwkv7 is inference only (its backward raises)."""
+    B, T, H, K, V = (case.dims[d] for d in "BTHKV")
+    dt = case.dtype
+    h0 = (torch.randn(B, H, K, V, device=device, dtype=torch.float32)
+          if case.opts.get("initial_state") else None)
+    ofs = bool(case.opts.get("output_final_state"))
+    kk = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
+    iclr = torch.rand(B, T, H, K, device=device)
+    inputs = _leaves(dict(
+        r=_randn((B, T, H, K), dt, device),
+        w=(-0.6065 * torch.sigmoid(torch.randn(B, T, H, K, device=device))).to(dt),
+        k=_randn((B, T, H, K), dt, device), v=_randn((B, T, H, V), dt, device),
+        a=(-kk).to(dt), b=(kk * iclr).to(dt), h0=h0), requires_grad)
+    r, w, k, v, a, b = (inputs[n] for n in "rwkvab")
+    h0 = inputs.get("h0")
+    kw = dict(scale=1.0, initial_state=h0, output_final_state=ofs)
+
+    impls = {"fla_ext": lambda: fla_ext.fused_recurrent_rwkv7(r, w, k, v, a, b, **kw)}
+    fla_fn, why = optional_fn("fla.ops.rwkv7", "fused_recurrent_rwkv7", device)
+    if fla_fn is not None:
+        impls["fla"] = lambda: fla_fn(r, w, k, v, a, b, **kw)
+
+    def reference(grad_outputs):
+        o, ht = fla_ref.rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=h0)
+        grads = {}
+        if grad_outputs is not None:
+            g = fla_ref.rwkv7_bwd(r, w, k, v, a, b, grad_outputs[0],
+                                  dht=grad_outputs[1] if ofs else None, scale=1.0,
+                                  initial_state=h0)
+            grads = {n: g[n] for n, x in inputs.items() if x.requires_grad}
+        return [o, ht if ofs else None], grads
+
+    return Built(inputs, impls, ("o", "ht"), {"fla": why} if why else {}, reference)
+
+
 def _diag_op(family: str, mode: str):
     """Build function for {fused_recurrent, chunk}_{rwkv6, gla}: same inputs, same oracle."""
     rwkv = family == "rwkv6"

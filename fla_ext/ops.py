@@ -12,8 +12,10 @@ import torch
 __all__ = [
     "chunk_gla",
     "chunk_rwkv6",
+    "fused_mul_recurrent_rwkv7",
     "fused_recurrent_gla",
     "fused_recurrent_rwkv6",
+    "fused_recurrent_rwkv7",
     "set_checks",
 ]
 
@@ -173,3 +175,105 @@ def chunk_rwkv6(
         r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, head_first
     )
     return o, (ht if output_final_state else None)
+
+
+def fused_recurrent_rwkv7(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = True,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    head_first: bool = False,
+    reverse: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""RWKV7 recurrence (diagonal plus low rank), step by step (fused recurrent kernel):
+
+    .. math:: h_t = \mathrm{diag}(e^{w_t}) h_{t-1} + b_t (a_t^\top h_{t-1}) + k_t v_t^\top,\quad
+              o_t = s\, h_t^\top r_t
+
+    Unlike fla's (inference only), this op has a backward: gradients for r, w, k, v, a, b and
+    the initial state, also through the final state.
+
+    Args:
+        r, w, k, a, b: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``w`` is the log
+            decay (<= 0; ``-inf`` is a hard reset). RWKV-7 layers pass ``a = -kk`` and
+            ``b = kk * iclr`` (see :func:`fused_mul_recurrent_rwkv7`); any a, b are accepted.
+        v: ``[B, T, H, V]``; K and V are independent (1..256).
+        scale: defaults to ``K ** -0.5``, as fla's ``fused_recurrent_rwkv7`` (which forwards
+            ``scale=None`` to ``fused_recurrent_dplr_delta_rule``). RWKV-7 models use ``1.0``.
+        initial_state: float32 ``[N, H, K, V]``.
+        output_final_state: also return the float32 final state ``[N, H, K, V]``; default
+            ``True``, as in fla.
+        cu_seqlens: int64 ``[N + 1]`` sequence boundaries (B must be 1).
+        head_first: inputs are ``[B, H, T, D]``.
+        reverse: run the recurrence from the last token to the first (not in fla's signature
+            of this function; :func:`fused_mul_recurrent_rwkv7` has it).
+
+    Returns:
+        ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
+
+    Example::
+
+        >>> B, T, H, K, V = 2, 64, 4, 64, 64
+        >>> r, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+        >>> v = torch.randn(B, T, H, V)
+        >>> w = -0.6 * torch.sigmoid(torch.randn(B, T, H, K))
+        >>> kk = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> iclr = torch.rand(B, T, H, K)
+        >>> o, ht = fused_recurrent_rwkv7(r, w, k, v, -kk, kk * iclr, scale=1.0)
+    """
+    _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
+    o, ht = torch.ops.fla.fused_recurrent_rwkv7(
+        r, w, k, v, a, b, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
+    )
+    return o, (ht if output_final_state else None)
+
+
+def fused_mul_recurrent_rwkv7(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kk: torch.Tensor,
+    a: torch.Tensor,
+    scale: Optional[float] = 1.0,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    head_first: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""RWKV-7 with the low-rank pair formed from ``kk`` and ``a`` (fla's inference entry point):
+    :func:`fused_recurrent_rwkv7` with ``a_op = -kk`` and ``b_op = kk * a``, i.e.
+
+    .. math:: h_t = \mathrm{diag}(e^{w_t}) h_{t-1} - (kk_t \odot a_t)(kk_t^\top h_{t-1})
+              + k_t v_t^\top,\quad o_t = s\, h_t^\top r_t
+
+    Here ``a`` is RWKV-7's in-context learning rate (iclr, in [0, 1]) and ``kk`` the
+    L2-normalised removal key, exactly as fla's ``fused_mul_recurrent_rwkv7``. Differentiable
+    (the products are formed with torch ops, so gradients reach ``kk`` and ``a``).
+
+    Args:
+        r, w, k, kk, a: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``w`` is the log
+            decay (<= 0).
+        v: ``[B, T, H, V]``.
+        scale: defaults to ``1.0`` as in fla; ``None`` means ``K ** -0.5``.
+        initial_state, cu_seqlens, head_first: as in :func:`fused_recurrent_rwkv7`.
+        output_final_state: default ``False``, as in fla.
+        reverse: run the recurrence from the last token to the first.
+
+    Returns:
+        ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
+    """
+    _require_tensors(r=r, w=w, k=k, v=v, kk=kk, a=a)
+    if kk.shape != a.shape:
+        raise ValueError(f"fla_ext: `kk` {tuple(kk.shape)} and `a` {tuple(a.shape)} must have "
+                         "the same shape")
+    return fused_recurrent_rwkv7(r, w, k, v, -kk, kk * a, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 head_first=head_first, reverse=reverse)

@@ -3,11 +3,13 @@
 #include "../ops/chunk.h"
 #include "../ops/gla.h"
 #include "../ops/rwkv6.h"
+#include "../ops/rwkv7.h"
 
 namespace fla {
 namespace {
 void run_cpu(const RecurrentPass& p) { recurrent_cpu(p); }
 void run_chunk_cpu(const ChunkPass& p) { chunk_cpu(p); }
+void run_dplr_cpu(const DplrPass& p) { dplr_cpu(p); }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fla, CPU, m) {
@@ -19,6 +21,8 @@ TORCH_LIBRARY_IMPL(fla, CPU, m) {
   m.impl("chunk_gla_bwd", &ops::chunk_gla_bwd_impl<run_chunk_cpu>);
   m.impl("chunk_rwkv6", &ops::chunk_rwkv6_impl<run_chunk_cpu>);
   m.impl("chunk_rwkv6_bwd", &ops::chunk_rwkv6_bwd_impl<run_chunk_cpu>);
+  m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cpu>);
+  m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cpu>);
 }
 
 }  // namespace fla

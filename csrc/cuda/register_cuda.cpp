@@ -6,6 +6,7 @@
 #include "../ops/chunk.h"
 #include "../ops/gla.h"
 #include "../ops/rwkv6.h"
+#include "../ops/rwkv7.h"
 
 namespace fla {
 namespace {
@@ -16,6 +17,10 @@ void run_cuda(const RecurrentPass& p) {
 void run_chunk_cuda(const ChunkPass& p) {
   const char* err = chunk_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA chunk kernel failed: ", err);
+}
+void run_dplr_cuda(const DplrPass& p) {
+  const char* err = dplr_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == nullptr, "fla_ext: CUDA DPLR (RWKV7) kernel failed: ", err);
 }
 }  // namespace
 
@@ -28,6 +33,8 @@ TORCH_LIBRARY_IMPL(fla, CUDA, m) {
   m.impl("chunk_gla_bwd", &ops::chunk_gla_bwd_impl<run_chunk_cuda>);
   m.impl("chunk_rwkv6", &ops::chunk_rwkv6_impl<run_chunk_cuda>);
   m.impl("chunk_rwkv6_bwd", &ops::chunk_rwkv6_bwd_impl<run_chunk_cuda>);
+  m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cuda>);
+  m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cuda>);
 }
 
 }  // namespace fla

@@ -93,6 +93,13 @@ void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N
                     ", ", C, "], got ", shape_str(s));
 }
 
+void check_same_shape(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name,
+                      const Layout& L) {
+  check_activation(t, name, ref, ref_name);
+  TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), "fla_ext: `", name, "` must have the shape of `",
+                    ref_name, "` ", shape_str(ref), " (", L.dims(), "), got ", shape_str(t));
+}
+
 void check_head_dim(int64_t d, const char* what) {
   TORCH_CHECK_VALUE(d >= 1 && d <= kMaxHeadDim, "fla_ext: ", what, " must be in [1, ",
                     kMaxHeadDim, "], got ", d);
@@ -154,9 +161,7 @@ DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tens
   if (g.defined()) check_activation(g, gn, q, qn);
   a.B = L.B(q), a.T = L.T(q), a.H = L.H(q), a.K = L.D(q), a.V = L.D(v);
   for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {g, gn}})
-    TORCH_CHECK_VALUE(!t.defined() || t.sizes() == q.sizes(), "fla_ext: `", name,
-                      "` must have the shape of `", qn, "` ", shape_str(q), " (", L.dims(),
-                      "), got ", shape_str(t));
+    if (t.defined()) check_same_shape(t, name, q, qn, L);
   TORCH_CHECK_VALUE(L.B(v) == a.B && L.T(v) == a.T && L.H(v) == a.H, "fla_ext: `v` must be ",
                     L.dims(), " with B, T, H of `", qn, "` ", shape_str(q), ", got ",
                     shape_str(v));

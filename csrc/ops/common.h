@@ -62,6 +62,9 @@ Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int6
 void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N, int64_t H,
                  int64_t R, int64_t C);
 void check_head_dim(int64_t d, const char* what);
+// Checks that `t` is an activation like `ref` (dtype, device) with exactly its shape.
+void check_same_shape(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name,
+                      const Layout& L);
 
 // FLA_EXT_CHECKS value checks (they read device memory).
 void check_finite(const Tensor& t, const char* name);

@@ -169,19 +169,11 @@ CATCH_TEST_CASE("GLA: forward matches its loop, gradients match finite differenc
   }
 }
 
-CATCH_TEST_CASE("autograd backward matches finite differences (float64)", "[backward]") {
-  const Inputs in = make_inputs(at::kDouble, B, T, B, 99);
-  std::vector<Tensor> xs = {in.r, in.k, in.v, in.w, in.u, in.h0};
-  const char* names[] = {"r", "k", "v", "w", "u", "initial_state"};
+namespace {
+// The autograd gradients of loss_of(xs) (leaves xs, float64) against central differences of it.
+void check_grads_fd(std::vector<Tensor> xs, const std::vector<const char*>& names,
+                    const std::function<Tensor(const std::vector<Tensor>&)>& loss_of) {
   for (auto& x : xs) x = x.clone().requires_grad_(true);
-  const Tensor go = at::randn({B, T, H, V}, at::kDouble);
-  const Tensor gh = at::randn({B, H, K, V}, at::kDouble);
-
-  auto loss_of = [&](const std::vector<Tensor>& a) {
-    auto [o, hT] = fla_ext::fused_recurrent_rwkv6(a[0], a[1], a[2], a[3], a[4], std::nullopt,
-                                                  a[5], /*output_final_state=*/true);
-    return (o * go).sum() + (hT * gh).sum();
-  };
   Tensor loss = loss_of(xs);
   CATCH_REQUIRE(loss.requires_grad());
   loss.backward();
@@ -211,6 +203,35 @@ CATCH_TEST_CASE("autograd backward matches finite differences (float64)", "[back
     }
     CATCH_CHECK(worst <= rtol);
   }
+}
+}  // namespace
+
+CATCH_TEST_CASE("autograd backward matches finite differences (float64)", "[backward]") {
+  const Inputs in = make_inputs(at::kDouble, B, T, B, 99);
+  const Tensor go = at::randn({B, T, H, V}, at::kDouble);
+  const Tensor gh = at::randn({B, H, K, V}, at::kDouble);
+  check_grads_fd({in.r, in.k, in.v, in.w, in.u, in.h0},
+                 {"r", "k", "v", "w", "u", "initial_state"}, [&](const std::vector<Tensor>& a) {
+                   auto [o, hT] = fla_ext::fused_recurrent_rwkv6(
+                       a[0], a[1], a[2], a[3], a[4], std::nullopt, a[5], /*output_final_state=*/true);
+                   return (o * go).sum() + (hT * gh).sum();
+                 });
+}
+
+CATCH_TEST_CASE("RWKV7: C++ autograd matches finite differences (float64, varlen)", "[rwkv7]") {
+  // Generic a, b; two sequences, one of 20 steps (two checkpoint segments), and an empty one.
+  const Inputs in = make_inputs(at::kDouble, 1, 20, 3, 123);
+  const Tensor a = 0.3 * at::randn({1, 20, H, K}, at::kDouble);
+  const Tensor b = 0.3 * at::randn({1, 20, H, K}, at::kDouble);
+  const Tensor cu = at::tensor(std::vector<int64_t>{0, 0, 6, 20}, at::kLong);
+  const Tensor go = at::randn({1, 20, H, V}, at::kDouble);
+  const Tensor gh = at::randn({3, H, K, V}, at::kDouble);
+  check_grads_fd({in.r, in.w, in.k, in.v, a, b, in.h0}, {"r", "w", "k", "v", "a", "b", "initial_state"},
+                 [&](const std::vector<Tensor>& x) {
+                   auto [o, hT] = fla_ext::fused_recurrent_rwkv7(x[0], x[1], x[2], x[3], x[4], x[5],
+                                                                 0.7, x[6], true, false, cu);
+                   return (o * go).sum() + (hT * gh).sum();
+                 });
 }
 
 CATCH_TEST_CASE("bad arguments throw with a message naming the argument", "[errors]") {

@@ -83,6 +83,25 @@ inline std::tuple<at::Tensor, at::Tensor> chunk_rwkv6(
                            const std::optional<at::Tensor>&, bool,
                            const std::optional<at::Tensor>&, bool)>();
   return op.call(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+
+// RWKV7 (DPLR) fused recurrent op, differentiable: h_t = diag(exp(w_t)) h_{t-1} +
+// b_t (a_t^T h_{t-1}) + k_t v_t^T, o_t = scale h_t^T r_t; see fla_ext.ops.fused_recurrent_rwkv7.
+// scale defaults to K^-0.5 and output_final_state to true, as in fla. Returns (o, final_state).
+inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_rwkv7(
+    const at::Tensor& r, const at::Tensor& w, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& a, const at::Tensor& b, std::optional<double> scale = std::nullopt,
+    const std::optional<at::Tensor>& initial_state = std::nullopt,
+    bool output_final_state = true, bool reverse = false,
+    const std::optional<at::Tensor>& cu_seqlens = std::nullopt, bool head_first = false) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fla::fused_recurrent_rwkv7", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, const at::Tensor&, std::optional<double>,
+              const std::optional<at::Tensor>&, bool, bool, const std::optional<at::Tensor>&,
+              bool)>();
+  return op.call(r, w, k, v, a, b, scale, initial_state, output_final_state, reverse, cu_seqlens,
                  head_first);
 }
 

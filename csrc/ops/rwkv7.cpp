@@ -1,0 +1,157 @@
+// RWKV7 (ALGORITHMS.md §6), fused recurrent: h_t = diag(exp(w_t)) h_{t-1} + b_t (a_t^T h_{t-1})
+// + k_t v_t^T, o_t = scale * h_t^T r_t (inclusive read). The engine (kernels/dplr.h) runs the
+// forward, and the backward as checkpointed recompute plus a reverse sweep; this file checks the
+// arguments, lays out the workspaces and adds the per-column-tile partial gradients.
+#include "rwkv7.h"
+
+#include "autograd_state.h"
+
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace fla::ops {
+namespace {
+
+DiagArgs check_rwkv7(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
+                     const Tensor& a, const Tensor& b, std::optional<double> scale,
+                     const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
+                     bool head_first) {
+  TORCH_CHECK_VALUE(w.defined(), "fla_ext: `w` must be a tensor, got None");
+  DiagArgs d = check_diag(r, "r", k, v, w, "w", scale, h0, cu_seqlens, head_first);
+  for (auto [t, name] : {std::pair<const Tensor&, const char*>{a, "a"}, {b, "b"}}) {
+    TORCH_CHECK_VALUE(t.defined(), "fla_ext: `", name, "` must be a tensor, got None");
+    check_same_shape(t, name, r, "r", d.L);
+    if (value_checks_enabled()) check_finite(t, name);
+  }
+  return d;
+}
+
+DplrPass rwkv7_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
+                    const Tensor& v, const Tensor& a, const Tensor& b, bool reverse,
+                    const std::optional<Tensor>& h0) {
+  const Layout& L = d.L;
+  DplrPass p;
+  p.dtype = kernel_dtype(r);
+  p.N = int(d.N), p.H = int(d.H), p.T = int(d.T), p.K = int(d.K), p.V = int(d.V);
+  p.cu_seqlens = d.cu.defined() ? d.cu.data_ptr<int64_t>() : nullptr;
+  p.reverse = reverse, p.scale = d.scale;
+  p.r = L.vec(r), p.w = L.vec(w), p.k = L.vec(k), p.v = L.vec(v), p.a = L.vec(a), p.b = L.vec(b);
+  if (has(h0)) p.h0 = mat(*h0);
+  return p;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> fused_recurrent_rwkv7_fwd(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
+    bool head_first, DplrRunner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
+  Tensor o = d.L.empty_like_with_dim(v, d.V, r.scalar_type());
+  Tensor hT = new_output({output_final_state ? d.N : 0, d.H, d.K, d.V},
+                         r.options().dtype(acc_type(r)));
+  DplrPass p = rwkv7_pass(d, r, w, k, v, a, b, reverse, initial_state);
+  p.o = d.L.vec(o);
+  if (output_final_state) p.hT = mat(hT);
+  run(p);
+  return {o, hT};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv7_bwd(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state, bool reverse,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, DplrRunner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
+  check_activation(grad_o, "grad_o", r, "r");
+  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
+                    shape_str(v), ", got ", shape_str(grad_o));
+  const bool has_dht = has(grad_final_state), has_h0 = has(initial_state);
+  if (has_dht) check_state(*grad_final_state, "grad_final_state", r, d.N, d.H, d.K, d.V);
+
+  const auto acc = r.options().dtype(acc_type(r));
+  const int tiles = dplr_tiles(int(d.V));
+  auto kg_sizes = r.sizes().vec();
+  kg_sizes.insert(kg_sizes.begin(), {int64_t(tiles), int64_t(kNumKGrads)});
+  Tensor kg = new_output(kg_sizes, acc);  // [tiles, grad, <r's shape>]: per-tile partial sums
+  Tensor dv = new_output(v.sizes(), v.options());
+  Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
+  const int64_t slots = dplr_slots(d.T, d.N, d.cu.defined());
+  Tensor chk = at::empty({d.B, slots, d.H, d.K, d.V}, acc);
+  Tensor seg = at::empty({d.N, d.H, kDplrSeg, d.K, d.V}, acc);
+
+  DplrPass p = rwkv7_pass(d, r, w, k, v, a, b, reverse, initial_state);
+  p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
+  if (has_dht) p.dht = mat(*grad_final_state);
+  if (has_h0) p.dh0 = mat(dh0);
+  p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
+  p.chk = chk.data_ptr(), p.seg = seg.data_ptr();
+  run(p);
+
+  auto grad = [&](int g) { return kg.select(1, g).sum(0).to(r.scalar_type()); };
+  return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autograd: the backward is the fla::fused_recurrent_rwkv7_bwd op, called through the dispatcher
+// so that torch.compile traces it like any other op.
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class FusedRecurrentRwkv7 : public torch::autograd::Function<FusedRecurrentRwkv7> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& r, const Tensor& w,
+                               const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
+                               std::optional<double> scale,
+                               const std::optional<Tensor>& initial_state,
+                               bool output_final_state, bool reverse,
+                               const std::optional<Tensor>& cu_seqlens, bool head_first) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::fused_recurrent_rwkv7", "")
+                         .typed<decltype(fused_recurrent_rwkv7_impl<nullptr>)>();
+    auto [o, hT] = op.call(r, w, k, v, a, b, scale, initial_state, output_final_state, reverse,
+                           cu_seqlens, head_first);
+    ctx->save_for_backward({r, w, k, v, a, b, opt(initial_state), opt(cu_seqlens)});
+    SweepFlags{scale, reverse, head_first, output_final_state}.save(ctx);
+    if (!output_final_state) ctx->mark_non_differentiable({hT});
+    return {o, hT};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::fused_recurrent_rwkv7_bwd", "")
+                         .typed<decltype(fused_recurrent_rwkv7_bwd_impl<nullptr>)>();
+    const auto s = ctx->get_saved_variables();
+    const auto f = SweepFlags::load(ctx);
+    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
+    auto [dr, dw, dk, dv, da, db, dh0] =
+        op.call(s[0], s[1], s[2], s[3], s[4], s[5], go, f.dht(grads), f.scale, some(s[6]),
+                f.reverse, some(s[7]), f.head_first);
+    return {dr,       dw,       dk,       dv,       da,      db, Tensor(),
+            s[6].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> fused_recurrent_rwkv7_autograd(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
+    bool head_first) {
+  auto out = FusedRecurrentRwkv7::apply(r, w, k, v, a, b, scale, initial_state,
+                                        output_final_state, reverse, cu_seqlens, head_first);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fla, Autograd, m) {
+  m.impl("fused_recurrent_rwkv7", &fused_recurrent_rwkv7_autograd);
+}
+
+}  // namespace fla::ops
