@@ -1,27 +1,13 @@
+#include "dispatch.cuh"
 #include "recurrent.h"
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 namespace fla {
 
-template <typename T>
-cudaError_t launch_recurrent(const RecurrentPass& p, cudaStream_t stream);
-extern template cudaError_t launch_recurrent<float>(const RecurrentPass&, cudaStream_t);
-extern template cudaError_t launch_recurrent<__nv_bfloat16>(const RecurrentPass&, cudaStream_t);
-extern template cudaError_t launch_recurrent<__half>(const RecurrentPass&, cudaStream_t);
+FLA_DECLARE_LAUNCH(launch_recurrent, RecurrentPass)
 
 const char* recurrent_cuda(const RecurrentPass& p, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t e = cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case DType::f32: e = launch_recurrent<float>(p, s); break;
-    case DType::bf16: e = launch_recurrent<__nv_bfloat16>(p, s); break;
-    case DType::f16: e = launch_recurrent<__half>(p, s); break;
-    case DType::f64: return "float64 is not supported on CUDA";
-  }
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  return launch_for_dtype(p.dtype, [&](auto t) { return launch_recurrent<decltype(t)>(p, s); });
 }
 
 }  // namespace fla
