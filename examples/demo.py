@@ -1,8 +1,10 @@
-"""`make demo`: run fla_ext's fused_recurrent_rwkv6 forward and backward and show what it did.
+"""`make demo`: run fla_ext's ops forward and backward and show what they did.
 
 The real demo (training small language models on associative recall) arrives with the layers;
-this one exercises the op end to end on the best device present and checks it against the
-float64 oracle, including a hard reset (w = -inf) and a variable-length batch.
+this one exercises fused_recurrent_rwkv6 end to end on the best device present and checks it
+against the float64 oracle, including a hard reset (w = -inf) and a variable-length batch; then
+the chunked training path (chunk_rwkv6, chunk_gla) against the recurrence on the same inputs, and
+fused_recurrent_rwkv7 against its oracle.
 """
 import argparse
 import time
@@ -70,6 +72,27 @@ def main():
     print(f"varlen (lengths 17, 0, 83): last sequence equals running it alone: "
           f"{torch.equal(o_v[:, 17:], alone)}; empty sequence keeps its state: "
           f"{torch.equal(ht_v[1], h0.detach()[0])}")
+
+    # The chunked (training) path computes the same map chunk by chunk: outputs and gradients.
+    xs = [t.detach().clone().requires_grad_(True) for t in (r, k, v, w, u, h0)]
+    o_c, ht_c = fla_ext.chunk_rwkv6(*xs[:5], initial_state=xs[5], output_final_state=True)
+    ((o_c * do).sum() + (ht_c * dht).sum()).backward()
+    worst = max(rel(a, b.double().cpu()) for a, b in [(o_c, o), (ht_c, ht)] +
+                [(x.grad, y.grad) for x, y in zip(xs, leaves)])
+    print(f"chunk_rwkv6 vs fused_recurrent_rwkv6 (o, final state, all 6 gradients): worst rel err {worst:.2e}")
+    q, kk, vv, gg = (t.detach() for t in (r, k, v, w))
+    o_g, _ = fla_ext.chunk_gla(q, kk, vv, gg, initial_state=h0.detach())
+    o_gr, _ = reference.gla(q, kk, vv, gg, initial_state=h0.detach())
+    print(f"chunk_gla vs the float64 oracle: o rel err {rel(o_g, o_gr):.2e}")
+
+    # RWKV7 (diagonal plus low rank): a = -kk, b = kk * iclr as RWKV-7 layers form them.
+    kn = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    a7, b7 = (-kn).to(dev, dt), (kn * torch.rand(B, T, H, K, generator=g)).to(dev, dt)
+    w7 = (-0.6 * torch.sigmoid(torch.randn(B, T, H, K, generator=g))).to(dev, dt)
+    v7 = mk(B, T, H, K)
+    o7, ht7 = fla_ext.fused_recurrent_rwkv7(q, w7, kk, v7, a7, b7, scale=1.0)
+    o7r, ht7r = reference.rwkv7(q, w7, kk, v7, a7, b7, scale=1.0)
+    print(f"fused_recurrent_rwkv7 vs the float64 oracle: o {rel(o7, o7r):.2e}   final_state {rel(ht7, ht7r):.2e}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 // CPU backend of the DPLR recurrence (kernels/dplr.h): the loop the CUDA kernels run, one
 // (sequence, head, column tile) per task, fp32 state (fp64 for fp64 inputs).
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "../kernels/dplr.h"
+#include "elements.h"
 
 namespace fla {
 namespace {
@@ -24,15 +23,13 @@ struct Dplr {
   };
 
   static A ld(const VecArg& x, int64_t b, int64_t t, int h, int d) {
-    return static_cast<A>(static_cast<const T*>(x.ptr)[b * x.sb + t * x.st + h * x.sh + d * x.sd]);
+    return cpu::load<A, T>(x, b, t, h, d);
   }
   template <typename U>
   static U& at(const VecArg& x, int64_t b, int64_t t, int h, int d) {
-    return const_cast<U*>(static_cast<const U*>(x.ptr))[b * x.sb + t * x.st + h * x.sh + d * x.sd];
+    return *cpu::elem<U>(x, b, t, h, d);
   }
-  static A& at(const MatArg& m, int n, int h, int r, int c) {
-    return static_cast<A*>(m.ptr)[n * m.sn + h * m.sh + r * m.sr + c * m.sc];
-  }
+  static A& at(const MatArg& m, int n, int h, int r, int c) { return *cpu::elem<A>(m, n, h, r, c); }
 
   int64_t time(const SeqSpan& s, int64_t step) const {
     return s.bos + (p.reverse ? s.len - 1 - step : step);
@@ -181,12 +178,7 @@ void run_all(const DplrPass& p) {
 }  // namespace
 
 void dplr_cpu(const DplrPass& p) {
-  switch (p.dtype) {
-    case DType::f32: return run_all<float, float>(p);
-    case DType::f64: return run_all<double, double>(p);
-    case DType::bf16: return run_all<c10::BFloat16, float>(p);
-    case DType::f16: return run_all<c10::Half, float>(p);
-  }
+  cpu::dispatch_dtype(p.dtype, [&](auto t, auto a) { run_all<decltype(t), decltype(a)>(p); });
 }
 
 }  // namespace fla
