@@ -83,6 +83,8 @@ inline std::tuple<at::Tensor, at::Tensor> chunk_rwkv6(
                            const std::optional<at::Tensor>&, bool,
                            const std::optional<at::Tensor>&, bool)>();
   return op.call(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+                 head_first);
+}
 
 // RWKV7 (DPLR) fused recurrent op, differentiable: h_t = diag(exp(w_t)) h_{t-1} +
 // b_t (a_t^T h_{t-1}) + k_t v_t^T, o_t = scale h_t^T r_t; see fla_ext.ops.fused_recurrent_rwkv7.
