@@ -1,6 +1,7 @@
 // CUDA engine for the chunked diagonal-gate algebra of kernels/chunk.h (ALGORITHMS.md §1-§5).
 //
-// Kernels (all fp32 arithmetic, SIMT FMA: fp32 inputs get fp32 accuracy, never TF32):
+// Kernels (fp32 arithmetic; the tile products run on TF32 tensor cores for bf16/fp16 inputs and
+// on exact SIMT FMA for fp32 inputs, never plain TF32 there: tile_mma.cuh):
 //   delta + scan  the chunk-state recurrence: per-chunk K̂ᵀV (forward) or ρQ̂ᵀdO (backward) in
 //          parallel, then an elementwise serial scan S = γS + Δ giving Hst (dHst, zeta partials).
 //   out    (chunk slot, H, V/64)  the pair matrix A over all K tiles, then
@@ -12,22 +13,25 @@
 // §1.2 boundary references (query from its sub-chunk start, key to its sub-chunk end, the
 // sub-chunk totals in between), diagonal blocks sum λ pair by pair.
 #pragma once
+#include <type_traits>
+
 #include "chunk.h"
 #include "elements.cuh"
 #include "sequence.h"
+#include "tile_mma.cuh"
 
 namespace fla {
 namespace chunk_detail {
 using namespace elements;
 
 constexpr int C = kChunk, SC = kSubChunk, NSC = kChunk / kSubChunk;
-constexpr int DT = kChunkTile;  // channels per K or V tile (== C: every smem tile is 64 x LD)
-constexpr int LD = DT + 4;      // row stride: 16-byte aligned rows, conflict-free 4x4 tiles
-constexpr int NTH = 256;        // 16 x 16 threads, each a 4 x 4 block of a 64 x 64 tile
+using tile::DT, tile::LD, tile::NTH, tile::Tile, tile::Tri;
 constexpr float kLog2e = 1.4426950408889634f;
-static_assert(C == DT && NTH == 4 * DT && NSC == 4, "tile shapes");
+static_assert(C == DT && DT == kChunkTile && NTH == 4 * DT && NSC == 4, "tile shapes");
 
-using Tile = float[LD];  // a tile is Tile[64]
+// The products run on TF32 tensor cores for bf16/fp16 inputs and on exact fp32 FMA for fp32.
+template <typename T>
+using Acc = tile::Frag<!std::is_same_v<T, float>>;
 
 // Where one CTA's chunk lives.
 struct Pos {
@@ -114,31 +118,6 @@ __device__ __forceinline__ void load_mat(Tile* s, const float* m, int R, int Cn,
   f.store<TRANSPOSE>(s);
 }
 
-// acc[r][s] += Σ_k a(4ty + r, k) b(k, 4tx + s), with a stored [row][k] or, TA, [k][row]; b [k][col].
-// Only k in [k0, k1) is summed (triangular operands skip their zero blocks).
-template <bool TA>
-__device__ __forceinline__ void mma4(float (&acc)[4][4], const Tile* a, const Tile* b, int K,
-                                     int k0 = 0) {
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-#pragma unroll 4
-  for (int k = k0; k < K; ++k) {
-    float av[4];
-    if (TA) {
-      const float4 t = *reinterpret_cast<const float4*>(&a[k][4 * ty]);
-      av[0] = t.x, av[1] = t.y, av[2] = t.z, av[3] = t.w;
-    } else {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) av[r] = a[4 * ty + r][k];
-    }
-    const float4 bv = *reinterpret_cast<const float4*>(&b[k][4 * tx]);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      acc[r][0] += av[r] * bv.x, acc[r][1] += av[r] * bv.y;
-      acc[r][2] += av[r] * bv.z, acc[r][3] += av[r] * bv.w;
-    }
-  }
-}
-
 // Per channel of a K tile: sub-chunk totals τ_m and, from them by addition only, the factors
 // before[m] = exp2(Σ_{l<m} τ_l), after[m] = exp2(Σ_{l>m} τ_l), gap[m'][m] = exp2(Σ_{m'<l<m} τ_l)
 // and gamma = exp2(Σ τ).
@@ -220,10 +199,13 @@ __global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int nt
   Pos pos;
   if (!locate(p, blockIdx.x, pos)) return;
   const int h = blockIdx.y, k0 = blockIdx.z / ntv * DT, v0 = blockIdx.z % ntv * DT;
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-  load_rows<T, false>(X, BWD ? p.q : p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-  load_rows<T, false>(LAM, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
-  load_rows<T, false>(Y, BWD ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+  {  // all three fetches in flight before the first store: one memory latency, not three
+    RowFetch fx, fl, fy;
+    fx.fetch<T>(BWD ? p.q : p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+    fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+    fy.fetch<T>(BWD ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+    fx.store<false>(X), fl.store<false>(LAM), fy.store<false>(Y);
+  }
   __syncthreads();
   chunk_decays(d, LAM);
   {
@@ -234,17 +216,15 @@ __global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int nt
       static_cast<float*>(p.gam)[(pos.slot * p.H + h) * p.K + k0 + ch] = d.gamma[ch];
   }
   __syncthreads();
-  float acc[4][4] = {};
-  mma4<true>(acc, X, Y, C);
+  Acc<T> acc;
+  acc.template mma<true>(X, Y, C);
   float* out = static_cast<float*>(BWD ? p.dhst : p.hst) +
                ((pos.slot + (BWD ? 0 : 1)) * p.H + h) * int64_t(p.K) * p.V;
 #pragma unroll
-  for (int r = 0; r < 4; ++r)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = k0 + 4 * ty + r, col = v0 + 4 * tx + c;
-      if (row < p.K && col < p.V) out[int64_t(row) * p.V + col] = acc[r][c];
-    }
+  for (int i = 0; i < 16; ++i) {
+    const int row = k0 + acc.row(i), col = v0 + acc.col(i);
+    if (row < p.K && col < p.V) out[int64_t(row) * p.V + col] = acc.v[i];
+  }
 }
 
 constexpr int SV = kStateCols;  // columns per zeta partial: one warp of the scan
@@ -355,12 +335,12 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
 
   Pos pos;
   if (!locate(p, blockIdx.x, pos)) return;
-  const int h = blockIdx.y, v0 = blockIdx.z * DT, ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  const int h = blockIdx.y, v0 = blockIdx.z * DT;
   const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
   const int64_t KV = int64_t(p.K) * p.V;
 
   for (int e = threadIdx.x; e < C * LD; e += NTH) A[e / LD][e % LD] = 0.f;
-  float acc[4][4] = {};
+  Acc<T> acc;
   for (int k0 = 0; k0 < p.K; k0 += DT) {
     __syncthreads();
     load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
@@ -376,25 +356,14 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
     scale_key<true>(KYt, W, m, ch, 1.f);
     __syncthreads();
     {  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk) of A
-      const int mq = ty / 4, mk = tx / 4;
-      if (mk < mq) {
-        float a[4][4] = {};
-        for (int c = 0; c < DT; ++c) {
-          const float g = d.gap[mk][mq][c];
-          const float4 kv = *reinterpret_cast<const float4*>(&KYt[c][4 * tx]);
-          const float kj[4] = {kv.x * g, kv.y * g, kv.z * g, kv.w * g};
+      Acc<T> a;
+      a.template mma_blocks<false>(
+          QX, KYt, [](int) { return 0; }, [](int) { return DT; },
+          [&](int c, int j, int mq) { return d.gap[j / SC][mq][c]; },
+          [](int mq, int mk) { return mk < mq; });
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const float qi = QX[4 * ty + r][c];
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc) a[r][cc] += qi * kj[cc];
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) A[4 * ty + r][4 * tx + cc] += a[r][cc];
-      }
+      for (int e = 0; e < 16; ++e)
+        if (a.col(e) / SC < a.row(e) / SC) A[a.row(e)][a.col(e)] += a.v[e];
     }
     __syncthreads();
     // Q̂ = q ⊙ exp2(G or E) = QX ⊙ before[m];  K̂ = k ⊙ exp2(Ω) = KYt ⊙ after[m].
@@ -406,8 +375,8 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
     const float* st = static_cast<const float*>(DV ? p.dhst : p.hst) + (pos.slot * p.H + h) * KV;
     load_mat<false>(W, st, p.K, p.V, k0, v0);
     __syncthreads();
-    if (DV) mma4<true>(acc, KYt, W, DT);
-    else mma4<false>(acc, QX, W, DT);
+    if (DV) acc.template mma<true>(KYt, W, DT);
+    else acc.template mma<false>(QX, W, DT);
   }
   __syncthreads();
   load_rows<T, false>(W, DV ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
@@ -416,18 +385,15 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
     for (int e = threadIdx.x; e < C * C; e += NTH) A[e / C][e % C] *= rho;
   __syncthreads();
   // A is lower triangular: row i of A V needs j <= i, row j of Aᵀ dO needs i >= j.
-  const int ty4 = 4 * (threadIdx.x / 16);
-  if (DV) mma4<true>(acc, A, W, C, ty4);
-  else mma4<false>(acc, A, W, ty4 + 4);
+  if (DV) acc.template mma<true, Tri::KFromRow>(A, W, C);
+  else acc.template mma<false, Tri::KUpToRow>(A, W, C);
   const VecArg& out = DV ? p.dv : p.o;
   const float mul = DV ? 1.f : rho;
 #pragma unroll
-  for (int r = 0; r < 4; ++r)
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-      const int row = 4 * ty + r, col = v0 + 4 * tx + cc;
-      if (row < pos.L && col < p.V) *vptr<T>(out, pos.b, pos.t0 + row, h, col) = from_f<T>(mul * acc[r][cc]);
-    }
+  for (int i = 0; i < 16; ++i) {
+    const int row = acc.row(i), col = v0 + acc.col(i);
+    if (row < pos.L && col < p.V) *vptr<T>(out, pos.b, pos.t0 + row, h, col) = from_f<T>(mul * acc.v[i]);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -452,13 +418,13 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
 
   Pos pos;
   if (!locate(p, blockIdx.x, pos)) return;
-  const int h = blockIdx.y, k0 = blockIdx.z * DT, ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  const int h = blockIdx.y, k0 = blockIdx.z * DT;
   const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
   const int64_t KV = int64_t(p.K) * p.V;
   const float rho = float(p.scale);
 
   // Phase 1, over V tiles: dA = dO Vᵀ, dqi = dO Sᵀ, dki = V dS+ᵀ.
-  float da[4][4] = {}, dqi[4][4] = {}, dki[4][4] = {};
+  Acc<T> da, dqi, dki;
   const float* S = static_cast<const float*>(p.hst) + (pos.slot * p.H + h) * KV;
   const float* dS = static_cast<const float*>(p.dhst) + (pos.slot * p.H + h) * KV;
   for (int v0 = 0; v0 < p.V; v0 += DT) {
@@ -468,20 +434,18 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     load_mat<true>(LAM, S, p.K, p.V, k0, v0);
     load_mat<true>(DQ, dS, p.K, p.V, k0, v0);
     __syncthreads();
-    mma4<true>(da, QX, KY, DT);
-    mma4<true>(dqi, QX, LAM, DT);
-    mma4<true>(dki, KY, DQ, DT);
+    da.template mma<true>(QX, KY, DT);
+    dqi.template mma<true>(QX, LAM, DT);
+    dki.template mma<true>(KY, DQ, DT);
   }
   __syncthreads();
 #pragma unroll
-  for (int r = 0; r < 4; ++r)
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-      const int i = 4 * ty + r, j = 4 * tx + cc;
-      DA[i][j] = j <= i ? rho * da[r][cc] : 0.f;  // tril, diagonal included (u terms)
-      DQ[i][j] = rho * dqi[r][cc];
-      DK[i][j] = dki[r][cc];
-    }
+  for (int e = 0; e < 16; ++e) {
+    const int i = da.row(e), j = da.col(e);
+    DA[i][j] = j <= i ? rho * da.v[e] : 0.f;  // tril, diagonal included (u terms)
+    DQ[i][j] = rho * dqi.v[e];
+    DK[i][j] = dki.v[e];
+  }
   if (threadIdx.x < DT) {
     float z = 0.f;
     const int kk = k0 + threadIdx.x;
@@ -509,39 +473,19 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   scale_key<false>(KY, LAM, m, ch, 1.f);
   __syncthreads();
   {  // off-diagonal: DQ[i] += Σ_{j in mk<mq} dA_ij KY_j gap;  DK[j] += Σ_{i in mq>mk} dA_ij QX_i gap
-    const int mr = ty / 4;
-    float aq[4][4] = {}, ak[4][4] = {};
-    for (int j = 0; j < mr * SC; ++j) {
-      const int mk = j / SC;
-      const float4 kv = *reinterpret_cast<const float4*>(&KY[j][4 * tx]);
-      const float4 gv = *reinterpret_cast<const float4*>(&d.gap[mk][mr][4 * tx]);
-      const float kj[4] = {kv.x * gv.x, kv.y * gv.y, kv.z * gv.z, kv.w * gv.w};
+    Acc<T> aq, ak;
+    auto all = [](int, int) { return true; };
+    aq.template mma_blocks<false>(
+        DA, KY, [](int) { return 0; }, [](int mr) { return mr * SC; },
+        [&](int j, int c, int mr) { return d.gap[j / SC][mr][c]; }, all);
+    ak.template mma_blocks<true>(
+        DA, QX, [](int mr) { return (mr + 1) * SC; }, [](int) { return C; },
+        [&](int i, int c, int mr) { return d.gap[mr][i / SC][c]; }, all);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float w = DA[4 * ty + r][j];
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) aq[r][cc] += w * kj[cc];
-      }
+    for (int e = 0; e < 16; ++e) {
+      DQ[aq.row(e)][aq.col(e)] += aq.v[e];
+      DK[ak.row(e)][ak.col(e)] += ak.v[e];
     }
-    for (int i = (mr + 1) * SC; i < C; ++i) {
-      const int mq = i / SC;
-      const float4 qv = *reinterpret_cast<const float4*>(&QX[i][4 * tx]);
-      const float4 gv = *reinterpret_cast<const float4*>(&d.gap[mr][mq][4 * tx]);
-      const float qi[4] = {qv.x * gv.x, qv.y * gv.y, qv.z * gv.z, qv.w * gv.w};
-      const float4 wv = *reinterpret_cast<const float4*>(&DA[i][4 * ty]);
-      const float w[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) ak[r][cc] += w[r] * qi[cc];
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-#pragma unroll
-      for (int cc = 0; cc < 4; ++cc) {
-        DQ[4 * ty + r][4 * tx + cc] += aq[r][cc];
-        DK[4 * ty + r][4 * tx + cc] += ak[r][cc];
-      }
   }
   __syncthreads();
   // Row factors exp2(reader exponent) and exp2(Qex).

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Per-kernel GPU time of one op call (forward, or forward + backward), from torch.profiler.
+
+    python benchmarks/kernel_times.py chunk_rwkv6 --K 64 --dtype bf16 [--bwd]
+
+Prints each CUDA kernel's mean time per call (ms), largest first, and the total: where the time of
+an op goes, as the "measure" step of benchmarks/NOTES.md. Shapes default to the benchmark shape
+(B=8, T=4096, H=16).
+"""
+import argparse
+import collections
+
+import torch
+import torch.nn.functional as F
+
+import fla_ext
+
+
+def inputs(op, B, T, H, K, V, dtype):
+    dev = "cuda"
+    r = lambda *s: torch.randn(*s, device=dev, dtype=dtype)
+    logd = lambda *s: F.logsigmoid(torch.randn(*s, device=dev) + 2).to(dtype)
+    if op == "chunk_rwkv6":
+        args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), logd(B, T, H, K), r(H, K))
+        return args, lambda *a: fla_ext.chunk_rwkv6(*a)[0]
+    if op == "chunk_gla":
+        args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), logd(B, T, H, K))
+        return args, lambda *a: fla_ext.chunk_gla(*a)[0]
+    raise SystemExit(f"kernel_times: unknown op {op}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("op")
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--K", type=int, default=64)
+    ap.add_argument("--V", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    args, fn = inputs(a.op, a.B, a.T, a.H, a.K, a.V or a.K, dtype)
+    args = [x.requires_grad_(a.bwd) for x in args]
+    do = None
+
+    def call():
+        o = fn(*args)
+        if a.bwd:
+            nonlocal do
+            do = torch.randn_like(o) if do is None else do
+            torch.autograd.backward(o, do)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.reps):
+            call()
+        torch.cuda.synchronize()
+    times = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] += e.device_time / 1e3 / a.reps
+    total = sum(times.values())
+    print(f"{a.op} B{a.B} T{a.T} H{a.H} K{a.K} V{a.V or a.K} {a.dtype} {'fwd+bwd' if a.bwd else 'fwd'}:"
+          f" {total:.3f} ms of kernels per call")
+    for name, t in sorted(times.items(), key=lambda x: -x[1]):
+        print(f"  {t:8.3f}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()

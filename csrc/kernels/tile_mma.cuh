@@ -1,0 +1,151 @@
+// Products of 64 x 64 fp32 shared-memory tiles for a 256-thread CTA, accumulated in fp32
+// registers: acc(row, col) += Σ_k a(row, k) b(k, col), a stored [row][k] or (TA) [k][row],
+// b stored [k][col]. Two implementations with one interface, picked per kernel dtype:
+//   Frag<false>  SIMT FMA, thread (ty, tx) owns a 4 x 4 block: exact fp32 (fp32 inputs).
+//   Frag<true>   TF32 tensor cores (mma.sync m16n8k8, operands rounded to nearest): for bf16/fp16
+//                inputs, whose operands carry 8-11 significant bits anyway; 10-bit TF32 keeps the
+//                product error below the input rounding. Warp w owns rows 16(w%4)..+16 and
+//                columns 32(w/4)..+32 as four m16n8 tiles.
+// Epilogues address elements through row(i) / col(i), so kernels do not know the layout.
+#pragma once
+#include <cstdint>
+
+namespace fla {
+namespace tile {
+
+constexpr int NTH = 256;  // threads per CTA
+constexpr int DT = 64;    // tile edge
+constexpr int LD = DT + 4;  // row stride: 16-byte aligned rows, conflict-free SIMT 4x4 reads
+using Tile = float[LD];     // a tile is Tile[64]
+
+// Triangular operands: which k a row needs (the rest of the product is known to be zero).
+enum class Tri {
+  Full,      // every k
+  KUpToRow,  // k <= row (a lower triangular: A V)
+  KFromRow,  // k >= row (a stored transposed, upper in k: Aᵀ dO)
+};
+
+template <bool TC>
+struct Frag;
+
+template <>
+struct Frag<false> {
+  float v[16] = {};
+  __device__ static int row(int i) { return 4 * (int(threadIdx.x) / 16) + i / 4; }
+  __device__ static int col(int i) { return 4 * (int(threadIdx.x) % 16) + i % 4; }
+
+  template <bool TA, Tri TR = Tri::Full>
+  __device__ __forceinline__ void mma(const Tile* a, const Tile* b, int K) {
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const int k0 = TR == Tri::KFromRow ? 4 * ty : 0;
+    const int k1 = TR == Tri::KUpToRow ? min(K, 4 * ty + 4) : K;
+#pragma unroll 4
+    for (int k = k0; k < k1; ++k) {
+      float av[4];
+      if (TA) {
+        const float4 t = *reinterpret_cast<const float4*>(&a[k][4 * ty]);
+        av[0] = t.x, av[1] = t.y, av[2] = t.z, av[3] = t.w;
+      } else {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) av[r] = a[4 * ty + r][k];
+      }
+      const float4 bv = *reinterpret_cast<const float4*>(&b[k][4 * tx]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        v[4 * r + 0] += av[r] * bv.x, v[4 * r + 1] += av[r] * bv.y;
+        v[4 * r + 2] += av[r] * bv.z, v[4 * r + 3] += av[r] * bv.w;
+      }
+    }
+  }
+  // Blockwise product with a scaled b: acc(row, col) += Σ_{k in [kb(rb), ke(rb))} a(row, k)
+  // b(k, col) s(k, col, rb) over the 16 x 16 output blocks (rb, cb) = (row / 16, col / 16) with
+  // live(rb, cb); the other blocks stay 0. k bounds are multiples of 16.
+  template <bool TA, class KB, class KE, class S, class Live>
+  __device__ __forceinline__ void mma_blocks(const Tile* a, const Tile* b, KB kb, KE ke, S s,
+                                             Live live) {
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16, rb = ty / 4;
+    if (!live(rb, tx / 4)) return;
+    for (int k = kb(rb); k < ke(rb); ++k) {
+      const float4 bv = *reinterpret_cast<const float4*>(&b[k][4 * tx]);
+      const float bs[4] = {bv.x * s(k, 4 * tx, rb), bv.y * s(k, 4 * tx + 1, rb),
+                           bv.z * s(k, 4 * tx + 2, rb), bv.w * s(k, 4 * tx + 3, rb)};
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float ar = TA ? a[k][4 * ty + r] : a[4 * ty + r][k];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[4 * r + c] += ar * bs[c];
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// d (an m16n8 fp32 accumulator) += a (m16k8) b (k8n8), TF32 operands.
+__device__ __forceinline__ void mma_tf32(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <>
+struct Frag<true> {
+  float v[16] = {};  // v[4 j + e]: n-tile j, element e of the m16n8 accumulator
+  __device__ static int row(int i) {
+    return 16 * (int(threadIdx.x) / 32 % 4) + int(threadIdx.x) % 32 / 4 + 8 * (i / 2 % 2);
+  }
+  __device__ static int col(int i) {
+    return 32 * (int(threadIdx.x) / 128) + 8 * (i / 4) + 2 * (int(threadIdx.x) % 4) + i % 2;
+  }
+
+  template <bool TA, Tri TR = Tri::Full>
+  __device__ __forceinline__ void mma(const Tile* a, const Tile* b, int K) {
+    const int w = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+    const int r0 = 16 * (w % 4), c0 = 32 * (w / 4);
+    const int k0 = TR == Tri::KFromRow ? r0 : 0;
+    const int k1 = TR == Tri::KUpToRow ? min(K, r0 + 16) : K;
+    auto A = [&](int r, int k) { return to_tf32(TA ? a[k][r] : a[r][k]); };
+#pragma unroll 2
+    for (int k = k0; k < k1; k += 8) {
+      const uint32_t a0 = A(r0 + g, k + q), a1 = A(r0 + g + 8, k + q);
+      const uint32_t a2 = A(r0 + g, k + q + 4), a3 = A(r0 + g + 8, k + q + 4);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t b0 = to_tf32(b[k + q][c0 + 8 * j + g]);
+        const uint32_t b1 = to_tf32(b[k + q + 4][c0 + 8 * j + g]);
+        mma_tf32(v + 4 * j, a0, a1, a2, a3, b0, b1);
+      }
+    }
+  }
+  template <bool TA, class KB, class KE, class S, class Live>
+  __device__ __forceinline__ void mma_blocks(const Tile* a, const Tile* b, KB kb, KE ke, S s,
+                                             Live live) {
+    const int w = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+    const int rb = w % 4, r0 = 16 * rb, c0 = 32 * (w / 4);
+    const bool on0 = live(rb, c0 / 16), on1 = live(rb, c0 / 16 + 1);  // warp-uniform
+    if (!on0 && !on1) return;
+    auto A = [&](int r, int k) { return to_tf32(TA ? a[k][r] : a[r][k]); };
+    for (int k = kb(rb); k < ke(rb); k += 8) {
+      const uint32_t a0 = A(r0 + g, k + q), a1 = A(r0 + g + 8, k + q);
+      const uint32_t a2 = A(r0 + g, k + q + 4), a3 = A(r0 + g + 8, k + q + 4);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (!(j < 2 ? on0 : on1)) continue;
+        const int col = c0 + 8 * j + g;
+        const uint32_t b0 = to_tf32(b[k + q][col] * s(k + q, col, rb));
+        const uint32_t b1 = to_tf32(b[k + q + 4][col] * s(k + q + 4, col, rb));
+        mma_tf32(v + 4 * j, a0, a1, a2, a3, b0, b1);
+      }
+    }
+  }
+};
+
+}  // namespace tile
+}  // namespace fla
