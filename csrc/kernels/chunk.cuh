@@ -27,6 +27,15 @@ using namespace elements;
 constexpr int C = kChunk, SC = kSubChunk, NSC = kChunk / kSubChunk;
 using tile::DT, tile::LD, tile::NTH, tile::Tile, tile::Tri;
 constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x with results below 2^-126 flushed to 0 (ex2.approx.ftz: exp2f's accuracy, without its
+// 4-instruction denormal path per call). Every factor here is <= 1 and multiplies O(1) terms,
+// so a flushed factor changes a result by < 1e-38 absolute; 2^-inf = 0 exactly.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 static_assert(C == DT && DT == kChunkTile && NTH == 4 * DT && NSC == 4, "tile shapes");
 
 // The products run on TF32 tensor cores for bf16/fp16 inputs and on exact fp32 FMA for fp32.
@@ -141,16 +150,16 @@ __device__ __forceinline__ void chunk_decays(Decays& d, const Tile* lam) {
     if (l < m) b += tau[l];
     if (l > m) a += tau[l];
   }
-  d.before[m][ch] = exp2f(b), d.after[m][ch] = exp2f(a);
+  d.before[m][ch] = ex2(b), d.after[m][ch] = ex2(a);
 #pragma unroll
   for (int mk = 0; mk < NSC; ++mk) {  // gap[mk][m] = exp2(Σ_{mk<l<m} τ_l)
     float g = 0.f;
 #pragma unroll
     for (int l = 0; l < NSC; ++l)
       if (l > mk && l < m) g += tau[l];
-    d.gap[mk][m][ch] = exp2f(g);
+    d.gap[mk][m][ch] = ex2(g);
   }
-  if (m == 0) d.gamma[ch] = exp2f(tau[0] + tau[1] + tau[2] + tau[3]);
+  if (m == 0) d.gamma[ch] = ex2(tau[0] + tau[1] + tau[2] + tau[3]);
   __syncthreads();
 }
 
@@ -163,7 +172,7 @@ __device__ __forceinline__ void scale_reader(Tile* x, const Tile* lam, int m, in
 #pragma unroll
   for (int i = m * SC; i < (m + 1) * SC; ++i) {
     if (RD == Reader::Inclusive) e += lam[i][ch];
-    x[i][ch] *= mul * exp2f(e);
+    x[i][ch] *= mul * ex2(e);
     if (RD == Reader::Exclusive) e += lam[i][ch];
   }
 }
@@ -173,7 +182,7 @@ __device__ __forceinline__ void scale_key(Tile* y, const Tile* lam, int m, int c
 #pragma unroll
   for (int j = (m + 1) * SC - 1; j >= m * SC; --j) {
     float& v = YT ? y[ch][j] : y[j][ch];
-    v *= mul * exp2f(e);
+    v *= mul * ex2(e);
     e += lam[j][ch];
   }
 }
@@ -302,9 +311,10 @@ __device__ __forceinline__ void diag_pairs(Tile* A, const Tile* Q, const Tile* K
 #pragma unroll
     for (int jj = SC - 1; jj >= 0; --jj) {
       const int j = m * SC + jj;
-      if (jj <= jwarp && j <= iend) {
-        acc[jj] += qi * KT_[ch][j] * exp2f(e);
-        e += lam[j][ch];
+      if (jj <= jwarp) {  // warp-uniform; the row mask below is branch-free
+        const bool on = j <= iend;
+        acc[jj] += qi * KT_[ch][j] * ex2(on ? e : -INFINITY);
+        e += on ? lam[j][ch] : 0.f;
       }
     }
     if (RD == Reader::Exclusive) b += qi * u[ch] * KT_[ch][I];
@@ -494,13 +504,13 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     for (int ii = 0; ii < SC; ++ii) {
       const int i = m * SC + ii;
       if (RD == Reader::Inclusive) e += LAM[i][ch];
-      DQ[i][ch] *= exp2f(e);
+      DQ[i][ch] *= ex2(e);
       if (RD == Reader::Exclusive) e += LAM[i][ch];
     }
     e = 0.f;
     for (int ii = SC - 1; ii >= 0; --ii) {
       const int j = m * SC + ii;
-      DK[j][ch] *= exp2f(e);
+      DK[j][ch] *= ex2(e);
       e += LAM[j][ch];
     }
   }
@@ -514,14 +524,14 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     const int i = m * SC + ii;
     float e = 0.f, a = 0.f;  // dq_i += Σ_{j<=i (j<i)} dA_ij k_j exp2(Σ_{j<s<=i (<i)} λ_s)
     for (int j = RD == Reader::Inclusive ? i : i - 1; j >= m * SC; --j) {
-      a += DA[i][j] * KY[j][ch] * exp2f(e);
+      a += DA[i][j] * KY[j][ch] * ex2(e);
       e += LAM[j][ch];
     }
     DQ[i][ch] += a;
     e = 0.f, a = 0.f;        // dk_i += Σ_{j>=i (j>i)} dA_ji q_j exp2(Σ_{i<s<=j (<j)} λ_s)
     for (int j = RD == Reader::Inclusive ? i : i + 1; j < (m + 1) * SC; ++j) {
       if (RD == Reader::Inclusive && j > i) e += LAM[j][ch];
-      a += DA[j][i] * QX[j][ch] * exp2f(e);
+      a += DA[j][i] * QX[j][ch] * ex2(e);
       if (RD == Reader::Exclusive) e += LAM[j][ch];
     }
     DK[i][ch] += a;
@@ -534,7 +544,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   const int kk = k0 + ch;
   auto step = [&](float& acc, int t, bool write) {
     const float q = QX[t][ch], k = KY[t][ch];
-    const bool dead = exp2f(LAM[t][ch]) == 0.f && t < pos.L;
+    const bool dead = ex2(LAM[t][ch]) == 0.f && t < pos.L;
     const float xq = q * DQ[t][ch], xk = k * DK[t][ch];
     if (RD == Reader::Inclusive) acc += xq - xk; else acc -= xk;
     float dg = acc;
