@@ -28,7 +28,14 @@ TORCH_LIBRARY(fla, m) {
   m.def(
       "chunk_gla_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor grad_o, "
       "Tensor? grad_final_state, float? scale, Tensor? initial_state, Tensor? cu_seqlens, "
-      "bool head_first) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dh0)");
+      "bool head_first, Tensor? hst=None, Tensor? amat=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dh0)");
+  // The training forwards: chunk_gla / chunk_rwkv6 plus the workspaces their backward can reuse
+  // (chunk-start states, pair matrices; empty where the backend keeps none). Autograd calls them.
+  m.def(
+      "chunk_gla_train(Tensor q, Tensor k, Tensor v, Tensor g, float? scale, "
+      "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, bool head_first) "
+      "-> (Tensor o, Tensor final_state, Tensor hst, Tensor amat)");
   m.def(
       "chunk_rwkv6(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, float? scale=None, "
       "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None, "
@@ -36,8 +43,12 @@ TORCH_LIBRARY(fla, m) {
   m.def(
       "chunk_rwkv6_bwd(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, Tensor grad_o, "
       "Tensor? grad_final_state, float? scale, Tensor? initial_state, Tensor? cu_seqlens, "
-      "bool head_first) "
+      "bool head_first, Tensor? hst=None, Tensor? amat=None) "
       "-> (Tensor dr, Tensor dk, Tensor dv, Tensor dw, Tensor du, Tensor dh0)");
+  m.def(
+      "chunk_rwkv6_train(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, float? scale, "
+      "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, bool head_first) "
+      "-> (Tensor o, Tensor final_state, Tensor hst, Tensor amat)");
   m.def(
       "fused_recurrent_rwkv7(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, "
       "float? scale=None, Tensor? initial_state=None, bool output_final_state=True, "

@@ -52,7 +52,7 @@ def _(q, k, v, gk, grad_o, grad_final_state, scale, initial_state, reverse, cu_s
 
 
 @torch.library.register_fake("fla::chunk_gla")
-def _(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+def _chunk_gla_fake(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
       head_first=False):
     N, H = _state_rows(q, head_first, cu_seqlens)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -60,8 +60,30 @@ def _(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_s
     return o, q.new_empty(shape, dtype=_acc(q))
 
 
+def _chunk_train(q, v, o, ht, head_first, cu_seqlens):
+    """The training forward's outputs: (o, ht) plus the workspaces the CUDA backend keeps."""
+    N, H = _state_rows(q, head_first, cu_seqlens)
+    if q.device.type != "cuda":
+        return o, ht, q.new_empty((0,), dtype=_acc(q)), q.new_empty((0,), dtype=_acc(q))
+    T = q.shape[2] if head_first else q.shape[1]
+    if cu_seqlens is not None:  # kernels/chunk.h: chunk_slots
+        slots = (q.shape[0] * T) // 64 + 2 * N + 1
+    else:
+        slots = N * ((T + 63) // 64 + 1)
+    hst = q.new_empty((slots, H, q.shape[-1], v.shape[-1]), dtype=_acc(q))
+    return o, ht, hst, q.new_empty((slots, H, 64, 64), dtype=_acc(q))
+
+
+@torch.library.register_fake("fla::chunk_gla_train")
+def _(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, head_first):
+    o, ht = _chunk_gla_fake(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+                            head_first)
+    return _chunk_train(q, v, o, ht, head_first, cu_seqlens)
+
+
 @torch.library.register_fake("fla::chunk_gla_bwd")
-def _(q, k, v, g, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first):
+def _(q, k, v, g, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first,
+      hst=None, amat=None):
     N, H = _state_rows(q, head_first, cu_seqlens)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     dh0 = q.new_empty((N if initial_state is not None else 0, H, q.shape[-1], v.shape[-1]),
@@ -70,7 +92,7 @@ def _(q, k, v, g, grad_o, grad_final_state, scale, initial_state, cu_seqlens, he
 
 
 @torch.library.register_fake("fla::chunk_rwkv6")
-def _(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+def _chunk_rwkv6_fake(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
       head_first=False):
     N, H = _state_rows(r, head_first, cu_seqlens)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -78,8 +100,16 @@ def _(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, c
     return o, r.new_empty(shape, dtype=_acc(r))
 
 
+@torch.library.register_fake("fla::chunk_rwkv6_train")
+def _(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, head_first):
+    o, ht = _chunk_rwkv6_fake(r, k, v, w, u, scale, initial_state, output_final_state,
+                              cu_seqlens, head_first)
+    return _chunk_train(r, v, o, ht, head_first, cu_seqlens)
+
+
 @torch.library.register_fake("fla::chunk_rwkv6_bwd")
-def _(r, k, v, w, u, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first):
+def _(r, k, v, w, u, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first,
+      hst=None, amat=None):
     N, H = _state_rows(r, head_first, cu_seqlens)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     dh0 = r.new_empty((N if initial_state is not None else 0, H, r.shape[-1], v.shape[-1]),

@@ -158,3 +158,67 @@ def test_cuda_graph_capture(name):
         torch.testing.assert_close(static["ht"], ht, rtol=0, atol=0)
         for a, b in zip(static["grads"], grads):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# The training forwards (chunk_*_train): their workspaces make the backward skip recomputation
+# on CUDA; the results must not change, and a wrong workspace handed to _bwd must be refused.
+TRAIN = {"chunk_rwkv6": torch.ops.fla.chunk_rwkv6_train.default,
+         "chunk_gla": torch.ops.fla.chunk_gla_train.default}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(TRAIN))
+def test_train_forward_keeps_workspaces(device, name):
+    op = OPS[name]
+    for s in samples(device, requires_grad=False):
+        torch.library.opcheck(TRAIN[name], op.fwd_args(s))
+        o, ht, hst, amat = TRAIN[name](*op.fwd_args(s))
+        o_ref, ht_ref = op.fwd(*op.fwd_args(s))
+        torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+        torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+        assert (hst.numel() > 0) == (device == "cuda") and (amat.numel() > 0) == (device == "cuda")
+        do, dht = s.grads_in()
+        args = op.bwd_args(s, do, dht)
+        torch.library.opcheck(op.bwd, args + (hst, amat))
+        kept = op.bwd(*args, hst, amat)
+        fresh = op.bwd(*args)
+        for a, b in zip(kept, fresh):  # same kernels, same arithmetic: bitwise equal
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(TRAIN))
+def test_backward_refuses_a_wrong_workspace(device, name):
+    op = OPS[name]
+    s = samples(device, requires_grad=False)[0]
+    args = op.bwd_args(s, *s.grads_in())
+    bad = torch.zeros(3, 2, 2, 2, device=device)
+    with pytest.raises(ValueError, match="`hst` must be the"):
+        op.bwd(*args, bad, None)
+    with pytest.raises(ValueError, match="`amat` must be the"):
+        op.bwd(*args, None, bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_workspaces_kept_only_when_recording():
+    # A graph-recording call keeps hst and amat alive until backward; an inference (no_grad)
+    # call goes to the plain forward and holds nothing beyond its outputs.
+    s = samples("cuda")[0]
+    N, H, K, V = s.s0.shape
+    amat_bytes = N * 2 * H * 64 * 64 * 4  # 2 slots per sequence at T = 9
+
+    def held(grad):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.set_grad_enabled(grad):
+            out = fla_ext.chunk_rwkv6(s.q, s.k, s.v, s.w, s.u, initial_state=s.s0,
+                                      output_final_state=True)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before, out
+
+    inference, (o_i, _) = held(False)
+    training, (o_t, _) = held(True)
+    assert o_i.grad_fn is None and o_t.grad_fn is not None
+    assert inference < amat_bytes <= training
+    torch.testing.assert_close(o_i, o_t, rtol=0, atol=0)

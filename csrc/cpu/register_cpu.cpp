@@ -19,8 +19,10 @@ TORCH_LIBRARY_IMPL(fla, CPU, m) {
   m.impl("fused_recurrent_gla_bwd", &ops::fused_recurrent_gla_bwd_impl<run_cpu>);
   m.impl("chunk_gla", &ops::chunk_gla_impl<run_chunk_cpu>);
   m.impl("chunk_gla_bwd", &ops::chunk_gla_bwd_impl<run_chunk_cpu>);
+  m.impl("chunk_gla_train", &ops::chunk_gla_train_impl<run_chunk_cpu>);
   m.impl("chunk_rwkv6", &ops::chunk_rwkv6_impl<run_chunk_cpu>);
   m.impl("chunk_rwkv6_bwd", &ops::chunk_rwkv6_bwd_impl<run_chunk_cpu>);
+  m.impl("chunk_rwkv6_train", &ops::chunk_rwkv6_train_impl<run_chunk_cpu>);
   m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cpu>);
   m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cpu>);
 }

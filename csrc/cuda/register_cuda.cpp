@@ -31,8 +31,10 @@ TORCH_LIBRARY_IMPL(fla, CUDA, m) {
   m.impl("fused_recurrent_gla_bwd", &ops::fused_recurrent_gla_bwd_impl<run_cuda>);
   m.impl("chunk_gla", &ops::chunk_gla_impl<run_chunk_cuda>);
   m.impl("chunk_gla_bwd", &ops::chunk_gla_bwd_impl<run_chunk_cuda>);
+  m.impl("chunk_gla_train", &ops::chunk_gla_train_impl<run_chunk_cuda>);
   m.impl("chunk_rwkv6", &ops::chunk_rwkv6_impl<run_chunk_cuda>);
   m.impl("chunk_rwkv6_bwd", &ops::chunk_rwkv6_bwd_impl<run_chunk_cuda>);
+  m.impl("chunk_rwkv6_train", &ops::chunk_rwkv6_train_impl<run_chunk_cuda>);
   m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cuda>);
   m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cuda>);
 }

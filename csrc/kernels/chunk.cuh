@@ -288,6 +288,11 @@ __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) 
   } else {
     *at(hst, chunk_slot(p.cu_seqlens, n, p.T, nch)) = run;
     if (p.hT.on()) *mptr(p.hT, n, h, k, v) = run;
+    if (p.amat && p.cu_seqlens) {  // a kept hst is an op output: its gap slots read 0
+      const int64_t next = n + 1 < p.N ? chunk_slot(p.cu_seqlens, n + 1, p.T, 0)
+                                       : chunk_slots(p.N, p.T, true);
+      for (int64_t s = chunk_slot(p.cu_seqlens, n, p.T, nch) + 1; s < next; ++s) *at(hst, s) = 0.f;
+    }
   }
 }
 
@@ -332,7 +337,9 @@ __device__ __forceinline__ void diag_pairs(Tile* A, const Tile* Q, const Tile* K
   if (RD == Reader::Exclusive && cq == 0) A[I][I] += b;
 }
 
-// Forward outputs (DV = false): o = ρ (Q̂ S + A V). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO.
+// Forward outputs (DV = false): o = ρ (Q̂ S + A V), and A into p.amat when that is set (kept
+// for the backward). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO, with A read from p.amat when set
+// (then q and the pair work are skipped) or recomputed.
 template <typename T, Reader RD, bool DV>
 __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
   extern __shared__ float4 smem4[];
@@ -344,28 +351,35 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
   float* us = reinterpret_cast<float*>(&d + 1);
 
   Pos pos;
-  if (!locate(p, blockIdx.x, pos)) return;
+  const bool chunk = locate(p, blockIdx.x, pos);
   const int h = blockIdx.y, v0 = blockIdx.z * DT;
+  float* amat = p.amat ? static_cast<float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C : nullptr;
+  if (!chunk) {  // a kept A is an op output: slots without a chunk read 0
+    if (!DV && amat && blockIdx.z == 0)
+      for (int e = threadIdx.x; e < C * C; e += NTH) amat[e] = 0.f;
+    return;
+  }
   const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
   const int64_t KV = int64_t(p.K) * p.V;
+  const bool pairs = !(DV && amat);  // the backward with a kept A only needs K̂
 
   for (int e = threadIdx.x; e < C * LD; e += NTH) A[e / LD][e % LD] = 0.f;
   Acc<T> acc;
   for (int k0 = 0; k0 < p.K; k0 += DT) {
     __syncthreads();
-    load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+    if (pairs) load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
     load_rows<T, true>(KYt, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
     load_rows<T, false>(W, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
     if (RD == Reader::Exclusive && threadIdx.x < DT)
       us[threadIdx.x] = k0 + threadIdx.x < p.K ? ldu(p.u, int64_t(h) * p.K + k0 + threadIdx.x, p.udtype) : 0.f;
     __syncthreads();
     chunk_decays(d, W);
-    diag_pairs<RD>(A, QX, KYt, W, us);
+    if (pairs) diag_pairs<RD>(A, QX, KYt, W, us);
     __syncthreads();
-    scale_reader<RD>(QX, W, m, ch, 1.f);
+    if (pairs) scale_reader<RD>(QX, W, m, ch, 1.f);
     scale_key<true>(KYt, W, m, ch, 1.f);
     __syncthreads();
-    {  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk) of A
+    if (pairs) {  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk) of A
       Acc<T> a;
       a.template mma_blocks<false>(
           QX, KYt, [](int) { return 0; }, [](int) { return DT; },
@@ -389,6 +403,11 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
     else acc.template mma<false>(QX, W, DT);
   }
   __syncthreads();
+  if (amat && !pairs) {
+    load_mat<false>(A, amat, C, C, 0, 0);
+  } else if (amat && blockIdx.z == 0) {  // one V tile keeps A
+    for (int e = threadIdx.x; e < C * C; e += NTH) amat[e] = A[e / C][e % C];
+  }
   load_rows<T, false>(W, DV ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
   const float rho = float(p.scale);
   if (DV)  // dv = K̂ dS+ + ρ Aᵀ dO: fold ρ into A
@@ -608,7 +627,8 @@ cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
   const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT, nts = (p.V + SV - 1) / SV;
   const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
   cudaError_t e;
-  if ((e = launch_state<T, RD, false>(p, slots, stream)) != cudaSuccess) return e;
+  if (!(p.dout.on() && p.hst_kept) && (e = launch_state<T, RD, false>(p, slots, stream)) != cudaSuccess)
+    return e;
   if (!p.dout.on()) {
     auto out = chunk_out_kernel<T, RD, false>;
     if ((e = set_smem(out, kOutSmem)) != cudaSuccess) return e;

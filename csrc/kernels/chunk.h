@@ -49,10 +49,17 @@ struct ChunkPass {
   // zeta = rowsum(S+ * dS+) (ALGORITHMS.md §3); a backend may leave it unused.
   void* zeta = nullptr;
   void* gam = nullptr;         // [slots, H, K] acc workspace: per-chunk total decay exp(Σ λ)
+
+  // Training workspaces kept from the forward (optional; a backend may ignore them):
+  // amat [slots, H, C, C] acc: the forward writes each chunk's pair matrix A when non-null, the
+  // backward reads it instead of recomputing. hst_kept: in the backward, hst already holds the
+  // forward's chunk-start states (the forward state pass is skipped).
+  void* amat = nullptr;
+  bool hst_kept = false;
 };
 
 // Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens).
-inline int64_t chunk_slots(int N, int T, bool varlen) {
+FLA_HD int64_t chunk_slots(int N, int T, bool varlen) {
   const int64_t per = (int64_t(T) + kChunk - 1) / kChunk + 1;
   return varlen ? int64_t(T) / kChunk + 2 * int64_t(N) + 1 : int64_t(N) * per;
 }

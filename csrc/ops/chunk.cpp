@@ -1,6 +1,8 @@
 // Chunked GLA and RWKV6 (ALGORITHMS.md §4-§5). The forward is one chunk pass (state pass, then
-// the per-chunk outputs); the backward recomputes the chunk-start states, runs the reverse
-// state pass for dHst, then the per-chunk gradients. Backends: cpu/chunk.cpp (float64
+// the per-chunk outputs); the backward runs the reverse state pass for dHst, then the per-chunk
+// gradients. Under autograd on CUDA the forward keeps its chunk-start states (hst) and pair
+// matrices (amat) for the backward (fp32, [slots, H, K, V] + [slots, H, 64, 64]: for bf16 K=V=64
+// about 2x the bytes of q, k, v and g together); otherwise the backward recomputes them. Backends: cpu/chunk.cpp (float64
 // exponents, the algebra as written) and kernels/chunk*.cu.
 #include "chunk.h"
 
@@ -9,6 +11,8 @@
 
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <type_traits>
 
 namespace fla::ops {
 namespace {
@@ -37,20 +41,43 @@ Tensor decay_workspace(const DiagArgs& a, const Tensor& hst) {
   return new_output({hst.size(0), a.H, a.K}, hst.options());
 }
 
-std::tuple<Tensor, Tensor> chunk_forward(const DiagArgs& a, Reader reader, const Tensor& q,
-                                         const Tensor& k, const Tensor& v, const Tensor& g,
-                                         const Tensor& uc, const std::optional<Tensor>& h0,
-                                         bool output_final_state, ChunkRunner run) {
+Tensor pair_workspace(const DiagArgs& a, const Tensor& hst) {
+  return new_output({hst.size(0), a.H, kChunk, kChunk}, hst.options());
+}
+
+// Only the CUDA engine reads kept workspaces; the CPU engine recomputes (it is the reference).
+bool keeps_workspaces(const Tensor& q) { return q.is_cuda(); }
+
+// (o, final state, hst, amat): the last two are empty unless `keep`.
+std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
+    const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& g, const Tensor& uc, const std::optional<Tensor>& h0, bool output_final_state,
+    bool keep, ChunkRunner run) {
   Tensor o = a.L.empty_like_with_dim(v, a.V, q.scalar_type());
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
   Tensor hst = state_workspace(a, q), gam = decay_workspace(a, hst);
+  Tensor amat = keep ? pair_workspace(a, hst) : new_output({0}, hst.options());
   ChunkPass p = chunk_pass(a, reader, q, k, v, g, uc, h0);
   p.o = a.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
   p.hst = hst.data_ptr(), p.gam = gam.data_ptr();
+  if (keep) p.amat = amat.data_ptr();
   run(p);
-  return {o, hT};
+  return {o, hT, keep ? hst : new_output({0}, hst.options()), amat};
+}
+
+// A kept workspace handed to the backward: null when absent or empty, else checked to be the
+// workspace this call would have allocated (the _bwd ops are public: a wrong one must not be
+// read out of bounds).
+const Tensor* kept(const std::optional<Tensor>& t, const Tensor& like, const char* name) {
+  if (!has(t) || t->numel() == 0) return nullptr;
+  TORCH_CHECK_VALUE(t->sizes() == like.sizes() && t->scalar_type() == like.scalar_type() &&
+                        t->device() == like.device() && t->is_contiguous(),
+                    "fla_ext: `", name, "` must be the ", like.scalar_type(), " workspace ",
+                    shape_str(like), " on ", like.device(), " returned by the _train op, got ",
+                    t->scalar_type(), " ", shape_str(*t), " on ", t->device());
+  return &*t;
 }
 
 struct ChunkGrads {
@@ -60,7 +87,9 @@ struct ChunkGrads {
 ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
                           const Tensor& v, const Tensor& g, const Tensor& uc,
                           const Tensor& grad_o, const std::optional<Tensor>& dht,
-                          const std::optional<Tensor>& h0, const char* qn, ChunkRunner run) {
+                          const std::optional<Tensor>& h0, const std::optional<Tensor>& hst_in,
+                          const std::optional<Tensor>& amat_in, const char* qn,
+                          ChunkRunner run) {
   check_activation(grad_o, "grad_o", q, qn);
   TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
                     shape_str(v), ", got ", shape_str(grad_o));
@@ -71,6 +100,9 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   r.dv = new_output(v.sizes(), v.options()), r.dg = new_output(g.sizes(), g.options());
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
   Tensor hst = state_workspace(a, q), dhst = state_workspace(a, q);
+  const Tensor* hst_kept = kept(hst_in, hst, "hst");
+  const Tensor* amat_kept = kept(amat_in, pair_workspace(a, hst), "amat");
+  if (hst_kept) hst = *hst_kept;
   const int64_t vtiles = (a.V + kStateCols - 1) / kStateCols;
   Tensor zeta = new_output({hst.size(0), a.H, vtiles, a.K}, acc);
   // Gap slots (varlen) and final-state slots hold no chunk: their du partials must read 0.
@@ -83,6 +115,8 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   if (has(h0)) p.dh0 = mat(r.dh0);
   if (du_part.defined()) p.du = du_part.data_ptr();
   p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();
+  p.hst_kept = hst_kept != nullptr;
+  if (amat_kept) p.amat = amat_kept->data_ptr();
   Tensor gam = decay_workspace(a, hst);
   p.gam = gam.data_ptr();
   if (a.T > 0) {
@@ -106,20 +140,34 @@ std::tuple<Tensor, Tensor> chunk_gla_fwd(
   c10::OptionalDeviceGuard guard(q.device());
   TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
   const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
+  auto [o, hT, hst, amat] = chunk_forward(a, Reader::Inclusive, q, k, v, g, Tensor(),
+                                          initial_state, output_final_state, false, run);
+  return {o, hT};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_gla_train(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    ChunkRunner run) {
+  c10::OptionalDeviceGuard guard(q.device());
+  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
+  const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
   return chunk_forward(a, Reader::Inclusive, q, k, v, g, Tensor(), initial_state,
-                       output_final_state, run);
+                       output_final_state, keeps_workspaces(q), run);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
     const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
-    bool head_first, ChunkRunner run) {
+    bool head_first, const std::optional<Tensor>& hst, const std::optional<Tensor>& amat,
+    ChunkRunner run) {
   c10::OptionalDeviceGuard guard(q.device());
   TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
   const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
   auto r = chunk_backward(a, Reader::Inclusive, q, k, v, g, Tensor(), grad_o, grad_final_state,
-                          initial_state, "q", run);
+                          initial_state, hst, amat, "q", run);
   return {r.dq, r.dk, r.dv, r.dg, r.dh0};
 }
 
@@ -130,19 +178,32 @@ std::tuple<Tensor, Tensor> chunk_rwkv6_fwd(
     ChunkRunner run) {
   c10::OptionalDeviceGuard guard(r.device());
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
+  auto [o, hT, hst, amat] = chunk_forward(a, Reader::Exclusive, r, k, v, w, a.uc,
+                                          initial_state, output_final_state, false, run);
+  return {o, hT};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_train(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    ChunkRunner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   return chunk_forward(a, Reader::Exclusive, r, k, v, w, a.uc, initial_state,
-                       output_final_state, run);
+                       output_final_state, keeps_workspaces(r), run);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
     const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
     const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    const std::optional<Tensor>& cu_seqlens, bool head_first, ChunkRunner run) {
+    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& hst,
+    const std::optional<Tensor>& amat, ChunkRunner run) {
   c10::OptionalDeviceGuard guard(r.device());
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   auto g = chunk_backward(a, Reader::Exclusive, r, k, v, w, a.uc, grad_o, grad_final_state,
-                          initial_state, "r", run);
+                          initial_state, hst, amat, "r", run);
   return {g.dq, g.dk, g.dv, g.dg, g.du.to(u.scalar_type()), g.dh0};
 }
 
@@ -153,20 +214,40 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Whether this call records a graph: only then does the forward keep workspaces for a backward.
+template <typename... Ts>
+bool training(const Ts&... ts) {
+  auto req = [](const auto& t) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(t)>, std::optional<Tensor>>)
+      return t.has_value() && t->defined() && t->requires_grad();
+    else
+      return t.defined() && t.requires_grad();
+  };
+  return torch::autograd::GradMode::is_enabled() && (req(ts) || ...);
+}
+
 class ChunkGla : public torch::autograd::Function<ChunkGla> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
                                const Tensor& v, const Tensor& g, std::optional<double> scale,
                                const std::optional<Tensor>& initial_state,
                                bool output_final_state, const std::optional<Tensor>& cu_seqlens,
-                               bool head_first) {
+                               bool head_first, bool train) {
     at::AutoDispatchBelowADInplaceOrView below;
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::chunk_gla", "")
                          .typed<decltype(chunk_gla_impl<nullptr>)>();
-    auto [o, hT] = op.call(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
-                           head_first);
-    ctx->save_for_backward({q, k, v, g, opt(initial_state), opt(cu_seqlens)});
+    static auto op_train = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fla::chunk_gla_train", "")
+                               .typed<decltype(chunk_gla_train_impl<nullptr>)>();
+    Tensor o, hT, hst, amat;
+    if (train)
+      std::tie(o, hT, hst, amat) = op_train.call(q, k, v, g, scale, initial_state,
+                                                 output_final_state, cu_seqlens, head_first);
+    else
+      std::tie(o, hT) = op.call(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+                                head_first);
+    ctx->save_for_backward({q, k, v, g, opt(initial_state), opt(cu_seqlens), hst, amat});
     SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
     if (!output_final_state) ctx->mark_non_differentiable({hT});
     return {o, hT};
@@ -180,9 +261,9 @@ class ChunkGla : public torch::autograd::Function<ChunkGla> {
     const auto f = SweepFlags::load(ctx);
     Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
     auto [dq, dk, dv, dg, dh0] = op.call(s[0], s[1], s[2], s[3], go, f.dht(grads), f.scale,
-                                         some(s[4]), some(s[5]), f.head_first);
-    return {dq, dk, dv, dg, Tensor(), s[4].defined() ? dh0 : Tensor(), Tensor(), Tensor(),
-            Tensor()};
+                                         some(s[4]), some(s[5]), f.head_first, s[6], s[7]);
+    return {dq,       dk,       dv,       dg,      Tensor(), s[4].defined() ? dh0 : Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -193,14 +274,22 @@ class ChunkRwkv6 : public torch::autograd::Function<ChunkRwkv6> {
                                std::optional<double> scale,
                                const std::optional<Tensor>& initial_state,
                                bool output_final_state, const std::optional<Tensor>& cu_seqlens,
-                               bool head_first) {
+                               bool head_first, bool train) {
     at::AutoDispatchBelowADInplaceOrView below;
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::chunk_rwkv6", "")
                          .typed<decltype(chunk_rwkv6_impl<nullptr>)>();
-    auto [o, hT] = op.call(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
-                           head_first);
-    ctx->save_for_backward({r, k, v, w, u, opt(initial_state), opt(cu_seqlens)});
+    static auto op_train = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fla::chunk_rwkv6_train", "")
+                               .typed<decltype(chunk_rwkv6_train_impl<nullptr>)>();
+    Tensor o, hT, hst, amat;
+    if (train)
+      std::tie(o, hT, hst, amat) = op_train.call(r, k, v, w, u, scale, initial_state,
+                                                 output_final_state, cu_seqlens, head_first);
+    else
+      std::tie(o, hT) = op.call(r, k, v, w, u, scale, initial_state, output_final_state,
+                                cu_seqlens, head_first);
+    ctx->save_for_backward({r, k, v, w, u, opt(initial_state), opt(cu_seqlens), hst, amat});
     SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
     if (!output_final_state) ctx->mark_non_differentiable({hT});
     return {o, hT};
@@ -214,9 +303,10 @@ class ChunkRwkv6 : public torch::autograd::Function<ChunkRwkv6> {
     const auto f = SweepFlags::load(ctx);
     Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
     auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, f.dht(grads),
-                                             f.scale, some(s[5]), some(s[6]), f.head_first);
-    return {dr,       dk,       dv,       dw, du, Tensor(), s[5].defined() ? dh0 : Tensor(),
-            Tensor(), Tensor(), Tensor()};
+                                             f.scale, some(s[5]), some(s[6]), f.head_first,
+                                             s[7], s[8]);
+    return {dr,       dk,       dv,       dw,       du, Tensor(), s[5].defined() ? dh0 : Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -227,7 +317,7 @@ std::tuple<Tensor, Tensor> chunk_gla_autograd(const Tensor& q, const Tensor& k, 
                                               const std::optional<Tensor>& cu_seqlens,
                                               bool head_first) {
   auto out = ChunkGla::apply(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
-                             head_first);
+                             head_first, training(q, k, v, g, initial_state));
   return {out[0], out[1]};
 }
 
@@ -239,7 +329,7 @@ std::tuple<Tensor, Tensor> chunk_rwkv6_autograd(const Tensor& r, const Tensor& k
                                                 const std::optional<Tensor>& cu_seqlens,
                                                 bool head_first) {
   auto out = ChunkRwkv6::apply(r, k, v, w, u, scale, initial_state, output_final_state,
-                               cu_seqlens, head_first);
+                               cu_seqlens, head_first, training(r, k, v, w, u, initial_state));
   return {out[0], out[1]};
 }
 

@@ -16,13 +16,28 @@ std::tuple<Tensor, Tensor> chunk_gla_fwd(
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
     ChunkRunner run);
 
+// The forward plus the workspaces the backward reuses (hst, amat; empty tensors when the
+// backend keeps none: only CUDA does).
+std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_gla_train(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    ChunkRunner run);
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
     const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
-    bool head_first, ChunkRunner run);
+    bool head_first, const std::optional<Tensor>& hst, const std::optional<Tensor>& amat,
+    ChunkRunner run);
 
 std::tuple<Tensor, Tensor> chunk_rwkv6_fwd(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    ChunkRunner run);
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_train(
     const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
@@ -32,7 +47,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
     const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
     const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    const std::optional<Tensor>& cu_seqlens, bool head_first, ChunkRunner run);
+    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& hst,
+    const std::optional<Tensor>& amat, ChunkRunner run);
 
 // Backend adaptors with the exact schema signatures, instantiated by cpu/ and cuda/.
 template <ChunkRunner R>
@@ -47,13 +63,22 @@ std::tuple<Tensor, Tensor> chunk_gla_impl(const Tensor& q, const Tensor& k, cons
 }
 
 template <ChunkRunner R>
+std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_gla_train_impl(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  return chunk_gla_train(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+                         head_first, R);
+}
+
+template <ChunkRunner R>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd_impl(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
     const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
-    bool head_first) {
+    bool head_first, const std::optional<Tensor>& hst, const std::optional<Tensor>& amat) {
   return chunk_gla_bwd(q, k, v, g, grad_o, grad_final_state, scale, initial_state, cu_seqlens,
-                       head_first, R);
+                       head_first, hst, amat, R);
 }
 
 template <ChunkRunner R>
@@ -69,13 +94,23 @@ std::tuple<Tensor, Tensor> chunk_rwkv6_impl(const Tensor& r, const Tensor& k, co
 }
 
 template <ChunkRunner R>
+std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_train_impl(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  return chunk_rwkv6_train(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+                           head_first, R);
+}
+
+template <ChunkRunner R>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd_impl(
     const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
     const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    const std::optional<Tensor>& cu_seqlens, bool head_first) {
+    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& hst,
+    const std::optional<Tensor>& amat) {
   return chunk_rwkv6_bwd(r, k, v, w, u, grad_o, grad_final_state, scale, initial_state,
-                         cu_seqlens, head_first, R);
+                         cu_seqlens, head_first, hst, amat, R);
 }
 
 }  // namespace fla::ops
