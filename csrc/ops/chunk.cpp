@@ -132,16 +132,38 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
 
 }  // namespace
 
+namespace {
+std::tuple<Tensor, Tensor, Tensor, Tensor> gla_forward(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    bool keep, ChunkRunner run) {
+  c10::OptionalDeviceGuard guard(q.device());
+  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
+  const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
+  return chunk_forward(a, Reader::Inclusive, q, k, v, g, Tensor(), initial_state,
+                       output_final_state, keep, run);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> rwkv6_forward(
+    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    bool keep, ChunkRunner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
+  return chunk_forward(a, Reader::Exclusive, r, k, v, w, a.uc, initial_state,
+                       output_final_state, keep, run);
+}
+}  // namespace
+
 std::tuple<Tensor, Tensor> chunk_gla_fwd(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
     ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(q.device());
-  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
-  const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
-  auto [o, hT, hst, amat] = chunk_forward(a, Reader::Inclusive, q, k, v, g, Tensor(),
-                                          initial_state, output_final_state, false, run);
+  auto [o, hT, hst, amat] = gla_forward(q, k, v, g, scale, initial_state, output_final_state,
+                                        cu_seqlens, head_first, false, run);
   return {o, hT};
 }
 
@@ -150,11 +172,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_gla_train(
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
     ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(q.device());
-  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
-  const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
-  return chunk_forward(a, Reader::Inclusive, q, k, v, g, Tensor(), initial_state,
-                       output_final_state, keeps_workspaces(q), run);
+  return gla_forward(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+                     head_first, keeps_workspaces(q), run);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
@@ -176,10 +195,8 @@ std::tuple<Tensor, Tensor> chunk_rwkv6_fwd(
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
     ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(r.device());
-  const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
-  auto [o, hT, hst, amat] = chunk_forward(a, Reader::Exclusive, r, k, v, w, a.uc,
-                                          initial_state, output_final_state, false, run);
+  auto [o, hT, hst, amat] = rwkv6_forward(r, k, v, w, u, scale, initial_state,
+                                          output_final_state, cu_seqlens, head_first, false, run);
   return {o, hT};
 }
 
@@ -188,10 +205,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_train(
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
     ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(r.device());
-  const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
-  return chunk_forward(a, Reader::Exclusive, r, k, v, w, a.uc, initial_state,
-                       output_final_state, keeps_workspaces(r), run);
+  return rwkv6_forward(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+                       head_first, keeps_workspaces(r), run);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
