@@ -104,7 +104,7 @@ __device__ void load_chunk(float* sm, const Smem& L, const DplrChunkPass& p, con
 
 // Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
 // matrices and X. Ends synchronised.
-__device__ void prepare(float* sm, const Smem& L) {
+__device__ inline void prepare(float* sm, const Smem& L) {
   const int K = L.K, KP = L.KP;
   for (int d = threadIdx.x; d < K; d += NT) {
     float run = 0.f;
@@ -153,7 +153,7 @@ __device__ void prepare(float* sm, const Smem& L) {
 }
 
 // P = (A * exp(E)) S, M = A_ak V, then U = X (M + P). Ends synchronised.
-__device__ void pseudo_values(float* sm, const Smem& L) {
+__device__ inline void pseudo_values(float* sm, const Smem& L) {
   for (int e = threadIdx.x; e < C * L.cols; e += NT) {
     const int i = e / L.cols, x = e % L.cols;
     float pv = 0.f, m = 0.f;
@@ -174,7 +174,7 @@ __device__ void pseudo_values(float* sm, const Smem& L) {
 }
 
 // S <- diag(gamma) S + K^^T V + B^^T U. Ends synchronised.
-__device__ void advance(float* sm, const Smem& L) {
+__device__ inline void advance(float* sm, const Smem& L) {
   for (int e = threadIdx.x; e < L.K * L.cols; e += NT) {
     const int d = e / L.cols, x = e % L.cols;
     float s = sm[L.eG + (C - 1) * L.KP + d] * sm[L.S + e];
@@ -189,13 +189,13 @@ __device__ void advance(float* sm, const Smem& L) {
 }
 
 // Loads a state slice [K][cols] (columns >= V and an absent matrix read 0). Not synchronised.
-__device__ void load_state(float* dst, const Smem& L, const MatArg& m, const Cta& c) {
+__device__ inline void load_state(float* dst, const Smem& L, const MatArg& m, const Cta& c) {
   for (int e = threadIdx.x; e < L.K * L.cols; e += NT) {
     const int d = e / L.cols, x = e % L.cols;
     dst[e] = m.on() && x < c.nc ? *mptr(m, c.n, c.h, d, c.x0 + x) : 0.f;
   }
 }
-__device__ void store_state(const MatArg& m, const float* src, const Smem& L, const Cta& c) {
+__device__ inline void store_state(const MatArg& m, const float* src, const Smem& L, const Cta& c) {
   if (!m.on()) return;
   for (int e = threadIdx.x; e < L.K * L.cols; e += NT) {
     const int d = e / L.cols, x = e % L.cols;
