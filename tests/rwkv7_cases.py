@@ -3,6 +3,7 @@ low-rank regimes), the check of o, final state and every gradient against the fl
 and the bad-input table."""
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -105,3 +106,13 @@ ERRORS = [
     (dict(scale=math.inf), ValueError, r"`scale` must be finite"),
     (dict(a=None), TypeError, r"`a` must be a torch.Tensor, got NoneType"),
 ]
+
+
+def check_bad_input(op, kw, exc, msg):
+    """op(**good inputs updated with kw) raises exc matching msg (kw, an ERRORS entry, is shared
+    by the test modules, so it is not modified)."""
+    args = _good()
+    extra = {n: t for n, t in kw.items() if n not in args}
+    args.update({n: t for n, t in kw.items() if n in args})
+    with pytest.raises(exc, match=msg):
+        op(**args, **extra)

@@ -11,7 +11,7 @@ import fla_ext
 from conftest import DEVICES, HAS_CUDA, assert_close
 from inputs import STRESS
 from fla_ext import chunk_rwkv7, fused_recurrent_rwkv7, reference
-from rwkv7_cases import ERRORS, NAMES, _good, make, relayout, run_and_check
+from rwkv7_cases import ERRORS, NAMES, _good, check_bad_input, make, relayout, run_and_check
 
 
 def check(*ins, **kw):
@@ -315,11 +315,7 @@ def test_cuda_graph_capture():
 
 @pytest.mark.parametrize("kw,exc,msg", ERRORS, ids=[e[2][:30] for e in ERRORS])
 def test_bad_input(kw, exc, msg):
-    args = _good()
-    extra = {n: kw.pop(n) for n in list(kw) if n not in args}
-    args.update(kw)
-    with pytest.raises(exc, match=msg):
-        chunk_rwkv7(**args, **extra)
+    check_bad_input(chunk_rwkv7, kw, exc, msg)
 
 
 def test_bad_grad_shapes():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import DEVICES, assert_close
 from inputs import STRESS, make_diag
 from fla_ext import fused_mul_recurrent_rwkv7, fused_recurrent_rwkv7, reference
-from rwkv7_cases import ERRORS, NAMES, _good, make, relayout, run_and_check
+from rwkv7_cases import ERRORS, NAMES, _good, check_bad_input, make, relayout, run_and_check
 
 # ---------------------------------------------------------------------------------------------
 # The grid: shapes (K != V both ways, T = 1, odd sizes, V over several column tiles), dtypes,
@@ -282,11 +282,7 @@ def test_compile_fullgraph_fwd_bwd(device):
 
 @pytest.mark.parametrize("kw,exc,msg", ERRORS, ids=[e[2][:30] for e in ERRORS])
 def test_bad_input(kw, exc, msg):
-    args = _good()
-    extra = {n: kw.pop(n) for n in list(kw) if n not in args}
-    args.update(kw)
-    with pytest.raises(exc, match=msg):
-        fused_recurrent_rwkv7(**args, **extra)
+    check_bad_input(fused_recurrent_rwkv7, kw, exc, msg)
 
 
 def test_bad_grad_shapes():
