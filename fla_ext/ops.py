@@ -292,6 +292,13 @@ def chunk_rwkv7(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    safe_gate: bool = False,
+    chunk_size: Optional[int] = None,
+    disable_recompute: bool = False,
+    cp_context=None,
+    lower_bound: Optional[float] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV7 (diagonal plus low rank), chunk-parallel (training path): the map of
     :func:`fused_recurrent_rwkv7`,
@@ -312,11 +319,18 @@ def chunk_rwkv7(
         output_final_state: also return the float32 final state; default ``False``, as in fla.
         cu_seqlens: int64 ``[N + 1]`` sequence boundaries (B must be 1).
         head_first: inputs are ``[B, H, T, D]``.
+        cu_seqlens_cpu, safe_gate, chunk_size, disable_recompute, lower_bound: fla's tuning
+            hints, accepted so that fla call sites run unchanged and ignored: no bound on ``w``
+            is needed here, and the chunk size is the kernel's own.
+        cp_context: fla's context parallelism; not supported (must be None).
 
     Returns:
         ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
     """
     _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
+    if cp_context is not None:
+        raise NotImplementedError("fla_ext: chunk_rwkv7 does not support `cp_context` (context "
+                                  "parallelism); pass None")
     o, ht = torch.ops.fla.chunk_rwkv7(
         r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, head_first
     )

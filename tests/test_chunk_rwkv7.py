@@ -70,6 +70,21 @@ def test_defaults(device, gen):
                  1e-5, 1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fla_call_site(device, gen):
+    """The RWKV-7 layer's call (fla's tuning hints as keywords) runs unchanged, same result."""
+    r, w, k, v, a, b, h0 = make(1, 70, 2, 16, 16, torch.float32, device, gen, N=2)
+    cu = torch.tensor([0, 30, 70], device=device)
+    o, ht = chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=h0, output_final_state=True,
+                        cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), safe_gate=True,
+                        lower_bound=-0.6065306597126334, chunk_size=64, disable_recompute=True)
+    o_ref, ht_ref = reference.rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=h0, cu_seqlens=cu)
+    assert_close("o", o, o_ref, 1e-5, 1e-6)
+    assert_close("ht", ht, ht_ref, 1e-5, 1e-6)
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        chunk_rwkv7(r, w, k, v, a, b, cp_context=object())
+
+
 # ---------------------------------------------------------------------------------------------
 # chunk == fused_recurrent (fp32, <= 1e-5), with initial states and across sequences.
 
