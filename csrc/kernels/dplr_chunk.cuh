@@ -102,6 +102,46 @@ __device__ void load_chunk(float* sm, const Smem& L, const DplrChunkPass& p, con
   }
 }
 
+// The pair-matrix entries (i, j), j <= i: A_rk, A_rb with the factor exp(sum_{j<s<=i} w_s) and
+// (j < i) A_ak, A_ab with exp(sum_{j<s<i} w_s), each exponent added up (§2.6). Channels go kVec
+// at a time so that their exponent sums are independent chains: one chain per channel made the
+// pair matrices latency-bound. Host-callable, for testing.
+FLA_HD void pair_sums(const float* sm, const Smem& L, int i, int j, float& rk, float& rb,
+                      float& ak, float& ab) {
+  constexpr int kVec = 8;
+  const int K = L.K, KP = L.KP;
+  const float *ri = sm + L.r + i * KP, *ai = sm + L.a + i * KP, *wi = sm + L.w + i * KP;
+  const float *kj = sm + L.k + j * KP, *bj = sm + L.b + j * KP, *w = sm + L.w;
+  rk = rb = ak = ab = 0.f;
+  if (j == i) {
+    for (int d = 0; d < K; ++d) rk += ri[d] * kj[d], rb += ri[d] * bj[d];
+    return;
+  }
+  int d0 = 0;
+  for (; d0 + kVec <= K; d0 += kVec) {
+    float ex[kVec];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) ex[u] = 0.f;
+    for (int s = j + 1; s < i; ++s)
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) ex[u] += w[s * KP + d0 + u];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      const int d = d0 + u;
+      const float fin = expf(ex[u] + wi[d]), fex = expf(ex[u]);
+      rk += ri[d] * kj[d] * fin, rb += ri[d] * bj[d] * fin;
+      ak += ai[d] * kj[d] * fex, ab += ai[d] * bj[d] * fex;
+    }
+  }
+  for (int d = d0; d < K; ++d) {
+    float ex = 0.f;
+    for (int s = j + 1; s < i; ++s) ex += w[s * KP + d];
+    const float fin = expf(ex + wi[d]), fex = expf(ex);
+    rk += ri[d] * kj[d] * fin, rb += ri[d] * bj[d] * fin;
+    ak += ai[d] * kj[d] * fex, ab += ai[d] * bj[d] * fex;
+  }
+}
+
 // Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
 // matrices and X. Ends synchronised.
 __device__ inline void prepare(float* sm, const Smem& L) {
@@ -118,21 +158,7 @@ __device__ inline void prepare(float* sm, const Smem& L) {
   {
     const int i = threadIdx.x / C, j = threadIdx.x % C;
     float rk = 0.f, rb = 0.f, ak = 0.f, ab = 0.f;
-    if (j <= i) {
-      const float *ri = sm + L.r + i * KP, *ai = sm + L.a + i * KP, *wi = sm + L.w + i * KP;
-      const float *kj = sm + L.k + j * KP, *bj = sm + L.b + j * KP;
-      for (int d = 0; d < K; ++d) {
-        if (j == i) {
-          rk += ri[d] * kj[d], rb += ri[d] * bj[d];
-          continue;
-        }
-        float ex = 0.f;  // sum of w_s over j < s < i, added up (§2.6)
-        for (int s = j + 1; s < i; ++s) ex += sm[L.w + s * KP + d];
-        const float fin = expf(ex + wi[d]), fex = expf(ex);
-        rk += ri[d] * kj[d] * fin, rb += ri[d] * bj[d] * fin;
-        ak += ai[d] * kj[d] * fex, ab += ai[d] * bj[d] * fex;
-      }
-    }
+    if (j <= i) pair_sums(sm, L, i, j, rk, rb, ak, ab);
     const int at = i * CP + j;
     sm[L.Ark + at] = rk, sm[L.Arb + at] = rb, sm[L.Aak + at] = ak, sm[L.Aab + at] = ab;
     sm[L.X + at] = i == j ? 1.f : 0.f;
