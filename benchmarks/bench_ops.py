@@ -162,10 +162,16 @@ def _chunk_cases(quick: bool) -> List[Case]:
     ]
 
 
-@register("fused_recurrent_rwkv7", _rwkv6_cases)
-def _rwkv7(case: Case, requires_grad: bool, device: torch.device) -> Built:
-    """RWKV-7's inputs: w in its own range [-e^-0.5, 0], a = -kk, b = kk * iclr, scale 1.
-    fla's fused_recurrent_rwkv7 is inference only (its backward raises)."""
+def _rwkv7_op(name: str):
+    """RWKV-7's inputs: w in its own range [-e^-0.5, 0], a = -kk, b = kk * iclr, scale 1, for
+    fla_ext's and fla's op `name` (fla's fused_recurrent_rwkv7 is inference only: its backward
+    raises)."""
+    def build(case: Case, requires_grad: bool, device: torch.device) -> Built:
+        return _rwkv7(name, case, requires_grad, device)
+    return build
+
+
+def _rwkv7(name: str, case: Case, requires_grad: bool, device: torch.device) -> Built:
     B, T, H, K, V = (case.dims[d] for d in "BTHKV")
     dt = case.dtype
     h0 = (torch.randn(B, H, K, V, device=device, dtype=torch.float32)
@@ -182,8 +188,9 @@ def _rwkv7(case: Case, requires_grad: bool, device: torch.device) -> Built:
     h0 = inputs.get("h0")
     kw = dict(scale=1.0, initial_state=h0, output_final_state=ofs)
 
-    impls = {"fla_ext": lambda: fla_ext.fused_recurrent_rwkv7(r, w, k, v, a, b, **kw)}
-    fla_fn, why = optional_fn("fla.ops.rwkv7", "fused_recurrent_rwkv7", device)
+    ours = getattr(fla_ext, name)
+    impls = {"fla_ext": lambda: ours(r, w, k, v, a, b, **kw)}
+    fla_fn, why = optional_fn("fla.ops.rwkv7", name, device)
     if fla_fn is not None:
         impls["fla"] = lambda: fla_fn(r, w, k, v, a, b, **kw)
 
@@ -198,6 +205,10 @@ def _rwkv7(case: Case, requires_grad: bool, device: torch.device) -> Built:
         return [o, ht if ofs else None], grads
 
     return Built(inputs, impls, ("o", "ht"), {"fla": why} if why else {}, reference)
+
+
+register("fused_recurrent_rwkv7", _rwkv6_cases)(_rwkv7_op("fused_recurrent_rwkv7"))
+register("chunk_rwkv7", _chunk_cases)(_rwkv7_op("chunk_rwkv7"))
 
 
 def _diag_op(family: str, mode: str):

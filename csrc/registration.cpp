@@ -59,4 +59,13 @@ TORCH_LIBRARY(fla, m) {
       "Tensor grad_o, Tensor? grad_final_state, float? scale, Tensor? initial_state, bool reverse, "
       "Tensor? cu_seqlens, bool head_first) "
       "-> (Tensor dr, Tensor dw, Tensor dk, Tensor dv, Tensor da, Tensor db, Tensor dh0)");
+  m.def(
+      "chunk_rwkv7(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, "
+      "float? scale=1.0, Tensor? initial_state=None, bool output_final_state=False, "
+      "Tensor? cu_seqlens=None, bool head_first=False) -> (Tensor o, Tensor final_state)");
+  m.def(
+      "chunk_rwkv7_bwd(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, "
+      "Tensor grad_o, Tensor? grad_final_state, float? scale, Tensor? initial_state, "
+      "Tensor? cu_seqlens, bool head_first) "
+      "-> (Tensor dr, Tensor dw, Tensor dk, Tensor dv, Tensor da, Tensor db, Tensor dh0)");
 }

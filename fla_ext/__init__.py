@@ -29,6 +29,7 @@ from . import _fake  # noqa: E402,F401  (registers fake kernels)
 from .ops import (  # noqa: E402
     chunk_gla,
     chunk_rwkv6,
+    chunk_rwkv7,
     fused_mul_recurrent_rwkv7,
     fused_recurrent_gla,
     fused_recurrent_rwkv6,
@@ -36,6 +37,6 @@ from .ops import (  # noqa: E402
     set_checks,
 )
 
-__all__ = ["chunk_gla", "chunk_rwkv6", "fused_mul_recurrent_rwkv7", "fused_recurrent_gla",
+__all__ = ["chunk_gla", "chunk_rwkv6", "chunk_rwkv7", "fused_mul_recurrent_rwkv7", "fused_recurrent_gla",
            "fused_recurrent_rwkv6", "fused_recurrent_rwkv7", "set_checks"]
 __version__ = "0.1.0"

@@ -126,6 +126,24 @@ def _(r, w, k, v, a, b, scale=None, initial_state=None, output_final_state=True,
     return o, r.new_empty(shape, dtype=_acc(r))
 
 
+@torch.library.register_fake("fla::chunk_rwkv7")
+def _(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+      head_first=False):
+    N, H = _state_rows(r, head_first, cu_seqlens)
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    shape = (N if output_final_state else 0, H, r.shape[-1], v.shape[-1])
+    return o, r.new_empty(shape, dtype=_acc(r))
+
+
+@torch.library.register_fake("fla::chunk_rwkv7_bwd")
+def _(r, w, k, v, a, b, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first):
+    N, H = _state_rows(r, head_first, cu_seqlens)
+    like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    dh0 = r.new_empty((N if initial_state is not None else 0, H, r.shape[-1], v.shape[-1]),
+                      dtype=_acc(r))
+    return like(r), like(w), like(k), like(v), like(a), like(b), dh0
+
+
 @torch.library.register_fake("fla::fused_recurrent_rwkv7_bwd")
 def _(r, w, k, v, a, b, grad_o, grad_final_state, scale, initial_state, reverse, cu_seqlens,
       head_first):

@@ -12,6 +12,7 @@ import torch
 __all__ = [
     "chunk_gla",
     "chunk_rwkv6",
+    "chunk_rwkv7",
     "fused_mul_recurrent_rwkv7",
     "fused_recurrent_gla",
     "fused_recurrent_rwkv6",
@@ -277,3 +278,60 @@ def fused_mul_recurrent_rwkv7(
     return fused_recurrent_rwkv7(r, w, k, v, -kk, kk * a, scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  head_first=head_first, reverse=reverse)
+
+
+def chunk_rwkv7(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: Optional[float] = 1.0,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    head_first: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    safe_gate: bool = False,
+    chunk_size: Optional[int] = None,
+    disable_recompute: bool = False,
+    cp_context=None,
+    lower_bound: Optional[float] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""RWKV7 (diagonal plus low rank), chunk-parallel (training path): the map of
+    :func:`fused_recurrent_rwkv7`,
+
+    .. math:: h_t = \mathrm{diag}(e^{w_t}) h_{t-1} + b_t (a_t^\top h_{t-1}) + k_t v_t^\top,\quad
+              o_t = s\, h_t^\top r_t
+
+    computed in the WY/UT form over 16-row chunks (ALGORITHMS.md §6). Every decay factor is a
+    sum of log decays, never a difference, so any ``w <= 0`` including ``-inf`` is exact.
+
+    Args:
+        r, w, k, a, b: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``w`` is the log
+            decay (<= 0; ``-inf`` is a hard reset). RWKV-7 layers pass ``a = -kk`` and
+            ``b = kk * iclr``; any a, b are accepted.
+        v: ``[B, T, H, V]``; K and V are independent (1..256).
+        scale: default ``1.0`` as in fla's ``chunk_rwkv7``; ``None`` means ``K ** -0.5``.
+        initial_state: float32 ``[N, H, K, V]``.
+        output_final_state: also return the float32 final state; default ``False``, as in fla.
+        cu_seqlens: int64 ``[N + 1]`` sequence boundaries (B must be 1).
+        head_first: inputs are ``[B, H, T, D]``.
+        cu_seqlens_cpu, safe_gate, chunk_size, disable_recompute, lower_bound: fla's tuning
+            hints, accepted so that fla call sites run unchanged and ignored: no bound on ``w``
+            is needed here, and the chunk size is the kernel's own.
+        cp_context: fla's context parallelism; not supported (must be None).
+
+    Returns:
+        ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
+    """
+    _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
+    if cp_context is not None:
+        raise NotImplementedError("fla_ext: chunk_rwkv7 does not support `cp_context` (context "
+                                  "parallelism); pass None")
+    o, ht = torch.ops.fla.chunk_rwkv7(
+        r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, head_first
+    )
+    return o, (ht if output_final_state else None)

@@ -10,6 +10,7 @@ namespace {
 void run_cpu(const RecurrentPass& p) { recurrent_cpu(p); }
 void run_chunk_cpu(const ChunkPass& p) { chunk_cpu(p); }
 void run_dplr_cpu(const DplrPass& p) { dplr_cpu(p); }
+void run_dplr_chunk_cpu(const DplrChunkPass& p) { dplr_chunk_cpu(p); }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fla, CPU, m) {
@@ -25,6 +26,8 @@ TORCH_LIBRARY_IMPL(fla, CPU, m) {
   m.impl("chunk_rwkv6_train", &ops::chunk_rwkv6_train_impl<run_chunk_cpu>);
   m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cpu>);
   m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cpu>);
+  m.impl("chunk_rwkv7", &ops::chunk_rwkv7_impl<run_dplr_chunk_cpu>);
+  m.impl("chunk_rwkv7_bwd", &ops::chunk_rwkv7_bwd_impl<run_dplr_chunk_cpu>);
 }
 
 }  // namespace fla

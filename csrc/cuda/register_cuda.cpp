@@ -22,6 +22,10 @@ void run_dplr_cuda(const DplrPass& p) {
   const char* err = dplr_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA DPLR (RWKV7) kernel failed: ", err);
 }
+void run_dplr_chunk_cuda(const DplrChunkPass& p) {
+  const char* err = dplr_chunk_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == nullptr, "fla_ext: CUDA chunk_rwkv7 kernel failed: ", err);
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fla, CUDA, m) {
@@ -37,6 +41,8 @@ TORCH_LIBRARY_IMPL(fla, CUDA, m) {
   m.impl("chunk_rwkv6_train", &ops::chunk_rwkv6_train_impl<run_chunk_cuda>);
   m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cuda>);
   m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cuda>);
+  m.impl("chunk_rwkv7", &ops::chunk_rwkv7_impl<run_dplr_chunk_cuda>);
+  m.impl("chunk_rwkv7_bwd", &ops::chunk_rwkv7_bwd_impl<run_dplr_chunk_cuda>);
 }
 
 }  // namespace fla

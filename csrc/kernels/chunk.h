@@ -58,17 +58,20 @@ struct ChunkPass {
   bool hst_kept = false;
 };
 
-// Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens).
+// Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens), for chunks of
+// C rows (the RWKV7 chunk engine, kernels/dplr_chunk.h, uses the same map with C = 16).
+template <int C = kChunk>
 FLA_HD int64_t chunk_slots(int N, int T, bool varlen) {
-  const int64_t per = (int64_t(T) + kChunk - 1) / kChunk + 1;
-  return varlen ? int64_t(T) / kChunk + 2 * int64_t(N) + 1 : int64_t(N) * per;
+  const int64_t per = (int64_t(T) + C - 1) / C + 1;
+  return varlen ? int64_t(T) / C + 2 * int64_t(N) + 1 : int64_t(N) * per;
 }
 
 // Slot of chunk c of sequence n (its final state: c = number of chunks). With cu_seqlens the
 // offset floor(bos / C) + 2n is monotone and leaves room for ceil(len / C) + 1 slots.
+template <int C = kChunk>
 FLA_HD int64_t chunk_slot(const int64_t* cu_seqlens, int n, int T, int64_t c) {
-  if (cu_seqlens) return cu_seqlens[n] / kChunk + 2 * int64_t(n) + c;
-  return int64_t(n) * ((int64_t(T) + kChunk - 1) / kChunk + 1) + c;
+  if (cu_seqlens) return cu_seqlens[n] / C + 2 * int64_t(n) + c;
+  return int64_t(n) * ((int64_t(T) + C - 1) / C + 1) + c;
 }
 
 void chunk_cpu(const ChunkPass& p);

@@ -10,7 +10,6 @@
 #include <torch/library.h>
 
 namespace fla::ops {
-namespace {
 
 DiagArgs check_rwkv7(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
                      const Tensor& a, const Tensor& b, std::optional<double> scale,
@@ -25,6 +24,8 @@ DiagArgs check_rwkv7(const Tensor& r, const Tensor& w, const Tensor& k, const Te
   }
   return d;
 }
+
+namespace {
 
 DplrPass rwkv7_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
                     const Tensor& v, const Tensor& a, const Tensor& b, bool reverse,

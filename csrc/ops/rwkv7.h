@@ -1,13 +1,23 @@
-// RWKV7 (DPLR) fused-recurrent ops: argument checks, kernel views, workspaces, dispatch.
+// RWKV7 (DPLR) ops, fused recurrent (rwkv7.cpp) and chunked (chunk_rwkv7.cpp): argument
+// checks, kernel views, workspaces, dispatch.
 #pragma once
 #include <tuple>
 
 #include "../kernels/dplr.h"
+#include "../kernels/dplr_chunk.h"
 #include "common.h"
 
 namespace fla::ops {
 
 using DplrRunner = void (*)(const DplrPass&);
+using DplrChunkRunner = void (*)(const DplrChunkPass&);
+
+// Shapes, dtypes, devices of (r, w, k, v, a, b, h0, cu_seqlens) and, with FLA_EXT_CHECKS, their
+// values (w a log decay <= 0, the rest finite).
+DiagArgs check_rwkv7(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
+                     const Tensor& a, const Tensor& b, std::optional<double> scale,
+                     const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
+                     bool head_first);
 
 std::tuple<Tensor, Tensor> fused_recurrent_rwkv7_fwd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
@@ -40,6 +50,37 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
     const std::optional<Tensor>& cu_seqlens, bool head_first) {
   return fused_recurrent_rwkv7_bwd(r, w, k, v, a, b, grad_o, grad_final_state, scale,
                                    initial_state, reverse, cu_seqlens, head_first, R);
+}
+
+std::tuple<Tensor, Tensor> chunk_rwkv7_fwd(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    DplrChunkRunner run);
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_bwd(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, DplrChunkRunner run);
+
+template <DplrChunkRunner R>
+std::tuple<Tensor, Tensor> chunk_rwkv7_impl(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  return chunk_rwkv7_fwd(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+                         head_first, R);
+}
+
+template <DplrChunkRunner R>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_bwd_impl(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  return chunk_rwkv7_bwd(r, w, k, v, a, b, grad_o, grad_final_state, scale, initial_state,
+                         cu_seqlens, head_first, R);
 }
 
 }  // namespace fla::ops

@@ -234,6 +234,29 @@ CATCH_TEST_CASE("RWKV7: C++ autograd matches finite differences (float64, varlen
                  });
 }
 
+CATCH_TEST_CASE("chunk_rwkv7: forward equals the fused op, C++ autograd matches finite differences",
+                "[rwkv7][chunk]") {
+  // Generic a, b; 37 steps (two full 16-row chunks and a partial one) split into sequences of
+  // 0, 20 and 17 steps.
+  const Inputs in = make_inputs(at::kDouble, 1, 37, 3, 321);
+  const Tensor a = 0.3 * at::randn({1, 37, H, K}, at::kDouble);
+  const Tensor b = 0.3 * at::randn({1, 37, H, K}, at::kDouble);
+  const Tensor cu = at::tensor(std::vector<int64_t>{0, 0, 20, 37}, at::kLong);
+  auto [o, hT] = fla_ext::chunk_rwkv7(in.r, in.w, in.k, in.v, a, b, 0.7, in.h0, true, cu);
+  auto [o_ref, hT_ref] =
+      fla_ext::fused_recurrent_rwkv7(in.r, in.w, in.k, in.v, a, b, 0.7, in.h0, true, false, cu);
+  CATCH_CHECK(max_err(o, o_ref) < 1e-12);
+  CATCH_CHECK(max_err(hT, hT_ref) < 1e-12);
+  const Tensor go = at::randn({1, 37, H, V}, at::kDouble);
+  const Tensor gh = at::randn({3, H, K, V}, at::kDouble);
+  check_grads_fd({in.r, in.w, in.k, in.v, a, b, in.h0}, {"r", "w", "k", "v", "a", "b", "initial_state"},
+                 [&](const std::vector<Tensor>& x) {
+                   auto [o, hT] = fla_ext::chunk_rwkv7(x[0], x[1], x[2], x[3], x[4], x[5], 0.7,
+                                                       x[6], true, cu);
+                   return (o * go).sum() + (hT * gh).sum();
+                 });
+}
+
 CATCH_TEST_CASE("chunk ops: forward equals the loop, C++ autograd matches finite differences",
                 "[chunk]") {
   // 70 steps: one full 64-row chunk and a partial one; the loop is the fused-recurrence oracle.

@@ -107,4 +107,23 @@ inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_rwkv7(
                  head_first);
 }
 
+// Chunked RWKV7 (training path; same map as fused_recurrent_rwkv7); see fla_ext.ops.chunk_rwkv7.
+// fla's defaults: scale 1.0, output_final_state false. Returns (o, final_state).
+inline std::tuple<at::Tensor, at::Tensor> chunk_rwkv7(
+    const at::Tensor& r, const at::Tensor& w, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& a, const at::Tensor& b, std::optional<double> scale = 1.0,
+    const std::optional<at::Tensor>& initial_state = std::nullopt,
+    bool output_final_state = false, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+    bool head_first = false) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fla::chunk_rwkv7", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, const at::Tensor&, std::optional<double>,
+              const std::optional<at::Tensor>&, bool, const std::optional<at::Tensor>&, bool)>();
+  return op.call(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+                 head_first);
+}
+
 }  // namespace fla_ext

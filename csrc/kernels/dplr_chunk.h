@@ -1,0 +1,75 @@
+// Torch-free description of the chunked RWKV7 (DPLR) algebra, ALGORITHMS.md §6 (WY/UT form),
+// forward and backward, per (sequence n, head h):
+//   h_t = diag(exp(w_t)) h_{t-1} + b_t (a_t^T h_{t-1}) + k_t v_t^T,   o_t = scale * h_t^T r_t.
+//
+// Chunks of kDplrChunk = 16 rows, restarted at every sequence start. With C = 16 every pair
+// factor exp(sum of w over the rows between i and j) is evaluated elementwise from an additive
+// segment sum (never a difference of cumsums, never a positive exponent), so any w in
+// [-inf, 0] is exact and no sub-chunk reference or block inverse is needed; X = (I - A_ab)^-1 is
+// one 16 x 16 forward substitution (fla's DPLR default, §6.2). C = 64 with 16-row sub-chunks
+// and a block inverse would shorten the sequential pass 4x; it is the next performance step.
+//
+// Per chunk (local rows i, j; G/E inclusive/exclusive sums from the chunk start, Omega to the
+// chunk end; S the chunk-start state):
+//   A_rk, A_rb (j <= i), A_ak, A_ab (j < i)    the four pair matrices
+//   P = (A * exp(E)) S,  M = A_ak V,  U = X (M + P)          (U = "v_new": U0 + W S)
+//   O = scale (R^ S + A_rk V + A_rb U),  S+ = diag(gamma) S + K^^T V + B^^T U
+// Backward (§6.4) with dS+ the gradient at the chunk end:
+//   dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU (= d(M + P)),  dX = dU (M + P)^T,
+//   dA_ab = stril(X^T dX X^T),  dS = diag(gamma) dS+ + scale R^^T dO + A^^T dM,
+//   zeta = rowsum(S+ * dS+),  dw = reverse cumsum of (r dr - k dk - b db) (plus a da one row
+//   later) + zeta, reset to exactly 0 where exp(w) == 0 (there the true dw is 0).
+// Every step is linear in the state's columns, so both backends split V into tiles of
+// dplr_chunk_cols(K) columns and run each (n, h, tile) on its own; the K-vector gradients are
+// per-tile partial sums (layout of DplrPass::kg) that the op layer adds.
+#pragma once
+#include <cstdint>
+
+#include "chunk.h"  // chunk_slot / chunk_slots (slot map of the chunk-start states)
+#include "dplr.h"   // DplrKGrad
+
+namespace fla {
+
+constexpr int kDplrChunk = 16;
+
+// State columns per tile: 32, or 8 for K > 128 so that the CUDA backward's shared memory
+// (rows, pair matrices, K x cols state and its gradient) fits in 227 KB.
+FLA_HD int dplr_chunk_cols(int K) { return K <= 128 ? 32 : 8; }
+FLA_HD int dplr_chunk_tiles(int K, int V) {
+  const int c = dplr_chunk_cols(K);
+  return (V + c - 1) / c;
+}
+
+struct DplrChunkPass {
+  DType dtype = DType::f32;  // of every VecArg except kg
+  int N = 0, H = 0, T = 0, K = 0, V = 0;
+  const int64_t* cu_seqlens = nullptr;  // [N+1] on the pass's device, or null
+  double scale = 1;
+
+  VecArg r, w, k, v, a, b;  // inputs: r, w, k, a, b have K entries, v has V
+  MatArg h0;                // initial state (read), zero when off
+
+  // Forward: o (V entries, written) and the final state (written when on).
+  VecArg o;
+  MatArg hT;
+
+  // Backward (when dout is on): dO, dh_T (zero when off); outputs dv (input dtype), dh0 (when
+  // on) and the K-vector partials: grad g of column tile p at kg with ptr offset
+  // p * kg_tile + g * kg_grad (acc type), g in DplrKGrad order.
+  VecArg dout;
+  MatArg dht, dh0;
+  VecArg dv;
+  VecArg kg;
+  int64_t kg_tile = 0, kg_grad = 0;
+  // Backward workspace (acc, contiguous [chunk_slots<kDplrChunk>(N, T, varlen), H, K, V]): the
+  // chunk-start states of the recompute; a backend may keep them elsewhere.
+  void* hst = nullptr;
+
+  FLA_HD bool backward() const { return dout.on(); }
+};
+
+void dplr_chunk_cpu(const DplrChunkPass& p);
+// Returns nullptr on success, else the CUDA error string of the failed launch.
+const char* dplr_chunk_cuda(const DplrChunkPass& p, void* stream);
+
+}  // namespace fla

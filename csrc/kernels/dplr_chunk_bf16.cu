@@ -1,0 +1,4 @@
+#include "dplr_chunk.cuh"
+namespace fla {
+template cudaError_t launch_dplr_chunk<__nv_bfloat16>(const DplrChunkPass&, cudaStream_t);
+}

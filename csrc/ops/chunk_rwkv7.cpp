@@ -1,0 +1,144 @@
+// Chunked RWKV7 (ALGORITHMS.md §6, WY/UT form): the same map as fused_recurrent_rwkv7 computed
+// chunk-parallel by the engine of kernels/dplr_chunk.h. The forward saves nothing but its
+// inputs; the backward recomputes the chunk-start states, then runs the reverse chunk pass. This
+// file checks the arguments (the rwkv7 checks), lays out the workspace and adds the per-column-
+// tile partial gradients.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "autograd_state.h"
+#include "rwkv7.h"
+
+namespace fla::ops {
+namespace {
+
+DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
+                         const Tensor& v, const Tensor& a, const Tensor& b,
+                         const std::optional<Tensor>& h0) {
+  const Layout& L = d.L;
+  DplrChunkPass p;
+  p.dtype = kernel_dtype(r);
+  p.N = int(d.N), p.H = int(d.H), p.T = int(d.T), p.K = int(d.K), p.V = int(d.V);
+  p.cu_seqlens = d.cu.defined() ? d.cu.data_ptr<int64_t>() : nullptr;
+  p.scale = d.scale;
+  p.r = L.vec(r), p.w = L.vec(w), p.k = L.vec(k), p.v = L.vec(v), p.a = L.vec(a), p.b = L.vec(b);
+  if (has(h0)) p.h0 = mat(*h0);
+  return p;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> chunk_rwkv7_fwd(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    DplrChunkRunner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
+  Tensor o = d.L.empty_like_with_dim(v, d.V, r.scalar_type());
+  Tensor hT = new_output({output_final_state ? d.N : 0, d.H, d.K, d.V},
+                         r.options().dtype(acc_type(r)));
+  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state);
+  p.o = d.L.vec(o);
+  if (output_final_state) p.hT = mat(hT);
+  run(p);
+  return {o, hT};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_bwd(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
+    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, DplrChunkRunner run) {
+  c10::OptionalDeviceGuard guard(r.device());
+  const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
+  check_activation(grad_o, "grad_o", r, "r");
+  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
+                    shape_str(v), ", got ", shape_str(grad_o));
+  const bool has_dht = has(grad_final_state), has_h0 = has(initial_state);
+  if (has_dht) check_state(*grad_final_state, "grad_final_state", r, d.N, d.H, d.K, d.V);
+
+  const auto acc = r.options().dtype(acc_type(r));
+  const int tiles = dplr_chunk_tiles(int(d.K), int(d.V));
+  auto kg_sizes = r.sizes().vec();
+  kg_sizes.insert(kg_sizes.begin(), {int64_t(tiles), int64_t(kNumKGrads)});
+  Tensor kg = new_output(kg_sizes, acc);  // [tiles, grad, <r's shape>]: per-tile partial sums
+  Tensor dv = new_output(v.sizes(), v.options());
+  Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
+  const int64_t slots = chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
+  Tensor hst = at::empty({d.T > 0 ? slots : 0, d.H, d.K, d.V}, acc);
+
+  if (d.T > 0) {
+    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state);
+    p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
+    if (has_dht) p.dht = mat(*grad_final_state);
+    if (has_h0) p.dh0 = mat(dh0);
+    p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
+    p.hst = hst.data_ptr();
+    run(p);
+  } else if (has_h0) {
+    // No rows (every activation pointer null, so the pass would read as a forward): every
+    // sequence is empty and the state gradient passes through.
+    has_dht ? dh0.copy_(*grad_final_state) : dh0.zero_();
+  }
+  auto grad = [&](int g) { return kg.select(1, g).sum(0).to(r.scalar_type()); };
+  return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autograd: the backward is the fla::chunk_rwkv7_bwd op, called through the dispatcher so that
+// torch.compile traces it like any other op.
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class ChunkRwkv7 : public torch::autograd::Function<ChunkRwkv7> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& r, const Tensor& w,
+                               const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
+                               std::optional<double> scale,
+                               const std::optional<Tensor>& initial_state,
+                               bool output_final_state, const std::optional<Tensor>& cu_seqlens,
+                               bool head_first) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::chunk_rwkv7", "")
+                         .typed<decltype(chunk_rwkv7_impl<nullptr>)>();
+    auto [o, hT] = op.call(r, w, k, v, a, b, scale, initial_state, output_final_state,
+                           cu_seqlens, head_first);
+    ctx->save_for_backward({r, w, k, v, a, b, opt(initial_state), opt(cu_seqlens)});
+    SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
+    if (!output_final_state) ctx->mark_non_differentiable({hT});
+    return {o, hT};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fla::chunk_rwkv7_bwd", "")
+                         .typed<decltype(chunk_rwkv7_bwd_impl<nullptr>)>();
+    const auto s = ctx->get_saved_variables();
+    const auto f = SweepFlags::load(ctx);
+    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
+    auto [dr, dw, dk, dv, da, db, dh0] =
+        op.call(s[0], s[1], s[2], s[3], s[4], s[5], go, f.dht(grads), f.scale, some(s[6]),
+                some(s[7]), f.head_first);
+    return {dr,       dw,       dk,       dv,      da, db, Tensor(),
+            s[6].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> chunk_rwkv7_autograd(
+    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
+    const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  auto out = ChunkRwkv7::apply(r, w, k, v, a, b, scale, initial_state, output_final_state,
+                               cu_seqlens, head_first);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fla, Autograd, m) { m.impl("chunk_rwkv7", &chunk_rwkv7_autograd); }
+
+}  // namespace fla::ops
