@@ -16,9 +16,10 @@ DECAYS = ["gk", "gv", "gkgv"]
 
 
 def run_and_check(q, k, v, g, h0, *, gv=None, dht_on=True, scale=None, reverse=False, cu=None,
-                  head_first=False, gen=None):
+                  head_first=False, gen=None, tol_decay=None):
     dtype = q.dtype
     tol, tol_dg, atol = TOL[dtype]
+    tol_dg = tol_decay or tol_dg
     ins = [None if t is None else t.detach().clone().requires_grad_(True)
            for t in (q, k, v, g, gv, h0)]
     o, ht = fused_recurrent_gla(*ins[:3], gk=ins[3], gv=ins[4], scale=scale, initial_state=ins[5],
@@ -131,10 +132,18 @@ def test_varlen(device, cu, dtype, decays, gen):
 @pytest.mark.parametrize("w_kind", STRESS)
 @pytest.mark.parametrize("decays", DECAYS)
 def test_stress_gates(device, dtype, w_kind, decays, gen):
-    """ALGORITHMS.md §8.4 gate regimes on the decays of the case (with both: both stressed)."""
+    """ALGORITHMS.md §8.4 gate regimes on the decays of the case (with both: both stressed).
+
+    Written reason for the one wider tolerance: with gk and gv both U(-30, 0) every state entry
+    decays by gk + gv, so the true dgk / dgv are ~10x smaller than with one side, while the closed
+    form's absolute error is that of the one-sided case: ~u32 * |zeta| (zeta = rowsum(h_T * dh_T),
+    O(10) here, from fp32 states), carried down every step until a factor is exactly 0 (measured
+    4-8e-6 absolute for gk alone, gv alone and both). Relative to the smaller norm that is
+    4e-5 .. 1.4e-4 for this case, so its decay gradients get 3e-4 in fp32."""
     q, k, v, g, h0 = make_diag(2, 70, 2, 64, 32, dtype, device, gen, w_kind=w_kind)
     g, gv = with_decays(decays, q, g, v, gen, w_kind=w_kind)
-    run_and_check(q, k, v, g, h0, gv=gv, gen=gen)
+    wide = decays == "gkgv" and w_kind == "u30" and dtype == torch.float32
+    run_and_check(q, k, v, g, h0, gv=gv, gen=gen, tol_decay=3e-4 if wide else None)
 
 
 @pytest.mark.parametrize("device", DEVICES)
