@@ -192,15 +192,17 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
         for (int j = 0; j < RPT; ++j) S[j] = fmaf(a[j], bv, S[j]);
         read();
       }
-      // decay(S) = diag(row factors) S diag(column factor); an absent side is 1 (uniform branches).
-      if (row_dec) {
+      // decay(S) = diag(row factors) S diag(column factor); an absent side is 1 (uniform branches;
+      // without any decay the row path runs with factors exp(0) = 1). With both sides (GLA's gk
+      // and gv) the column factor goes on first: the old state only, as the decay is due.
+      if (row_dec && col_dec) {
+        const float dc = sdc[tau * BC + cl];
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) S[j] *= dc;
+      }
+      if (row_dec || !col_dec) {
         float l[RPT];
         lds(l, sl + tau * DrP + row0);
-        if (col_dec) {
-          const float dc = sdc[tau * BC + cl];
-#pragma unroll
-          for (int j = 0; j < RPT; ++j) l[j] *= dc;
-        }
         if (p.order == Order::DecayLast) {
 #pragma unroll
           for (int j = 0; j < RPT; ++j) S[j] *= l[j];
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
           for (int j = 0; j < RPT; ++j) S[j] = fmaf(l[j], S[j], a[j] * bv);
         }
       } else {
-        const float dc = col_dec ? sdc[tau * BC + cl] : 1.f;
+        const float dc = sdc[tau * BC + cl];
         if (p.order == Order::DecayLast) {
 #pragma unroll
           for (int j = 0; j < RPT; ++j) S[j] *= dc;
