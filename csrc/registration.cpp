@@ -13,14 +13,15 @@ TORCH_LIBRARY(fla, m) {
       "Tensor? cu_seqlens, bool head_first) "
       "-> (Tensor dr, Tensor dk, Tensor dv, Tensor dw, Tensor du, Tensor dh0)");
   m.def(
-      "fused_recurrent_gla(Tensor q, Tensor k, Tensor v, Tensor? gk=None, float? scale=None, "
-      "Tensor? initial_state=None, bool output_final_state=False, bool reverse=False, "
-      "Tensor? cu_seqlens=None, bool head_first=False) -> (Tensor o, Tensor final_state)");
+      "fused_recurrent_gla(Tensor q, Tensor k, Tensor v, Tensor? gk=None, Tensor? gv=None, "
+      "float? scale=None, Tensor? initial_state=None, bool output_final_state=False, "
+      "bool reverse=False, Tensor? cu_seqlens=None, bool head_first=False) "
+      "-> (Tensor o, Tensor final_state)");
   m.def(
-      "fused_recurrent_gla_bwd(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor grad_o, "
-      "Tensor? grad_final_state, float? scale, Tensor? initial_state, bool reverse, "
-      "Tensor? cu_seqlens, bool head_first) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dgk, Tensor dh0)");
+      "fused_recurrent_gla_bwd(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, "
+      "Tensor grad_o, Tensor? grad_final_state, float? scale, Tensor? initial_state, "
+      "bool reverse, Tensor? cu_seqlens, bool head_first) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dgk, Tensor dgv, Tensor dh0)");
   m.def(
       "chunk_gla(Tensor q, Tensor k, Tensor v, Tensor g, float? scale=None, "
       "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None, "

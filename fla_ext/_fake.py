@@ -33,8 +33,8 @@ def _(r, k, v, w, u, grad_o, grad_final_state, scale, initial_state, reverse, cu
 
 
 @torch.library.register_fake("fla::fused_recurrent_gla")
-def _(q, k, v, gk=None, scale=None, initial_state=None, output_final_state=False, reverse=False,
-      cu_seqlens=None, head_first=False):
+def _(q, k, v, gk=None, gv=None, scale=None, initial_state=None, output_final_state=False,
+      reverse=False, cu_seqlens=None, head_first=False):
     N, H = _state_rows(q, head_first, cu_seqlens)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     shape = (N if output_final_state else 0, H, q.shape[-1], v.shape[-1])
@@ -42,13 +42,15 @@ def _(q, k, v, gk=None, scale=None, initial_state=None, output_final_state=False
 
 
 @torch.library.register_fake("fla::fused_recurrent_gla_bwd")
-def _(q, k, v, gk, grad_o, grad_final_state, scale, initial_state, reverse, cu_seqlens, head_first):
+def _(q, k, v, gk, gv, grad_o, grad_final_state, scale, initial_state, reverse, cu_seqlens,
+      head_first):
     N, H = _state_rows(q, head_first, cu_seqlens)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
-    dg = like(gk) if gk is not None else q.new_empty((0,))
+    dgk = like(gk) if gk is not None else q.new_empty((0,))
+    dgv = like(gv) if gv is not None else q.new_empty((0,))
     dh0 = q.new_empty((N if initial_state is not None else 0, H, q.shape[-1], v.shape[-1]),
                       dtype=_acc(q))
-    return like(q), like(k), like(v), dg, dh0
+    return like(q), like(k), like(v), dgk, dgv, dh0
 
 
 @torch.library.register_fake("fla::chunk_gla")

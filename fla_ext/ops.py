@@ -98,30 +98,39 @@ def fused_recurrent_gla(
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    r"""Gated linear attention, step by step (fused recurrent kernel):
+    r"""Gated linear attention, step by step (fused recurrent kernel), with fla's key-side and
+    value-side decays:
 
-    .. math:: h_t = \mathrm{diag}(e^{g_t}) h_{t-1} + k_t v_t^\top,\quad o_t = s\, h_t^\top q_t
+    .. math:: h_t = \mathrm{diag}(e^{gk_t})\, h_{t-1}\, \mathrm{diag}(e^{gv_t}) + k_t v_t^\top,
+        \quad o_t = s\, h_t^\top q_t
 
     Args:
         q, k, gk: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``gk`` is the log decay
             on the key dimension (<= 0; ``-inf`` is a hard reset), or None for no decay.
-        v: ``[B, T, H, V]``; K and V are independent (1..256).
-        gv: value-side decay of fla's signature: not supported yet (raises).
+        v, gv: ``[B, T, H, V]``; K and V are independent (1..256). ``gv`` is the log decay on
+            the value dimension (<= 0, ``-inf`` allowed), or None. ``gk`` and ``gv`` may be given
+            together; every gradient (``gk`` and ``gv`` included) is returned by autograd.
         scale: defaults to ``K ** -0.5``.
         initial_state: float32 ``[N, H, K, V]``; output_final_state, reverse, cu_seqlens,
             head_first: as in :func:`fused_recurrent_rwkv6`.
 
     Returns:
         ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
+
+    Example::
+
+        >>> B, T, H, K, V = 2, 64, 4, 64, 32
+        >>> q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+        >>> gv = torch.nn.functional.logsigmoid(torch.randn(B, T, H, V))
+        >>> o, ht = fused_recurrent_gla(q, k, v, gv=gv, output_final_state=True)
     """
-    if gv is not None:
-        raise NotImplementedError("fla_ext.fused_recurrent_gla: the value-side decay `gv` is not "
-                                  "supported yet; pass the key-side decay `gk`")
     _require_tensors(q=q, k=k, v=v)
     if gk is not None:
         _require_tensors(gk=gk)
+    if gv is not None:
+        _require_tensors(gv=gv)
     o, ht = torch.ops.fla.fused_recurrent_gla(
-        q, k, v, gk, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
+        q, k, v, gk, gv, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
     )
     return o, (ht if output_final_state else None)
 

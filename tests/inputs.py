@@ -36,20 +36,32 @@ def log_decay(kind: str, shape, gen) -> torch.Tensor:
     raise ValueError(kind)
 
 
+def activation(x, dtype, device, *, head_first=False, noncontig=False) -> torch.Tensor:
+    """A float32 CPU draw [B, T, H, D] as a kernel input: dtype, device, layout, strides."""
+    if head_first:
+        x = x.transpose(1, 2)
+    x = x.contiguous().to(device=device, dtype=dtype)
+    if noncontig:  # a strided view: every second element of a wider buffer
+        wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], device=device, dtype=dtype)
+        wide[..., ::2] = x
+        x = wide[..., ::2]
+    return x
+
+
+def make_gv(B, T, H, V, dtype, device, gen, *, head_first=False, noncontig=False,
+            w_kind="typical") -> torch.Tensor:
+    """A value-side log decay [B, T, H, V] (fused_recurrent_gla's gv), laid out like make_diag's v."""
+    return activation(log_decay(w_kind, (B, T, H, V), gen), dtype, device, head_first=head_first,
+                      noncontig=noncontig)
+
+
 def make_diag(B, T, H, K, V, dtype, device, gen, *, head_first=False, noncontig=False, h0=True,
               w_kind="typical", N=None):
     """(q, k, v, g, h0) of a diagonal-gate op in the kernel dtype (fla layout or head_first),
     built from float32 CPU draws; h0 is None unless requested."""
     def act(D, x=None):
         x = torch.randn(B, T, H, D, generator=gen) if x is None else x
-        if head_first:
-            x = x.transpose(1, 2)
-        x = x.contiguous().to(device=device, dtype=dtype)
-        if noncontig:  # a strided view: every second element of a wider buffer
-            wide = torch.empty(*x.shape[:-1], 2 * D, device=device, dtype=dtype)
-            wide[..., ::2] = x
-            x = wide[..., ::2]
-        return x
+        return activation(x, dtype, device, head_first=head_first, noncontig=noncontig)
     q, k, v = act(K), act(K), act(V)
     g = act(K, log_decay(w_kind, (B, T, H, K), gen))
     N = B if N is None else N

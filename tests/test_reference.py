@@ -1,6 +1,6 @@
 """The float64 oracles in fla_ext.reference, validated on their own (ALGORITHMS.md §8.1, §8.4 item 2).
 
-Every hand-written BPTT (rwkv6_bwd, gla_bwd, rwkv7_bwd, gsa_bwd) is checked against central finite
+Every hand-written BPTT (rwkv6_bwd, gla_bwd with gk, gv or both, rwkv7_bwd, gsa_bwd) is checked against central finite
 differences of L = <dO, O> + <dHT, hT> (summed over both GSA states) w.r.t. every input, initial
 states included, on tiny shapes. CPU only, float64.
 """
@@ -116,6 +116,31 @@ def bwd_gla(x, do, dht, **kw):
                              dht=None if dht is None else dht[0], initial_state=x.get("h0"), **kw)
 
 
+def make_gla_gv(B, T, N, gen, hf):
+    """GLA with both decays: g (key side, [.., K]) and gv (value side, [.., V])."""
+    x, dht = make_gla(B, T, N, gen, hf)
+    x["gv"] = seq_tensor(B, T, V, gen, hf, log_decay)
+    return x, dht
+
+
+def make_gla_v(B, T, N, gen, hf):
+    """GLA with the value-side decay only (no g)."""
+    x, dht = make_gla_gv(B, T, N, gen, hf)
+    del x["g"]
+    return x, dht
+
+
+def fwd_gla_gv(x, **kw):
+    o, hT = reference.gla(x["q"], x["k"], x["v"], x.get("g"), gv=x["gv"],
+                          initial_state=x.get("h0"), **kw)
+    return o, [hT]
+
+
+def bwd_gla_gv(x, do, dht, **kw):
+    return reference.gla_bwd(x["q"], x["k"], x["v"], x.get("g"), do, gv=x["gv"],
+                             dht=None if dht is None else dht[0], initial_state=x.get("h0"), **kw)
+
+
 def make_rwkv7(B, T, N, gen, hf):
     half = lambda t: 0.5 * t  # noqa: E731  generic a, b (not the RWKV-7 parametrization)
     x = dict(r=seq_tensor(B, T, K, gen, hf), w=seq_tensor(B, T, K, gen, hf, log_decay),
@@ -164,10 +189,13 @@ def bwd_gsa(x, do, dht, **kw):
 FAMILIES: Dict[str, Tuple[Callable, Callable, Callable]] = {
     "rwkv6": (make_rwkv6, fwd_rwkv6, bwd_rwkv6),
     "gla": (make_gla, fwd_gla, bwd_gla),
+    "gla_gv": (make_gla_gv, fwd_gla_gv, bwd_gla_gv),
+    "gla_v": (make_gla_v, fwd_gla_gv, bwd_gla_gv),
     "rwkv7": (make_rwkv7, fwd_rwkv7, bwd_rwkv7),
     "gsa": (make_gsa, fwd_gsa, bwd_gsa),
 }
-STATE_KEYS = {"rwkv6": ["h0"], "gla": ["h0"], "rwkv7": ["h0"], "gsa": ["hk0", "hv0"]}
+STATE_KEYS = {"rwkv6": ["h0"], "gla": ["h0"], "gla_gv": ["h0"], "gla_v": ["h0"], "rwkv7": ["h0"],
+              "gsa": ["hk0", "hv0"]}
 
 # (B, T, cu_seqlens): fixed lengths 1, 5, 7 and varlen with an empty sequence.
 SHAPES = {"T1": (2, 1, None), "T5": (2, 5, None), "T7": (2, 7, None), "varlen": (1, 7, [0, 2, 2, 7])}
@@ -322,14 +350,18 @@ def _order(L, reverse):
     return list(range(L))[::-1] if reverse else list(range(L))
 
 
+@pytest.mark.parametrize("side", ["g", "gv"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
 @pytest.mark.parametrize("shape", ["T1", "T5", "varlen"])
-def test_gla_very_negative_decay(shape, reverse):
-    x, do, dht, cu = setup("gla", shape, False, seed=3)
-    x["g"] = torch.full_like(x["g"], -1e4)
+def test_gla_very_negative_decay(shape, reverse, side):
+    """Either side's decay at -1e4 everywhere (gv alone: the value-side decay) gives the same map."""
+    family = "gla" if side == "g" else "gla_v"
+    _, fwd, bwd = FAMILIES[family]
+    x, do, dht, cu = setup(family, shape, False, seed=3)
+    x[side] = torch.full_like(x[side], -1e4)
     s = 0.9
     kw = dict(scale=s, reverse=reverse, cu_seqlens=cu)
-    o, (hT,) = fwd_gla(x, **kw)
+    o, (hT,) = fwd(x, **kw)
     q, k, v = x["q"], x["k"], x["v"]
     o_ref = s * (q * k).sum(-1, keepdim=True) * v
     check("o", o, o_ref, 1e-14, 0)
@@ -341,7 +373,7 @@ def test_gla_very_negative_decay(shape, reverse):
             t = _order(eos - bos, reverse)[-1] + bos   # last token processed
             h_ref = k[b, t, :, :, None] * v[b, t, :, None, :]
         check(f"hT[{n}]", hT[n], h_ref, 1e-14, 0)
-    grads = bwd_gla(x, do, dht, **kw)
+    grads = bwd(x, do, dht, **kw)
     for n, (b, bos, eos) in enumerate(spans):
         want = dht[0][n] if eos == bos else torch.zeros_like(dht[0][n])
         check(f"dh0[{n}]", grads["h0"][n], want, 0, 0)

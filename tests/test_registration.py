@@ -44,6 +44,11 @@ class Op:
     uses_u: bool = False
 
 
+def _gv(v):
+    """A value-side log decay [.., V] for fused_recurrent_gla, derived from v (gradients flow)."""
+    return F.logsigmoid(v)
+
+
 OPS = {
     "fused_recurrent_rwkv6": Op(
         torch.ops.fla.fused_recurrent_rwkv6.default,
@@ -60,6 +65,13 @@ OPS = {
         lambda q, k, v, w, u, s0: fla_ext.chunk_rwkv6(q, k, v, w, u, initial_state=s0,
                                                       output_final_state=True),
         uses_u=True),
+    "fused_recurrent_gla": Op(  # both decays: gk = w, gv from v
+        torch.ops.fla.fused_recurrent_gla.default,
+        torch.ops.fla.fused_recurrent_gla_bwd.default,
+        lambda s: (s.q, s.k, s.v, s.w, _gv(s.v), None, s.s0, s.fin, False, s.cu, s.hf),
+        lambda s, do, dht: (s.q, s.k, s.v, s.w, _gv(s.v), do, dht, 0.5, s.s0, False, s.cu, s.hf),
+        lambda q, k, v, w, u, s0: fla_ext.fused_recurrent_gla(q, k, v, w, _gv(v), initial_state=s0,
+                                                              output_final_state=True)),
     "chunk_gla": Op(
         torch.ops.fla.chunk_gla.default, torch.ops.fla.chunk_gla_bwd.default,
         lambda s: (s.q, s.k, s.v, s.w, None, s.s0, s.fin, s.cu, s.hf),

@@ -41,7 +41,7 @@ struct Sweep {
       for (int r = 0; r < Dr; ++r) {
         q[r] = ld(p.q, s.b, t, h, r);
         a[r] = ld(p.a, s.b, t, h, r) * A(p.a_scale);
-        lr[r] = (p.decay_on_rows && p.decay.on()) ? std::exp(ld(p.decay, s.b, t, h, r)) : A(1);
+        lr[r] = p.row_decay.on() ? std::exp(ld(p.row_decay, s.b, t, h, r)) : A(1);
         if (p.x.on()) bonus += q[r] * ld(p.x, s.b, t, h, r) * (p.ux ? uval(p.ux, h * Dr + r) : A(1));
       }
       auto read = [&] {
@@ -56,7 +56,7 @@ struct Sweep {
       if (p.order == Order::ReadFirst) read();
       for (int c = 0; c < Dc; ++c) {
         const A bc = ld(p.b, s.b, t, h, c) * A(p.b_scale);
-        const A lc = (!p.decay_on_rows && p.decay.on()) ? std::exp(ld(p.decay, s.b, t, h, c)) : A(1);
+        const A lc = p.col_decay.on() ? std::exp(ld(p.col_decay, s.b, t, h, c)) : A(1);
         lcs[c] = lc;
         for (int r = 0; r < Dr; ++r) {
           A& e = S[r * Dc + c];

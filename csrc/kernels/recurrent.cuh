@@ -61,7 +61,7 @@ __device__ __forceinline__ void prefetch(Prefetch<RPT, RG, TCN>& f, const Recurr
       const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
       f.q[j] = ld<T>(p.q, s.b, t, h, r);
       f.a[j] = ld<T>(p.a, s.b, t, h, r);
-      if (p.decay_on_rows && p.decay.on()) f.l[j] = ld<T>(p.decay, s.b, t, h, r);
+      if (p.row_decay.on()) f.l[j] = ld<T>(p.row_decay, s.b, t, h, r);
       if (p.x.on()) f.x[j] = ld<T>(p.x, s.b, t, h, r);
     }
   }
@@ -73,7 +73,7 @@ __device__ __forceinline__ void prefetch(Prefetch<RPT, RG, TCN>& f, const Recurr
       const int64_t step = base + tau;
       const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
       f.b[j] = ld<T>(p.b, s.b, t, h, cc);
-      if (!p.decay_on_rows && p.decay.on()) f.d[j] = ld<T>(p.decay, s.b, t, h, cc);
+      if (p.col_decay.on()) f.d[j] = ld<T>(p.col_decay, s.b, t, h, cc);
       if (p.x.on()) f.y[j] = ld<T>(p.y, s.b, t, h, cc);
       if (p.gate != GateGrad::None) f.z[j] = ld<T>(p.z, s.b, t, h, cc);
       if (p.gate == GateGrad::Consume) f.w[j] = *vptr<float>(p.ws, s.b, t, h, cc);
@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
   const float scale = float(p.scale), a_scale = float(p.a_scale), b_scale = float(p.b_scale);
   const bool bonus = p.x.on();
   const bool consume = p.gate == GateGrad::Consume;
+  const bool row_dec = p.row_decay.on(), col_dec = p.col_decay.on();
   const int my_row = threadIdx.x % DrP;
   const float ux = (bonus && p.ux && my_row < p.Dr) ? ldu(p.ux, h * p.Dr + my_row, p.udtype) : 1.f;
   const float uy = (bonus && p.uy && cok) ? ldu(p.uy, h * p.Dc + c, p.udtype) : 1.f;
@@ -191,7 +192,15 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
         for (int j = 0; j < RPT; ++j) S[j] = fmaf(a[j], bv, S[j]);
         read();
       }
-      if (p.decay_on_rows) {
+      // decay(S) = diag(row factors) S diag(column factor); an absent side is 1 (uniform branches;
+      // without any decay the row path runs with factors exp(0) = 1). With both sides (GLA's gk
+      // and gv) the column factor goes on first: the old state only, as the decay is due.
+      if (row_dec && col_dec) {
+        const float dc = sdc[tau * BC + cl];
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) S[j] *= dc;
+      }
+      if (row_dec || !col_dec) {
         float l[RPT];
         lds(l, sl + tau * DrP + row0);
         if (p.order == Order::DecayLast) {

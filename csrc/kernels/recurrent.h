@@ -6,9 +6,10 @@
 //   ReadLast:  S = decay(S) + a_t b_t^T, then p_t = S^T q_t         (GLA: inclusive read)
 //   DecayLast: S = S + a_t b_t^T, p_t = S^T q_t, then S = decay(S)  (GLA backward, reversed)
 //   out_t[c] = scale * p_t[c] + bonus_scale * (sum_i q_t[i] x_t[i] ux[i]) * y_t[c] * uy[c]
-// where decay multiplies rows by exp(lambda_t[i]) or columns by exp(lambda_t[c]).
-// Every forward and backward sweep of RWKV6/GLA (and both GSA passes) is one such sweep with
-// some operands transposed, which is expressed purely by strides: one engine, many views.
+// where decay(S) = diag(exp(row_decay_t)) S diag(exp(col_decay_t)); either side may be off.
+// Every forward and backward sweep of RWKV6/GLA (key- and value-side decays, alone or together)
+// and both GSA passes is one such sweep with some operands transposed, which is expressed purely
+// by strides: one engine, many views.
 #pragma once
 #include <cstdint>
 
@@ -38,20 +39,24 @@ struct MatArg {
 // What the sweep does besides `out`, for the decay gradient (ALGORITHMS.md §5.3 closed form):
 //   Produce: ws_t = z_t * scale * p_t (fp32), and zeta[c] = sum_r S_final[r][c] * zdot[r][c].
 //   Consume: dlambda_t = acc after acc -= z_t * scale * p_t, then acc += ws_t, acc starting at
-//            zeta (ws_inclusive: acc += ws_t comes first); also du[c] += bonus_scale * s_t * y_t[c] * z_t[c]. Needs the decay on columns.
-//            Since dlambda_t = exp(lambda_t) * rowsum(dh_t * h_{t-1}) exactly, acc is reset to 0
-//            where exp(lambda_t) == 0: exact, and it drops the rounding carried so far.
+//            zeta (ws_inclusive: acc += ws_t comes first); also du[c] += bonus_scale * s_t * y_t[c] * z_t[c].
+//            lambda is the column decay (any row decay rides along: it commutes).
+//            Since dlambda_t is exactly exp(lambda_t) times a finite sum (its BPTT form, e.g. GLA's
+//            exp(g_t) * rowsum(dh_t * h_{t-1})), acc is reset to 0 where exp(lambda_t) == 0:
+//            exact, and it drops the rounding carried so far.
 enum class GateGrad : int { None = 0, Produce = 1, Consume = 2 };
 
 struct RecurrentPass {
   DType dtype = DType::f32;  // of every VecArg except ws
   int N = 0, H = 0, T = 0, Dr = 0, Dc = 0;
   const int64_t* cu_seqlens = nullptr;  // [N+1] on the sweep's device, or null
-  bool reverse = false, decay_on_rows = true, ws_inclusive = false;
+  bool reverse = false, ws_inclusive = false;
   Order order = Order::ReadFirst;
   double scale = 1, a_scale = 1, b_scale = 1, bonus_scale = 0;
 
-  VecArg q, a, b, decay;  // q, a: Dr; b: Dc; decay: Dr or Dc (off: no decay)
+  VecArg q, a, b;         // q, a: Dr; b: Dc
+  VecArg row_decay;       // Dr log decay on the rows (off: none)
+  VecArg col_decay;       // Dc log decay on the columns (off: none)
   VecArg x, y;            // bonus operands (x: Dr, y: Dc); off when x.ptr is null
   const void* ux = nullptr;  // [H, Dr] contiguous, or null (= 1)
   const void* uy = nullptr;  // [H, Dc] contiguous, or null (= 1)

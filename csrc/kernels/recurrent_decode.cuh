@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(NT) decode_kernel(const __grid_constant__ Recu
     if (r < p.Dr) {
       q = ld<T>(p.q, b, t, h, r);
       a = ld<T>(p.a, b, t, h, r) * float(p.a_scale);
-      if (p.decay_on_rows && p.decay.on()) l = expf(ld<T>(p.decay, b, t, h, r));
+      if (p.row_decay.on()) l = expf(ld<T>(p.row_decay, b, t, h, r));
       if (bonus) bon += q * ld<T>(p.x, b, t, h, r) * (p.ux ? ldu(p.ux, h * p.Dr + r, p.udtype) : 1.f);
     }
     sq[r] = q, sa[r] = a, sl[r] = l;
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(NT) decode_kernel(const __grid_constant__ Recu
     const int c = ct * COLS + tid;
     const bool ok = c < p.Dc;
     sb[tid] = ok ? ld<T>(p.b, b, t, h, c) * float(p.b_scale) : 0.f;
-    sdc[tid] = (ok && !p.decay_on_rows && p.decay.on()) ? expf(ld<T>(p.decay, b, t, h, c)) : 1.f;
+    sdc[tid] = (ok && p.col_decay.on()) ? expf(ld<T>(p.col_decay, b, t, h, c)) : 1.f;
     sy[tid] = (ok && bonus) ? ld<T>(p.y, b, t, h, c) * (p.uy ? ldu(p.uy, h * p.Dc + c, p.udtype) : 1.f) : 0.f;
   }
 #pragma unroll

@@ -1,4 +1,5 @@
-// GLA fused-recurrent ops (ALGORITHMS.md §4): sweeps of the recurrent engine.
+// GLA fused-recurrent ops (ALGORITHMS.md §4): sweeps of the recurrent engine. gk (key side) and
+// gv (value side) are optional log decays.
 #pragma once
 #include <tuple>
 
@@ -8,33 +9,36 @@ namespace fla::ops {
 
 std::tuple<Tensor, Tensor> fused_recurrent_gla_fwd(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
-    bool head_first, Runner run);
+    const std::optional<Tensor>& gv, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool output_final_state, bool reverse,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, Runner run);
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_bwd(
+// Returns (dq, dk, dv, dgk, dgv, dh0); dgk / dgv / dh0 are empty when gk / gv / h0 are absent.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_bwd(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
-    const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state, bool reverse,
+    const std::optional<Tensor>& gv, const Tensor& grad_o,
+    const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool reverse,
     const std::optional<Tensor>& cu_seqlens, bool head_first, Runner run);
 
 template <Runner R>
 std::tuple<Tensor, Tensor> fused_recurrent_gla_impl(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
-    bool head_first) {
-  return fused_recurrent_gla_fwd(q, k, v, gk, scale, initial_state, output_final_state, reverse,
-                                 cu_seqlens, head_first, R);
+    const std::optional<Tensor>& gv, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool output_final_state, bool reverse,
+    const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  return fused_recurrent_gla_fwd(q, k, v, gk, gv, scale, initial_state, output_final_state,
+                                 reverse, cu_seqlens, head_first, R);
 }
 
 template <Runner R>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_bwd_impl(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_bwd_impl(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
-    const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state, bool reverse,
+    const std::optional<Tensor>& gv, const Tensor& grad_o,
+    const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool reverse,
     const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  return fused_recurrent_gla_bwd(q, k, v, gk, grad_o, grad_final_state, scale, initial_state,
+  return fused_recurrent_gla_bwd(q, k, v, gk, gv, grad_o, grad_final_state, scale, initial_state,
                                  reverse, cu_seqlens, head_first, R);
 }
 

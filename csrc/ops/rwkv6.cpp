@@ -61,9 +61,9 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_fwd(
   const auto acc = r.options().dtype(acc_type(r));
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V}, acc);
   RecurrentPass p = rwkv6_pass(a, r);
-  p.Dr = int(a.K), p.Dc = int(a.V), p.reverse = reverse, p.decay_on_rows = true;
+  p.Dr = int(a.K), p.Dc = int(a.V), p.reverse = reverse;
   p.scale = a.scale;
-  p.q = L.vec(r), p.a = L.vec(k), p.b = L.vec(v), p.decay = L.vec(w);
+  p.q = L.vec(r), p.a = L.vec(k), p.b = L.vec(v), p.row_decay = L.vec(w);
   p.x = L.vec(k), p.ux = a.uc.data_ptr(), p.y = L.vec(v);
   p.out = L.vec(o);
   if (has(initial_state)) p.h0 = mat(*initial_state);
@@ -100,9 +100,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
   const RecurrentPass base = rwkv6_pass(a, r);
   // A: S = h^T [V x K], reads dO, writes v k^T with the decay on columns (K).
   RecurrentPass pa = base;
-  pa.Dr = int(a.V), pa.Dc = int(a.K), pa.reverse = reverse, pa.decay_on_rows = false;
+  pa.Dr = int(a.V), pa.Dc = int(a.K), pa.reverse = reverse;
   pa.scale = a.scale;
-  pa.q = L.vec(grad_o), pa.a = L.vec(v), pa.b = L.vec(k), pa.decay = L.vec(w);
+  pa.q = L.vec(grad_o), pa.a = L.vec(v), pa.b = L.vec(k), pa.col_decay = L.vec(w);
   pa.x = L.vec(v), pa.y = L.vec(k), pa.uy = a.uc.data_ptr();
   pa.out = L.vec(dr);
   if (has_h0) pa.h0 = mat(*initial_state, /*transpose=*/true);
@@ -112,9 +112,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
 
   // B: S = dh [K x V], reverse time, reads k, writes scale * r dO^T.
   RecurrentPass pb = base;
-  pb.Dr = int(a.K), pb.Dc = int(a.V), pb.reverse = !reverse, pb.decay_on_rows = true;
+  pb.Dr = int(a.K), pb.Dc = int(a.V), pb.reverse = !reverse;
   pb.scale = 1.f, pb.a_scale = a.scale;
-  pb.q = L.vec(k), pb.a = L.vec(r), pb.b = L.vec(grad_o), pb.decay = L.vec(w);
+  pb.q = L.vec(k), pb.a = L.vec(r), pb.b = L.vec(grad_o), pb.row_decay = L.vec(w);
   pb.x = L.vec(r), pb.ux = a.uc.data_ptr(), pb.y = L.vec(grad_o);
   pb.out = L.vec(dv);
   if (has_dht) pb.h0 = mat(*grad_final_state);
@@ -123,9 +123,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
 
   // C: S = dh^T [V x K], reverse time, reads v, writes scale * dO r^T; dk, du, dw.
   RecurrentPass pc = base;
-  pc.Dr = int(a.V), pc.Dc = int(a.K), pc.reverse = !reverse, pc.decay_on_rows = false;
+  pc.Dr = int(a.V), pc.Dc = int(a.K), pc.reverse = !reverse;
   pc.scale = 1.f, pc.b_scale = a.scale;
-  pc.q = L.vec(v), pc.a = L.vec(grad_o), pc.b = L.vec(r), pc.decay = L.vec(w);
+  pc.q = L.vec(v), pc.a = L.vec(grad_o), pc.b = L.vec(r), pc.col_decay = L.vec(w);
   pc.x = L.vec(grad_o), pc.y = L.vec(r), pc.uy = a.uc.data_ptr();
   pc.out = L.vec(dk);
   if (has_dht) pc.h0 = mat(*grad_final_state, true);

@@ -141,14 +141,14 @@ CATCH_TEST_CASE("GLA: forward matches its loop, gradients match finite differenc
     }
     return std::make_pair(at::stack(os, 1), h);
   };
-  auto [o, hT] = fla_ext::fused_recurrent_gla(q, in.k, in.v, g, std::nullopt, in.h0, true);
+  auto [o, hT] = fla_ext::fused_recurrent_gla(q, in.k, in.v, g, std::nullopt, std::nullopt, in.h0, true);
   auto [o_ref, hT_ref] = loop(q, g);
   CATCH_CHECK(max_err(o, o_ref) <= 1e-12);
   CATCH_CHECK(max_err(hT, hT_ref) <= 1e-12);
 
   // d/dq and d/dg of sum(o) through C++ autograd vs central differences of the op.
   const Tensor qg = q.clone().requires_grad_(true), gg = g.clone().requires_grad_(true);
-  auto [o2, unused] = fla_ext::fused_recurrent_gla(qg, in.k, in.v, gg, std::nullopt, in.h0);
+  auto [o2, unused] = fla_ext::fused_recurrent_gla(qg, in.k, in.v, gg, std::nullopt, std::nullopt, in.h0);
   o2.sum().backward();
   for (auto [x, grad] : {std::make_pair(q, qg.grad()), std::make_pair(g, gg.grad())}) {
     const double eps = 1e-6;
@@ -159,7 +159,7 @@ CATCH_TEST_CASE("GLA: forward matches its loop, gradients match finite differenc
       const bool is_q = x.data_ptr() == q.data_ptr();
       auto f = [&](const Tensor& y) {
         return std::get<0>(fla_ext::fused_recurrent_gla(is_q ? y : q, in.k, in.v, is_q ? g : y,
-                                                        std::nullopt, in.h0))
+                                                        std::nullopt, std::nullopt, in.h0))
             .sum()
             .item<double>();
       };
@@ -218,6 +218,43 @@ CATCH_TEST_CASE("autograd backward matches finite differences (float64)", "[back
                  });
 }
 
+CATCH_TEST_CASE("GLA with key- and value-side decays: loop, C++ autograd vs finite differences",
+                "[gla]") {
+  // h_t = diag(exp(gk_t)) h_{t-1} diag(exp(gv_t)) + k_t v_t^T, o_t = scale h_t^T q_t, float64;
+  // gv alone and gk + gv together, reversed, an explicit scale.
+  const Inputs in = make_inputs(at::kDouble, B, T, B, 31);
+  const Tensor gv = -at::exp(0.5 * at::randn({B, T, H, V}, at::kDouble) - 1.0);
+  const double scale = 0.8;
+  auto loop = [&](const std::optional<Tensor>& gk) {
+    Tensor h = in.h0.clone();
+    std::vector<Tensor> os(T);
+    for (int64_t s = 0; s < T; ++s) {
+      const int64_t t = T - 1 - s;  // reverse
+      Tensor a = gv.select(1, t).exp().unsqueeze(-2);
+      if (gk) a = a * gk->select(1, t).exp().unsqueeze(-1);
+      h = a * h + in.k.select(1, t).unsqueeze(-1) * in.v.select(1, t).unsqueeze(-2);
+      os[t] = scale * (h * in.r.select(1, t).unsqueeze(-1)).sum(2);
+    }
+    return std::make_pair(at::stack(os, 1), h);
+  };
+  for (const bool with_gk : {false, true}) {
+    CATCH_CAPTURE(with_gk);
+    const std::optional<Tensor> gk = with_gk ? std::optional<Tensor>(in.w) : std::nullopt;
+    auto [o, hT] = fla_ext::fused_recurrent_gla(in.r, in.k, in.v, gk, gv, scale, in.h0, true, true);
+    auto [o_ref, hT_ref] = loop(gk);
+    CATCH_CHECK(max_err(o, o_ref) <= 1e-12);
+    CATCH_CHECK(max_err(hT, hT_ref) <= 1e-12);
+  }
+  const Tensor go = at::randn({B, T, H, V}, at::kDouble);
+  const Tensor gh = at::randn({B, H, K, V}, at::kDouble);
+  check_grads_fd({in.r, in.k, in.v, in.w, gv, in.h0}, {"q", "k", "v", "gk", "gv", "initial_state"},
+                 [&](const std::vector<Tensor>& a) {
+                   auto [o, hT] = fla_ext::fused_recurrent_gla(a[0], a[1], a[2], a[3], a[4], scale,
+                                                               a[5], true, true);
+                   return (o * go).sum() + (hT * gh).sum();
+                 });
+}
+
 CATCH_TEST_CASE("RWKV7: C++ autograd matches finite differences (float64, varlen)", "[rwkv7]") {
   // Generic a, b; two sequences, one of 20 steps (two checkpoint segments), and an empty one.
   const Inputs in = make_inputs(at::kDouble, 1, 20, 3, 123);
@@ -267,7 +304,7 @@ CATCH_TEST_CASE("chunk ops: forward equals the loop, C++ autograd matches finite
   CATCH_CHECK(max_err(o, o_ref) < 1e-12);
   CATCH_CHECK(max_err(hT, hT_ref) < 1e-12);
   auto [og, hg] = fla_ext::chunk_gla(in.r, in.k, in.v, in.w, scale, in.h0, true);
-  auto [og_ref, hg_ref] = fla_ext::fused_recurrent_gla(in.r, in.k, in.v, in.w, scale, in.h0, true);
+  auto [og_ref, hg_ref] = fla_ext::fused_recurrent_gla(in.r, in.k, in.v, in.w, std::nullopt, scale, in.h0, true);
   CATCH_CHECK(max_err(og, og_ref) < 1e-12);
   CATCH_CHECK(max_err(hg, hg_ref) < 1e-12);
 

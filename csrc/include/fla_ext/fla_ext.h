@@ -31,11 +31,12 @@ inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_rwkv6(
                  head_first);
 }
 
-// GLA fused recurrent op (gk: key-side log decay, or nullopt for none); see
-// fla_ext.ops.fused_recurrent_gla. Returns (o, final_state).
+// GLA fused recurrent op (gk: key-side log decay [.., K], gv: value-side log decay [.., V]; each
+// nullopt for none); see fla_ext.ops.fused_recurrent_gla. Returns (o, final_state).
 inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_gla(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& gk = std::nullopt, std::optional<double> scale = std::nullopt,
+    const std::optional<at::Tensor>& gk = std::nullopt,
+    const std::optional<at::Tensor>& gv = std::nullopt, std::optional<double> scale = std::nullopt,
     const std::optional<at::Tensor>& initial_state = std::nullopt,
     bool output_final_state = false, bool reverse = false,
     const std::optional<at::Tensor>& cu_seqlens = std::nullopt, bool head_first = false) {
@@ -44,10 +45,10 @@ inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_gla(
           .findSchemaOrThrow("fla::fused_recurrent_gla", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const std::optional<at::Tensor>&, std::optional<double>,
-              const std::optional<at::Tensor>&, bool, bool, const std::optional<at::Tensor>&,
-              bool)>();
-  return op.call(q, k, v, gk, scale, initial_state, output_final_state, reverse, cu_seqlens,
+              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+              std::optional<double>, const std::optional<at::Tensor>&, bool, bool,
+              const std::optional<at::Tensor>&, bool)>();
+  return op.call(q, k, v, gk, gv, scale, initial_state, output_final_state, reverse, cu_seqlens,
                  head_first);
 }
 
