@@ -22,13 +22,13 @@ TORCH_LIBRARY(fla, m) {
       "Tensor? cu_seqlens, bool head_first) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dgk, Tensor dh0)");
   m.def(
-      "chunk_gla(Tensor q, Tensor k, Tensor v, Tensor g, float? scale=None, "
+      "chunk_gla(Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? gv=None, float? scale=None, "
       "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None, "
       "bool head_first=False) -> (Tensor o, Tensor final_state)");
   m.def(
-      "chunk_gla_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor grad_o, "
+      "chunk_gla_bwd(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? gv, Tensor grad_o, "
       "Tensor? grad_final_state, float? scale, Tensor? initial_state, Tensor? cu_seqlens, "
-      "bool head_first) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dh0)");
+      "bool head_first) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dgv, Tensor dh0)");
   m.def(
       "chunk_rwkv6(Tensor r, Tensor k, Tensor v, Tensor w, Tensor u, float? scale=None, "
       "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None, "

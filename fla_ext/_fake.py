@@ -52,8 +52,8 @@ def _(q, k, v, gk, grad_o, grad_final_state, scale, initial_state, reverse, cu_s
 
 
 @torch.library.register_fake("fla::chunk_gla")
-def _(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-      head_first=False):
+def _(q, k, v, g=None, gv=None, scale=None, initial_state=None, output_final_state=False,
+      cu_seqlens=None, head_first=False):
     N, H = _state_rows(q, head_first, cu_seqlens)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     shape = (N if output_final_state else 0, H, q.shape[-1], v.shape[-1])
@@ -61,12 +61,14 @@ def _(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_s
 
 
 @torch.library.register_fake("fla::chunk_gla_bwd")
-def _(q, k, v, g, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first):
+def _(q, k, v, g, gv, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first):
     N, H = _state_rows(q, head_first, cu_seqlens)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     dh0 = q.new_empty((N if initial_state is not None else 0, H, q.shape[-1], v.shape[-1]),
                       dtype=_acc(q))
-    return like(q), like(k), like(v), like(g), dh0
+    dg = like(g) if g is not None else q.new_empty((0,))
+    dgv = like(gv) if gv is not None else q.new_empty((0,))
+    return like(q), like(k), like(v), dg, dgv, dh0
 
 
 @torch.library.register_fake("fla::chunk_rwkv6")

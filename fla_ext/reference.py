@@ -124,57 +124,74 @@ def _grad_state(dht: Optional[Tensor], n: int, H: int, K: int, V: int) -> Tensor
 
 
 # ------------------------------------------------------------------------------------------------
-# GLA: h_t = diag(e^{g_t}) h_{t-1} + k_t v_t^T;  o_t = s h_t^T q_t  (inclusive)
+# GLA: h_t = diag(e^{g_t}) h_{t-1} diag(e^{gv_t}) + k_t v_t^T;  o_t = s h_t^T q_t  (inclusive)
+# g [.., K] (key-side) and gv [.., V] (value-side, GSA pass 1) are each optional (None: no decay).
 # ------------------------------------------------------------------------------------------------
 
-def gla(q, k, v, g, scale=None, initial_state=None, reverse=False, cu_seqlens=None,
+def _gla_decay(g_: Optional[Tensor], gv_: Optional[Tensor], t: int, H: int, K: int, V: int):
+    """exp(g_t)[:, :, None] * exp(gv_t)[:, None, :]: the elementwise state decay of step t."""
+    a = torch.exp(g_[t]) if g_ is not None else torch.ones(H, K, dtype=torch.float64)
+    b = torch.exp(gv_[t]) if gv_ is not None else torch.ones(H, V, dtype=torch.float64)
+    return a[:, :, None] * b[:, None, :]
+
+
+def gla(q, k, v, g=None, gv=None, scale=None, initial_state=None, reverse=False, cu_seqlens=None,
         head_first=False) -> Tuple[Tensor, Tensor]:
     K, V = q.shape[-1], v.shape[-1]
     s = K ** -0.5 if scale is None else scale
     finals = []
 
     def seq(n, xs):
-        q_, k_, v_, g_ = xs
+        q_, k_, v_, g_, gv_ = xs
         L, H = q_.shape[0], q_.shape[1]
         h = _state(initial_state, n, H, K, V)
         o = torch.zeros(L, H, V, dtype=torch.float64)
         for t in range(L):
-            h = torch.exp(g_[t])[:, :, None] * h + k_[t, :, :, None] * v_[t, :, None, :]
+            h = _gla_decay(g_, gv_, t, H, K, V) * h + k_[t, :, :, None] * v_[t, :, None, :]
             o[t] = s * torch.einsum("hk,hkv->hv", q_[t], h)
         finals.append(h)
         return [o], None
 
-    (o,), _ = _run(seq, [q, k, v, g], head_first, cu_seqlens, reverse, 1)
+    (o,), _ = _run(seq, [q, k, v, g, gv], head_first, cu_seqlens, reverse, 1)
     return o, torch.stack(finals)
 
 
 def gla_bwd(q, k, v, g, do, dht=None, scale=None, initial_state=None, reverse=False,
-            cu_seqlens=None, head_first=False) -> Dict[str, Tensor]:
+            cu_seqlens=None, head_first=False, gv=None) -> Dict[str, Tensor]:
+    """Gradients by name (q, k, v, g, h0; gv when given; g is zero-filled when g is None).
+    BPTT with D = dL/dh_t: dg_t = rowsum(D * A_t * h_{t-1}), dgv_t = colsum(the same), where
+    A_t is the step's elementwise decay."""
     K, V = q.shape[-1], v.shape[-1]
     s = K ** -0.5 if scale is None else scale
     dh0s = []
 
     def seq(n, xs):
-        q_, k_, v_, g_, do_ = xs
+        q_, k_, v_, g_, gv_, do_ = xs
         L, H = q_.shape[0], q_.shape[1]
         hs = [_state(initial_state, n, H, K, V)]
         for t in range(L):
-            hs.append(torch.exp(g_[t])[:, :, None] * hs[-1] + k_[t, :, :, None] * v_[t, :, None, :])
+            hs.append(_gla_decay(g_, gv_, t, H, K, V) * hs[-1]
+                      + k_[t, :, :, None] * v_[t, :, None, :])
         D = _grad_state(dht, n, H, K, V)  # dL/dh_t, accumulated from the future
         dq, dk, dg = (torch.zeros(L, H, K, dtype=torch.float64) for _ in range(3))
-        dv = torch.zeros(L, H, V, dtype=torch.float64)
+        dv, dgv = (torch.zeros(L, H, V, dtype=torch.float64) for _ in range(2))
         for t in reversed(range(L)):
             D = D + s * q_[t, :, :, None] * do_[t, :, None, :]
             dq[t] = s * torch.einsum("hkv,hv->hk", hs[t + 1], do_[t])
             dk[t] = torch.einsum("hkv,hv->hk", D, v_[t])
             dv[t] = torch.einsum("hkv,hk->hv", D, k_[t])
-            dg[t] = torch.exp(g_[t]) * (D * hs[t]).sum(-1)
-            D = torch.exp(g_[t])[:, :, None] * D
+            a = _gla_decay(g_, gv_, t, H, K, V)
+            dgh = D * a * hs[t]
+            dg[t], dgv[t] = dgh.sum(-1), dgh.sum(-2)
+            D = a * D
         dh0s.append(D)
-        return [dq, dk, dv, dg], None
+        return [dq, dk, dv, dg, dgv], None
 
-    (dq, dk, dv, dg), _ = _run(seq, [q, k, v, g, do], head_first, cu_seqlens, reverse, 4)
-    return dict(q=dq, k=dk, v=dv, g=dg, h0=torch.stack(dh0s))
+    (dq, dk, dv, dg, dgv), _ = _run(seq, [q, k, v, g, gv, do], head_first, cu_seqlens, reverse, 5)
+    out = dict(q=dq, k=dk, v=dv, g=dg, h0=torch.stack(dh0s))
+    if gv is not None:
+        out["gv"] = dgv
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

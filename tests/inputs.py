@@ -36,28 +36,32 @@ def log_decay(kind: str, shape, gen) -> torch.Tensor:
     raise ValueError(kind)
 
 
+def layout(x, dtype, device, *, head_first=False, noncontig=False):
+    """A [B, T, H, D] float32 CPU draw in the kernel dtype, head_first and/or as a strided view
+    (every second element of a wider buffer)."""
+    if head_first:
+        x = x.transpose(1, 2)
+    x = x.contiguous().to(device=device, dtype=dtype)
+    if noncontig:
+        wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], device=device, dtype=dtype)
+        wide[..., ::2] = x
+        x = wide[..., ::2]
+    return x
+
+
 def make_diag(B, T, H, K, V, dtype, device, gen, *, head_first=False, noncontig=False, h0=True,
               w_kind="typical", N=None):
     """(q, k, v, g, h0) of a diagonal-gate op in the kernel dtype (fla layout or head_first),
     built from float32 CPU draws; h0 is None unless requested."""
     def act(D, x=None):
         x = torch.randn(B, T, H, D, generator=gen) if x is None else x
-        if head_first:
-            x = x.transpose(1, 2)
-        x = x.contiguous().to(device=device, dtype=dtype)
-        if noncontig:  # a strided view: every second element of a wider buffer
-            wide = torch.empty(*x.shape[:-1], 2 * D, device=device, dtype=dtype)
-            wide[..., ::2] = x
-            x = wide[..., ::2]
-        return x
+        return layout(x, dtype, device, head_first=head_first, noncontig=noncontig)
     q, k, v = act(K), act(K), act(V)
     g = act(K, log_decay(w_kind, (B, T, H, K), gen))
     N = B if N is None else N
     state = torch.float64 if dtype == torch.float64 else torch.float32
     s0 = torch.randn(N, H, K, V, generator=gen).to(device=device, dtype=state) if h0 else None
     return q, k, v, g, s0
-
-
 
 
 STRESS = ["typical", "near0", "zero", "u5", "u30", "rwkv", "neg1e4", "neginf", "mixed1e4",

@@ -116,6 +116,34 @@ def bwd_gla(x, do, dht, **kw):
                              dht=None if dht is None else dht[0], initial_state=x.get("h0"), **kw)
 
 
+def make_gla_gv(B, T, N, gen, hf):
+    """GLA with the value-side decay gv [.., V] (GSA pass 1), with the key-side g too."""
+    x, dht = make_gla(B, T, N, gen, hf)
+    x["gv"] = seq_tensor(B, T, V, gen, hf, log_decay)
+    return x, dht
+
+
+def make_gla_gv_only(B, T, N, gen, hf):
+    x, dht = make_gla_gv(B, T, N, gen, hf)
+    del x["g"]
+    return x, dht
+
+
+def fwd_gla_gv(x, **kw):
+    o, hT = reference.gla(x["q"], x["k"], x["v"], x.get("g"), x["gv"], initial_state=x.get("h0"),
+                          **kw)
+    return o, [hT]
+
+
+def bwd_gla_gv(x, do, dht, **kw):
+    out = reference.gla_bwd(x["q"], x["k"], x["v"], x.get("g"), do,
+                            dht=None if dht is None else dht[0], initial_state=x.get("h0"),
+                            gv=x["gv"], **kw)
+    if "g" not in x:
+        out.pop("g")
+    return out
+
+
 def make_rwkv7(B, T, N, gen, hf):
     half = lambda t: 0.5 * t  # noqa: E731  generic a, b (not the RWKV-7 parametrization)
     x = dict(r=seq_tensor(B, T, K, gen, hf), w=seq_tensor(B, T, K, gen, hf, log_decay),
@@ -164,10 +192,13 @@ def bwd_gsa(x, do, dht, **kw):
 FAMILIES: Dict[str, Tuple[Callable, Callable, Callable]] = {
     "rwkv6": (make_rwkv6, fwd_rwkv6, bwd_rwkv6),
     "gla": (make_gla, fwd_gla, bwd_gla),
+    "gla_gv": (make_gla_gv_only, fwd_gla_gv, bwd_gla_gv),
+    "gla_kv": (make_gla_gv, fwd_gla_gv, bwd_gla_gv),
     "rwkv7": (make_rwkv7, fwd_rwkv7, bwd_rwkv7),
     "gsa": (make_gsa, fwd_gsa, bwd_gsa),
 }
-STATE_KEYS = {"rwkv6": ["h0"], "gla": ["h0"], "rwkv7": ["h0"], "gsa": ["hk0", "hv0"]}
+STATE_KEYS = {"rwkv6": ["h0"], "gla": ["h0"], "gla_gv": ["h0"], "gla_kv": ["h0"], "rwkv7": ["h0"],
+              "gsa": ["hk0", "hv0"]}
 
 # (B, T, cu_seqlens): fixed lengths 1, 5, 7 and varlen with an empty sequence.
 SHAPES = {"T1": (2, 1, None), "T5": (2, 5, None), "T7": (2, 7, None), "varlen": (1, 7, [0, 2, 2, 7])}

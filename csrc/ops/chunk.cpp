@@ -14,7 +14,7 @@ namespace fla::ops {
 namespace {
 
 ChunkPass chunk_pass(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
-                     const Tensor& v, const Tensor& g, const Tensor& uc,
+                     const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                      const std::optional<Tensor>& h0) {
   ChunkPass p;
   p.dtype = kernel_dtype(q);
@@ -22,7 +22,9 @@ ChunkPass chunk_pass(const DiagArgs& a, Reader reader, const Tensor& q, const Te
   p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
   p.reader = reader;
   p.scale = a.scale;
-  p.q = a.L.vec(q), p.k = a.L.vec(k), p.v = a.L.vec(v), p.g = a.L.vec(g);
+  p.q = a.L.vec(q), p.k = a.L.vec(k), p.v = a.L.vec(v);
+  if (g.defined()) p.g = a.L.vec(g);
+  if (gv.defined()) p.gv = a.L.vec(gv);
   if (uc.defined()) p.u = uc.data_ptr(), p.udtype = kernel_dtype(uc);
   if (has(h0)) p.h0 = mat(*h0);
   return p;
@@ -33,19 +35,35 @@ Tensor state_workspace(const DiagArgs& a, const Tensor& q) {
   return new_output({slots, a.H, a.K, a.V}, q.options().dtype(acc_type(q)));
 }
 
-Tensor decay_workspace(const DiagArgs& a, const Tensor& hst) {
-  return new_output({hst.size(0), a.H, a.K}, hst.options());
+// With the value-side decay alone, the CUDA engine runs the transposed problem (kernels/chunk.h):
+// its per-chunk decays and zeta partials then run over V, with K as the column dimension.
+bool value_side_only(const Tensor& g, const Tensor& gv) { return gv.defined() && !g.defined(); }
+
+Tensor decay_workspace(const DiagArgs& a, const Tensor& hst, bool vside) {
+  return new_output({hst.size(0), a.H, vside ? a.V : a.K}, hst.options());
+}
+
+// gv: a value-side log decay [B, T, H, V] like v (GLA only). CUDA runs g or gv, not both yet.
+void check_gv(const DiagArgs& a, const Tensor& q, const Tensor& v, const Tensor& g,
+              const Tensor& gv) {
+  if (!gv.defined()) return;
+  check_same_shape(gv, "gv", v, "v", a.L);
+  TORCH_CHECK_VALUE(!(g.defined() && q.is_cuda()),
+                    "fla_ext: chunk_gla on CUDA takes a key-side decay `g` or a value-side decay "
+                    "`gv`, not both together (the CPU backend takes both)");
+  if (value_checks_enabled()) check_log_decay(gv, "gv");
 }
 
 std::tuple<Tensor, Tensor> chunk_forward(const DiagArgs& a, Reader reader, const Tensor& q,
                                          const Tensor& k, const Tensor& v, const Tensor& g,
-                                         const Tensor& uc, const std::optional<Tensor>& h0,
+                                         const Tensor& gv, const Tensor& uc,
+                                         const std::optional<Tensor>& h0,
                                          bool output_final_state, ChunkRunner run) {
   Tensor o = a.L.empty_like_with_dim(v, a.V, q.scalar_type());
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
-  Tensor hst = state_workspace(a, q), gam = decay_workspace(a, hst);
-  ChunkPass p = chunk_pass(a, reader, q, k, v, g, uc, h0);
+  Tensor hst = state_workspace(a, q), gam = decay_workspace(a, hst, value_side_only(g, gv));
+  ChunkPass p = chunk_pass(a, reader, q, k, v, g, gv, uc, h0);
   p.o = a.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
   p.hst = hst.data_ptr(), p.gam = gam.data_ptr();
@@ -54,11 +72,11 @@ std::tuple<Tensor, Tensor> chunk_forward(const DiagArgs& a, Reader reader, const
 }
 
 struct ChunkGrads {
-  Tensor dq, dk, dv, dg, du, dh0;
+  Tensor dq, dk, dv, dg, dgv, du, dh0;
 };
 
 ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
-                          const Tensor& v, const Tensor& g, const Tensor& uc,
+                          const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                           const Tensor& grad_o, const std::optional<Tensor>& dht,
                           const std::optional<Tensor>& h0, const char* qn, ChunkRunner run) {
   check_activation(grad_o, "grad_o", q, qn);
@@ -68,22 +86,28 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   const auto acc = q.options().dtype(acc_type(q));
   ChunkGrads r;
   r.dq = new_output(q.sizes(), q.options()), r.dk = new_output(k.sizes(), k.options());
-  r.dv = new_output(v.sizes(), v.options()), r.dg = new_output(g.sizes(), g.options());
+  r.dv = new_output(v.sizes(), v.options());
+  // No decay on a side: a 0-element gradient (the autograd Function returns None for it).
+  r.dg = g.defined() ? new_output(g.sizes(), g.options()) : new_output({0}, q.options());
+  r.dgv = gv.defined() ? new_output(gv.sizes(), gv.options()) : new_output({0}, q.options());
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
   Tensor hst = state_workspace(a, q), dhst = state_workspace(a, q);
-  const int64_t vtiles = (a.V + kStateCols - 1) / kStateCols;
-  Tensor zeta = new_output({hst.size(0), a.H, vtiles, a.K}, acc);
+  const bool vside = value_side_only(g, gv);
+  const int64_t cols = vside ? a.K : a.V, rows = vside ? a.V : a.K;  // of the (transposed) state
+  Tensor zeta = new_output({hst.size(0), a.H, (cols + kStateCols - 1) / kStateCols, rows}, acc);
   // Gap slots (varlen) and final-state slots hold no chunk: their du partials must read 0.
   Tensor du_part = uc.defined() ? at::zeros({hst.size(0), a.H, a.K}, acc) : Tensor();
 
-  ChunkPass p = chunk_pass(a, reader, q, k, v, g, uc, h0);
+  ChunkPass p = chunk_pass(a, reader, q, k, v, g, gv, uc, h0);
   p.dout = a.L.vec(grad_o);
   if (has(dht)) p.dht = mat(*dht);
-  p.dq = a.L.vec(r.dq), p.dk = a.L.vec(r.dk), p.dv = a.L.vec(r.dv), p.dg = a.L.vec(r.dg);
+  p.dq = a.L.vec(r.dq), p.dk = a.L.vec(r.dk), p.dv = a.L.vec(r.dv);
+  if (g.defined()) p.dg = a.L.vec(r.dg);
+  if (gv.defined()) p.dgv = a.L.vec(r.dgv);
   if (has(h0)) p.dh0 = mat(r.dh0);
   if (du_part.defined()) p.du = du_part.data_ptr();
   p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();
-  Tensor gam = decay_workspace(a, hst);
+  Tensor gam = decay_workspace(a, hst, vside);
   p.gam = gam.data_ptr();
   if (a.T > 0) {
     run(p);
@@ -99,28 +123,31 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
 }  // namespace
 
 std::tuple<Tensor, Tensor> chunk_gla_fwd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
-    ChunkRunner run) {
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g_,
+    const std::optional<Tensor>& gv_, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool output_final_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, ChunkRunner run) {
   c10::OptionalDeviceGuard guard(q.device());
-  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
+  const Tensor g = opt(g_), gv = opt(gv_);
   const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
-  return chunk_forward(a, Reader::Inclusive, q, k, v, g, Tensor(), initial_state,
+  check_gv(a, q, v, g, gv);
+  return chunk_forward(a, Reader::Inclusive, q, k, v, g, gv, Tensor(), initial_state,
                        output_final_state, run);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g_,
+    const std::optional<Tensor>& gv_, const Tensor& grad_o,
     const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
     bool head_first, ChunkRunner run) {
   c10::OptionalDeviceGuard guard(q.device());
-  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
+  const Tensor g = opt(g_), gv = opt(gv_);
   const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
-  auto r = chunk_backward(a, Reader::Inclusive, q, k, v, g, Tensor(), grad_o, grad_final_state,
-                          initial_state, "q", run);
-  return {r.dq, r.dk, r.dv, r.dg, r.dh0};
+  check_gv(a, q, v, g, gv);
+  auto r = chunk_backward(a, Reader::Inclusive, q, k, v, g, gv, Tensor(), grad_o,
+                          grad_final_state, initial_state, "q", run);
+  return {r.dq, r.dk, r.dv, r.dg, r.dgv, r.dh0};
 }
 
 std::tuple<Tensor, Tensor> chunk_rwkv6_fwd(
@@ -130,7 +157,7 @@ std::tuple<Tensor, Tensor> chunk_rwkv6_fwd(
     ChunkRunner run) {
   c10::OptionalDeviceGuard guard(r.device());
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
-  return chunk_forward(a, Reader::Exclusive, r, k, v, w, a.uc, initial_state,
+  return chunk_forward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, initial_state,
                        output_final_state, run);
 }
 
@@ -141,7 +168,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
     const std::optional<Tensor>& cu_seqlens, bool head_first, ChunkRunner run) {
   c10::OptionalDeviceGuard guard(r.device());
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
-  auto g = chunk_backward(a, Reader::Exclusive, r, k, v, w, a.uc, grad_o, grad_final_state,
+  auto g = chunk_backward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, grad_o, grad_final_state,
                           initial_state, "r", run);
   return {g.dq, g.dk, g.dv, g.dg, g.du.to(u.scalar_type()), g.dh0};
 }
@@ -156,7 +183,8 @@ using torch::autograd::variable_list;
 class ChunkGla : public torch::autograd::Function<ChunkGla> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const Tensor& g, std::optional<double> scale,
+                               const Tensor& v, const std::optional<Tensor>& g,
+                               const std::optional<Tensor>& gv, std::optional<double> scale,
                                const std::optional<Tensor>& initial_state,
                                bool output_final_state, const std::optional<Tensor>& cu_seqlens,
                                bool head_first) {
@@ -164,9 +192,9 @@ class ChunkGla : public torch::autograd::Function<ChunkGla> {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::chunk_gla", "")
                          .typed<decltype(chunk_gla_impl<nullptr>)>();
-    auto [o, hT] = op.call(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+    auto [o, hT] = op.call(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
                            head_first);
-    ctx->save_for_backward({q, k, v, g, opt(initial_state), opt(cu_seqlens)});
+    ctx->save_for_backward({q, k, v, opt(g), opt(gv), opt(initial_state), opt(cu_seqlens)});
     SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
     if (!output_final_state) ctx->mark_non_differentiable({hT});
     return {o, hT};
@@ -179,10 +207,11 @@ class ChunkGla : public torch::autograd::Function<ChunkGla> {
     const auto s = ctx->get_saved_variables();
     const auto f = SweepFlags::load(ctx);
     Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
-    auto [dq, dk, dv, dg, dh0] = op.call(s[0], s[1], s[2], s[3], go, f.dht(grads), f.scale,
-                                         some(s[4]), some(s[5]), f.head_first);
-    return {dq, dk, dv, dg, Tensor(), s[4].defined() ? dh0 : Tensor(), Tensor(), Tensor(),
-            Tensor()};
+    auto [dq, dk, dv, dg, dgv, dh0] =
+        op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
+                some(s[6]), f.head_first);
+    return {dq,       dk,       dv, s[3].defined() ? dg : Tensor(), s[4].defined() ? dgv : Tensor(),
+            Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -221,12 +250,14 @@ class ChunkRwkv6 : public torch::autograd::Function<ChunkRwkv6> {
 };
 
 std::tuple<Tensor, Tensor> chunk_gla_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                              const Tensor& g, std::optional<double> scale,
+                                              const std::optional<Tensor>& g,
+                                              const std::optional<Tensor>& gv,
+                                              std::optional<double> scale,
                                               const std::optional<Tensor>& initial_state,
                                               bool output_final_state,
                                               const std::optional<Tensor>& cu_seqlens,
                                               bool head_first) {
-  auto out = ChunkGla::apply(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+  auto out = ChunkGla::apply(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
                              head_first);
   return {out[0], out[1]};
 }
