@@ -66,7 +66,7 @@ GLA_CASES = [
     # gv is over V (= 6 here), not K: the value-side decay
     (dict(gv=-torch.rand(2, 5, 2, 4)), ValueError, r"`gv` must have the shape of `v` \[2, 5, 2, 6\]"),
     (dict(g=None, gv=-torch.rand(2, 5, 2, 4)), ValueError, r"`gv` must have the shape of `v`"),
-    (dict(gv=-torch.rand(2, 5, 2, 6, dtype=torch.float64)), ValueError, r"`gv` has dtype Double but `q`"),
+    (dict(gv=-torch.rand(2, 5, 2, 6, dtype=torch.float64)), ValueError, r"`gv` has dtype Double but `v` has dtype Float"),
     (dict(gv=-torch.rand(2, 5, 6)), ValueError, r"`gv` must be 4-D"),
     (dict(gv=[0.0]), TypeError, r"`gv` must be a torch.Tensor or None, got list"),
     (dict(q=torch.randn(2, 5, 2, 300), k=torch.randn(2, 5, 2, 300), g=-torch.rand(2, 5, 2, 300)),
