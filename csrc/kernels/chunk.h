@@ -52,6 +52,8 @@ struct ChunkPass {
   // zeta = rowsum(S+ * dS+) (ALGORITHMS.md §3); a backend may leave it unused.
   void* zeta = nullptr;
   void* gam = nullptr;         // [slots, H, K] acc workspace: per-chunk total decay exp(Σ λ)
+  // With gv on and g off the CUDA engine runs the transposed problem (chunk_vdecay.cuh): hst and
+  // dhst then hold [V, K] matrices, gam is [slots, H, V] and zeta [slots, H, ceil(K / 32), V].
 };
 
 // Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens).
