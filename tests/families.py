@@ -80,8 +80,8 @@ FAMILIES = [pytest.param(GLA, id="gla"), pytest.param(RWKV6, id="rwkv6")]
 CHUNK_FAMILIES = FAMILIES + [pytest.param(GLA_GV, id="gla_gv"), pytest.param(GLA_KV, id="gla_kv")]
 
 
-def on_devices(devices, families, *more):
-    """(device, family, *more) parameters for every device a family runs on: a combination a
+def on_devices(devices, families):
+    """(device, family) parameters for every device a family runs on: a combination a
     backend does not implement is not generated (its error is tested in test_errors.py).
     `devices` are pytest.params of one value (a device) or two (device, dtype)."""
     out = []
@@ -90,7 +90,7 @@ def on_devices(devices, families, *more):
             fam = f.values[0]
             if "cuda" in str(d.values[0]) and not fam.cuda:
                 continue
-            out.append(pytest.param(*d.values, fam, *more, id=f"{d.id}-{f.id}", marks=d.marks))
+            out.append(pytest.param(*d.values, fam, id=f"{d.id}-{f.id}", marks=d.marks))
     return out
 
 
