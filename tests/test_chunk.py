@@ -230,14 +230,12 @@ VALUE_FAMILIES = [p for p in CHUNK_FAMILIES if p.values[0] in (GLA_GV, GLA_KV)]
 
 @pytest.mark.parametrize("device,dtype,fam", on_devices(DEVICE_DTYPES, VALUE_FAMILIES))
 @pytest.mark.parametrize("KV", [(32, 64), (64, 16)], ids=["K32V64", "K64V16"])
-@pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "hf"])
-@pytest.mark.parametrize("T,cu", [(1, None), (100, None), (135, [0, 70, 70, 71, 135])],
-                         ids=["T1", "T100", "varlen"])
-def test_value_decay_shapes(device, dtype, fam, KV, head_first, T, cu, gen):
-    """K != V both ways, T = 1, T not a multiple of 64, varlen with an empty and a 1-row
-    sequence: forward, final state and every gradient (q, k, v, g, gv, h0) vs the oracle."""
-    if cu is not None and head_first:
-        head_first = False  # cu_seqlens is given in the fla layout (B = 1)
+@pytest.mark.parametrize("T,cu,head_first", [(1, None, False), (1, None, True), (100, None, False),
+                                              (100, None, True), (135, [0, 70, 70, 71, 135], False)],
+                         ids=["T1", "T1-hf", "T100", "T100-hf", "varlen"])
+def test_value_decay_shapes(device, dtype, fam, KV, T, cu, head_first, gen):
+    """K != V both ways, T = 1, T not a multiple of 64, both layouts, varlen with an empty and a
+    1-row sequence: forward, final state and every gradient (q, k, v, g, gv, h0) vs the oracle."""
     K, V = KV
     x = fam.make(1 if cu else 2, T, 2, K, V, dtype, device, gen, head_first=head_first,
                  N=len(cu) - 1 if cu else None)
