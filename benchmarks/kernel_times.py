@@ -26,6 +26,9 @@ def inputs(op, B, T, H, K, V, dtype):
     if op == "chunk_gla":
         args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), logd(B, T, H, K))
         return args, lambda *a: fla_ext.chunk_gla(*a)[0]
+    if op == "chunk_gla_gv":  # the value-side decay alone (GSA pass 1)
+        args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), logd(B, T, H, V))
+        return args, lambda q, k, v, gv: fla_ext.chunk_gla(q, k, v, gv=gv)[0]
     raise SystemExit(f"kernel_times: unknown op {op}")
 
 

@@ -23,18 +23,18 @@ TORCH_LIBRARY(fla, m) {
       "bool reverse, Tensor? cu_seqlens, bool head_first) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dgk, Tensor dgv, Tensor dh0)");
   m.def(
-      "chunk_gla(Tensor q, Tensor k, Tensor v, Tensor g, float? scale=None, "
+      "chunk_gla(Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? gv=None, float? scale=None, "
       "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None, "
       "bool head_first=False) -> (Tensor o, Tensor final_state)");
   m.def(
-      "chunk_gla_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor grad_o, "
+      "chunk_gla_bwd(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? gv, Tensor grad_o, "
       "Tensor? grad_final_state, float? scale, Tensor? initial_state, Tensor? cu_seqlens, "
       "bool head_first, Tensor? hst=None, Tensor? amat=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dh0)");
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dgv, Tensor dh0)");
   // The training forwards: chunk_gla / chunk_rwkv6 plus the workspaces their backward can reuse
   // (chunk-start states, pair matrices; empty where the backend keeps none). Autograd calls them.
   m.def(
-      "chunk_gla_train(Tensor q, Tensor k, Tensor v, Tensor g, float? scale, "
+      "chunk_gla_train(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? gv, float? scale, "
       "Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, bool head_first) "
       "-> (Tensor o, Tensor final_state, Tensor hst, Tensor amat)");
   m.def(

@@ -54,18 +54,19 @@ def _(q, k, v, gk, gv, grad_o, grad_final_state, scale, initial_state, reverse, 
 
 
 @torch.library.register_fake("fla::chunk_gla")
-def _chunk_gla_fake(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-      head_first=False):
+def _chunk_gla_fake(q, k, v, g=None, gv=None, scale=None, initial_state=None,
+                    output_final_state=False, cu_seqlens=None, head_first=False):
     N, H = _state_rows(q, head_first, cu_seqlens)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     shape = (N if output_final_state else 0, H, q.shape[-1], v.shape[-1])
     return o, q.new_empty(shape, dtype=_acc(q))
 
 
-def _chunk_train(q, v, o, ht, head_first, cu_seqlens):
-    """The training forward's outputs: (o, ht) plus the workspaces the CUDA backend keeps."""
+def _chunk_train(q, v, o, ht, head_first, cu_seqlens, keep=True):
+    """The training forward's outputs: (o, ht) plus the workspaces the CUDA backend keeps (for
+    key-side passes only: `keep` is False for a value-side decay)."""
     N, H = _state_rows(q, head_first, cu_seqlens)
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or not keep:
         return o, ht, q.new_empty((0,), dtype=_acc(q)), q.new_empty((0,), dtype=_acc(q))
     T = q.shape[2] if head_first else q.shape[1]
     if cu_seqlens is not None:  # kernels/chunk.h: chunk_slots
@@ -77,20 +78,22 @@ def _chunk_train(q, v, o, ht, head_first, cu_seqlens):
 
 
 @torch.library.register_fake("fla::chunk_gla_train")
-def _(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, head_first):
-    o, ht = _chunk_gla_fake(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+def _(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, head_first):
+    o, ht = _chunk_gla_fake(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
                             head_first)
-    return _chunk_train(q, v, o, ht, head_first, cu_seqlens)
+    return _chunk_train(q, v, o, ht, head_first, cu_seqlens, keep=gv is None)
 
 
 @torch.library.register_fake("fla::chunk_gla_bwd")
-def _(q, k, v, g, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first,
+def _(q, k, v, g, gv, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first,
       hst=None, amat=None):
     N, H = _state_rows(q, head_first, cu_seqlens)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     dh0 = q.new_empty((N if initial_state is not None else 0, H, q.shape[-1], v.shape[-1]),
                       dtype=_acc(q))
-    return like(q), like(k), like(v), like(g), dh0
+    dg = like(g) if g is not None else q.new_empty((0,))
+    dgv = like(gv) if gv is not None else q.new_empty((0,))
+    return like(q), like(k), like(v), dg, dgv, dh0
 
 
 @torch.library.register_fake("fla::chunk_rwkv6")

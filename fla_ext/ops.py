@@ -36,6 +36,13 @@ def _require_tensors(**named) -> None:
             raise TypeError(f"fla_ext: `{name}` must be a torch.Tensor, got {type(x).__name__}")
 
 
+def _optional_tensors(**named) -> None:
+    for name, x in named.items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"fla_ext: `{name}` must be a torch.Tensor or None, got {type(x).__name__}")
+
+
 def fused_recurrent_rwkv6(
     r: torch.Tensor,
     k: torch.Tensor,
@@ -139,28 +146,47 @@ def chunk_gla(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    gv: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    r"""Gated linear attention, chunk-parallel (for training): the same map as
-    :func:`fused_recurrent_gla` with ``gk=g``, computed chunk by chunk (64 rows) with every decay
-    factor formed so that its exponent is never positive (any ``g <= 0``, ``-inf`` included).
+    r"""Gated linear attention, chunk-parallel (for training), with a key-side and/or a
+    value-side decay:
+
+    .. math:: h_t = \mathrm{diag}(e^{g_t})\, h_{t-1}\, \mathrm{diag}(e^{gv_t}) + k_t v_t^\top,\quad
+              o_t = s\, h_t^\top q_t
+
+    computed chunk by chunk (64 rows) with every decay factor formed so that its exponent is
+    never positive (any log decay ``<= 0``, ``-inf`` included). With ``g`` alone this is
+    :func:`fused_recurrent_gla` with ``gk=g``. ``gv`` decays the value (column) dimension of the
+    state: Gated Slot Attention's first pass is ``chunk_gla(q, k, s, gv=g)`` (slots as values).
 
     Args:
-        q, k, g: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``g`` is the log decay.
-        v: ``[B, T, H, V]``. scale (default ``K ** -0.5``), initial_state, output_final_state,
+        q, k: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``). v: ``[B, T, H, V]``.
+        g: optional key-side log decay ``[B, T, H, K]``; None: no key-side decay.
+        gv: optional value-side log decay ``[B, T, H, V]``; None: no value-side decay.
+            On CUDA, ``g`` and ``gv`` are not yet accepted together (the CPU backend takes both).
+        scale (default ``K ** -0.5``), initial_state (``[N, H, K, V]``), output_final_state,
             cu_seqlens, head_first: as in :func:`fused_recurrent_rwkv6`.
 
     Returns:
-        ``(o, final_state)``.
+        ``(o, final_state)``; ``o`` is ``[B, T, H, V]``.
+
+    Example::
+
+        >>> q, k = torch.randn(2, 128, 4, 64), torch.randn(2, 128, 4, 64)
+        >>> s = torch.randn(2, 128, 4, 32)                      # GSA slot keys, M = 32
+        >>> g = torch.nn.functional.logsigmoid(torch.randn(2, 128, 4, 32))
+        >>> ok, hk = fla_ext.chunk_gla(q, k, s, gv=g, output_final_state=True)  # GSA pass 1
     """
-    _require_tensors(q=q, k=k, v=v, g=g)
+    _require_tensors(q=q, k=k, v=v)
+    _optional_tensors(g=g, gv=gv)
     o, ht = torch.ops.fla.chunk_gla(
-        q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, head_first
+        q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, head_first
     )
     return o, (ht if output_final_state else None)
 

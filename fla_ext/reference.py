@@ -125,19 +125,18 @@ def _grad_state(dht: Optional[Tensor], n: int, H: int, K: int, V: int) -> Tensor
 
 # ------------------------------------------------------------------------------------------------
 # GLA: h_t = diag(e^{g_t}) h_{t-1} diag(e^{gv_t}) + k_t v_t^T;  o_t = s h_t^T q_t  (inclusive)
-# g (fla's gk, [.., K]) and gv ([.., V]) are each optional: None = no decay on that side.
+# g [.., K] (key-side) and gv [.., V] (value-side, GSA pass 1) are each optional (None: no decay).
 # ------------------------------------------------------------------------------------------------
 
-def _gla_step(h: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gv: Optional[Tensor]) -> Tensor:
-    if g is not None:
-        h = torch.exp(g)[:, :, None] * h
-    if gv is not None:
-        h = h * torch.exp(gv)[:, None, :]
-    return h + k[:, :, None] * v[:, None, :]
+def _gla_decay(g_: Optional[Tensor], gv_: Optional[Tensor], t: int, H: int, K: int, V: int):
+    """exp(g_t)[:, :, None] * exp(gv_t)[:, None, :]: the elementwise state decay of step t."""
+    a = torch.exp(g_[t]) if g_ is not None else torch.ones(H, K, dtype=torch.float64)
+    b = torch.exp(gv_[t]) if gv_ is not None else torch.ones(H, V, dtype=torch.float64)
+    return a[:, :, None] * b[:, None, :]
 
 
-def gla(q, k, v, g, scale=None, initial_state=None, reverse=False, cu_seqlens=None,
-        head_first=False, gv=None) -> Tuple[Tensor, Tensor]:
+def gla(q, k, v, g=None, gv=None, scale=None, initial_state=None, reverse=False, cu_seqlens=None,
+        head_first=False) -> Tuple[Tensor, Tensor]:
     K, V = q.shape[-1], v.shape[-1]
     s = K ** -0.5 if scale is None else scale
     finals = []
@@ -148,7 +147,7 @@ def gla(q, k, v, g, scale=None, initial_state=None, reverse=False, cu_seqlens=No
         h = _state(initial_state, n, H, K, V)
         o = torch.zeros(L, H, V, dtype=torch.float64)
         for t in range(L):
-            h = _gla_step(h, k_[t], v_[t], None if g_ is None else g_[t], None if gv_ is None else gv_[t])
+            h = _gla_decay(g_, gv_, t, H, K, V) * h + k_[t, :, :, None] * v_[t, :, None, :]
             o[t] = s * torch.einsum("hk,hkv->hv", q_[t], h)
         finals.append(h)
         return [o], None

@@ -36,12 +36,13 @@ def log_decay(kind: str, shape, gen) -> torch.Tensor:
     raise ValueError(kind)
 
 
-def activation(x, dtype, device, *, head_first=False, noncontig=False) -> torch.Tensor:
-    """A float32 CPU draw [B, T, H, D] as a kernel input: dtype, device, layout, strides."""
+def layout(x, dtype, device, *, head_first=False, noncontig=False):
+    """A [B, T, H, D] float32 CPU draw in the kernel dtype, head_first and/or as a strided view
+    (every second element of a wider buffer)."""
     if head_first:
         x = x.transpose(1, 2)
     x = x.contiguous().to(device=device, dtype=dtype)
-    if noncontig:  # a strided view: every second element of a wider buffer
+    if noncontig:
         wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], device=device, dtype=dtype)
         wide[..., ::2] = x
         x = wide[..., ::2]
@@ -51,8 +52,8 @@ def activation(x, dtype, device, *, head_first=False, noncontig=False) -> torch.
 def make_gv(B, T, H, V, dtype, device, gen, *, head_first=False, noncontig=False,
             w_kind="typical") -> torch.Tensor:
     """A value-side log decay [B, T, H, V] (fused_recurrent_gla's gv), laid out like make_diag's v."""
-    return activation(log_decay(w_kind, (B, T, H, V), gen), dtype, device, head_first=head_first,
-                      noncontig=noncontig)
+    return layout(log_decay(w_kind, (B, T, H, V), gen), dtype, device, head_first=head_first,
+                  noncontig=noncontig)
 
 
 def make_diag(B, T, H, K, V, dtype, device, gen, *, head_first=False, noncontig=False, h0=True,
@@ -61,15 +62,13 @@ def make_diag(B, T, H, K, V, dtype, device, gen, *, head_first=False, noncontig=
     built from float32 CPU draws; h0 is None unless requested."""
     def act(D, x=None):
         x = torch.randn(B, T, H, D, generator=gen) if x is None else x
-        return activation(x, dtype, device, head_first=head_first, noncontig=noncontig)
+        return layout(x, dtype, device, head_first=head_first, noncontig=noncontig)
     q, k, v = act(K), act(K), act(V)
     g = act(K, log_decay(w_kind, (B, T, H, K), gen))
     N = B if N is None else N
     state = torch.float64 if dtype == torch.float64 else torch.float32
     s0 = torch.randn(N, H, K, V, generator=gen).to(device=device, dtype=state) if h0 else None
     return q, k, v, g, s0
-
-
 
 
 STRESS = ["typical", "near0", "zero", "u5", "u30", "rwkv", "neg1e4", "neginf", "mixed1e4",

@@ -61,8 +61,14 @@ def call_gla(**kw):
 
 
 GLA_CASES = [
-    (dict(g=None), TypeError, r"`g` must be a torch.Tensor, got NoneType"),
+    (dict(g=0.5), TypeError, r"`g` must be a torch.Tensor or None, got float"),
     (dict(g=-torch.rand(2, 5, 2, 3)), ValueError, r"`g` must have the shape of `q`"),
+    # gv is over V (= 6 here), not K: the value-side decay
+    (dict(gv=-torch.rand(2, 5, 2, 4)), ValueError, r"`gv` must have the shape of `v` \[2, 5, 2, 6\]"),
+    (dict(g=None, gv=-torch.rand(2, 5, 2, 4)), ValueError, r"`gv` must have the shape of `v`"),
+    (dict(gv=-torch.rand(2, 5, 2, 6, dtype=torch.float64)), ValueError, r"`gv` has dtype Double but `v` has dtype Float"),
+    (dict(gv=-torch.rand(2, 5, 6)), ValueError, r"`gv` must be 4-D"),
+    (dict(gv=[0.0]), TypeError, r"`gv` must be a torch.Tensor or None, got list"),
     (dict(q=torch.randn(2, 5, 2, 300), k=torch.randn(2, 5, 2, 300), g=-torch.rand(2, 5, 2, 300)),
      ValueError, r"K \(last dim of q, k, g\) must be in \[1, 256\]"),
     (dict(initial_state=torch.randn(3, 2, 4, 6)), ValueError, r"`initial_state` must have shape"),
@@ -82,7 +88,9 @@ BWD_OPS = [
     pytest.param(lambda r, k, v, w, u, do, dht: torch.ops.fla.chunk_rwkv6_bwd(
         r, k, v, w, u, do, dht, None, None, None, False), id="chunk_rwkv6"),
     pytest.param(lambda r, k, v, w, u, do, dht: torch.ops.fla.chunk_gla_bwd(
-        r, k, v, w, do, dht, None, None, None, False), id="chunk_gla"),
+        r, k, v, w, None, do, dht, None, None, None, False), id="chunk_gla"),
+    pytest.param(lambda r, k, v, w, u, do, dht: torch.ops.fla.chunk_gla_bwd(
+        r, k, v, None, -torch.rand_like(v), do, dht, None, None, None, False), id="chunk_gla_gv"),
 ]
 
 
@@ -104,6 +112,20 @@ def test_device_mismatch():
     with pytest.raises(ValueError, match=r"float64 on CPU"):
         b = good("cuda", dtype=torch.float64)
         fused_recurrent_rwkv6(b["r"], b["k"], b["v"], b["w"], b["u"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_chunk_gla_both_decays_on_cuda():
+    """The CUDA chunk engine takes g or gv, not both yet: a clear error before anything runs
+    (forward and backward op), never a wrong result."""
+    a = good("cuda")
+    gv = -torch.rand_like(a["v"])
+    with pytest.raises(ValueError, match=r"`g` or a value-side decay `gv`, not both"):
+        chunk_gla(a["r"], a["k"], a["v"], a["w"], gv)
+    with pytest.raises(ValueError, match=r"`g` or a value-side decay `gv`, not both"):
+        torch.ops.fla.chunk_gla_bwd(a["r"], a["k"], a["v"], a["w"], gv, a["v"], None, None, None,
+                                    None, False)
 
 
 @pytest.fixture
@@ -132,6 +154,20 @@ def test_value_checks(device, op, checks):
                     ([1, 4, 10], r"`cu_seqlens\[0\]` must be 0")]:
         with pytest.raises(ValueError, match=msg):
             op(*one.values(), cu_seqlens=torch.tensor(cu, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_value_checks_gv(device, checks):
+    a = good(device)
+    gv = -torch.rand_like(a["v"])
+    gv[1, 3, 0, 5] = 0.25
+    with pytest.raises(ValueError, match=r"`gv` is a log decay and must be <= 0, but is positive at index \(1, 3, 0, 5\)"):
+        chunk_gla(a["r"], a["k"], a["v"], gv=gv)
+    gv[1, 3, 0, 5] = math.nan
+    with pytest.raises(ValueError, match=r"`gv` has a NaN at index \(1, 3, 0, 5\)"):
+        chunk_gla(a["r"], a["k"], a["v"], gv=gv)
+    gv[1, 3, 0, 5] = -math.inf  # a hard reset is valid
+    chunk_gla(a["r"], a["k"], a["v"], gv=gv)
 
 
 def test_checks_off_by_default():

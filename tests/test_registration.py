@@ -21,6 +21,7 @@ class Sample:
     fin: bool        # output_final_state
     cu: object       # cu_seqlens or None
     hf: bool         # head_first
+    wv: object = None  # a value-side log decay [.., V] (chunk_gla's gv)
 
     def grads_in(self):
         N = self.cu.numel() - 1 if self.cu is not None else self.q.shape[0]
@@ -29,7 +30,7 @@ class Sample:
         return torch.randn_like(self.v), dht
 
     def inputs(self):
-        return [self.q, self.k, self.v, self.w, self.u, self.s0]
+        return [self.q, self.k, self.v, self.w, self.u, self.s0, self.wv]
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,9 @@ class Op:
     bwd: Callable
     fwd_args: Callable   # Sample -> tuple
     bwd_args: Callable   # Sample, do, dht -> tuple
-    call: Callable       # (q, k, v, w, u, s0) -> (o, ht)
-    uses_u: bool = False
-
-
-def _gv(v):
-    """A value-side log decay [.., V] for fused_recurrent_gla, derived from v (gradients flow)."""
-    return F.logsigmoid(v)
+    call: Callable       # (q, k, v, w, u, s0, wv) -> (o, ht)
+    wrt: tuple = (0, 1, 2, 3, 5)  # the differentiable inputs it reads (indices into inputs())
+    cuda: bool = True
 
 
 OPS = {
@@ -55,31 +52,50 @@ OPS = {
         torch.ops.fla.fused_recurrent_rwkv6_bwd.default,
         lambda s: (s.q, s.k, s.v, s.w, s.u, None, s.s0, s.fin, False, s.cu, s.hf),
         lambda s, do, dht: (s.q, s.k, s.v, s.w, s.u, do, dht, 0.5, s.s0, False, s.cu, s.hf),
-        lambda q, k, v, w, u, s0: fla_ext.fused_recurrent_rwkv6(q, k, v, w, u, initial_state=s0,
+        lambda q, k, v, w, u, s0, wv: fla_ext.fused_recurrent_rwkv6(q, k, v, w, u, initial_state=s0,
                                                                 output_final_state=True),
-        uses_u=True),
+        wrt=(0, 1, 2, 3, 4, 5)),
     "chunk_rwkv6": Op(
         torch.ops.fla.chunk_rwkv6.default, torch.ops.fla.chunk_rwkv6_bwd.default,
         lambda s: (s.q, s.k, s.v, s.w, s.u, None, s.s0, s.fin, s.cu, s.hf),
         lambda s, do, dht: (s.q, s.k, s.v, s.w, s.u, do, dht, 0.5, s.s0, s.cu, s.hf),
-        lambda q, k, v, w, u, s0: fla_ext.chunk_rwkv6(q, k, v, w, u, initial_state=s0,
+        lambda q, k, v, w, u, s0, wv: fla_ext.chunk_rwkv6(q, k, v, w, u, initial_state=s0,
                                                       output_final_state=True),
-        uses_u=True),
-    "fused_recurrent_gla": Op(  # both decays: gk = w, gv from v
+        wrt=(0, 1, 2, 3, 4, 5)),
+    "fused_recurrent_gla": Op(  # both decays: gk = w, gv = wv
         torch.ops.fla.fused_recurrent_gla.default,
         torch.ops.fla.fused_recurrent_gla_bwd.default,
-        lambda s: (s.q, s.k, s.v, s.w, _gv(s.v), None, s.s0, s.fin, False, s.cu, s.hf),
-        lambda s, do, dht: (s.q, s.k, s.v, s.w, _gv(s.v), do, dht, 0.5, s.s0, False, s.cu, s.hf),
-        lambda q, k, v, w, u, s0: fla_ext.fused_recurrent_gla(q, k, v, w, _gv(v), initial_state=s0,
-                                                              output_final_state=True)),
+        lambda s: (s.q, s.k, s.v, s.w, s.wv, None, s.s0, s.fin, False, s.cu, s.hf),
+        lambda s, do, dht: (s.q, s.k, s.v, s.w, s.wv, do, dht, 0.5, s.s0, False, s.cu, s.hf),
+        lambda q, k, v, w, u, s0, wv: fla_ext.fused_recurrent_gla(
+            q, k, v, w, wv, initial_state=s0, output_final_state=True),
+        wrt=(0, 1, 2, 3, 5, 6)),
     "chunk_gla": Op(
         torch.ops.fla.chunk_gla.default, torch.ops.fla.chunk_gla_bwd.default,
-        lambda s: (s.q, s.k, s.v, s.w, None, s.s0, s.fin, s.cu, s.hf),
-        lambda s, do, dht: (s.q, s.k, s.v, s.w, do, dht, 0.5, s.s0, s.cu, s.hf),
-        lambda q, k, v, w, u, s0: fla_ext.chunk_gla(q, k, v, w, initial_state=s0,
-                                                    output_final_state=True)),
+        lambda s: (s.q, s.k, s.v, s.w, None, None, s.s0, s.fin, s.cu, s.hf),
+        lambda s, do, dht: (s.q, s.k, s.v, s.w, None, do, dht, 0.5, s.s0, s.cu, s.hf),
+        lambda q, k, v, w, u, s0, wv: fla_ext.chunk_gla(q, k, v, w, initial_state=s0,
+                                                        output_final_state=True)),
+    # the value-side decay alone (GSA pass 1), and with the key-side one (CPU only)
+    "chunk_gla_gv": Op(
+        torch.ops.fla.chunk_gla.default, torch.ops.fla.chunk_gla_bwd.default,
+        lambda s: (s.q, s.k, s.v, None, s.wv, None, s.s0, s.fin, s.cu, s.hf),
+        lambda s, do, dht: (s.q, s.k, s.v, None, s.wv, do, dht, 0.5, s.s0, s.cu, s.hf),
+        lambda q, k, v, w, u, s0, wv: fla_ext.chunk_gla(q, k, v, gv=wv, initial_state=s0,
+                                                        output_final_state=True),
+        wrt=(0, 1, 2, 5, 6)),
+    "chunk_gla_kv": Op(
+        torch.ops.fla.chunk_gla.default, torch.ops.fla.chunk_gla_bwd.default,
+        lambda s: (s.q, s.k, s.v, s.w, s.wv, None, s.s0, s.fin, s.cu, s.hf),
+        lambda s, do, dht: (s.q, s.k, s.v, s.w, s.wv, do, dht, 0.5, s.s0, s.cu, s.hf),
+        lambda q, k, v, w, u, s0, wv: fla_ext.chunk_gla(q, k, v, w, wv, initial_state=s0,
+                                                        output_final_state=True),
+        wrt=(0, 1, 2, 3, 5, 6), cuda=False),
 }
 OP_NAMES = list(OPS)
+# (device, op name) for every op a backend implements
+DEVICE_OPS = [pytest.param(d.values[0], n, id=f"{d.id}-{n}", marks=d.marks)
+              for d in DEVICES for n in OP_NAMES if d.values[0] == "cpu" or OPS[n].cuda]
 
 
 def samples(device, dtype=torch.float32, requires_grad=True):
@@ -101,31 +117,31 @@ def samples(device, dtype=torch.float32, requires_grad=True):
             for t in [r, k, v, w, u] + ([s0] if h0 else []):
                 t.requires_grad_(True)
         cu_t = torch.tensor(cu, device=device) if cu else None
-        out.append(Sample(r, k, v, w, u, s0, fin, cu_t, hf))
+        wv = F.logsigmoid(mk(V).float()).to(dtype)
+        if requires_grad:
+            wv.requires_grad_(True)
+        out.append(Sample(r, k, v, w, u, s0, fin, cu_t, hf, wv))
     return out
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", OP_NAMES)
+@pytest.mark.parametrize("device,name", DEVICE_OPS)
 def test_opcheck_forward(device, name):
     for s in samples(device):
         torch.library.opcheck(OPS[name].fwd, OPS[name].fwd_args(s))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", OP_NAMES)
+@pytest.mark.parametrize("device,name", DEVICE_OPS)
 def test_opcheck_backward(device, name):
     for s in samples(device, requires_grad=False):
         torch.library.opcheck(OPS[name].bwd, OPS[name].bwd_args(s, *s.grads_in()))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", OP_NAMES)
+@pytest.mark.parametrize("device,name", DEVICE_OPS)
 def test_compile_fullgraph_fwd_bwd(device, name):
     torch._dynamo.reset()
     op = OPS[name]
     ins = samples(device)[0].inputs()
-    wrt = [t for t in ins if op.uses_u or t is not ins[4]]  # GLA has no u
+    wrt = [ins[i] for i in op.wrt]
 
     def f(*ts):
         o, ht = op.call(*ts)
@@ -143,7 +159,7 @@ def test_compile_fullgraph_fwd_bwd(device, name):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("name", OP_NAMES)
+@pytest.mark.parametrize("name", [n for n in OP_NAMES if OPS[n].cuda])
 def test_cuda_graph_capture(name):
     op = OPS[name]
     s = samples("cuda", requires_grad=False)[0]

@@ -1,5 +1,7 @@
 // CPU backend of the chunk engine (kernels/chunk.h): the chunked algorithm of ALGORITHMS.md
-// §4.1/§4.2 (GLA) and §5.1/§5.2 (RWKV6) as written, one (sequence, head) per task. It is what
+// §4.1/§4.2 (GLA), §5.1/§5.2 (RWKV6) and §7.1/§7.2 (value-side decay) as written, one
+// (sequence, head) per task. Key-side (g) and value-side (gv) decays may be on together: the
+// pair terms then carry a key factor inside the score a_ij and a value factor per column. It is what
 // the CUDA kernels are compared with, so it favours exactness over speed: all chunk math runs in
 // double and every decay exponent is a running sum of log decays <= 0 (§2.6: partial sums are
 // only ever added, never subtracted, so lambda = -inf and mixed -1e4/-0.05 gates are exact).
@@ -30,6 +32,7 @@ struct Chunk {
   int L = 0;
   Vec q, k, v, lam, dout;
   Vec eread, eomega, gamma;
+  Vec lamv, ereadv, eomegav, gammav;  // the value-side decay over V (ones when gv is off)
 };
 
 template <typename T, typename Acc>
@@ -37,6 +40,7 @@ struct Engine {
   const ChunkPass& p;
   int K = p.K, V = p.V;
   bool excl = p.reader == Reader::Exclusive;
+  bool vd = p.gv.on();  // value-side decay
 
   int64_t chunks(const SeqSpan& s) const { return (s.len + kChunk - 1) / kChunk; }
   int64_t slot(int n, int64_t c) const { return chunk_slot(p.cu_seqlens, n, p.T, c); }
@@ -74,6 +78,7 @@ struct Engine {
     const int L = c.L = int(std::min<int64_t>(kChunk, s.len - t0));
     c.q.resize(size_t(L) * K), c.k.resize(size_t(L) * K), c.lam.resize(size_t(L) * K);
     c.v.resize(size_t(L) * V), c.dout.resize(with_dout ? size_t(L) * V : 0);
+    c.lamv.resize(size_t(L) * V);
     for (int i = 0; i < L; ++i) {
       const int64_t t = s.bos + t0 + i;
       for (int d = 0; d < K; ++d) {
@@ -83,107 +88,171 @@ struct Engine {
       }
       for (int x = 0; x < V; ++x) {
         c.v[i * V + x] = cpu::load<double, T>(p.v, s.b, t, h, x);
+        c.lamv[i * V + x] = vd ? cpu::load<double, T>(p.gv, s.b, t, h, x) : 0.0;
         if (with_dout) c.dout[i * V + x] = cpu::load<double, T>(p.dout, s.b, t, h, x);
       }
     }
-    c.eread.resize(size_t(L) * K), c.eomega.resize(size_t(L) * K), c.gamma.resize(K);
-    for (int d = 0; d < K; ++d) {
+    boundary_factors(c.lam, L, K, excl, c.eread, c.eomega, c.gamma);
+    boundary_factors(c.lamv, L, V, false, c.ereadv, c.eomegav, c.gammav);
+  }
+
+  // Per channel of a [L, D] log decay: exp of the reader sum from the chunk start (inclusive or
+  // exclusive), of the sum from a row to the chunk end (Omega), and of the chunk total.
+  static void boundary_factors(const Vec& lam, int L, int D, bool exclusive, Vec& eread,
+                               Vec& eomega, Vec& gamma) {
+    eread.resize(size_t(L) * D), eomega.resize(size_t(L) * D), gamma.resize(D);
+    for (int d = 0; d < D; ++d) {
       double run = 0;  // sum of lambda over the rows before i
       for (int i = 0; i < L; ++i) {
         const double before = run;
-        run += c.lam[i * K + d];
-        c.eread[i * K + d] = std::exp(excl ? before : run);
+        run += lam[i * D + d];
+        eread[i * D + d] = std::exp(exclusive ? before : run);
       }
-      c.gamma[d] = std::exp(run);
+      gamma[d] = std::exp(run);
       run = 0;  // sum of lambda over the rows after j
       for (int j = L - 1; j >= 0; --j) {
-        c.eomega[j * K + d] = std::exp(run);
-        run += c.lam[j * K + d];
+        eomega[j * D + d] = std::exp(run);
+        run += lam[j * D + d];
       }
     }
   }
 
-  // Calls f(i, j, fac) for every decay-carrying pair (j <= i inclusive, j < i exclusive) with
-  // fac[d] = exp(sum of lambda_s over j < s <= i, or j < s < i): the exponent grows by one
-  // lambda per step of j downward, so it is a sum and never a difference.
+  // Calls f(i, j, fac, facv) for every decay-carrying pair (j <= i inclusive, j < i exclusive)
+  // with fac[d] = exp(sum of lambda_s over j < s <= i, or j < s < i) and facv[x] the same over
+  // the value-side decay (1 when gv is off): the exponents grow by one lambda per step of j
+  // downward, so they are sums and never differences.
   template <typename F>
   void for_pairs(const Chunk& c, F&& f) const {
-    Vec e(K), fac(K);
+    Vec e(K), fac(K), ev(V), facv(V, 1.0);
     for (int i = 0; i < c.L; ++i) {
-      std::fill(e.begin(), e.end(), 0.0);
+      std::fill(e.begin(), e.end(), 0.0), std::fill(ev.begin(), ev.end(), 0.0);
       for (int j = excl ? i - 1 : i; j >= 0; --j) {
         for (int d = 0; d < K; ++d) fac[d] = std::exp(e[d]);
-        f(i, j, fac.data());
+        if (vd)
+          for (int x = 0; x < V; ++x) facv[x] = std::exp(ev[x]);
+        f(i, j, fac.data(), facv.data());
         for (int d = 0; d < K; ++d) e[d] += c.lam[j * K + d];
+        if (vd)
+          for (int x = 0; x < V; ++x) ev[x] += c.lamv[j * V + x];
       }
     }
   }
 
-  // The pair matrix A [L, L] (§4.1/§5.1): decayed q_i.k_j below the diagonal, and on it the
-  // decayed self term (GLA) or the undecayed bonus q_i.(u * k_i) (RWKV6). With `dA`, the same
-  // pass accumulates the intra-chunk parts of dq' and dk' (§4.2).
-  void pair_matrix(const Chunk& c, const Vec& u, Vec& A, const Vec* dA, Vec* dq, Vec* dk) const {
+  // The intra-chunk pair terms (§4.1/§4.2, §7.1/§7.2). Per pair, the key-decayed score
+  // a_ij = q_i.(k_j * fac) (A [L, L]; on the diagonal of RWKV6 the undecayed bonus q_i.(u * k_i))
+  // weighs v_j * facv into io_i (the intra part of o / scale). With dO (`bwd`), also
+  // dA_ij = scale dO_i.(v_j * facv) (tril, diagonal included), the intra parts of dq' and dk'
+  // (dA_ij k_j * fac, dA_ij q_i * fac) and of dv (scale a_ij dO_i * facv).
+  struct Intra {
+    Vec A, io, dA, dq, dk, dv;
+  };
+  void intra(const Chunk& c, const Vec& u, bool bwd, Intra& r) const {
     const int L = c.L;
-    A.assign(size_t(L) * L, 0.0);
-    for_pairs(c, [&](int i, int j, const double* fac) {
-      const double w = dA ? (*dA)[i * L + j] : 0.0;
-      double a = 0;
-      for (int d = 0; d < K; ++d) {
-        const double kf = c.k[j * K + d] * fac[d];
-        a += c.q[i * K + d] * kf;
-        if (dA) {
-          (*dq)[i * K + d] += w * kf;
-          (*dk)[j * K + d] += w * c.q[i * K + d] * fac[d];
+    r.A.assign(size_t(L) * L, 0.0), r.io.assign(size_t(L) * V, 0.0);
+    if (bwd) {
+      r.dA.assign(size_t(L) * L, 0.0), r.dq.assign(size_t(L) * K, 0.0);
+      r.dk.assign(size_t(L) * K, 0.0), r.dv.assign(size_t(L) * V, 0.0);
+    }
+    auto values = [&](int i, int j, double a, const double* facv) {
+      double w = 0;
+      for (int x = 0; x < V; ++x) {
+        r.io[i * V + x] += a * c.v[j * V + x] * facv[x];
+        if (bwd) {
+          w += c.dout[i * V + x] * c.v[j * V + x] * facv[x];
+          r.dv[j * V + x] += p.scale * a * c.dout[i * V + x] * facv[x];
         }
       }
-      A[i * L + j] = a;
+      if (bwd) r.dA[i * L + j] = p.scale * w;
+      return p.scale * w;
+    };
+    for_pairs(c, [&](int i, int j, const double* fac, const double* facv) {
+      double a = 0;
+      for (int d = 0; d < K; ++d) a += c.q[i * K + d] * c.k[j * K + d] * fac[d];
+      r.A[i * L + j] = a;
+      const double w = values(i, j, a, facv);
+      if (bwd)
+        for (int d = 0; d < K; ++d) {
+          r.dq[i * K + d] += w * c.k[j * K + d] * fac[d];
+          r.dk[j * K + d] += w * c.q[i * K + d] * fac[d];
+        }
     });
-    if (excl)
+    if (excl) {  // the bonus diagonal (no value-side decay with this reader)
+      const Vec ones(V, 1.0);
       for (int i = 0; i < L; ++i) {
         double a = 0;
         for (int d = 0; d < K; ++d) a += c.q[i * K + d] * u[d] * c.k[i * K + d];
-        A[i * L + i] = a;
+        r.A[i * L + i] = a;
+        values(i, i, a, ones.data());
       }
+    }
   }
 
-  // S <- diag(gamma) S + (K * exp(Omega))^T V: the state across one chunk.
+  // S <- diag(gamma) S diag(gammav) + (K * exp(Omega))^T (V * exp(Omegav)): one chunk.
   void advance(const Chunk& c, Vec& S) const {
     for (int d = 0; d < K; ++d) {
       double* row = &S[size_t(d) * V];
-      for (int x = 0; x < V; ++x) row[x] *= c.gamma[d];
+      for (int x = 0; x < V; ++x) row[x] *= c.gamma[d] * c.gammav[x];
       for (int j = 0; j < c.L; ++j) {
         const double kh = c.k[j * K + d] * c.eomega[j * K + d];
-        for (int x = 0; x < V; ++x) row[x] += kh * c.v[j * V + x];
+        for (int x = 0; x < V; ++x) row[x] += kh * c.v[j * V + x] * c.eomegav[j * V + x];
       }
+    }
+  }
+
+  // o = scale (expv(G) * (Q^ S) + io): the inter part leaves the state decayed to row i on
+  // both sides (the key side inside Q^, the value side per column).
+  void outputs(const Chunk& c, const Vec& S, const Vec& io, Vec& o) const {
+    o.assign(size_t(c.L) * V, 0.0);
+    for (int i = 0; i < c.L; ++i) {
+      double* row = &o[size_t(i) * V];
+      for (int d = 0; d < K; ++d) {
+        const double qh = c.q[i * K + d] * c.eread[i * K + d];
+        for (int x = 0; x < V; ++x) row[x] += qh * S[d * V + x];
+      }
+      for (int x = 0; x < V; ++x)
+        row[x] = p.scale * (row[x] * c.ereadv[i * V + x] + io[i * V + x]);
     }
   }
 
   void forward(int n, int h) const {
     const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
     const Vec u = bonus_u(h);
-    Vec S = load_state(p.h0, n, h), A, o(V);
+    Vec S = load_state(p.h0, n, h), o;
+    Intra r;
     Chunk c;
     const int64_t nc = chunks(s);
     for (int64_t ci = 0; ci < nc; ++ci) {
       load(s, h, ci * kChunk, false, c);
       save_state(p.hst, slot(n, ci), h, S);
-      pair_matrix(c, u, A, nullptr, nullptr, nullptr);
-      const int L = c.L;
-      for (int i = 0; i < L; ++i) {  // O = scale (Q^ S + A V)
-        std::fill(o.begin(), o.end(), 0.0);
-        for (int d = 0; d < K; ++d) {
-          const double qh = c.q[i * K + d] * c.eread[i * K + d];
-          for (int x = 0; x < V; ++x) o[x] += qh * S[d * V + x];
-        }
-        for (int j = 0; j <= i; ++j)
-          for (int x = 0; x < V; ++x) o[x] += A[i * L + j] * c.v[j * V + x];
+      intra(c, u, false, r);
+      outputs(c, S, r.io, o);
+      for (int i = 0; i < c.L; ++i) {
         const int64_t t = s.bos + ci * kChunk + i;
-        for (int x = 0; x < V; ++x) *elem<T>(p.o, s.b, t, h, x) = static_cast<T>(p.scale * o[x]);
+        for (int x = 0; x < V; ++x) *elem<T>(p.o, s.b, t, h, x) = static_cast<T>(o[i * V + x]);
       }
       advance(c, S);
     }
     save_state(p.hst, slot(n, nc), h, S);
     store_state(p.hT, n, h, S);
+  }
+
+  // Reverse cumsum over the chunk of x_t = reader term - key term (the reader term over t' > t
+  // for the exclusive reader), plus zeta (§3). Where exp(lambda_t) == 0 the true value is
+  // exactly 0, so the running sum restarts there, dropping every rounding residue carried so far.
+  template <typename XR, typename XK>
+  void decay_grad(int L, int D, const Vec& lam, const Vec& zeta, bool exclusive, XR&& xr, XK&& xk,
+                  Vec& out) const {
+    out.assign(size_t(L) * D, 0.0);
+    for (int d = 0; d < D; ++d) {
+      double acc = zeta[d];
+      for (int t = L - 1; t >= 0; --t) {
+        const double rq = xr(t, d), rk = xk(t, d);
+        acc += (exclusive ? 0.0 : rq) - rk;
+        if (hard(lam[t * D + d])) acc = 0;
+        out[t * D + d] = acc;
+        if (exclusive) acc += rq;
+      }
+    }
   }
 
   void backward(int n, int h) const {
@@ -200,71 +269,62 @@ struct Engine {
     }
     // Reverse pass: dS holds dHst[ci] (the gradient at the chunk's end) on entry.
     Vec dS = load_state(p.dht, n, h);
-    Vec dA, A, dq, dk, dv, dg, dpart(K), zeta(K);
+    Vec o, dg, dgv, dpart(K), zeta(K), zetav(V);
+    Intra r;
     for (int64_t ci = nc - 1; ci >= 0; --ci) {
       load(s, h, ci * kChunk, true, c);
       const int L = c.L;
       const Acc* st = state_at(p.hst, slot(n, ci), h);
       S.assign(st, st + size_t(K) * V);
       save_state(p.dhst, slot(n, ci), h, dS);
+      intra(c, u, true, r);
+      Vec &dq = r.dq, &dk = r.dk, &dv = r.dv;
 
-      dA.assign(size_t(L) * L, 0.0);  // scale tril(dO V^T), diagonal included
-      for (int i = 0; i < L; ++i)
-        for (int j = 0; j <= i; ++j) {
-          double a = 0;
-          for (int x = 0; x < V; ++x) a += c.dout[i * V + x] * c.v[j * V + x];
-          dA[i * L + j] = p.scale * a;
+      // zeta = rowsum(S+ * dS+) and zetav = colsum(S+ * dS+) in their second form (§3, §7.2):
+      // the decayed start state's part here, the written keys' / values' parts below.
+      std::fill(zeta.begin(), zeta.end(), 0.0), std::fill(zetav.begin(), zetav.end(), 0.0);
+      for (int d = 0; d < K; ++d)
+        for (int x = 0; x < V; ++x) {
+          const double z = c.gamma[d] * c.gammav[x] * S[d * V + x] * dS[d * V + x];
+          zeta[d] += z, zetav[x] += z;
         }
-      dq.assign(size_t(L) * K, 0.0), dk.assign(size_t(L) * K, 0.0);
-      pair_matrix(c, u, A, &dA, &dq, &dk);
-
-      dv.assign(size_t(L) * V, 0.0);  // dV = scale A^T dO + K^ dS+
-      for (int j = 0; j < L; ++j) {
-        double* row = &dv[size_t(j) * V];
-        for (int i = j; i < L; ++i)
-          for (int x = 0; x < V; ++x) row[x] += p.scale * A[i * L + j] * c.dout[i * V + x];
-        for (int d = 0; d < K; ++d) {
-          const double kh = c.k[j * K + d] * c.eomega[j * K + d];
-          for (int x = 0; x < V; ++x) row[x] += kh * dS[d * V + x];
-        }
-      }
-      // Inter-chunk parts of dq' and dk', and zeta = rowsum(S+ * dS+) in its second form (§3).
-      for (int d = 0; d < K; ++d) {
-        double z = 0;
-        for (int x = 0; x < V; ++x) z += S[d * V + x] * dS[d * V + x];
-        zeta[d] = c.gamma[d] * z;
-      }
-      for (int i = 0; i < L; ++i)
+      // Inter-chunk parts: dq' += scale (dO * expv(G)) S^T * exp(G); dk' += (V * expv(Omega))
+      // dS+^T * exp(Omega); dv += (K * exp(Omega)) dS+ * expv(Omega).
+      for (int i = 0; i < L; ++i) {
         for (int d = 0; d < K; ++d) {
           double a = 0, b = 0;
           for (int x = 0; x < V; ++x) {
-            a += c.dout[i * V + x] * S[d * V + x];
-            b += c.v[i * V + x] * dS[d * V + x];
+            a += c.dout[i * V + x] * c.ereadv[i * V + x] * S[d * V + x];
+            b += c.v[i * V + x] * c.eomegav[i * V + x] * dS[d * V + x];
           }
           dq[i * K + d] += p.scale * a * c.eread[i * K + d];
           const double kpart = b * c.eomega[i * K + d];
           dk[i * K + d] += kpart;
           zeta[d] += c.k[i * K + d] * kpart;
         }
-      // dlambda: reverse cumsum of q dq' (over t' > t for the exclusive reader) minus k dk'
-      // (over t' >= t), plus zeta. Where exp(lambda_t) == 0 the true value is exactly 0, so the
-      // running sum restarts there, dropping every rounding residue carried so far.
-      dg.assign(size_t(L) * K, 0.0);
-      for (int d = 0; d < K; ++d) {
-        double acc = zeta[d];
-        for (int t = L - 1; t >= 0; --t) {
-          const double rq = c.q[t * K + d] * dq[t * K + d], rk = c.k[t * K + d] * dk[t * K + d];
-          acc += (excl ? 0.0 : rq) - rk;
-          if (hard(c.lam[t * K + d])) acc = 0;
-          dg[t * K + d] = acc;
-          if (excl) acc += rq;
+        for (int x = 0; x < V; ++x) {
+          double b = 0;
+          for (int d = 0; d < K; ++d) b += c.k[i * K + d] * c.eomega[i * K + d] * dS[d * V + x];
+          const double vpart = b * c.eomegav[i * V + x];
+          dv[i * V + x] += vpart;
+          zetav[x] += c.v[i * V + x] * vpart;
         }
+      }
+      // dlambda: q dq' - k dk' (§3); dlambdav: o dO - v dv (§7.2: the whole output row carries
+      // expv(+G), every v row expv(-G)), with o recomputed here in double.
+      decay_grad(L, K, c.lam, zeta, excl, [&](int t, int d) { return c.q[t * K + d] * dq[t * K + d]; },
+                 [&](int t, int d) { return c.k[t * K + d] * dk[t * K + d]; }, dg);
+      if (vd) {
+        outputs(c, S, r.io, o);
+        decay_grad(L, V, c.lamv, zetav, false,
+                   [&](int t, int x) { return o[t * V + x] * c.dout[t * V + x]; },
+                   [&](int t, int x) { return c.v[t * V + x] * dv[t * V + x]; }, dgv);
       }
       // The bonus carries no decay: its terms join dq, dk only after dlambda (§5.2).
       if (excl) {
         std::fill(dpart.begin(), dpart.end(), 0.0);
         for (int i = 0; i < L; ++i) {
-          const double dii = dA[i * L + i];
+          const double dii = r.dA[i * L + i];
           for (int d = 0; d < K; ++d) {
             dpart[d] += dii * c.q[i * K + d] * c.k[i * K + d];
             dq[i * K + d] += dii * u[d] * c.k[i * K + d];
@@ -283,16 +343,18 @@ struct Engine {
           if (p.dk.on()) *elem<T>(p.dk, s.b, t, h, d) = static_cast<T>(dk[i * K + d]);
           if (p.dg.on()) *elem<T>(p.dg, s.b, t, h, d) = static_cast<T>(dg[i * K + d]);
         }
-        if (p.dv.on())
-          for (int x = 0; x < V; ++x) *elem<T>(p.dv, s.b, t, h, x) = static_cast<T>(dv[i * V + x]);
+        for (int x = 0; x < V; ++x) {
+          if (p.dv.on()) *elem<T>(p.dv, s.b, t, h, x) = static_cast<T>(dv[i * V + x]);
+          if (vd && p.dgv.on()) *elem<T>(p.dgv, s.b, t, h, x) = static_cast<T>(dgv[i * V + x]);
+        }
       }
-      // dS of the previous chunk's end: diag(gamma) dS+ + scale Q^T dO.
+      // dS of the previous chunk's end: diag(gamma) dS+ diag(gammav) + scale Q^T (dO * expv(G)).
       for (int d = 0; d < K; ++d) {
         double* row = &dS[size_t(d) * V];
-        for (int x = 0; x < V; ++x) row[x] *= c.gamma[d];
+        for (int x = 0; x < V; ++x) row[x] *= c.gamma[d] * c.gammav[x];
         for (int i = 0; i < L; ++i) {
           const double qh = p.scale * c.q[i * K + d] * c.eread[i * K + d];
-          for (int x = 0; x < V; ++x) row[x] += qh * c.dout[i * V + x];
+          for (int x = 0; x < V; ++x) row[x] += qh * c.dout[i * V + x] * c.ereadv[i * V + x];
         }
       }
     }
@@ -305,6 +367,8 @@ void run_all(const ChunkPass& p) {
   const Engine<T, Acc> engine{p};
   const bool bwd = p.dout.on();
   if (bwd && !p.hst) throw std::invalid_argument("fla_ext: chunk_cpu: the backward needs `hst`");
+  if (p.gv.on() && p.reader != Reader::Inclusive)
+    throw std::invalid_argument("fla_ext: chunk_cpu: `gv` needs the inclusive reader");
   at::parallel_for(0, int64_t(p.N) * p.H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (bwd)

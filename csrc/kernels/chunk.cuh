@@ -85,7 +85,7 @@ struct RowFetch {
   __device__ __forceinline__ void fetch(const VecArg& a, int64_t b, int64_t t0, int L, int h,
                                         int d0, int D, float mul) {
     const int c = threadIdx.x % DT, r0 = threadIdx.x / DT;
-    const bool on = d0 + c < D;
+    const bool on = a.on() && d0 + c < D;  // an off argument (no decay) reads as zeros
     const T* base = on ? vptr<T>(a, b, t0 + r0, h, d0 + c) : nullptr;
     const int64_t step = int64_t(NTH / DT) * a.st;
 #pragma unroll
@@ -571,9 +571,10 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (RD == Reader::Exclusive) acc += xq;
     if (write && t < pos.L && kk < p.K) {
       const float dA = DA[t][t];
-      *vptr<T>(p.dg, pos.b, pos.t0 + t, h, kk) = from_f<T>(dg);
-      *vptr<T>(p.dq, pos.b, pos.t0 + t, h, kk) = from_f<T>(DQ[t][ch] + dA * us[ch] * k);
-      *vptr<T>(p.dk, pos.b, pos.t0 + t, h, kk) = from_f<T>(DK[t][ch] + dA * us[ch] * q);
+      // Off outputs are skipped (chunk_vdecay.cuh wants only some of them).
+      if (p.dg.on()) *vptr<T>(p.dg, pos.b, pos.t0 + t, h, kk) = from_f<T>(dg);
+      if (p.dq.on()) *vptr<T>(p.dq, pos.b, pos.t0 + t, h, kk) = from_f<T>(DQ[t][ch] + dA * us[ch] * k);
+      if (p.dk.on()) *vptr<T>(p.dk, pos.b, pos.t0 + t, h, kk) = from_f<T>(DK[t][ch] + dA * us[ch] * q);
       if (RD == Reader::Exclusive) dup[m * DT + ch] += dA * q * k;
     }
     return dead;

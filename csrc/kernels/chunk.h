@@ -1,5 +1,7 @@
-// Torch-free description of the chunked diagonal-gate algebra (ALGORITHMS.md §1-§5): GLA
-// (inclusive reader) and RWKV6 (exclusive reader plus the bonus u), forward and backward.
+// Torch-free description of the chunked diagonal-gate algebra (ALGORITHMS.md §1-§5, §7.1): GLA
+// (inclusive reader) and RWKV6 (exclusive reader plus the bonus u), forward and backward, with a
+// key-side decay g and (inclusive reader only) a value-side decay gv: the state update is
+// h_t = diag(exp(g_t)) h_{t-1} diag(exp(gv_t)) + k_t v_t^T. gv is GSA pass 1 (decay on slots).
 //
 // Per (sequence, head) the time axis is cut into chunks of kChunk rows, restarted at every
 // sequence start. The chunk-start states live in a workspace `hst` of fp32 (fp64 for fp64
@@ -28,6 +30,7 @@ struct ChunkPass {
   double scale = 1;
 
   VecArg q, k, v, g;           // q, k, g: K; v: V; g off = no decay
+  VecArg gv;                   // V: value-side log decay (Inclusive only), off = none
   const void* u = nullptr;     // [H, K] contiguous bonus (Exclusive), dtype udtype
   DType udtype = DType::f32;
   MatArg h0;                   // initial state, zero when off
@@ -39,7 +42,7 @@ struct ChunkPass {
   // Backward (when `dout` is on): every gradient below is written when on.
   VecArg dout;
   MatArg dht;                  // incoming final-state gradient, zero when off
-  VecArg dq, dk, dv, dg;
+  VecArg dq, dk, dv, dg, dgv;  // dgv: when gv is on
   MatArg dh0;
   void* du = nullptr;          // [slots, H, K] acc per-chunk partials of du (summed by the op)
 
@@ -49,11 +52,13 @@ struct ChunkPass {
   // zeta = rowsum(S+ * dS+) (ALGORITHMS.md §3); a backend may leave it unused.
   void* zeta = nullptr;
   void* gam = nullptr;         // [slots, H, K] acc workspace: per-chunk total decay exp(Σ λ)
+  // With gv on and g off the CUDA engine runs the transposed problem (chunk_vdecay.cuh): hst and
+  // dhst then hold [V, K] matrices, gam is [slots, H, V] and zeta [slots, H, ceil(K / 32), V].
 
   // Training workspaces kept from the forward (optional; a backend may ignore them):
   // amat [slots, H, C, C] acc: the forward writes each chunk's pair matrix A when non-null, the
   // backward reads it instead of recomputing. hst_kept: in the backward, hst already holds the
-  // forward's chunk-start states (the forward state pass is skipped).
+  // forward's chunk-start states (the forward state pass is skipped). Key-side passes only.
   void* amat = nullptr;
   bool hst_kept = false;
 };

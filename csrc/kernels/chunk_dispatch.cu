@@ -4,10 +4,16 @@
 namespace fla {
 
 FLA_DECLARE_LAUNCH(launch_chunk, ChunkPass)
+FLA_DECLARE_LAUNCH(launch_chunk_vdecay, ChunkPass)
 
 const char* chunk_cuda(const ChunkPass& p, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  return launch_for_dtype(p.dtype, [&](auto t) { return launch_chunk<decltype(t)>(p, s); });
+  // A value-side decay runs as the transposed key-side problem (chunk_vdecay.cuh); the op
+  // refuses g and gv together on CUDA before anything runs.
+  if (p.gv.on() && p.g.on()) return "chunk engine: g and gv together are not supported on CUDA";
+  return launch_for_dtype(p.dtype, [&](auto t) {
+    return p.gv.on() ? launch_chunk_vdecay<decltype(t)>(p, s) : launch_chunk<decltype(t)>(p, s);
+  });
 }
 
 }  // namespace fla

@@ -1,8 +1,8 @@
 // Chunked GLA and RWKV6 (ALGORITHMS.md §4-§5). The forward is one chunk pass (state pass, then
 // the per-chunk outputs); the backward runs the reverse state pass for dHst, then the per-chunk
-// gradients. Under autograd on CUDA the forward keeps its chunk-start states (hst) and pair
-// matrices (amat) for the backward (fp32, [slots, H, K, V] + [slots, H, 64, 64]: for bf16 K=V=64
-// about 2x the bytes of q, k, v and g together); otherwise the backward recomputes them. Backends: cpu/chunk.cpp (float64
+// gradients. Under autograd on CUDA a key-side forward keeps its chunk-start states (hst) and
+// pair matrices (amat) for the backward (fp32, [slots, H, K, V] + [slots, H, 64, 64]: for bf16
+// K=V=64 about 2x the bytes of q, k, v and g together); otherwise the backward recomputes them. Backends: cpu/chunk.cpp (float64
 // exponents, the algebra as written) and kernels/chunk*.cu.
 #include "chunk.h"
 
@@ -18,7 +18,7 @@ namespace fla::ops {
 namespace {
 
 ChunkPass chunk_pass(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
-                     const Tensor& v, const Tensor& g, const Tensor& uc,
+                     const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                      const std::optional<Tensor>& h0) {
   ChunkPass p;
   p.dtype = kernel_dtype(q);
@@ -26,7 +26,9 @@ ChunkPass chunk_pass(const DiagArgs& a, Reader reader, const Tensor& q, const Te
   p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
   p.reader = reader;
   p.scale = a.scale;
-  p.q = a.L.vec(q), p.k = a.L.vec(k), p.v = a.L.vec(v), p.g = a.L.vec(g);
+  p.q = a.L.vec(q), p.k = a.L.vec(k), p.v = a.L.vec(v);
+  if (g.defined()) p.g = a.L.vec(g);
+  if (gv.defined()) p.gv = a.L.vec(gv);
   if (uc.defined()) p.u = uc.data_ptr(), p.udtype = kernel_dtype(uc);
   if (has(h0)) p.h0 = mat(*h0);
   return p;
@@ -37,28 +39,44 @@ Tensor state_workspace(const DiagArgs& a, const Tensor& q) {
   return new_output({slots, a.H, a.K, a.V}, q.options().dtype(acc_type(q)));
 }
 
-Tensor decay_workspace(const DiagArgs& a, const Tensor& hst) {
-  return new_output({hst.size(0), a.H, a.K}, hst.options());
+// With the value-side decay alone, the CUDA engine runs the transposed problem (kernels/chunk.h):
+// its per-chunk decays and zeta partials then run over V, with K as the column dimension.
+bool value_side_only(const Tensor& g, const Tensor& gv) { return gv.defined() && !g.defined(); }
+
+Tensor decay_workspace(const DiagArgs& a, const Tensor& hst, bool vside) {
+  return new_output({hst.size(0), a.H, vside ? a.V : a.K}, hst.options());
+}
+
+// gv: a value-side log decay [B, T, H, V] like v (GLA only). CUDA runs g or gv, not both yet.
+void check_gv(const DiagArgs& a, const Tensor& q, const Tensor& v, const Tensor& g,
+              const Tensor& gv) {
+  if (!gv.defined()) return;
+  check_same_shape(gv, "gv", v, "v", a.L);
+  TORCH_CHECK_VALUE(!(g.defined() && q.is_cuda()),
+                    "fla_ext: chunk_gla on CUDA takes a key-side decay `g` or a value-side decay "
+                    "`gv`, not both together (the CPU backend takes both)");
+  if (value_checks_enabled()) check_log_decay(gv, "gv");
 }
 
 Tensor pair_workspace(const DiagArgs& a, const Tensor& hst) {
   return new_output({hst.size(0), a.H, kChunk, kChunk}, hst.options());
 }
 
-// Only the CUDA engine reads kept workspaces; the CPU engine recomputes (it is the reference).
-bool keeps_workspaces(const Tensor& q) { return q.is_cuda(); }
+// Only the CUDA engine reads kept workspaces (the CPU engine is the reference and recomputes),
+// and only its key-side kernels write them (the value-side pass runs them transposed).
+bool keeps_workspaces(const Tensor& q, const Tensor& gv) { return q.is_cuda() && !gv.defined(); }
 
 // (o, final state, hst, amat): the last two are empty unless `keep`.
 std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
     const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k, const Tensor& v,
-    const Tensor& g, const Tensor& uc, const std::optional<Tensor>& h0, bool output_final_state,
-    bool keep, ChunkRunner run) {
+    const Tensor& g, const Tensor& gv, const Tensor& uc, const std::optional<Tensor>& h0,
+    bool output_final_state, bool keep, ChunkRunner run) {
   Tensor o = a.L.empty_like_with_dim(v, a.V, q.scalar_type());
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
-  Tensor hst = state_workspace(a, q), gam = decay_workspace(a, hst);
+  Tensor hst = state_workspace(a, q), gam = decay_workspace(a, hst, value_side_only(g, gv));
   Tensor amat = keep ? pair_workspace(a, hst) : new_output({0}, hst.options());
-  ChunkPass p = chunk_pass(a, reader, q, k, v, g, uc, h0);
+  ChunkPass p = chunk_pass(a, reader, q, k, v, g, gv, uc, h0);
   p.o = a.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
   p.hst = hst.data_ptr(), p.gam = gam.data_ptr();
@@ -81,11 +99,11 @@ const Tensor* kept(const std::optional<Tensor>& t, const Tensor& like, const cha
 }
 
 struct ChunkGrads {
-  Tensor dq, dk, dv, dg, du, dh0;
+  Tensor dq, dk, dv, dg, dgv, du, dh0;
 };
 
 ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
-                          const Tensor& v, const Tensor& g, const Tensor& uc,
+                          const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                           const Tensor& grad_o, const std::optional<Tensor>& dht,
                           const std::optional<Tensor>& h0, const std::optional<Tensor>& hst_in,
                           const std::optional<Tensor>& amat_in, const char* qn,
@@ -97,27 +115,34 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   const auto acc = q.options().dtype(acc_type(q));
   ChunkGrads r;
   r.dq = new_output(q.sizes(), q.options()), r.dk = new_output(k.sizes(), k.options());
-  r.dv = new_output(v.sizes(), v.options()), r.dg = new_output(g.sizes(), g.options());
+  r.dv = new_output(v.sizes(), v.options());
+  // No decay on a side: a 0-element gradient (the autograd Function returns None for it).
+  r.dg = g.defined() ? new_output(g.sizes(), g.options()) : new_output({0}, q.options());
+  r.dgv = gv.defined() ? new_output(gv.sizes(), gv.options()) : new_output({0}, q.options());
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
   Tensor hst = state_workspace(a, q), dhst = state_workspace(a, q);
-  const Tensor* hst_kept = kept(hst_in, hst, "hst");
-  const Tensor* amat_kept = kept(amat_in, pair_workspace(a, hst), "amat");
+  const bool vside = value_side_only(g, gv);
+  // Kept workspaces are only ever made by key-side passes; a value-side pass ignores them.
+  const Tensor* hst_kept = vside ? nullptr : kept(hst_in, hst, "hst");
+  const Tensor* amat_kept = vside ? nullptr : kept(amat_in, pair_workspace(a, hst), "amat");
   if (hst_kept) hst = *hst_kept;
-  const int64_t vtiles = (a.V + kStateCols - 1) / kStateCols;
-  Tensor zeta = new_output({hst.size(0), a.H, vtiles, a.K}, acc);
+  const int64_t cols = vside ? a.K : a.V, rows = vside ? a.V : a.K;  // of the (transposed) state
+  Tensor zeta = new_output({hst.size(0), a.H, (cols + kStateCols - 1) / kStateCols, rows}, acc);
   // Gap slots (varlen) and final-state slots hold no chunk: their du partials must read 0.
   Tensor du_part = uc.defined() ? at::zeros({hst.size(0), a.H, a.K}, acc) : Tensor();
 
-  ChunkPass p = chunk_pass(a, reader, q, k, v, g, uc, h0);
+  ChunkPass p = chunk_pass(a, reader, q, k, v, g, gv, uc, h0);
   p.dout = a.L.vec(grad_o);
   if (has(dht)) p.dht = mat(*dht);
-  p.dq = a.L.vec(r.dq), p.dk = a.L.vec(r.dk), p.dv = a.L.vec(r.dv), p.dg = a.L.vec(r.dg);
+  p.dq = a.L.vec(r.dq), p.dk = a.L.vec(r.dk), p.dv = a.L.vec(r.dv);
+  if (g.defined()) p.dg = a.L.vec(r.dg);
+  if (gv.defined()) p.dgv = a.L.vec(r.dgv);
   if (has(h0)) p.dh0 = mat(r.dh0);
   if (du_part.defined()) p.du = du_part.data_ptr();
   p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();
   p.hst_kept = hst_kept != nullptr;
   if (amat_kept) p.amat = amat_kept->data_ptr();
-  Tensor gam = decay_workspace(a, hst);
+  Tensor gam = decay_workspace(a, hst, vside);
   p.gam = gam.data_ptr();
   if (a.T > 0) {
     run(p);
@@ -134,60 +159,63 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
 
 namespace {
 std::tuple<Tensor, Tensor, Tensor, Tensor> gla_forward(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
-    bool keep, ChunkRunner run) {
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g_,
+    const std::optional<Tensor>& gv_, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool output_final_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, bool train, ChunkRunner run) {
   c10::OptionalDeviceGuard guard(q.device());
-  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
+  const Tensor g = opt(g_), gv = opt(gv_);
   const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
-  return chunk_forward(a, Reader::Inclusive, q, k, v, g, Tensor(), initial_state,
-                       output_final_state, keep, run);
+  check_gv(a, q, v, g, gv);
+  return chunk_forward(a, Reader::Inclusive, q, k, v, g, gv, Tensor(), initial_state,
+                       output_final_state, train && keeps_workspaces(q, gv), run);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> rwkv6_forward(
     const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
-    bool keep, ChunkRunner run) {
+    bool train, ChunkRunner run) {
   c10::OptionalDeviceGuard guard(r.device());
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
-  return chunk_forward(a, Reader::Exclusive, r, k, v, w, a.uc, initial_state,
-                       output_final_state, keep, run);
+  return chunk_forward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, initial_state,
+                       output_final_state, train && keeps_workspaces(r, Tensor()), run);
 }
 }  // namespace
 
 std::tuple<Tensor, Tensor> chunk_gla_fwd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
-    ChunkRunner run) {
-  auto [o, hT, hst, amat] = gla_forward(q, k, v, g, scale, initial_state, output_final_state,
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
+    const std::optional<Tensor>& gv, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool output_final_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, ChunkRunner run) {
+  auto [o, hT, hst, amat] = gla_forward(q, k, v, g, gv, scale, initial_state, output_final_state,
                                         cu_seqlens, head_first, false, run);
   return {o, hT};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_gla_train(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
-    ChunkRunner run) {
-  return gla_forward(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
-                     head_first, keeps_workspaces(q), run);
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
+    const std::optional<Tensor>& gv, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool output_final_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, ChunkRunner run) {
+  return gla_forward(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
+                     head_first, true, run);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g_,
+    const std::optional<Tensor>& gv_, const Tensor& grad_o,
     const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
     bool head_first, const std::optional<Tensor>& hst, const std::optional<Tensor>& amat,
     ChunkRunner run) {
   c10::OptionalDeviceGuard guard(q.device());
-  TORCH_CHECK_VALUE(g.defined(), "fla_ext: `g` must be a tensor, got None");
+  const Tensor g = opt(g_), gv = opt(gv_);
   const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
-  auto r = chunk_backward(a, Reader::Inclusive, q, k, v, g, Tensor(), grad_o, grad_final_state,
-                          initial_state, hst, amat, "q", run);
-  return {r.dq, r.dk, r.dv, r.dg, r.dh0};
+  check_gv(a, q, v, g, gv);
+  auto r = chunk_backward(a, Reader::Inclusive, q, k, v, g, gv, Tensor(), grad_o,
+                          grad_final_state, initial_state, hst, amat, "q", run);
+  return {r.dq, r.dk, r.dv, r.dg, r.dgv, r.dh0};
 }
 
 std::tuple<Tensor, Tensor> chunk_rwkv6_fwd(
@@ -206,7 +234,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_train(
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
     ChunkRunner run) {
   return rwkv6_forward(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
-                       head_first, keeps_workspaces(r), run);
+                       head_first, true, run);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
@@ -217,8 +245,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
     const std::optional<Tensor>& amat, ChunkRunner run) {
   c10::OptionalDeviceGuard guard(r.device());
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
-  auto g = chunk_backward(a, Reader::Exclusive, r, k, v, w, a.uc, grad_o, grad_final_state,
-                          initial_state, hst, amat, "r", run);
+  auto g = chunk_backward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, grad_o,
+                          grad_final_state, initial_state, hst, amat, "r", run);
   return {g.dq, g.dk, g.dv, g.dg, g.du.to(u.scalar_type()), g.dh0};
 }
 
@@ -244,7 +272,8 @@ bool training(const Ts&... ts) {
 class ChunkGla : public torch::autograd::Function<ChunkGla> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const Tensor& g, std::optional<double> scale,
+                               const Tensor& v, const std::optional<Tensor>& g,
+                               const std::optional<Tensor>& gv, std::optional<double> scale,
                                const std::optional<Tensor>& initial_state,
                                bool output_final_state, const std::optional<Tensor>& cu_seqlens,
                                bool head_first, bool train) {
@@ -257,12 +286,13 @@ class ChunkGla : public torch::autograd::Function<ChunkGla> {
                                .typed<decltype(chunk_gla_train_impl<nullptr>)>();
     Tensor o, hT, hst, amat;
     if (train)
-      std::tie(o, hT, hst, amat) = op_train.call(q, k, v, g, scale, initial_state,
+      std::tie(o, hT, hst, amat) = op_train.call(q, k, v, g, gv, scale, initial_state,
                                                  output_final_state, cu_seqlens, head_first);
     else
-      std::tie(o, hT) = op.call(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
-                                head_first);
-    ctx->save_for_backward({q, k, v, g, opt(initial_state), opt(cu_seqlens), hst, amat});
+      std::tie(o, hT) = op.call(q, k, v, g, gv, scale, initial_state, output_final_state,
+                                cu_seqlens, head_first);
+    ctx->save_for_backward(
+        {q, k, v, opt(g), opt(gv), opt(initial_state), opt(cu_seqlens), hst, amat});
     SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
     if (!output_final_state) ctx->mark_non_differentiable({hT});
     return {o, hT};
@@ -275,10 +305,11 @@ class ChunkGla : public torch::autograd::Function<ChunkGla> {
     const auto s = ctx->get_saved_variables();
     const auto f = SweepFlags::load(ctx);
     Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
-    auto [dq, dk, dv, dg, dh0] = op.call(s[0], s[1], s[2], s[3], go, f.dht(grads), f.scale,
-                                         some(s[4]), some(s[5]), f.head_first, s[6], s[7]);
-    return {dq,       dk,       dv,       dg,      Tensor(), s[4].defined() ? dh0 : Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor()};
+    auto [dq, dk, dv, dg, dgv, dh0] =
+        op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
+                some(s[6]), f.head_first, s[7], s[8]);
+    return {dq,       dk,       dv, s[3].defined() ? dg : Tensor(), s[4].defined() ? dgv : Tensor(),
+            Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -326,13 +357,15 @@ class ChunkRwkv6 : public torch::autograd::Function<ChunkRwkv6> {
 };
 
 std::tuple<Tensor, Tensor> chunk_gla_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                              const Tensor& g, std::optional<double> scale,
+                                              const std::optional<Tensor>& g,
+                                              const std::optional<Tensor>& gv,
+                                              std::optional<double> scale,
                                               const std::optional<Tensor>& initial_state,
                                               bool output_final_state,
                                               const std::optional<Tensor>& cu_seqlens,
                                               bool head_first) {
-  auto out = ChunkGla::apply(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
-                             head_first, training(q, k, v, g, initial_state));
+  auto out = ChunkGla::apply(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
+                             head_first, training(q, k, v, g, gv, initial_state));
   return {out[0], out[1]};
 }
 

@@ -1,5 +1,6 @@
-// Chunked GLA and RWKV6 ops (ALGORITHMS.md §4-§5): one chunk engine (kernels/chunk.h) with an
-// inclusive (GLA) or exclusive-plus-bonus (RWKV6) reader.
+// Chunked GLA and RWKV6 ops (ALGORITHMS.md §4-§5, §7.1): one chunk engine (kernels/chunk.h) with
+// an inclusive (GLA) or exclusive-plus-bonus (RWKV6) reader. GLA's decays are optional and on
+// either side of the state: g (keys, [.., K]) and gv (values, [.., V]; GSA pass 1).
 #pragma once
 #include <tuple>
 
@@ -11,21 +12,22 @@ namespace fla::ops {
 using ChunkRunner = void (*)(const ChunkPass&);
 
 std::tuple<Tensor, Tensor> chunk_gla_fwd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
+    const std::optional<Tensor>& gv, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
     ChunkRunner run);
 
 // The forward plus the workspaces the backward reuses (hst, amat; empty tensors when the
-// backend keeps none: only CUDA does).
+// backend keeps none: only CUDA does, and only for key-side passes).
 std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_gla_train(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
-    ChunkRunner run);
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
+    const std::optional<Tensor>& gv, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool output_final_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, ChunkRunner run);
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
+    const std::optional<Tensor>& gv, const Tensor& grad_o,
     const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
     bool head_first, const std::optional<Tensor>& hst, const std::optional<Tensor>& amat,
@@ -53,32 +55,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
 // Backend adaptors with the exact schema signatures, instantiated by cpu/ and cuda/.
 template <ChunkRunner R>
 std::tuple<Tensor, Tensor> chunk_gla_impl(const Tensor& q, const Tensor& k, const Tensor& v,
-                                          const Tensor& g, std::optional<double> scale,
+                                          const std::optional<Tensor>& g,
+                                          const std::optional<Tensor>& gv,
+                                          std::optional<double> scale,
                                           const std::optional<Tensor>& initial_state,
                                           bool output_final_state,
                                           const std::optional<Tensor>& cu_seqlens,
                                           bool head_first) {
-  return chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+  return chunk_gla_fwd(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
                        head_first, R);
 }
 
 template <ChunkRunner R>
 std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_gla_train_impl(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  return chunk_gla_train(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
+    const std::optional<Tensor>& gv, std::optional<double> scale,
+    const std::optional<Tensor>& initial_state, bool output_final_state,
+    const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  return chunk_gla_train(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
                          head_first, R);
 }
 
 template <ChunkRunner R>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd_impl(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& grad_o,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd_impl(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
+    const std::optional<Tensor>& gv, const Tensor& grad_o,
     const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
     bool head_first, const std::optional<Tensor>& hst, const std::optional<Tensor>& amat) {
-  return chunk_gla_bwd(q, k, v, g, grad_o, grad_final_state, scale, initial_state, cu_seqlens,
-                       head_first, hst, amat, R);
+  return chunk_gla_bwd(q, k, v, g, gv, grad_o, grad_final_state, scale, initial_state,
+                       cu_seqlens, head_first, hst, amat, R);
 }
 
 template <ChunkRunner R>

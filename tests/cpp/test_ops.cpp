@@ -303,7 +303,7 @@ CATCH_TEST_CASE("chunk ops: forward equals the loop, C++ autograd matches finite
   auto [o_ref, hT_ref] = rwkv6_loop(in, scale);
   CATCH_CHECK(max_err(o, o_ref) < 1e-12);
   CATCH_CHECK(max_err(hT, hT_ref) < 1e-12);
-  auto [og, hg] = fla_ext::chunk_gla(in.r, in.k, in.v, in.w, scale, in.h0, true);
+  auto [og, hg] = fla_ext::chunk_gla(in.r, in.k, in.v, in.w, std::nullopt, scale, in.h0, true);
   auto [og_ref, hg_ref] = fla_ext::fused_recurrent_gla(in.r, in.k, in.v, in.w, std::nullopt, scale, in.h0, true);
   CATCH_CHECK(max_err(og, og_ref) < 1e-12);
   CATCH_CHECK(max_err(hg, hg_ref) < 1e-12);
@@ -318,7 +318,21 @@ CATCH_TEST_CASE("chunk ops: forward equals the loop, C++ autograd matches finite
                  });
   check_grads_fd({s.r, s.k, s.v, s.w, s.h0}, {"q", "k", "v", "g", "initial_state"},
                  [&](const std::vector<Tensor>& a) {
-                   auto [o, hT] = fla_ext::chunk_gla(a[0], a[1], a[2], a[3], scale, a[4], true);
+                   auto [o, hT] = fla_ext::chunk_gla(a[0], a[1], a[2], a[3], std::nullopt, scale,
+                                                     a[4], true);
+                   return (o * go).sum() + (hT * gh).sum();
+                 });
+  // The value-side decay (GSA pass 1), alone and with the key-side one.
+  const Tensor gv = at::log_sigmoid(at::randn({1, 66, H, V}, at::kDouble));
+  check_grads_fd({s.r, s.k, s.v, s.w, gv, s.h0}, {"q", "k", "v", "g", "gv", "initial_state"},
+                 [&](const std::vector<Tensor>& a) {
+                   auto [o, hT] = fla_ext::chunk_gla(a[0], a[1], a[2], a[3], a[4], scale, a[5], true);
+                   return (o * go).sum() + (hT * gh).sum();
+                 });
+  check_grads_fd({s.r, s.k, s.v, gv, s.h0}, {"q", "k", "v", "gv", "initial_state"},
+                 [&](const std::vector<Tensor>& a) {
+                   auto [o, hT] = fla_ext::chunk_gla(a[0], a[1], a[2], std::nullopt, a[3], scale,
+                                                     a[4], true);
                    return (o * go).sum() + (hT * gh).sum();
                  });
 }

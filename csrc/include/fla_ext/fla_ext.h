@@ -52,9 +52,11 @@ inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_gla(
                  head_first);
 }
 
-// Chunked GLA (training path); see fla_ext.ops.chunk_gla. Returns (o, final_state).
+// Chunked GLA (training path); see fla_ext.ops.chunk_gla. g: key-side log decay [.., K], gv:
+// value-side log decay [.., V] (GSA pass 1), each optional. Returns (o, final_state).
 inline std::tuple<at::Tensor, at::Tensor> chunk_gla(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& g, const std::optional<at::Tensor>& gv = std::nullopt,
     std::optional<double> scale = std::nullopt,
     const std::optional<at::Tensor>& initial_state = std::nullopt,
     bool output_final_state = false, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
@@ -63,10 +65,11 @@ inline std::tuple<at::Tensor, at::Tensor> chunk_gla(
                        .findSchemaOrThrow("fla::chunk_gla", "")
                        .typed<std::tuple<at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, std::optional<double>,
-                           const std::optional<at::Tensor>&, bool,
+                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                           std::optional<double>, const std::optional<at::Tensor>&, bool,
                            const std::optional<at::Tensor>&, bool)>();
-  return op.call(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, head_first);
+  return op.call(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
+                 head_first);
 }
 
 // Chunked RWKV6 (training path); see fla_ext.ops.chunk_rwkv6. Returns (o, final_state).

@@ -1,0 +1,83 @@
+// CUDA chunk engine for a value-side decay alone (kernels/chunk.h `gv` with `g` off; GLA reader):
+//   h_t = h_{t-1} diag(exp(gv_t)) + k_t v_t^T,   o_t = ρ h_t^T q_t      (GSA pass 1, §7.1)
+//
+// No new kernels: the value-side problem is the key-side one (chunk.cuh) transposed. With
+// S' = Sᵀ [V x K] the state pass is S'⁺ = diag(γv) S' + (V ⊙ e^{Ωv})ᵀ K, i.e. the key-side pass
+// with (k, v, g) := (v, k, gv), and every quantity of §7.1/§7.2 is one the key-side kernels
+// already compute for the transposed pass P' = (q: dO, k: v, v: k, dout: q, g: gv, K: V, V: K):
+//   forward   o   = the grad_qk kernel's dq of P'      (ρ e^{Gv_i} ⊙ (Q S)_i + Σ_j P_ij v_j e^{Gv_i−Gv_j},
+//                                                      P = ρ tril(Q Kᵀ) = P's dA)
+//   backward  dk  = the dv of P' (out kernel, DV)      (V̂ dS⁺ᵀ + Σ_i dP_ij q_i, dP = ρ A'ᵀ)
+//             dq  = the o of P' (out kernel)           (ρ (dO ⊙ e^{Gv}) Sᵀ + Σ_j dP_ij k_j)
+//             dv  = the dk of P', dgv = the dg of P'   (revcumsum(o ⊙ dO − v ⊙ dv) + colsum(S⁺⊙dS⁺),
+//                                                      with o recomputed in fp32 as P''s dq)
+// so the §2.6 additive exponents, the §1.2 sub-chunk references and the exact dg resets carry
+// over unchanged. The workspaces hold the transposed states: hst/dhst [slots, H, V, K] (same
+// size), gam [slots, H, V], zeta [slots, H, ceil(K / kStateCols), V] (ops/chunk.cpp sizes them).
+#pragma once
+#include "chunk.cuh"
+
+namespace fla {
+namespace chunk_detail {
+
+__host__ __device__ inline MatArg transposed(MatArg m) {
+  const int64_t r = m.sr;
+  m.sr = m.sc, m.sc = r;
+  return m;
+}
+
+// The transposed pass P' (see above) of a value-side-decay pass; outputs off, set per launch.
+inline ChunkPass value_side_as_key_side(const ChunkPass& p) {
+  ChunkPass r = p;
+  r.K = p.V, r.V = p.K;
+  r.q = p.dout.on() ? p.dout : p.v;  // forward: only P''s dq is used, which does not read q'
+  r.k = p.v, r.v = p.k, r.dout = p.q;
+  r.g = p.gv, r.gv = VecArg{};
+  r.h0 = transposed(p.h0), r.hT = transposed(p.hT);
+  r.dht = transposed(p.dht), r.dh0 = transposed(p.dh0);
+  r.o = r.dq = r.dk = r.dv = r.dg = r.dgv = VecArg{};
+  return r;
+}
+
+template <typename T>
+cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
+  constexpr Reader RD = Reader::Inclusive;
+  const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
+  const ChunkPass r = value_side_as_key_side(p);
+  const int ntk = (r.K + DT - 1) / DT, ntv = (r.V + DT - 1) / DT, nts = (r.V + SV - 1) / SV;
+  cudaError_t e;
+  if ((e = launch_state<T, RD, false>(r, slots, stream)) != cudaSuccess) return e;
+  auto dqk = chunk_grad_qk_kernel<T, RD>;
+  if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
+  if (!p.dout.on()) {
+    // o = dq of P'. Its dk/dg are not wanted (off), nts = 0 skips the zeta read, and dS⁺ (only
+    // feeding the discarded dk) points at the states so that every read is in bounds.
+    ChunkPass f = r;
+    f.dq = p.o, f.dhst = r.hst;
+    if (slots > 0) dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(f, 0);
+    return cudaGetLastError();
+  }
+  if ((e = launch_state<T, RD, true>(r, slots, stream)) != cudaSuccess) return e;
+  auto dv = chunk_out_kernel<T, RD, true>;
+  auto out = chunk_out_kernel<T, RD, false>;
+  if ((e = set_smem(dv, kOutSmem)) != cudaSuccess) return e;
+  if ((e = set_smem(out, kOutSmem)) != cudaSuccess) return e;
+  ChunkPass b = r;
+  b.dv = p.dk, b.o = p.dq, b.dk = p.dv, b.dg = p.dgv;  // b.dq (= o) stays off
+  if (slots > 0) {
+    if (p.dk.on()) dv<<<dim3(unsigned(slots), r.H, ntv), NTH, kOutSmem, stream>>>(b);
+    if (p.dq.on()) out<<<dim3(unsigned(slots), r.H, ntv), NTH, kOutSmem, stream>>>(b);
+    dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(b, nts);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace chunk_detail
+
+// The chunk engine's entry for a value-side decay (alone); the key-side one is launch_chunk.
+template <typename T>
+cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
+  return chunk_detail::launch_chunk_vdecay<T>(p, stream);
+}
+
+}  // namespace fla
