@@ -61,11 +61,14 @@ RWKV6 = Family(
     dict(chunk=fla_ext.chunk_rwkv6, fused=fla_ext.fused_recurrent_rwkv6),
     reference.rwkv6, reference.rwkv6_bwd)
 
-# GLA with the value-side decay gv [.., V] (GSA pass 1; fused_recurrent_gla has no gv here), alone
-# and with g (the CPU backend only: CUDA refuses both together).
+# GLA with the value-side decay gv [.., V] (GSA pass 1), alone and with g (the chunk mode on the
+# CPU backend only: CUDA refuses both together). gv alone is compared with fused_recurrent_gla
+# too; with both decays fused_recurrent's fp32 decay gradients have their own wider tolerance
+# (tests/test_fused_recurrent_gla.py), so that pair is checked against the oracle only.
 GLA_GV = Family(
     "gla_gv", ("q", "k", "v", "gv"),
-    dict(chunk=lambda q, k, v, gv, **kw: fla_ext.chunk_gla(q, k, v, gv=gv, **kw)),
+    dict(chunk=lambda q, k, v, gv, **kw: fla_ext.chunk_gla(q, k, v, gv=gv, **kw),
+         fused=lambda q, k, v, gv, **kw: fla_ext.fused_recurrent_gla(q, k, v, gv=gv, **kw)),
     lambda q, k, v, gv, **kw: reference.gla(q, k, v, None, gv, **kw),
     lambda q, k, v, gv, do, dht, **kw: reference.gla_bwd(q, k, v, None, do, dht, gv=gv, **kw))
 GLA_KV = Family(
@@ -77,6 +80,7 @@ GLA_KV = Family(
 
 FAMILIES = [pytest.param(GLA, id="gla"), pytest.param(RWKV6, id="rwkv6")]
 # The chunk engine's families: the fused-mode ones plus the value-side decay.
+FUSED_FAMILIES = FAMILIES + [pytest.param(GLA_GV, id="gla_gv")]  # those with both modes
 CHUNK_FAMILIES = FAMILIES + [pytest.param(GLA_GV, id="gla_gv"), pytest.param(GLA_KV, id="gla_kv")]
 
 

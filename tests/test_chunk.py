@@ -9,8 +9,8 @@ import torch
 
 import fla_ext
 from conftest import DEVICES, TOL, assert_close
-from families import (CHUNK_FAMILIES, FAMILIES, GLA_GV, GLA_KV, RWKV6, leaves, on_devices,
-                      run_and_check)
+from families import (CHUNK_FAMILIES, FUSED_FAMILIES, GLA_GV, GLA_KV, RWKV6, leaves,
+                      on_devices, run_and_check)
 from fla_ext import reference
 from inputs import STRESS, layout, log_decay
 
@@ -38,8 +38,7 @@ def test_grid(device, dtype, fam, shape, layout, gen):
                   scale=0.7 if noncontig else None, gen=gen)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("device,fam", on_devices(DEVICES, FUSED_FAMILIES))
 @pytest.mark.parametrize("w_kind,cu", [("typical", None), ("u30", None), ("mixedinf", None),
                                        ("spike15", None), ("typical", [0, 70, 70, 135, 200])],
                          ids=["typical", "u30", "mixedinf", "spike15", "varlen"])
@@ -61,7 +60,7 @@ def test_matches_fused(device, fam, w_kind, cu, gen):
         out[mode] = dict(o=o, ht=ht, **{f"d{n}": t.grad for n, t in ins.items()})
     tol, tol_decay, atol = TOL[F32]
     for name, ref in out["fused"].items():
-        decay = name == "d" + fam.decay
+        decay = name[1:] in fam.decays
         assert_close(name, out["chunk"][name], ref, tol_decay if decay else tol, atol)
 
 
