@@ -38,11 +38,11 @@ FLA_HD int dplr_tiles(int V) { return (V + kDplrTileCols - 1) / kDplrTileCols; }
 // The K-vector gradients, in the order of DplrPass::kg.
 enum DplrKGrad : int { kGradR = 0, kGradW = 1, kGradK = 2, kGradA = 3, kGradB = 4, kNumKGrads = 5 };
 
-struct DplrPass {
+// What both RWKV7 engines (this sequential one and the chunked one, dplr_chunk.h) read and write.
+struct DplrArgs {
   DType dtype = DType::f32;  // of every VecArg except kg
   int N = 0, H = 0, T = 0, K = 0, V = 0;
   const int64_t* cu_seqlens = nullptr;  // [N+1] on the pass's device, or null
-  bool reverse = false;
   double scale = 1;
 
   VecArg r, w, k, v, a, b;  // inputs: r, w, k, a, b have K entries, v has V
@@ -60,12 +60,16 @@ struct DplrPass {
   VecArg dv;
   VecArg kg;
   int64_t kg_tile = 0, kg_grad = 0;
+
+  FLA_HD bool backward() const { return dout.on(); }
+};
+
+struct DplrPass : DplrArgs {
+  bool reverse = false;
   // Workspaces (acc type, contiguous): checkpoints [B, slots, H, K, V] with
   // slots = dplr_slots(T, N, cu_seqlens != null), and the segment scratch [N, H, kDplrSeg, K, V].
   void* chk = nullptr;
   void* seg = nullptr;
-
-  FLA_HD bool backward() const { return dout.on(); }
 };
 
 // Backends: forward when !p.backward(), else backward. The CPU runs on at::parallel_for's

@@ -40,32 +40,10 @@ FLA_HD int dplr_chunk_tiles(int K, int V) {
   return (V + c - 1) / c;
 }
 
-struct DplrChunkPass {
-  DType dtype = DType::f32;  // of every VecArg except kg
-  int N = 0, H = 0, T = 0, K = 0, V = 0;
-  const int64_t* cu_seqlens = nullptr;  // [N+1] on the pass's device, or null
-  double scale = 1;
-
-  VecArg r, w, k, v, a, b;  // inputs: r, w, k, a, b have K entries, v has V
-  MatArg h0;                // initial state (read), zero when off
-
-  // Forward: o (V entries, written) and the final state (written when on).
-  VecArg o;
-  MatArg hT;
-
-  // Backward (when dout is on): dO, dh_T (zero when off); outputs dv (input dtype), dh0 (when
-  // on) and the K-vector partials: grad g of column tile p at kg with ptr offset
-  // p * kg_tile + g * kg_grad (acc type), g in DplrKGrad order.
-  VecArg dout;
-  MatArg dht, dh0;
-  VecArg dv;
-  VecArg kg;
-  int64_t kg_tile = 0, kg_grad = 0;
+struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients
   // Backward workspace (acc, contiguous [chunk_slots<kDplrChunk>(N, T, varlen), H, K, V]): the
   // chunk-start states of the recompute; a backend may keep them elsewhere.
   void* hst = nullptr;
-
-  FLA_HD bool backward() const { return dout.on(); }
 };
 
 void dplr_chunk_cpu(const DplrChunkPass& p);

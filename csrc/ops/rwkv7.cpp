@@ -25,19 +25,26 @@ DiagArgs check_rwkv7(const Tensor& r, const Tensor& w, const Tensor& k, const Te
   return d;
 }
 
+void set_dplr_args(DplrArgs& p, const DiagArgs& d, const Tensor& r, const Tensor& w,
+                   const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
+                   const std::optional<Tensor>& h0) {
+  const Layout& L = d.L;
+  p.dtype = kernel_dtype(r);
+  p.N = int(d.N), p.H = int(d.H), p.T = int(d.T), p.K = int(d.K), p.V = int(d.V);
+  p.cu_seqlens = d.cu.defined() ? d.cu.data_ptr<int64_t>() : nullptr;
+  p.scale = d.scale;
+  p.r = L.vec(r), p.w = L.vec(w), p.k = L.vec(k), p.v = L.vec(v), p.a = L.vec(a), p.b = L.vec(b);
+  if (has(h0)) p.h0 = mat(*h0);
+}
+
 namespace {
 
 DplrPass rwkv7_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
                     const Tensor& v, const Tensor& a, const Tensor& b, bool reverse,
                     const std::optional<Tensor>& h0) {
-  const Layout& L = d.L;
   DplrPass p;
-  p.dtype = kernel_dtype(r);
-  p.N = int(d.N), p.H = int(d.H), p.T = int(d.T), p.K = int(d.K), p.V = int(d.V);
-  p.cu_seqlens = d.cu.defined() ? d.cu.data_ptr<int64_t>() : nullptr;
-  p.reverse = reverse, p.scale = d.scale;
-  p.r = L.vec(r), p.w = L.vec(w), p.k = L.vec(k), p.v = L.vec(v), p.a = L.vec(a), p.b = L.vec(b);
-  if (has(h0)) p.h0 = mat(*h0);
+  set_dplr_args(p, d, r, w, k, v, a, b, h0);
+  p.reverse = reverse;
   return p;
 }
 

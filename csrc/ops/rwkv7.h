@@ -10,6 +10,10 @@
 namespace fla::ops {
 
 using DplrRunner = void (*)(const DplrPass&);
+// The operands of either RWKV7 engine (kernels/dplr.h DplrArgs) from checked arguments.
+void set_dplr_args(DplrArgs& p, const DiagArgs& d, const Tensor& r, const Tensor& w,
+                   const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
+                   const std::optional<Tensor>& h0);
 using DplrChunkRunner = void (*)(const DplrChunkPass&);
 
 // Shapes, dtypes, devices of (r, w, k, v, a, b, h0, cu_seqlens) and, with FLA_EXT_CHECKS, their
