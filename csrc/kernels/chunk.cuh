@@ -127,6 +127,23 @@ __device__ __forceinline__ void load_mat(Tile* s, const float* m, int R, int Cn,
   f.store<TRANSPOSE>(s);
 }
 
+// A fragment's 64 x 64 values into a shared tile, then out to a row-major fp32 matrix row by row
+// (thread x writes column x % DT of rows x / DT + 4 it): consecutive threads write consecutive
+// elements, where the fragment layout would scatter 8-byte pieces over 16 rows.
+template <class F>
+__device__ __forceinline__ void stage(const F& f, Tile* s, float mul) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) s[F::row(i)][F::col(i)] = mul * f.v[i];
+}
+__device__ __forceinline__ void store_mat(const Tile* s, float* m, int R, int Cn, int r0, int c0) {
+  const int c = threadIdx.x % DT, rr = threadIdx.x / DT;
+  if (c0 + c >= Cn) return;
+  float* base = m + int64_t(r0 + rr) * Cn + c0 + c;
+#pragma unroll
+  for (int it = 0; it < kPer; ++it)
+    if (r0 + rr + it * (NTH / DT) < R) base[int64_t(it) * (NTH / DT) * Cn] = s[rr + it * (NTH / DT)][c];
+}
+
 // Per channel of a K tile: sub-chunk totals τ_m and, from them by addition only, the factors
 // before[m] = exp2(Σ_{l<m} τ_l), after[m] = exp2(Σ_{l>m} τ_l), gap[m'][m] = exp2(Σ_{m'<l<m} τ_l)
 // and gamma = exp2(Σ τ).
@@ -227,13 +244,11 @@ __global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int nt
   __syncthreads();
   Acc<T> acc;
   acc.template mma<true>(X, Y, C);
-  float* out = static_cast<float*>(BWD ? p.dhst : p.hst) +
-               ((pos.slot + (BWD ? 0 : 1)) * p.H + h) * int64_t(p.K) * p.V;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int row = k0 + acc.row(i), col = v0 + acc.col(i);
-    if (row < p.K && col < p.V) out[int64_t(row) * p.V + col] = acc.v[i];
-  }
+  __syncthreads();
+  stage(acc, X, 1.f);
+  __syncthreads();
+  store_mat(X, static_cast<float*>(BWD ? p.dhst : p.hst) + ((pos.slot + (BWD ? 0 : 1)) * p.H + h) * int64_t(p.K) * p.V,
+            p.K, p.V, k0, v0);
 }
 
 constexpr int SV = kStateCols;  // columns per zeta partial: one warp of the scan
@@ -288,7 +303,7 @@ __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) 
   } else {
     *at(hst, chunk_slot(p.cu_seqlens, n, p.T, nch)) = run;
     if (p.hT.on()) *mptr(p.hT, n, h, k, v) = run;
-    if (p.amat && p.cu_seqlens) {  // a kept hst is an op output: its gap slots read 0
+    if (p.cu_seqlens) {  // hst may be kept as an op output: its gap slots read 0
       const int64_t next = n + 1 < p.N ? chunk_slot(p.cu_seqlens, n + 1, p.T, 0)
                                        : chunk_slots(p.N, p.T, true);
       for (int64_t s = chunk_slot(p.cu_seqlens, n, p.T, nch) + 1; s < next; ++s) *at(hst, s) = 0.f;
@@ -297,118 +312,239 @@ __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) 
 }
 
 // ------------------------------------------------------------------------------------------------
-// Diagonal sub-chunk blocks of A (and the u bonus on the diagonal), added into A for one K tile.
-// Thread (m, i, cq) owns row 16m + i and the channels ≡ cq (mod 4); walking the key row j down
-// from the row builds the exponent Σ_{j<s<=i} λ_s (exclusive: s < i) by additions only. The
-// four channel quarters are summed by shuffles.
+// Diagonal sub-chunk blocks of A (and the u bonus), one more level of §1.2 references inside
+// each 16-row sub-chunk: micro-blocks of MB = 4 rows. A pair (i, j) in the same micro-block
+// walks its exponent Σ_{j<s<=i} λ_s (exclusive: s < i) by additions (step A); a pair in
+// micro-blocks μj < μi factors, all exponents <= 0 and added, never subtracted, as
+//   exp2(R_i) · exp2(Σ_{μj<ν<μi} τ4_ν) · exp2(L_j),
+// R_i = reader exponent from the start of i's micro-block, L_j = Σ_{j<s<=end of j's micro-block},
+// τ4 = micro-block totals (step B: q4 = q ⊙ exp2(R), k4 = k ⊙ exp2(L), no per-pair exponential).
+// Thread (m, i, cq) owns row I = 16m + i and the channels ≡ cq (mod 4); a4 (its micro-block) and
+// ab (earlier micro-blocks of the sub-chunk) hold its channel-quarter partials over all K tiles.
+constexpr int MB = 4, NMB = SC / MB;
+struct DiagAcc {
+  float a4[MB] = {}, ab[SC - MB] = {}, b = 0.f;
+};
+
+// Step A, from raw q, k, λ; leaves q4 in Q (row I, this thread's channels).
 template <Reader RD>
-__device__ __forceinline__ void diag_pairs(Tile* A, const Tile* Q, const Tile* KT_,
-                                           const Tile* lam, const float* u) {
+__device__ __forceinline__ void diag_step_a(DiagAcc& acc, Tile* Q, const Tile* KT_,
+                                            const Tile* lam, const float* u) {
   const int m = threadIdx.x / 64, I = m * SC + (threadIdx.x / 4) % SC, cq = threadIdx.x % 4;
   const int iend = RD == Reader::Inclusive ? I : I - 1;  // last key row that carries a decay
-  const int jwarp = (threadIdx.x / 32 % 2) * 8 + 7;       // this warp's last row: skip above it
-  float acc[SC], b = 0.f;
-#pragma unroll
-  for (int jj = 0; jj < SC; ++jj) acc[jj] = 0.f;
+  const int j0 = I / MB * MB;                              // first row of I's micro-block
   for (int ch = cq; ch < DT; ch += 4) {
     const float qi = Q[I][ch];
     float e = 0.f;
 #pragma unroll
-    for (int jj = SC - 1; jj >= 0; --jj) {
-      const int j = m * SC + jj;
-      if (jj <= jwarp) {  // warp-uniform; the row mask below is branch-free
-        const bool on = j <= iend;
-        acc[jj] += qi * KT_[ch][j] * ex2(on ? e : -INFINITY);
-        e += on ? lam[j][ch] : 0.f;
-      }
+    for (int r = MB - 1; r >= 0; --r) {  // branch-free row mask: j > iend adds nothing
+      const int j = j0 + r;
+      const bool on = j <= iend;
+      acc.a4[r] += qi * KT_[ch][j] * ex2(on ? e : -INFINITY);
+      e += on ? lam[j][ch] : 0.f;
     }
-    if (RD == Reader::Exclusive) b += qi * u[ch] * KT_[ch][I];
+    if (RD == Reader::Exclusive) acc.b += qi * u[ch] * KT_[ch][I];
+    Q[I][ch] = qi * ex2(e);  // e = R_I now
   }
-#pragma unroll
-  for (int jj = 0; jj < SC; ++jj) {
-    acc[jj] += __shfl_xor_sync(0xffffffffu, acc[jj], 1);
-    acc[jj] += __shfl_xor_sync(0xffffffffu, acc[jj], 2);
-  }
-  b += __shfl_xor_sync(0xffffffffu, b, 1);
-  b += __shfl_xor_sync(0xffffffffu, b, 2);
-#pragma unroll
-  for (int jj = 0; jj < SC; ++jj)
-    if (jj % 4 == cq && m * SC + jj <= iend) A[I][m * SC + jj] += acc[jj];
-  if (RD == Reader::Exclusive && cq == 0) A[I][I] += b;
 }
 
-// Forward outputs (DV = false): o = ρ (Q̂ S + A V), and A into p.amat when that is set (kept
-// for the backward). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO, with A read from p.amat when set
-// (then q and the pair work are skipped) or recomputed.
-template <typename T, Reader RD, bool DV>
-__global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
+// Keys to their micro-block ends (k4, in place) and the micro-block totals τ4 [4 NSC][DT]:
+// thread (m, ch) walks sub-chunk m.
+__device__ __forceinline__ void micro_keys(Tile* KT_, const Tile* lam, float* tau4) {
+  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+#pragma unroll
+  for (int mu = 0; mu < NMB; ++mu) {
+    float f = 0.f;
+#pragma unroll
+    for (int r = MB - 1; r >= 0; --r) {
+      const int j = m * SC + mu * MB + r;
+      KT_[ch][j] *= ex2(f);
+      f += lam[j][ch];
+    }
+    tau4[(m * NMB + mu) * DT + ch] = f;
+  }
+}
+
+// Step B, from q4 (Q) and k4 (KT_).
+__device__ __forceinline__ void diag_step_b(DiagAcc& acc, const Tile* Q, const Tile* KT_,
+                                            const float* tau4) {
+  const int m = threadIdx.x / 64, I = m * SC + (threadIdx.x / 4) % SC, cq = threadIdx.x % 4;
+  const int mi = I % SC / MB;  // I's micro-block in the sub-chunk
+  for (int ch = cq; ch < DT; ch += 4) {
+    const float q4 = Q[I][ch];
+    float g = 0.f;  // Σ τ4 strictly between the two micro-blocks
+#pragma unroll
+    for (int mj = NMB - 2; mj >= 0; --mj) {
+      if (mj < mi) {
+        const float qg = q4 * ex2(g);
+#pragma unroll
+        for (int r = 0; r < MB; ++r) acc.ab[mj * MB + r] += qg * KT_[ch][m * SC + mj * MB + r];
+        g += tau4[(m * NMB + mj) * DT + ch];
+      }
+    }
+  }
+}
+
+// From micro-block to sub-chunk references in place: q4 -> q ⊙ exp2(reader exponent from the
+// sub-chunk start), k4 -> k ⊙ exp2(Qex), by the τ4 of the earlier / later micro-blocks.
+__device__ __forceinline__ void micro_to_sub(Tile* Q, Tile* KT_, const float* tau4) {
+  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+  float t[NMB];
+#pragma unroll
+  for (int mu = 0; mu < NMB; ++mu) t[mu] = tau4[(m * NMB + mu) * DT + ch];
+#pragma unroll
+  for (int mu = 0; mu < NMB; ++mu) {
+    float bq = 0.f, ak = 0.f;
+#pragma unroll
+    for (int nu = 0; nu < NMB; ++nu) {
+      if (nu < mu) bq += t[nu];
+      if (nu > mu) ak += t[nu];
+    }
+    const float fq = ex2(bq), fk = ex2(ak);
+#pragma unroll
+    for (int r = 0; r < MB; ++r) {
+      const int i = m * SC + mu * MB + r;
+      Q[i][ch] *= fq;
+      KT_[ch][i] *= fk;
+    }
+  }
+}
+
+// Row I of the diagonal block m into A (every element of the block: zeros above the diagonal,
+// and on it for the exclusive reader unless the bonus is there).
+template <Reader RD>
+__device__ __forceinline__ void diag_store(Tile* A, DiagAcc& acc) {
+  const int m = threadIdx.x / 64, I = m * SC + (threadIdx.x / 4) % SC, cq = threadIdx.x % 4;
+  const int iend = RD == Reader::Inclusive ? I : I - 1, mi = I % SC / MB;
+  auto quarters = [](float& x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+  };
+#pragma unroll
+  for (int r = 0; r < MB; ++r) quarters(acc.a4[r]);
+#pragma unroll
+  for (int r = 0; r < SC - MB; ++r) quarters(acc.ab[r]);
+  quarters(acc.b);
+#pragma unroll
+  for (int jj = 0; jj < SC; ++jj) {
+    if (jj % 4 != cq) continue;
+    const int j = m * SC + jj, mj = jj / MB;
+    float v = 0.f;
+    if (mj < mi) v = acc.ab[jj < SC - MB ? jj : 0];
+    else if (mj == mi) v = (j <= iend ? acc.a4[jj % MB] : 0.f) + (RD == Reader::Exclusive && j == I ? acc.b : 0.f);
+    A[I][j] = v;
+  }
+}
+
+// The pair matrix of each chunk, A_ij = Σ_c q_ic k_jc exp2(Σ_{j<s<=i} λ_sc) for j < i (and the
+// i = j terms: 1, or the bonus u), over all K tiles, into p.amat [slots, H, C, C] (fp32, zero
+// above the diagonal and for slots that hold no chunk). One CTA per chunk and head: the pair
+// work is done once, whatever V, and the out kernels read A back.
+#ifndef FLA_PAIRS_CTAS
+#define FLA_PAIRS_CTAS 2
+#endif
+template <typename T, Reader RD>
+__global__ void __launch_bounds__(NTH, FLA_PAIRS_CTAS) chunk_pairs_kernel(ChunkPass p) {
   extern __shared__ float4 smem4[];
-  Tile* QX = reinterpret_cast<Tile*>(smem4);  // q, then q ⊙ exp2(reader exp), then Q̂
-  Tile* KYt = QX + C;                          // k transposed [ch][j], then ⊙ exp2(Qex), K̂
-  Tile* W = KYt + C;                           // λ, then the state tile, then V / dO
-  Tile* A = W + C;
-  Decays& d = *reinterpret_cast<Decays*>(A + C);
-  float* us = reinterpret_cast<float*>(&d + 1);
+  Tile* QX = reinterpret_cast<Tile*>(smem4);  // q, then q4, then q ⊙ exp2(reader exponent)
+  Tile* KYt = QX + C;                          // k transposed [ch][j], then k4, then ⊙ exp2(Qex)
+  Tile* W = KYt + C;                           // λ, then A
+  Decays& d = *reinterpret_cast<Decays*>(W + C);
+  float* us = reinterpret_cast<float*>(&d + 1);  // [DT]
+  float* tau4 = us + DT;                          // [4 NSC][DT]
 
   Pos pos;
   const bool chunk = locate(p, blockIdx.x, pos);
-  const int h = blockIdx.y, v0 = blockIdx.z * DT;
-  float* amat = p.amat ? static_cast<float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C : nullptr;
-  if (!chunk) {  // a kept A is an op output: slots without a chunk read 0
-    if (!DV && amat && blockIdx.z == 0)
-      for (int e = threadIdx.x; e < C * C; e += NTH) amat[e] = 0.f;
+  const int h = blockIdx.y;
+  float4* amat = reinterpret_cast<float4*>(static_cast<float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C);
+  if (!chunk) {  // a kept A is an op output: slots without a chunk read 0. (amat may be null
+    // when no slot holds a chunk: T = 0 reads as a pass without decays, see chunk_cuda.)
+    if (p.amat)
+      for (int e = threadIdx.x; e < C * C / 4; e += NTH) amat[e] = make_float4(0.f, 0.f, 0.f, 0.f);
     return;
   }
-  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
-  const int64_t KV = int64_t(p.K) * p.V;
-  const bool pairs = !(DV && amat);  // the backward with a kept A only needs K̂
-
-  for (int e = threadIdx.x; e < C * LD; e += NTH) A[e / LD][e % LD] = 0.f;
-  Acc<T> acc;
+  DiagAcc dacc;
+  Acc<T> off;  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk); the rest stays 0
   for (int k0 = 0; k0 < p.K; k0 += DT) {
     __syncthreads();
-    if (pairs) load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-    load_rows<T, true>(KYt, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+    {  // two tiles in flight at a time: three would spill the accumulators
+      RowFetch fq, fk;
+      fq.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+      fk.fetch<T>(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+      fq.store<false>(QX), fk.store<true>(KYt);
+    }
     load_rows<T, false>(W, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
     if (RD == Reader::Exclusive && threadIdx.x < DT)
       us[threadIdx.x] = k0 + threadIdx.x < p.K ? ldu(p.u, int64_t(h) * p.K + k0 + threadIdx.x, p.udtype) : 0.f;
     __syncthreads();
     chunk_decays(d, W);
-    if (pairs) diag_pairs<RD>(A, QX, KYt, W, us);
+    diag_step_a<RD>(dacc, QX, KYt, W, us);
     __syncthreads();
-    if (pairs) scale_reader<RD>(QX, W, m, ch, 1.f);
-    scale_key<true>(KYt, W, m, ch, 1.f);
+    micro_keys(KYt, W, tau4);
     __syncthreads();
-    if (pairs) {  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk) of A
-      Acc<T> a;
-      a.template mma_blocks<false>(
-          QX, KYt, [](int) { return 0; }, [](int) { return DT; },
-          [&](int c, int j, int mq) { return d.gap[j / SC][mq][c]; },
-          [](int mq, int mk) { return mk < mq; });
-#pragma unroll
-      for (int e = 0; e < 16; ++e)
-        if (a.col(e) / SC < a.row(e) / SC) A[a.row(e)][a.col(e)] += a.v[e];
-    }
+    diag_step_b(dacc, QX, KYt, tau4);
     __syncthreads();
-    // Q̂ = q ⊙ exp2(G or E) = QX ⊙ before[m];  K̂ = k ⊙ exp2(Ω) = KYt ⊙ after[m].
-    if (DV) {
-      for (int j = m * SC; j < (m + 1) * SC; ++j) KYt[ch][j] *= d.after[m][ch];
-    } else {
-      for (int i = m * SC; i < (m + 1) * SC; ++i) QX[i][ch] *= d.before[m][ch];
-    }
-    const float* st = static_cast<const float*>(DV ? p.dhst : p.hst) + (pos.slot * p.H + h) * KV;
-    load_mat<false>(W, st, p.K, p.V, k0, v0);
+    micro_to_sub(QX, KYt, tau4);
     __syncthreads();
-    if (DV) acc.template mma<true>(KYt, W, DT);
-    else acc.template mma<false>(QX, W, DT);
+    off.template mma_blocks<false>(
+        QX, KYt, [](int) { return 0; }, [](int) { return DT; },
+        [&](int c, int j, int mq) { return d.gap[j / SC][mq][c]; },
+        [](int mq, int mk) { return mk < mq; });
   }
   __syncthreads();
-  if (amat && !pairs) {
-    load_mat<false>(A, amat, C, C, 0, 0);
-  } else if (amat && blockIdx.z == 0) {  // one V tile keeps A
-    for (int e = threadIdx.x; e < C * C; e += NTH) amat[e] = A[e / C][e % C];
+  Tile* A = W;
+#pragma unroll
+  for (int e = 0; e < 16; ++e)
+    if (off.col(e) / SC != off.row(e) / SC) A[off.row(e)][off.col(e)] = off.v[e];
+  diag_store<RD>(A, dacc);
+  __syncthreads();
+  for (int e = threadIdx.x; e < C * C / 4; e += NTH)
+    amat[e] = *reinterpret_cast<const float4*>(&A[e / (C / 4)][4 * (e % (C / 4))]);
+}
+
+// Forward (DV = false): o = ρ (Q̂ S + A V). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO. A comes from
+// p.amat (chunk_pairs_kernel, or kept from the forward).
+template <typename T, Reader RD, bool DV>
+__global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p) {
+  extern __shared__ float4 smem4[];
+  Tile* X = reinterpret_cast<Tile*>(smem4);  // Q̂, or K̂ transposed [ch][j]
+  Tile* W = X + C;                            // λ, then the state tile, then V / dO
+  Tile* A = W + C;
+  Decays& d = *reinterpret_cast<Decays*>(A + C);
+
+  Pos pos;
+  if (!locate(p, blockIdx.x, pos)) return;
+  const int h = blockIdx.y, v0 = blockIdx.z * DT;
+  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+  const int64_t KV = int64_t(p.K) * p.V;
+  const float* st = static_cast<const float*>(DV ? p.dhst : p.hst) + (pos.slot * p.H + h) * KV;
+  Acc<T> acc;
+  for (int k0 = 0; k0 < p.K; k0 += DT) {
+    __syncthreads();
+    {
+      RowFetch fx, fl;
+      fx.fetch<T>(DV ? p.k : p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+      fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+      fx.store<DV>(X), fl.store<false>(W);
+    }
+    __syncthreads();
+    chunk_decays(d, W);
+    // Q̂ = q ⊙ exp2(G or E) = q ⊙ exp2(reader exponent) before[m];  K̂ = k ⊙ exp2(Qex) after[m].
+    if (DV) scale_key<true>(X, W, m, ch, d.after[m][ch]);
+    else scale_reader<RD>(X, W, m, ch, d.before[m][ch]);
+    __syncthreads();
+    load_mat<false>(W, st, p.K, p.V, k0, v0);
+    __syncthreads();
+    if (DV) acc.template mma<true>(X, W, DT);
+    else acc.template mma<false>(X, W, DT);
   }
-  load_rows<T, false>(W, DV ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+  __syncthreads();
+  {
+    RowFetch fa, fw;
+    fa.fetch_mat(static_cast<const float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C, C, C, 0, 0);
+    fw.fetch<T>(DV ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+    fa.store<false>(A), fw.store<false>(W);
+  }
   const float rho = float(p.scale);
   if (DV)  // dv = K̂ dS+ + ρ Aᵀ dO: fold ρ into A
     for (int e = threadIdx.x; e < C * C; e += NTH) A[e / C][e % C] *= rho;
@@ -603,7 +739,8 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
 // ------------------------------------------------------------------------------------------------
 constexpr size_t kTileBytes = sizeof(float) * C * LD;
 constexpr size_t kDeltaSmem = 3 * kTileBytes + sizeof(Decays);
-constexpr size_t kOutSmem = 4 * kTileBytes + sizeof(Decays) + sizeof(float) * DT;
+constexpr size_t kPairsSmem = 3 * kTileBytes + sizeof(Decays) + sizeof(float) * (DT + 4 * NSC * DT);
+constexpr size_t kOutSmem = 3 * kTileBytes + sizeof(Decays);
 constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * 2 * DT;
 
 template <typename K>
@@ -623,28 +760,41 @@ cudaError_t launch_state(const ChunkPass& p, int64_t slots, cudaStream_t stream)
   return cudaGetLastError();
 }
 
+// The pair matrices into p.amat.
+template <typename T, Reader RD>
+cudaError_t launch_pairs(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  auto pairs = chunk_pairs_kernel<T, RD>;
+  cudaError_t e = set_smem(pairs, kPairsSmem);
+  if (e != cudaSuccess) return e;
+  if (slots > 0) pairs<<<dim3(unsigned(slots), p.H), NTH, kPairsSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// o (DV = false) or dv (DV) from hst / dhst and amat.
+template <typename T, Reader RD, bool DV>
+cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  auto out = chunk_out_kernel<T, RD, DV>;
+  cudaError_t e = set_smem(out, kOutSmem);
+  if (e != cudaSuccess) return e;
+  if (slots > 0) out<<<dim3(unsigned(slots), p.H, (p.V + DT - 1) / DT), NTH, kOutSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T, Reader RD>
 cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
-  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT, nts = (p.V + SV - 1) / SV;
+  const int ntk = (p.K + DT - 1) / DT, nts = (p.V + SV - 1) / SV;
   const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
+  const bool bwd = p.dout.on();
   cudaError_t e;
-  if (!(p.dout.on() && p.hst_kept) && (e = launch_state<T, RD, false>(p, slots, stream)) != cudaSuccess)
+  if (!(bwd && p.hst_kept) && (e = launch_state<T, RD, false>(p, slots, stream)) != cudaSuccess)
     return e;
-  if (!p.dout.on()) {
-    auto out = chunk_out_kernel<T, RD, false>;
-    if ((e = set_smem(out, kOutSmem)) != cudaSuccess) return e;
-    if (slots > 0) out<<<dim3(unsigned(slots), p.H, ntv), NTH, kOutSmem, stream>>>(p);
-    return cudaGetLastError();
-  }
+  if (!(bwd && p.amat_kept) && (e = launch_pairs<T, RD>(p, slots, stream)) != cudaSuccess) return e;
+  if (!bwd) return launch_out<T, RD, false>(p, slots, stream);
   if ((e = launch_state<T, RD, true>(p, slots, stream)) != cudaSuccess) return e;
-  auto dv = chunk_out_kernel<T, RD, true>;
-  if ((e = set_smem(dv, kOutSmem)) != cudaSuccess) return e;
+  if ((e = launch_out<T, RD, true>(p, slots, stream)) != cudaSuccess) return e;
   auto dqk = chunk_grad_qk_kernel<T, RD>;
   if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
-  if (slots > 0) {
-    dv<<<dim3(unsigned(slots), p.H, ntv), NTH, kOutSmem, stream>>>(p);
-    dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, nts);
-  }
+  if (slots > 0) dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, nts);
   return cudaGetLastError();
 }
 

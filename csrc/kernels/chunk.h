@@ -55,11 +55,12 @@ struct ChunkPass {
   // With gv on and g off the CUDA engine runs the transposed problem (chunk_vdecay.cuh): hst and
   // dhst then hold [V, K] matrices, gam is [slots, H, V] and zeta [slots, H, ceil(K / 32), V].
 
-  // Training workspaces kept from the forward (optional; a backend may ignore them):
-  // amat [slots, H, C, C] acc: the forward writes each chunk's pair matrix A when non-null, the
-  // backward reads it instead of recomputing. hst_kept: in the backward, hst already holds the
-  // forward's chunk-start states (the forward state pass is skipped). Key-side passes only.
+  // amat [slots, H, C, C] acc: the CUDA engine's pair matrices A (written by its key-side
+  // forward, read by its out kernels; a backend may leave it unused). Training workspaces kept
+  // from the forward (key-side passes only): in the backward, amat_kept says amat already holds
+  // the forward's A and hst_kept that hst holds its chunk-start states (their passes are skipped).
   void* amat = nullptr;
+  bool amat_kept = false;
   bool hst_kept = false;
 };
 

@@ -44,7 +44,7 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
   constexpr Reader RD = Reader::Inclusive;
   const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
   const ChunkPass r = value_side_as_key_side(p);
-  const int ntk = (r.K + DT - 1) / DT, ntv = (r.V + DT - 1) / DT, nts = (r.V + SV - 1) / SV;
+  const int ntk = (r.K + DT - 1) / DT, nts = (r.V + SV - 1) / SV;
   cudaError_t e;
   if ((e = launch_state<T, RD, false>(r, slots, stream)) != cudaSuccess) return e;
   auto dqk = chunk_grad_qk_kernel<T, RD>;
@@ -58,17 +58,12 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
     return cudaGetLastError();
   }
   if ((e = launch_state<T, RD, true>(r, slots, stream)) != cudaSuccess) return e;
-  auto dv = chunk_out_kernel<T, RD, true>;
-  auto out = chunk_out_kernel<T, RD, false>;
-  if ((e = set_smem(dv, kOutSmem)) != cudaSuccess) return e;
-  if ((e = set_smem(out, kOutSmem)) != cudaSuccess) return e;
+  if ((e = launch_pairs<T, RD>(r, slots, stream)) != cudaSuccess) return e;  // A' (of dO, v)
   ChunkPass b = r;
   b.dv = p.dk, b.o = p.dq, b.dk = p.dv, b.dg = p.dgv;  // b.dq (= o) stays off
-  if (slots > 0) {
-    if (p.dk.on()) dv<<<dim3(unsigned(slots), r.H, ntv), NTH, kOutSmem, stream>>>(b);
-    if (p.dq.on()) out<<<dim3(unsigned(slots), r.H, ntv), NTH, kOutSmem, stream>>>(b);
-    dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(b, nts);
-  }
+  if (p.dk.on() && (e = launch_out<T, RD, true>(b, slots, stream)) != cudaSuccess) return e;
+  if (p.dq.on() && (e = launch_out<T, RD, false>(b, slots, stream)) != cudaSuccess) return e;
+  if (slots > 0) dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(b, nts);
   return cudaGetLastError();
 }
 

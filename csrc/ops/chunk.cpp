@@ -1,9 +1,11 @@
-// Chunked GLA and RWKV6 (ALGORITHMS.md §4-§5). The forward is one chunk pass (state pass, then
-// the per-chunk outputs); the backward runs the reverse state pass for dHst, then the per-chunk
-// gradients. Under autograd on CUDA a key-side forward keeps its chunk-start states (hst) and
-// pair matrices (amat) for the backward (fp32, [slots, H, K, V] + [slots, H, 64, 64]: for bf16
-// K=V=64 about 2x the bytes of q, k, v and g together); otherwise the backward recomputes them. Backends: cpu/chunk.cpp (float64
-// exponents, the algebra as written) and kernels/chunk*.cu.
+// Chunked GLA and RWKV6 (ALGORITHMS.md §4-§5). The forward is one chunk pass (state pass, pair
+// matrices, then the per-chunk outputs); the backward runs the reverse state pass for dHst, then
+// the per-chunk gradients. The CUDA engine builds each chunk's pair matrix once into a workspace
+// (amat, fp32 [slots, H, 64, 64]) that its out kernels read. Under autograd on CUDA a key-side
+// forward keeps its chunk-start states (hst) and pair matrices for the backward (fp32,
+// [slots, H, K, V] + [slots, H, 64, 64]: for bf16 K=V=64 about 2x the bytes of q, k, v and g
+// together); otherwise the backward recomputes them. Backends: cpu/chunk.cpp (float64 exponents,
+// the algebra as written) and kernels/chunk*.cu.
 #include "chunk.h"
 
 #include "autograd_state.h"
@@ -66,6 +68,11 @@ Tensor pair_workspace(const DiagArgs& a, const Tensor& hst) {
 // and only its key-side kernels write them (the value-side pass runs them transposed).
 bool keeps_workspaces(const Tensor& q, const Tensor& gv) { return q.is_cuda() && !gv.defined(); }
 
+// The CUDA engine's pair matrices: its out kernels read A from here (ops never look inside).
+Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst, bool needed) {
+  return q.is_cuda() && needed ? pair_workspace(a, hst) : new_output({0}, hst.options());
+}
+
 // (o, final state, hst, amat): the last two are empty unless `keep`.
 std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
     const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -75,14 +82,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
   Tensor hst = state_workspace(a, q), gam = decay_workspace(a, hst, value_side_only(g, gv));
-  Tensor amat = keep ? pair_workspace(a, hst) : new_output({0}, hst.options());
+  // The value-side forward runs no out kernel (kernels/chunk_vdecay.cuh): no A.
+  Tensor amat = pair_workspace_for(a, q, hst, !value_side_only(g, gv));
   ChunkPass p = chunk_pass(a, reader, q, k, v, g, gv, uc, h0);
   p.o = a.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
   p.hst = hst.data_ptr(), p.gam = gam.data_ptr();
-  if (keep) p.amat = amat.data_ptr();
+  if (amat.numel()) p.amat = amat.data_ptr();
   run(p);
-  return {o, hT, keep ? hst : new_output({0}, hst.options()), amat};
+  auto none = [&] { return new_output({0}, hst.options()); };  // distinct: outputs must not alias
+  return {o, hT, keep ? hst : none(), keep ? amat : none()};
 }
 
 // A kept workspace handed to the backward: null when absent or empty, else checked to be the
@@ -141,7 +150,9 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   if (du_part.defined()) p.du = du_part.data_ptr();
   p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();
   p.hst_kept = hst_kept != nullptr;
-  if (amat_kept) p.amat = amat_kept->data_ptr();
+  p.amat_kept = amat_kept != nullptr;
+  Tensor amat = amat_kept ? *amat_kept : pair_workspace_for(a, q, hst, true);
+  if (amat.numel()) p.amat = amat.data_ptr();
   Tensor gam = decay_workspace(a, hst, vside);
   p.gam = gam.data_ptr();
   if (a.T > 0) {
