@@ -210,6 +210,11 @@ def test_train_forward_keeps_workspaces(device, name):
         torch.library.opcheck(op.bwd, args + (hst, amat))
         kept = op.bwd(*args, hst, amat)
         fresh = op.bwd(*args)
+        if device == "cuda":  # a kept hst without its A (or the reverse) is refused
+            with pytest.raises(ValueError, match="come together"):
+                op.bwd(*args, hst, None)
+            with pytest.raises(ValueError, match="come together"):
+                op.bwd(*args, None, amat)
         for a, b in zip(kept, fresh):  # same kernels, same arithmetic: bitwise equal
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -2,16 +2,19 @@
 //
 // Kernels (fp32 arithmetic; the tile products run on TF32 tensor cores for bf16/fp16 inputs and
 // on exact SIMT FMA for fp32 inputs, never plain TF32 there: tile_mma.cuh):
-//   delta + scan  the chunk-state recurrence: per-chunk K̂ᵀV (forward) or ρQ̂ᵀdO (backward) in
-//          parallel, then an elementwise serial scan S = γS + Δ giving Hst (dHst, zeta partials).
-//   out    (chunk slot, H, V/64)  the pair matrix A over all K tiles, then
-//          forward o = ρ(Q̂ S + A V), or backward dv = K̂ dS+ + ρ Aᵀ dO.
+//   intra  (chunk slot, H)  the pair matrix A (kept in a workspace, computed once whatever V)
+//          and the forward state delta K̂ᵀV: they share the loads of k and λ.
+//   delta  (chunk slot, H, K/64 x V/64)  the backward state delta ρQ̂ᵀdO.
+//   scan   (N, H, K x V elements)  S = γS + Δ over the chunks: Hst (forward), dHst and the zeta
+//          partials (backward); only bytes move in the serial part.
+//   out    (chunk slot, H, V/64)  forward o = ρ(Q̂ S + A V), backward dv = K̂ dS+ + ρ Aᵀ dO.
 //   grad_qk (chunk slot, H, K/64)  dA, dq, dk (inter + intra), dg by the segmented reverse
 //          cumsum with exact resets, the u terms and the du partials.
 // Decay exponents (log2 units) are only ever *added* (§2.6 additive segment sums), so they are
 // <= 0 in every factor, -inf is exact and nothing cancels: off-diagonal sub-chunk blocks use the
 // §1.2 boundary references (query from its sub-chunk start, key to its sub-chunk end, the
-// sub-chunk totals in between), diagonal blocks sum λ pair by pair.
+// sub-chunk totals in between); inside a diagonal block the same scheme runs once more on 4-row
+// micro-blocks, and only pairs inside one micro-block sum λ pair by pair.
 #pragma once
 #include <type_traits>
 
@@ -206,20 +209,19 @@ __device__ __forceinline__ void scale_key(Tile* y, const Tile* lam, int m, int c
 
 // ------------------------------------------------------------------------------------------------
 // State passes, split into a parallel and a serial part so that the serial part moves bytes only.
-// delta (chunk slot, H, K/64 x V/64), per chunk:
-//   forward   ΔS_c = K̂ᵀ V     into Hst[slot + 1]   (the slot the scan fills next)
-//   backward  ΔD_c = ρ Q̂ᵀ dO  into dHst[slot]
-//   and γ_c = exp2(Σ λ) per channel into `gam`.
+// Parallel, per chunk: forward ΔS_c = K̂ᵀ V into Hst[slot + 1] (in chunk_intra_kernel, with the
+// pair matrices), backward ΔD_c = ρ Q̂ᵀ dO into dHst[slot] (chunk_delta_kernel, (chunk slot, H,
+// K/64 x V/64)), and γ_c = exp2(Σ λ) per channel into `gam`.
 // scan (N, H, K x V elements), serial over chunks, in place:
 //   forward   Hst[c] = S; S = γ_c S + ΔS_c; the final S into the slot after the last chunk (hT)
 //   backward  dHst[c] = D (= dS+ of chunk c), zeta partials rowsum(S+ ⊙ dS+) per 32 columns,
 //             D = γ_c D + ΔD_c, then dh0.
-template <typename T, Reader RD, bool BWD>
+template <typename T, Reader RD>
 __global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int ntv) {
   extern __shared__ float4 smem4[];
-  Tile* X = reinterpret_cast<Tile*>(smem4);
+  Tile* X = reinterpret_cast<Tile*>(smem4);  // q, then ρ Q̂
   Tile* LAM = X + C;
-  Tile* Y = LAM + C;
+  Tile* Y = LAM + C;                          // dO, then the ΔD tile
   Decays& d = *reinterpret_cast<Decays*>(Y + C);
 
   Pos pos;
@@ -227,17 +229,16 @@ __global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int nt
   const int h = blockIdx.y, k0 = blockIdx.z / ntv * DT, v0 = blockIdx.z % ntv * DT;
   {  // all three fetches in flight before the first store: one memory latency, not three
     RowFetch fx, fl, fy;
-    fx.fetch<T>(BWD ? p.q : p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+    fx.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
     fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
-    fy.fetch<T>(BWD ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+    fy.fetch<T>(p.dout, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
     fx.store<false>(X), fl.store<false>(LAM), fy.store<false>(Y);
   }
   __syncthreads();
   chunk_decays(d, LAM);
-  {
+  {  // gam again: the forward's is not there when the backward runs on kept workspaces
     const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
-    if (BWD) scale_reader<RD>(X, LAM, m, ch, float(p.scale) * d.before[m][ch]);
-    else scale_key<false>(X, LAM, m, ch, d.after[m][ch]);
+    scale_reader<RD>(X, LAM, m, ch, float(p.scale) * d.before[m][ch]);
     if (v0 == 0 && m == 0 && k0 + ch < p.K)
       static_cast<float*>(p.gam)[(pos.slot * p.H + h) * p.K + k0 + ch] = d.gamma[ch];
   }
@@ -245,10 +246,9 @@ __global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int nt
   Acc<T> acc;
   acc.template mma<true>(X, Y, C);
   __syncthreads();
-  stage(acc, X, 1.f);
+  stage(acc, Y, 1.f);
   __syncthreads();
-  store_mat(X, static_cast<float*>(BWD ? p.dhst : p.hst) + ((pos.slot + (BWD ? 0 : 1)) * p.H + h) * int64_t(p.K) * p.V,
-            p.K, p.V, k0, v0);
+  store_mat(Y, static_cast<float*>(p.dhst) + (pos.slot * p.H + h) * int64_t(p.K) * p.V, p.K, p.V, k0, v0);
 }
 
 constexpr int SV = kStateCols;  // columns per zeta partial: one warp of the scan
@@ -436,20 +436,21 @@ __device__ __forceinline__ void diag_store(Tile* A, DiagAcc& acc) {
   }
 }
 
-// The pair matrix of each chunk, A_ij = Σ_c q_ic k_jc exp2(Σ_{j<s<=i} λ_sc) for j < i (and the
-// i = j terms: 1, or the bonus u), over all K tiles, into p.amat [slots, H, C, C] (fp32, zero
-// above the diagonal and for slots that hold no chunk). One CTA per chunk and head: the pair
-// work is done once, whatever V, and the out kernels read A back.
-#ifndef FLA_PAIRS_CTAS
-#define FLA_PAIRS_CTAS 2
-#endif
-template <typename T, Reader RD>
-__global__ void __launch_bounds__(NTH, FLA_PAIRS_CTAS) chunk_pairs_kernel(ChunkPass p) {
+// Per chunk and head, over all K tiles (one CTA: the pair work is done once, whatever V):
+//   PAIRS  the pair matrix A_ij = Σ_c q_ic k_jc exp2(Σ_{j<s<=i} λ_sc) for j < i (and the i = j
+//          terms: 1, or the bonus u) into p.amat [slots, H, C, C] (fp32, zero above the diagonal
+//          and for slots that hold no chunk);
+//   always the forward state delta ΔS_c = K̂ᵀ V into Hst[slot + 1] (the slot the scan fills
+//          next) and γ_c = exp2(Σ λ) per channel into `gam`.
+// One kernel for both: they share the loads of k and λ and the chunk decays.
+template <typename T, Reader RD, bool PAIRS>
+__global__ void __launch_bounds__(NTH, PAIRS ? 2 : 3) chunk_intra_kernel(ChunkPass p) {
   extern __shared__ float4 smem4[];
   Tile* QX = reinterpret_cast<Tile*>(smem4);  // q, then q4, then q ⊙ exp2(reader exponent)
-  Tile* KYt = QX + C;                          // k transposed [ch][j], then k4, then ⊙ exp2(Qex)
+  Tile* KYt = QX + (PAIRS ? C : 0);            // k transposed [ch][j], then k4, ..., then K̂
   Tile* W = KYt + C;                           // λ, then A
-  Decays& d = *reinterpret_cast<Decays*>(W + C);
+  Tile* VS = W + C;                            // a V tile, then a ΔS tile
+  Decays& d = *reinterpret_cast<Decays*>(VS + C);
   float* us = reinterpret_cast<float*>(&d + 1);  // [DT]
   float* tau4 = us + DT;                          // [4 NSC][DT]
 
@@ -459,38 +460,69 @@ __global__ void __launch_bounds__(NTH, FLA_PAIRS_CTAS) chunk_pairs_kernel(ChunkP
   float4* amat = reinterpret_cast<float4*>(static_cast<float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C);
   if (!chunk) {  // a kept A is an op output: slots without a chunk read 0. (amat may be null
     // when no slot holds a chunk: T = 0 reads as a pass without decays, see chunk_cuda.)
-    if (p.amat)
+    if (PAIRS && p.amat)
       for (int e = threadIdx.x; e < C * C / 4; e += NTH) amat[e] = make_float4(0.f, 0.f, 0.f, 0.f);
     return;
   }
+  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+  float* ds = static_cast<float*>(p.hst) + ((pos.slot + 1) * p.H + h) * int64_t(p.K) * p.V;
   DiagAcc dacc;
   Acc<T> off;  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk); the rest stays 0
   for (int k0 = 0; k0 < p.K; k0 += DT) {
     __syncthreads();
-    {  // two tiles in flight at a time: three would spill the accumulators
+    if (PAIRS) {  // two tiles in flight at a time: more would spill the accumulators
       RowFetch fq, fk;
       fq.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
       fk.fetch<T>(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
       fq.store<false>(QX), fk.store<true>(KYt);
     }
-    load_rows<T, false>(W, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
-    if (RD == Reader::Exclusive && threadIdx.x < DT)
+    {  // (k joins these when there are no accumulators to keep: all loads in flight at once)
+      RowFetch fk, fl, fv;
+      if (!PAIRS) fk.fetch<T>(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+      fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+      fv.fetch<T>(p.v, pos.b, pos.t0, pos.L, h, 0, p.V, 1.f);
+      if (!PAIRS) fk.store<true>(KYt);
+      fl.store<false>(W), fv.store<false>(VS);
+    }
+    if (PAIRS && RD == Reader::Exclusive && threadIdx.x < DT)
       us[threadIdx.x] = k0 + threadIdx.x < p.K ? ldu(p.u, int64_t(h) * p.K + k0 + threadIdx.x, p.udtype) : 0.f;
     __syncthreads();
     chunk_decays(d, W);
-    diag_step_a<RD>(dacc, QX, KYt, W, us);
-    __syncthreads();
-    micro_keys(KYt, W, tau4);
-    __syncthreads();
-    diag_step_b(dacc, QX, KYt, tau4);
-    __syncthreads();
-    micro_to_sub(QX, KYt, tau4);
-    __syncthreads();
-    off.template mma_blocks<false>(
-        QX, KYt, [](int) { return 0; }, [](int) { return DT; },
-        [&](int c, int j, int mq) { return d.gap[j / SC][mq][c]; },
-        [](int mq, int mk) { return mk < mq; });
+    if (m == 0 && k0 + ch < p.K)
+      static_cast<float*>(p.gam)[(pos.slot * p.H + h) * p.K + k0 + ch] = d.gamma[ch];
+    if (PAIRS) {
+      diag_step_a<RD>(dacc, QX, KYt, W, us);
+      __syncthreads();
+      micro_keys(KYt, W, tau4);
+      __syncthreads();
+      diag_step_b(dacc, QX, KYt, tau4);
+      __syncthreads();
+      micro_to_sub(QX, KYt, tau4);
+      __syncthreads();
+      off.template mma_blocks<false>(
+          QX, KYt, [](int) { return 0; }, [](int) { return DT; },
+          [&](int c, int j, int mq) { return d.gap[j / SC][mq][c]; },
+          [](int mq, int mk) { return mk < mq; });
+      __syncthreads();
+      for (int j = m * SC; j < (m + 1) * SC; ++j) KYt[ch][j] *= d.after[m][ch];  // K̂
+    } else {
+      scale_key<true>(KYt, W, m, ch, d.after[m][ch]);
+    }
+    for (int v0 = 0; v0 < p.V; v0 += DT) {
+      if (v0 > 0) {
+        __syncthreads();
+        load_rows<T, false>(VS, p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+      }
+      __syncthreads();
+      Acc<T> acc;
+      acc.template mma<false>(KYt, VS, C);
+      __syncthreads();
+      stage(acc, VS, 1.f);
+      __syncthreads();
+      store_mat(VS, ds, p.K, p.V, k0, v0);
+    }
   }
+  if (!PAIRS) return;
   __syncthreads();
   Tile* A = W;
 #pragma unroll
@@ -503,7 +535,7 @@ __global__ void __launch_bounds__(NTH, FLA_PAIRS_CTAS) chunk_pairs_kernel(ChunkP
 }
 
 // Forward (DV = false): o = ρ (Q̂ S + A V). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO. A comes from
-// p.amat (chunk_pairs_kernel, or kept from the forward).
+// p.amat (chunk_intra_kernel, or kept from the forward).
 template <typename T, Reader RD, bool DV>
 __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p) {
   extern __shared__ float4 smem4[];
@@ -739,7 +771,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
 // ------------------------------------------------------------------------------------------------
 constexpr size_t kTileBytes = sizeof(float) * C * LD;
 constexpr size_t kDeltaSmem = 3 * kTileBytes + sizeof(Decays);
-constexpr size_t kPairsSmem = 3 * kTileBytes + sizeof(Decays) + sizeof(float) * (DT + 4 * NSC * DT);
+constexpr size_t kIntraSmem = 4 * kTileBytes + sizeof(Decays) + sizeof(float) * (DT + 4 * NSC * DT);
 constexpr size_t kOutSmem = 3 * kTileBytes + sizeof(Decays);
 constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * 2 * DT;
 
@@ -748,26 +780,36 @@ inline cudaError_t set_smem(K kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
 }
 
-template <typename T, Reader RD, bool BWD>
-cudaError_t launch_state(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
-  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT, vpad = (p.V + SV - 1) / SV * SV;
-  auto delta = chunk_delta_kernel<T, RD, BWD>;
-  cudaError_t e = set_smem(delta, kDeltaSmem);
-  if (e != cudaSuccess) return e;
-  if (slots > 0) delta<<<dim3(unsigned(slots), p.H, ntk * ntv), NTH, kDeltaSmem, stream>>>(p, ntv);
+template <bool BWD>
+cudaError_t launch_scan(const ChunkPass& p, cudaStream_t stream) {
+  const int vpad = (p.V + SV - 1) / SV * SV;
   const int64_t elems = int64_t(p.K) * vpad;
   chunk_scan_kernel<BWD><<<dim3(p.N, p.H, unsigned((elems + NTH - 1) / NTH)), NTH, 0, stream>>>(p, vpad);
   return cudaGetLastError();
 }
 
-// The pair matrices into p.amat.
-template <typename T, Reader RD>
-cudaError_t launch_pairs(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
-  auto pairs = chunk_pairs_kernel<T, RD>;
-  cudaError_t e = set_smem(pairs, kPairsSmem);
+// Forward: the pair matrices (PAIRS) and the state deltas, then the scan: Hst, gam, amat.
+template <typename T, Reader RD, bool PAIRS>
+cudaError_t launch_forward_state(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  auto intra = chunk_intra_kernel<T, RD, PAIRS>;
+  const size_t smem = PAIRS ? kIntraSmem : kDeltaSmem;  // without pairs: no q tile, no τ4
+  cudaError_t e = set_smem(intra, smem);
   if (e != cudaSuccess) return e;
-  if (slots > 0) pairs<<<dim3(unsigned(slots), p.H), NTH, kPairsSmem, stream>>>(p);
-  return cudaGetLastError();
+  if (slots > 0) intra<<<dim3(unsigned(slots), p.H), NTH, smem, stream>>>(p);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  return launch_scan<false>(p, stream);
+}
+
+// Backward: the per-chunk ΔD, then the reverse scan: dHst, zeta.
+template <typename T, Reader RD>
+cudaError_t launch_backward_state(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+  auto delta = chunk_delta_kernel<T, RD>;
+  cudaError_t e = set_smem(delta, kDeltaSmem);
+  if (e != cudaSuccess) return e;
+  if (slots > 0) delta<<<dim3(unsigned(slots), p.H, ntk * ntv), NTH, kDeltaSmem, stream>>>(p, ntv);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  return launch_scan<true>(p, stream);
 }
 
 // o (DV = false) or dv (DV) from hst / dhst and amat.
@@ -786,11 +828,11 @@ cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
   const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
   const bool bwd = p.dout.on();
   cudaError_t e;
-  if (!(bwd && p.hst_kept) && (e = launch_state<T, RD, false>(p, slots, stream)) != cudaSuccess)
+  // Kept workspaces come together (hst_kept implies amat_kept: ops check it).
+  if (!(bwd && p.hst_kept) && (e = launch_forward_state<T, RD, true>(p, slots, stream)) != cudaSuccess)
     return e;
-  if (!(bwd && p.amat_kept) && (e = launch_pairs<T, RD>(p, slots, stream)) != cudaSuccess) return e;
   if (!bwd) return launch_out<T, RD, false>(p, slots, stream);
-  if ((e = launch_state<T, RD, true>(p, slots, stream)) != cudaSuccess) return e;
+  if ((e = launch_backward_state<T, RD>(p, slots, stream)) != cudaSuccess) return e;
   if ((e = launch_out<T, RD, true>(p, slots, stream)) != cudaSuccess) return e;
   auto dqk = chunk_grad_qk_kernel<T, RD>;
   if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;

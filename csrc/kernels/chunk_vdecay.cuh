@@ -46,7 +46,11 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
   const ChunkPass r = value_side_as_key_side(p);
   const int ntk = (r.K + DT - 1) / DT, nts = (r.V + SV - 1) / SV;
   cudaError_t e;
-  if ((e = launch_state<T, RD, false>(r, slots, stream)) != cudaSuccess) return e;
+  // The backward runs P' with q' = dO: its pair matrices are A' (of dO and v), read by the
+  // dk / dq out kernels below; the forward needs none.
+  if ((e = p.dout.on() ? launch_forward_state<T, RD, true>(r, slots, stream)
+                       : launch_forward_state<T, RD, false>(r, slots, stream)) != cudaSuccess)
+    return e;
   auto dqk = chunk_grad_qk_kernel<T, RD>;
   if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
   if (!p.dout.on()) {
@@ -57,8 +61,7 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
     if (slots > 0) dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(f, 0);
     return cudaGetLastError();
   }
-  if ((e = launch_state<T, RD, true>(r, slots, stream)) != cudaSuccess) return e;
-  if ((e = launch_pairs<T, RD>(r, slots, stream)) != cudaSuccess) return e;  // A' (of dO, v)
+  if ((e = launch_backward_state<T, RD>(r, slots, stream)) != cudaSuccess) return e;
   ChunkPass b = r;
   b.dv = p.dk, b.o = p.dq, b.dk = p.dv, b.dg = p.dgv;  // b.dq (= o) stays off
   if (p.dk.on() && (e = launch_out<T, RD, true>(b, slots, stream)) != cudaSuccess) return e;

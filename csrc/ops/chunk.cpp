@@ -134,6 +134,8 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   // Kept workspaces are only ever made by key-side passes; a value-side pass ignores them.
   const Tensor* hst_kept = vside ? nullptr : kept(hst_in, hst, "hst");
   const Tensor* amat_kept = vside ? nullptr : kept(amat_in, pair_workspace(a, hst), "amat");
+  TORCH_CHECK_VALUE((hst_kept == nullptr) == (amat_kept == nullptr),
+                    "fla_ext: `hst` and `amat` come together from the _train op: pass both or neither");
   if (hst_kept) hst = *hst_kept;
   const int64_t cols = vside ? a.K : a.V, rows = vside ? a.V : a.K;  // of the (transposed) state
   Tensor zeta = new_output({hst.size(0), a.H, (cols + kStateCols - 1) / kStateCols, rows}, acc);
