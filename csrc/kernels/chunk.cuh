@@ -594,6 +594,92 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
 }
 
 // ------------------------------------------------------------------------------------------------
+// The in-sub-chunk part of dq and dk for thread (m, ch): channel ch of sub-chunk m's 16 rows. On
+// entry DQ / DK hold the inter and off-diagonal terms at the sub-chunk references; on exit the
+// complete dq' and dk'. The 4-row micro-blocks of diag_step_a / diag_step_b again: pairs inside a
+// micro-block walk their exponents; pairs across micro-blocks use k4 = k ⊙ exp2(L) (to the key's
+// micro-block end) and q4 = q ⊙ exp2(R) (reader exponent from the query's micro-block start) with
+// the micro-block totals in between, every exponent a sum of terms <= 0:
+//   dq_i = e^{R_i + B4} DQ_i + Σ_{j in i's micro-block} dA_ij k_j e^{(j,i]}
+//          + Σ_{μj < μi} e^{R_i + τ4 between} Σ_{j in μj} dA_ij k4_j
+//   dk_i = e^{L_i + A4} DK_i + Σ_{j in i's micro-block} dA_ji q_j e^{(i,j]}
+//          + Σ_{μj > μi} e^{L_i + τ4 between} Σ_{j in μj} dA_ji q4_j
+// (B4 / A4: the τ4 of the micro-blocks before / after i's in the sub-chunk; exclusive reader:
+// (j,i) and (i,j) instead, pairs j = i excluded.) Q, Kr hold raw q, k; all loops unroll.
+template <Reader RD>
+__device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, const Tile* Q,
+                                           const Tile* Kr, const Tile* LAM, int m, int ch) {
+  constexpr bool INC = RD == Reader::Inclusive;
+  const int r0 = m * SC;
+  float k4[SC], q4[SC], t4[NMB];
+#pragma unroll
+  for (int mu = 0; mu < NMB; ++mu) {
+    float f = 0.f, e = 0.f;
+#pragma unroll
+    for (int r = MB - 1; r >= 0; --r) {
+      const int j = mu * MB + r;
+      k4[j] = Kr[r0 + j][ch] * ex2(f);
+      f += LAM[r0 + j][ch];
+    }
+    t4[mu] = f;
+#pragma unroll
+    for (int r = 0; r < MB; ++r) {
+      const int i = mu * MB + r;
+      if (INC) e += LAM[r0 + i][ch];
+      q4[i] = Q[r0 + i][ch] * ex2(e);
+      if (!INC) e += LAM[r0 + i][ch];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < SC; ++i) {  // dq
+    const int mi = i / MB, I = r0 + i;
+    float e = 0.f, w = 0.f;
+#pragma unroll
+    for (int j = INC ? i : i - 1; j >= mi * MB; --j) {
+      w += DA[I][r0 + j] * Kr[r0 + j][ch] * ex2(e);
+      e += LAM[r0 + j][ch];
+    }
+    float before = 0.f;  // e = R_i now
+#pragma unroll
+    for (int nu = 0; nu < mi; ++nu) before += t4[nu];
+    float x = ex2(e + before) * DQ[I][ch] + w, g = 0.f;
+#pragma unroll
+    for (int mj = mi - 1; mj >= 0; --mj) {
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < MB; ++r) sum += DA[I][r0 + mj * MB + r] * k4[mj * MB + r];
+      x += ex2(e + g) * sum;
+      g += t4[mj];
+    }
+    DQ[I][ch] = x;
+  }
+#pragma unroll
+  for (int i = 0; i < SC; ++i) {  // dk
+    const int mi = i / MB, I = r0 + i;
+    float e = 0.f, w = 0.f;
+#pragma unroll
+    for (int j = INC ? i : i + 1; j < (mi + 1) * MB; ++j) {
+      if (INC && j > i) e += LAM[r0 + j][ch];
+      w += DA[r0 + j][I] * Q[r0 + j][ch] * ex2(e);
+      if (!INC) e += LAM[r0 + j][ch];
+    }
+    float after = 0.f;  // e = L_i now
+#pragma unroll
+    for (int nu = mi + 1; nu < NMB; ++nu) after += t4[nu];
+    float x = ex2(e + after) * DK[I][ch] + w, g = 0.f;
+#pragma unroll
+    for (int mj = mi + 1; mj < NMB; ++mj) {
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < MB; ++r) sum += DA[r0 + mj * MB + r][I] * q4[mj * MB + r];
+      x += ex2(e + g) * sum;
+      g += t4[mj];
+    }
+    DK[I][ch] = x;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // dq, dk, dg (and du partials) for one chunk and K tile.
 template <typename T, Reader RD>
 __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int nts) {
@@ -685,44 +771,10 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     }
   }
   __syncthreads();
-  // Row factors exp2(reader exponent) and exp2(Qex).
-  {
-    float e = 0.f;
-    for (int ii = 0; ii < SC; ++ii) {
-      const int i = m * SC + ii;
-      if (RD == Reader::Inclusive) e += LAM[i][ch];
-      DQ[i][ch] *= ex2(e);
-      if (RD == Reader::Exclusive) e += LAM[i][ch];
-    }
-    e = 0.f;
-    for (int ii = SC - 1; ii >= 0; --ii) {
-      const int j = m * SC + ii;
-      DK[j][ch] *= ex2(e);
-      e += LAM[j][ch];
-    }
-  }
-  __syncthreads();
   load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);  // raw q, k again
   load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
   __syncthreads();
-  // Diagonal sub-chunk blocks, thread (m, ch) over its 16 rows, exponents walked additively:
-  // dq' and dk' complete. Same (row, channel) ownership as the row factors: no barrier between.
-  for (int ii = 0; ii < SC; ++ii) {
-    const int i = m * SC + ii;
-    float e = 0.f, a = 0.f;  // dq_i += Σ_{j<=i (j<i)} dA_ij k_j exp2(Σ_{j<s<=i (<i)} λ_s)
-    for (int j = RD == Reader::Inclusive ? i : i - 1; j >= m * SC; --j) {
-      a += DA[i][j] * KY[j][ch] * ex2(e);
-      e += LAM[j][ch];
-    }
-    DQ[i][ch] += a;
-    e = 0.f, a = 0.f;        // dk_i += Σ_{j>=i (j>i)} dA_ji q_j exp2(Σ_{i<s<=j (<j)} λ_s)
-    for (int j = RD == Reader::Inclusive ? i : i + 1; j < (m + 1) * SC; ++j) {
-      if (RD == Reader::Inclusive && j > i) e += LAM[j][ch];
-      a += DA[j][i] * QX[j][ch] * ex2(e);
-      if (RD == Reader::Exclusive) e += LAM[j][ch];
-    }
-    DK[i][ch] += a;
-  }
+  diag_grads<RD>(DQ, DK, DA, QX, KY, LAM, m, ch);
 
   // dg by the reverse cumsum (§3; RWKV6 reader terms strictly after t), as a segmented scan over
   // the 4 sub-chunks: where exp(λ_t) == 0 the true dg_t is exactly 0, and so is the suffix sum
