@@ -81,35 +81,39 @@ constexpr int kPer = C * DT / NTH;  // elements per thread per tile
 
 // Rows [t0, t0 + L) x channels [d0, d0 + DT) of an activation, times mul, zero outside the
 // sequence and past D: padded rows and channels then contribute exactly 0 (λ = 0, §2.4).
+// Thread x owns column x % DT of rows x / DT + 4 it: one pointer, advanced by a fixed row step
+// (the index arithmetic, not the loads, dominated these kernels' instruction counts).
+constexpr int kRowStep = NTH / DT;
 struct RowFetch {
   float x[kPer];
-  // Thread x owns channel x % DT of rows x / DT + 4 it: one base pointer, a fixed row step.
   template <typename T>
   __device__ __forceinline__ void fetch(const VecArg& a, int64_t b, int64_t t0, int L, int h,
                                         int d0, int D, float mul) {
-    const int c = threadIdx.x % DT, r0 = threadIdx.x / DT;
-    const bool on = a.on() && d0 + c < D;  // an off argument (no decay) reads as zeros
-    const T* base = on ? vptr<T>(a, b, t0 + r0, h, d0 + c) : nullptr;
-    const int64_t step = int64_t(NTH / DT) * a.st;
+    const unsigned c = threadIdx.x % DT, r0 = threadIdx.x / DT;
+    const bool on = a.on() && d0 + int(c) < D;  // an off argument (no decay) reads as zeros
+    const T* ptr = on ? vptr<T>(a, b, t0 + r0, h, d0 + c) : nullptr;
+    const int64_t step = kRowStep * a.st;
+    const int left = on ? L - int(r0) : 0;  // rows of this thread inside the sequence: it * 4 < left
 #pragma unroll
-    for (int it = 0; it < kPer; ++it)
-      x[it] = (on && r0 + it * (NTH / DT) < L) ? to_f(base[it * step]) * mul : 0.f;
+    for (int it = 0; it < kPer; ++it, ptr += step) x[it] = it * kRowStep < left ? to_f(*ptr) * mul : 0.f;
   }
   // Rows [r0, r0 + DT) x cols [c0, c0 + DT) of a row-major fp32 [R, Cn] matrix, zero outside.
   __device__ __forceinline__ void fetch_mat(const float* m, int R, int Cn, int r0, int c0) {
-    const int c = threadIdx.x % DT, rr = threadIdx.x / DT;
-    const bool on = c0 + c < Cn;
-    const float* base = m + int64_t(r0 + rr) * Cn + c0 + c;
+    const unsigned c = threadIdx.x % DT, rr = threadIdx.x / DT;
+    const bool on = c0 + int(c) < Cn;
+    const float* ptr = m + int64_t(r0 + int(rr)) * Cn + c0 + c;
+    const int64_t step = int64_t(kRowStep) * Cn;
+    const int left = on ? R - r0 - int(rr) : 0;
 #pragma unroll
-    for (int it = 0; it < kPer; ++it)
-      x[it] = (on && r0 + rr + it * (NTH / DT) < R) ? base[int64_t(it) * (NTH / DT) * Cn] : 0.f;
+    for (int it = 0; it < kPer; ++it, ptr += step) x[it] = it * kRowStep < left ? *ptr : 0.f;
   }
   // s[row][ch], or transposed s[ch][row].
   template <bool TRANSPOSE>
   __device__ __forceinline__ void store(Tile* s) const {
+    const unsigned c = threadIdx.x % DT, r0 = threadIdx.x / DT;
 #pragma unroll
     for (int it = 0; it < kPer; ++it) {
-      const int e = threadIdx.x + it * NTH, r = e / DT, c = e % DT;
+      const unsigned r = r0 + it * kRowStep;
       if (TRANSPOSE) s[c][r] = x[it]; else s[r][c] = x[it];
     }
   }
@@ -138,13 +142,27 @@ __device__ __forceinline__ void stage(const F& f, Tile* s, float mul) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) s[F::row(i)][F::col(i)] = mul * f.v[i];
 }
-__device__ __forceinline__ void store_mat(const Tile* s, float* m, int R, int Cn, int r0, int c0) {
-  const int c = threadIdx.x % DT, rr = threadIdx.x / DT;
-  if (c0 + c >= Cn) return;
-  float* base = m + int64_t(r0 + rr) * Cn + c0 + c;
+// A fragment (rows = time, columns = channels d0..) straight into an activation, times mul: one
+// base pointer, the per-element offsets from the fragment layout's compile-time pattern.
+template <typename T, class F>
+__device__ __forceinline__ void store_frag(const F& f, const VecArg& a, int64_t b, int64_t t0,
+                                           int L, int h, int d0, int D, float mul) {
+  T* base = vptr<T>(a, b, t0 + F::row(0), h, d0 + F::col(0));
 #pragma unroll
-  for (int it = 0; it < kPer; ++it)
-    if (r0 + rr + it * (NTH / DT) < R) base[int64_t(it) * (NTH / DT) * Cn] = s[rr + it * (NTH / DT)][c];
+  for (int i = 0; i < 16; ++i) {
+    const int dr = F::row(i) - F::row(0), dc = F::col(i) - F::col(0);
+    if (F::row(i) < L && d0 + F::col(i) < D) base[dr * a.st + dc * a.sd] = from_f<T>(mul * f.v[i]);
+  }
+}
+__device__ __forceinline__ void store_mat(const Tile* s, float* m, int R, int Cn, int r0, int c0) {
+  const unsigned c = threadIdx.x % DT, rr = threadIdx.x / DT;
+  if (c0 + int(c) >= Cn) return;
+  float* ptr = m + int64_t(r0 + int(rr)) * Cn + c0 + c;
+  const int64_t step = int64_t(kRowStep) * Cn;
+  const int left = R - r0 - int(rr);
+#pragma unroll
+  for (int it = 0; it < kPer; ++it, ptr += step)
+    if (it * kRowStep < left) *ptr = s[rr + it * kRowStep][c];
 }
 
 // Per channel of a K tile: sub-chunk totals τ_m and, from them by addition only, the factors
@@ -470,19 +488,14 @@ __global__ void __launch_bounds__(NTH, PAIRS ? 2 : 3) chunk_intra_kernel(ChunkPa
   Acc<T> off;  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk); the rest stays 0
   for (int k0 = 0; k0 < p.K; k0 += DT) {
     __syncthreads();
-    if (PAIRS) {  // two tiles in flight at a time: more would spill the accumulators
-      RowFetch fq, fk;
-      fq.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+    {  // every load of the K tile in flight at once: one memory latency
+      RowFetch fq, fk, fl, fv;
+      if (PAIRS) fq.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
       fk.fetch<T>(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-      fq.store<false>(QX), fk.store<true>(KYt);
-    }
-    {  // (k joins these when there are no accumulators to keep: all loads in flight at once)
-      RowFetch fk, fl, fv;
-      if (!PAIRS) fk.fetch<T>(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
       fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
       fv.fetch<T>(p.v, pos.b, pos.t0, pos.L, h, 0, p.V, 1.f);
-      if (!PAIRS) fk.store<true>(KYt);
-      fl.store<false>(W), fv.store<false>(VS);
+      if (PAIRS) fq.store<false>(QX);
+      fk.store<true>(KYt), fl.store<false>(W), fv.store<false>(VS);
     }
     if (PAIRS && RD == Reader::Exclusive && threadIdx.x < DT)
       us[threadIdx.x] = k0 + threadIdx.x < p.K ? ldu(p.u, int64_t(h) * p.K + k0 + threadIdx.x, p.udtype) : 0.f;
@@ -584,13 +597,7 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
   // A is lower triangular: row i of A V needs j <= i, row j of Aᵀ dO needs i >= j.
   if (DV) acc.template mma<true, Tri::KFromRow>(A, W, C);
   else acc.template mma<false, Tri::KUpToRow>(A, W, C);
-  const VecArg& out = DV ? p.dv : p.o;
-  const float mul = DV ? 1.f : rho;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int row = acc.row(i), col = v0 + acc.col(i);
-    if (row < pos.L && col < p.V) *vptr<T>(out, pos.b, pos.t0 + row, h, col) = from_f<T>(mul * acc.v[i]);
-  }
+  store_frag<T>(acc, DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0, p.V, DV ? 1.f : rho);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -781,6 +788,12 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   // (ζ included) it stands for, so the scan restarts from 0 there.
   __syncthreads();
   const int kk = k0 + ch;
+  // Row 0 of this thread's column of each output (null when off: chunk_vdecay.cuh wants only
+  // some of them); row t is t time steps further.
+  auto col0 = [&](const VecArg& a) { return a.on() ? vptr<T>(a, pos.b, pos.t0, h, kk) : nullptr; };
+  T* const dgp = col0(p.dg);
+  T* const dqp = col0(p.dq);
+  T* const dkp = col0(p.dk);
   auto step = [&](float& acc, int t, bool write) {
     const float q = QX[t][ch], k = KY[t][ch];
     const bool dead = ex2(LAM[t][ch]) == 0.f && t < pos.L;
@@ -791,10 +804,9 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (RD == Reader::Exclusive) acc += xq;
     if (write && t < pos.L && kk < p.K) {
       const float dA = DA[t][t];
-      // Off outputs are skipped (chunk_vdecay.cuh wants only some of them).
-      if (p.dg.on()) *vptr<T>(p.dg, pos.b, pos.t0 + t, h, kk) = from_f<T>(dg);
-      if (p.dq.on()) *vptr<T>(p.dq, pos.b, pos.t0 + t, h, kk) = from_f<T>(DQ[t][ch] + dA * us[ch] * k);
-      if (p.dk.on()) *vptr<T>(p.dk, pos.b, pos.t0 + t, h, kk) = from_f<T>(DK[t][ch] + dA * us[ch] * q);
+      if (dgp) dgp[t * p.dg.st] = from_f<T>(dg);
+      if (dqp) dqp[t * p.dq.st] = from_f<T>(DQ[t][ch] + dA * us[ch] * k);
+      if (dkp) dkp[t * p.dk.st] = from_f<T>(DK[t][ch] + dA * us[ch] * q);
       if (RD == Reader::Exclusive) dup[m * DT + ch] += dA * q * k;
     }
     return dead;

@@ -79,11 +79,10 @@ struct Frag<false> {
   }
 };
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+// Round to nearest (ties away) at TF32's 10 mantissa bits: add half a TF32 ulp to the bits; the
+// mma ignores the 13 low bits. cvt.rna.tf32.f32 does the same plus an inf/NaN guard (3
+// instructions per operand element instead of 1); operands here are finite.
+__device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 // d (an m16n8 fp32 accumulator) += a (m16k8) b (k8n8), TF32 operands.
 __device__ __forceinline__ void mma_tf32(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
