@@ -282,35 +282,37 @@ __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) 
   const int64_t nch = num_chunks(s.len), KV = int64_t(p.K) * p.V, kv = int64_t(k) * p.V + v;
   const MatArg& init = BWD ? p.dht : p.h0;
   float run = on && init.on() ? *mptr(init, n, h, k, v) : 0.f;
-  float* hst = static_cast<float*>(p.hst);
-  float* dhst = static_cast<float*>(p.dhst);
-  const float* gam = static_cast<const float*>(p.gam);
-  auto at = [&](float* ws, int64_t slot) { return ws + (slot * p.H + h) * KV + kv; };
+  // A sequence's slots are consecutive: chunk c's matrices sit c * H * KV past its first.
+  const int64_t slot0 = chunk_slot(p.cu_seqlens, n, p.T, 0), sstep = int64_t(p.H) * KV;
+  float* const hs = static_cast<float*>(p.hst) + (slot0 * p.H + h) * KV + kv;
+  float* const ds = BWD ? static_cast<float*>(p.dhst) + (slot0 * p.H + h) * KV + kv : nullptr;
+  const float* const gs = static_cast<const float*>(p.gam) + (slot0 * p.H + h) * p.K + k;
+  const int nts = vpad / SV;
+  float* const zs = BWD ? static_cast<float*>(p.zeta) + ((slot0 * p.H + h) * nts + v / SV) * p.K + k : nullptr;
   // The loads of chunk i + 1 are issued before the stores of chunk i: one memory latency per
   // step would otherwise serialise the scan (the compiler cannot move loads past the stores).
   struct Step { float delta, sp, g; };
   auto fetch = [&](int64_t i) {
     Step f{0.f, 0.f, 1.f};
     if (i >= nch) return f;
-    const int64_t slot = chunk_slot(p.cu_seqlens, n, p.T, BWD ? nch - 1 - i : i);
-    f.g = gam[(slot * p.H + h) * p.K + k];
+    const int64_t c = BWD ? nch - 1 - i : i;
+    f.g = gs[c * p.H * p.K];
     if (on) {
-      f.delta = BWD ? *at(dhst, slot) : *at(hst, slot + 1);
-      if (BWD) f.sp = *at(hst, slot + 1);
+      f.delta = BWD ? ds[c * sstep] : hs[(c + 1) * sstep];
+      if (BWD) f.sp = hs[(c + 1) * sstep];
     }
     return f;
   };
   Step cur = fetch(0);
   for (int64_t i = 0; i < nch; ++i) {
     const Step nxt = fetch(i + 1);
-    const int64_t slot = chunk_slot(p.cu_seqlens, n, p.T, BWD ? nch - 1 - i : i);
-    if (on) *at(BWD ? dhst : hst, slot) = run;
+    const int64_t c = BWD ? nch - 1 - i : i;
+    if (on) (BWD ? ds : hs)[c * sstep] = run;
     if (BWD) {
       float z = cur.sp * run;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
-      if (v % 32 == 0)
-        static_cast<float*>(p.zeta)[((slot * p.H + h) * (vpad / SV) + v / SV) * p.K + k] = z;
+      if (v % 32 == 0) zs[c * p.H * nts * p.K] = z;
     }
     run = cur.g * run + cur.delta;
     cur = nxt;
@@ -319,12 +321,12 @@ __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) 
   if (BWD) {
     if (p.dh0.on()) *mptr(p.dh0, n, h, k, v) = run;
   } else {
-    *at(hst, chunk_slot(p.cu_seqlens, n, p.T, nch)) = run;
+    hs[nch * sstep] = run;
     if (p.hT.on()) *mptr(p.hT, n, h, k, v) = run;
     if (p.cu_seqlens) {  // hst may be kept as an op output: its gap slots read 0
       const int64_t next = n + 1 < p.N ? chunk_slot(p.cu_seqlens, n + 1, p.T, 0)
                                        : chunk_slots(p.N, p.T, true);
-      for (int64_t s = chunk_slot(p.cu_seqlens, n, p.T, nch) + 1; s < next; ++s) *at(hst, s) = 0.f;
+      for (int64_t c = nch + 1; slot0 + c < next; ++c) hs[c * sstep] = 0.f;
     }
   }
 }
@@ -549,8 +551,9 @@ __global__ void __launch_bounds__(NTH, PAIRS ? 2 : 3) chunk_intra_kernel(ChunkPa
 
 // Forward (DV = false): o = ρ (Q̂ S + A V). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO. A comes from
 // p.amat (chunk_intra_kernel, or kept from the forward).
-template <typename T, Reader RD, bool DV>
-__global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p) {
+// NV V tiles per CTA (2 when V > 64): Q̂ or K̂ is then built once for both.
+template <typename T, Reader RD, bool DV, int NV>
+__global__ void __launch_bounds__(NTH, DV || NV > 1 ? 2 : 3) chunk_out_kernel(ChunkPass p) {
   extern __shared__ float4 smem4[];
   Tile* X = reinterpret_cast<Tile*>(smem4);  // Q̂, or K̂ transposed [ch][j]
   Tile* W = X + C;                            // λ, then the state tile, then V / dO
@@ -559,11 +562,12 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
 
   Pos pos;
   if (!locate(p, blockIdx.x, pos)) return;
-  const int h = blockIdx.y, v0 = blockIdx.z * DT;
+  const int h = blockIdx.y, v0 = blockIdx.z * NV * DT;
+  const int nv = min(NV, (p.V - v0 + DT - 1) / DT);
   const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
   const int64_t KV = int64_t(p.K) * p.V;
   const float* st = static_cast<const float*>(DV ? p.dhst : p.hst) + (pos.slot * p.H + h) * KV;
-  Acc<T> acc;
+  Acc<T> acc[NV];
   for (int k0 = 0; k0 < p.K; k0 += DT) {
     __syncthreads();
     {
@@ -577,27 +581,34 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
     // Q̂ = q ⊙ exp2(G or E) = q ⊙ exp2(reader exponent) before[m];  K̂ = k ⊙ exp2(Qex) after[m].
     if (DV) scale_key<true>(X, W, m, ch, d.after[m][ch]);
     else scale_reader<RD>(X, W, m, ch, d.before[m][ch]);
-    __syncthreads();
-    load_mat<false>(W, st, p.K, p.V, k0, v0);
-    __syncthreads();
-    if (DV) acc.template mma<true>(X, W, DT);
-    else acc.template mma<false>(X, W, DT);
+#pragma unroll
+    for (int vt = 0; vt < NV; ++vt) {
+      if (vt >= nv) break;
+      __syncthreads();
+      load_mat<false>(W, st, p.K, p.V, k0, v0 + vt * DT);
+      __syncthreads();
+      if (DV) acc[vt].template mma<true>(X, W, DT);
+      else acc[vt].template mma<false>(X, W, DT);
+    }
   }
   __syncthreads();
-  {
-    RowFetch fa, fw;
-    fa.fetch_mat(static_cast<const float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C, C, C, 0, 0);
-    fw.fetch<T>(DV ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
-    fa.store<false>(A), fw.store<false>(W);
-  }
+  load_mat<false>(A, static_cast<const float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C, C, C, 0, 0);
   const float rho = float(p.scale);
-  if (DV)  // dv = K̂ dS+ + ρ Aᵀ dO: fold ρ into A
+  if (DV) {  // dv = K̂ dS+ + ρ Aᵀ dO: fold ρ into A
+    __syncthreads();
     for (int e = threadIdx.x; e < C * C; e += NTH) A[e / C][e % C] *= rho;
-  __syncthreads();
-  // A is lower triangular: row i of A V needs j <= i, row j of Aᵀ dO needs i >= j.
-  if (DV) acc.template mma<true, Tri::KFromRow>(A, W, C);
-  else acc.template mma<false, Tri::KUpToRow>(A, W, C);
-  store_frag<T>(acc, DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0, p.V, DV ? 1.f : rho);
+  }
+#pragma unroll
+  for (int vt = 0; vt < NV; ++vt) {
+    if (vt >= nv) break;
+    if (vt > 0) __syncthreads();
+    load_rows<T, false>(W, DV ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, 1.f);
+    __syncthreads();
+    // A is lower triangular: row i of A V needs j <= i, row j of Aᵀ dO needs i >= j.
+    if (DV) acc[vt].template mma<true, Tri::KFromRow>(A, W, C);
+    else acc[vt].template mma<false, Tri::KUpToRow>(A, W, C);
+    store_frag<T>(acc[vt], DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, DV ? 1.f : rho);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -879,11 +890,14 @@ cudaError_t launch_backward_state(const ChunkPass& p, int64_t slots, cudaStream_
 // o (DV = false) or dv (DV) from hst / dhst and amat.
 template <typename T, Reader RD, bool DV>
 cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
-  auto out = chunk_out_kernel<T, RD, DV>;
-  cudaError_t e = set_smem(out, kOutSmem);
-  if (e != cudaSuccess) return e;
-  if (slots > 0) out<<<dim3(unsigned(slots), p.H, (p.V + DT - 1) / DT), NTH, kOutSmem, stream>>>(p);
-  return cudaGetLastError();
+  auto launch = [&](auto out, int nv) {
+    cudaError_t e = set_smem(out, kOutSmem);
+    if (e != cudaSuccess) return e;
+    const unsigned z = unsigned((p.V + nv * DT - 1) / (nv * DT));
+    if (slots > 0) out<<<dim3(unsigned(slots), p.H, z), NTH, kOutSmem, stream>>>(p);
+    return cudaGetLastError();
+  };
+  return p.V > DT ? launch(chunk_out_kernel<T, RD, DV, 2>, 2) : launch(chunk_out_kernel<T, RD, DV, 1>, 1);
 }
 
 template <typename T, Reader RD>
