@@ -1,17 +1,51 @@
-"""RWKV7 test cases shared by the fused_recurrent_rwkv7 and chunk_rwkv7 tests: inputs (layouts,
-low-rank regimes), the check of o, final state and every gradient against the float64 oracle,
-and the bad-input table."""
+"""RWKV7 test cases shared by the chunk_rwkv7 and fused_recurrent_rwkv7 tests: the two modes,
+inputs (layouts, low-rank regimes), the check of o, final state and every gradient against the
+float64 oracle, the real-op samples, and the bad-input table."""
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import fla_ext
 from conftest import TOL, assert_close
+from fla_ext import reference
 from inputs import make_diag
-from fla_ext import fused_recurrent_rwkv7, reference
 
 NAMES = ["r", "w", "k", "v", "a", "b", "h0"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """An RWKV7 mode, as the tests both modes share call it."""
+    name: str               # fla_ext.<name>_rwkv7, fla::<name>_rwkv7 and fla::<name>_rwkv7_bwd
+    scale: Optional[float]  # fla's default scale: chunk 1.0, fused_recurrent None (K ** -0.5)
+    reverse: bool           # has a `reverse` flag (chunk_rwkv7 has none)
+
+    def __str__(self):  # the test id
+        return self.name
+
+    @property
+    def op(self):
+        return getattr(fla_ext, f"{self.name}_rwkv7")
+
+    def __call__(self, *args, **kw):
+        """(o, final state): the state is always asked for (chunk's default is not to return it)."""
+        return self.op(*args, output_final_state=True, **kw)
+
+    def raw(self, bwd=False):
+        return getattr(torch.ops.fla, f"{self.name}_rwkv7" + ("_bwd" if bwd else ""))
+
+    def tail(self, cu, head_first):
+        """The raw ops' last arguments: fused_recurrent's take `reverse` (off) before these two."""
+        return (False, cu, head_first) if self.reverse else (cu, head_first)
+
+
+CHUNK = Mode("chunk", 1.0, False)
+FUSED = Mode("fused_recurrent", None, True)
+MODES = [CHUNK, FUSED]
 
 
 def relayout(x, ref):
@@ -50,18 +84,18 @@ def make(B, T, H, K, V, dtype, device, gen, *, lr="rwkv", **kw):
     return r, w, k, v, relayout(a, r), relayout(b, r), h0
 
 
-def run_and_check(r, w, k, v, a, b, h0, *, dht_on=True, scale=None, reverse=False, cu=None,
-                  head_first=False, gen=None, tol_scale=1.0, op=fused_recurrent_rwkv7):
-    """o, final state and every gradient of `op` (fused_recurrent_rwkv7 or chunk_rwkv7) vs the
-    float64 oracle with the ALGORITHMS.md §8.3 tolerances of the dtype; returns (o, ht)."""
+def run_and_check(mode, r, w, k, v, a, b, h0, *, dht_on=True, scale=None, reverse=False, cu=None,
+                  head_first=False, gen=None, tol_scale=1.0):
+    """o, final state and every gradient of `mode` vs the float64 oracle with the ALGORITHMS.md
+    §8.3 tolerances of the dtype; returns (o, ht)."""
     dtype = r.dtype
     tol, tol_dw, atol = TOL[dtype]
     tol, tol_dw = tol * tol_scale, tol_dw * tol_scale
     ins = [t.detach().clone().requires_grad_(True) for t in (r, w, k, v, a, b)]
     h0_in = h0.detach().clone().requires_grad_(True) if h0 is not None else None
     extra = dict(reverse=True) if reverse else {}  # chunk_rwkv7 has no `reverse`
-    o, ht = op(*ins, scale=scale, initial_state=h0_in, output_final_state=True, cu_seqlens=cu,
-               head_first=head_first, **extra)
+    o, ht = mode(*ins, scale=scale, initial_state=h0_in, cu_seqlens=cu, head_first=head_first,
+                 **extra)
     s = r.shape[-1] ** -0.5 if scale is None else scale  # the op's default; the oracle's is 1
     o_ref, ht_ref = reference.rwkv7(r, w, k, v, a, b, scale=s, initial_state=h0, reverse=reverse,
                                     cu_seqlens=cu, head_first=head_first)
@@ -83,6 +117,35 @@ def run_and_check(r, w, k, v, a, b, h0, *, dht_on=True, scale=None, reverse=Fals
     dead = torch.exp(w.detach().double()) == 0
     assert (ins[1].grad[dead] == 0).all(), "dw is not exactly 0 where exp(w) == 0"
     return o, ht
+
+
+def samples(mode, device, requires_grad=True):
+    """Arguments of the raw forward op: both layouts, h0 and the final state on and off, varlen
+    with an empty sequence, T = 1."""
+    g = torch.Generator().manual_seed(11)
+    Tv = 40 if mode is CHUNK else 20  # chunk: the varlen sample's last sequence over three chunks
+    out = []
+    for (B, T, H, K, V, hf, h0, fin, cu) in [(2, 9, 2, 8, 40, False, True, True, None),
+                                            (1, Tv, 2, 16, 8, True, False, False, [0, 5, 5, Tv]),
+                                            (2, 1, 1, 4, 4, False, False, True, None)]:
+        r, w, k, v, a, b, s0 = make(B, T, H, K, V, torch.float32, device, g, head_first=hf,
+                                    h0=h0, N=len(cu) - 1 if cu else B)
+        ts = [r, w, k, v, a, b] + ([s0] if h0 else [])
+        if requires_grad:
+            for t in ts:
+                t.requires_grad_(True)
+        cu_t = torch.tensor(cu, device=device) if cu else None
+        out.append((r, w, k, v, a, b, mode.scale, s0, fin, *mode.tail(cu_t, hf)))
+    return out
+
+
+def bwd_args(mode, sample, device):
+    """Arguments of the raw backward op for a `samples` entry."""
+    (r, w, k, v, a, b, _, s0, fin), (cu, hf) = sample[:9], sample[-2:]
+    N = cu.numel() - 1 if cu is not None else r.shape[0]
+    H = r.shape[1] if hf else r.shape[2]
+    dht = torch.randn(N, H, r.shape[-1], v.shape[-1], device=device) if fin else None
+    return (r, w, k, v, a, b, torch.randn_like(v), dht, 0.5, s0, *mode.tail(cu, hf))
 
 
 def _good():

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from conftest import DEVICES, TOL, assert_close
+import families
+from conftest import DEVICES, assert_close
 from inputs import STRESS, make_diag
 from fla_ext import fused_recurrent_rwkv6, reference
 
@@ -19,32 +20,12 @@ def make(B, T, H, K, V, dtype, device, gen, *, u_scale=1.0, **kw):
     return r, k, v, w, u, h0
 
 
-def run_and_check(r, k, v, w, u, h0, *, dht_on=True, scale=None, reverse=False, cu=None,
-                  head_first=False, gen=None, tol_scale=1.0):
-    dtype = r.dtype
-    tol, tol_dw, atol = TOL[dtype]
-    tol, tol_dw = tol * tol_scale, tol_dw * tol_scale
-    ins = [t.detach().clone().requires_grad_(True) for t in (r, k, v, w, u)]
-    h0_in = h0.detach().clone().requires_grad_(True) if h0 is not None else None
-    o, ht = fused_recurrent_rwkv6(*ins, scale=scale, initial_state=h0_in, output_final_state=True,
-                                  reverse=reverse, cu_seqlens=cu, head_first=head_first)
-    o_ref, ht_ref = reference.rwkv6(r, k, v, w, u, scale=scale, initial_state=h0, reverse=reverse,
-                                    cu_seqlens=cu, head_first=head_first)
-    assert o.dtype == dtype and ht.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert_close("o", o, o_ref, tol, atol)
-    assert_close("ht", ht, ht_ref, tol, atol)
-
-    do = torch.randn(o.shape, generator=gen).to(o)
-    dht = torch.randn(ht.shape, generator=gen).to(ht) if dht_on else None
-    loss = (o * do).sum() + ((ht * dht).sum() if dht_on else 0)
-    loss.backward()
-    g_ref = reference.rwkv6_bwd(r, k, v, w, u, do, dht, scale=scale, initial_state=h0,
-                                reverse=reverse, cu_seqlens=cu, head_first=head_first)
-    for name, x in zip(NAMES, ins + [h0_in]):
-        if x is None:
-            continue
-        assert x.grad is not None, f"no gradient for {name}"
-        assert_close(f"d{name}", x.grad, g_ref[name], tol_dw if name == "w" else tol, atol)
+def run_and_check(r, k, v, w, u, h0, *, cu=None, **kw):
+    """o, final state and every gradient vs the float64 oracle: families.run_and_check on the
+    fused mode (kw: dht_on, scale, reverse, head_first, gen, tol_scale). Returns (o, ht)."""
+    x = dict(zip(NAMES, (r, k, v, w, u, h0)))
+    o, ht, _ = families.run_and_check(families.RWKV6, "fused", x, cu_seqlens=cu, **kw)
+    assert ht.dtype == (torch.float64 if r.dtype == torch.float64 else torch.float32)
     return o, ht
 
 
