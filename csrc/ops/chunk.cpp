@@ -282,6 +282,16 @@ bool training(const Ts&... ts) {
   return torch::autograd::GradMode::is_enabled() && (req(ts) || ...);
 }
 
+// A recording call runs the _train op (it also returns the workspaces hst and amat for the
+// backward), any other the plain op (the workspaces stay undefined).
+template <class Plain, class Train, class... Args>
+std::tuple<Tensor, Tensor, Tensor, Tensor> forward_op(bool train, const Plain& op,
+                                                      const Train& op_train, const Args&... args) {
+  if (train) return op_train.call(args...);
+  auto [o, hT] = op.call(args...);
+  return {o, hT, Tensor(), Tensor()};
+}
+
 class ChunkGla : public torch::autograd::Function<ChunkGla> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
@@ -297,13 +307,9 @@ class ChunkGla : public torch::autograd::Function<ChunkGla> {
     static auto op_train = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("fla::chunk_gla_train", "")
                                .typed<decltype(chunk_gla_train_impl<nullptr>)>();
-    Tensor o, hT, hst, amat;
-    if (train)
-      std::tie(o, hT, hst, amat) = op_train.call(q, k, v, g, gv, scale, initial_state,
-                                                 output_final_state, cu_seqlens, head_first);
-    else
-      std::tie(o, hT) = op.call(q, k, v, g, gv, scale, initial_state, output_final_state,
-                                cu_seqlens, head_first);
+    auto [o, hT, hst, amat] = forward_op(train, op, op_train, q, k, v, g, gv, scale,
+                                         initial_state, output_final_state, cu_seqlens,
+                                         head_first);
     ctx->save_for_backward(
         {q, k, v, opt(g), opt(gv), opt(initial_state), opt(cu_seqlens), hst, amat});
     SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
@@ -341,13 +347,9 @@ class ChunkRwkv6 : public torch::autograd::Function<ChunkRwkv6> {
     static auto op_train = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("fla::chunk_rwkv6_train", "")
                                .typed<decltype(chunk_rwkv6_train_impl<nullptr>)>();
-    Tensor o, hT, hst, amat;
-    if (train)
-      std::tie(o, hT, hst, amat) = op_train.call(r, k, v, w, u, scale, initial_state,
-                                                 output_final_state, cu_seqlens, head_first);
-    else
-      std::tie(o, hT) = op.call(r, k, v, w, u, scale, initial_state, output_final_state,
-                                cu_seqlens, head_first);
+    auto [o, hT, hst, amat] = forward_op(train, op, op_train, r, k, v, w, u, scale,
+                                         initial_state, output_final_state, cu_seqlens,
+                                         head_first);
     ctx->save_for_backward({r, k, v, w, u, opt(initial_state), opt(cu_seqlens), hst, amat});
     SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
     if (!output_final_state) ctx->mark_non_differentiable({hT});
