@@ -29,6 +29,13 @@ def inputs(op, B, T, H, K, V, dtype):
     if op == "chunk_gla_gv":  # the value-side decay alone (GSA pass 1)
         args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), logd(B, T, H, V))
         return args, lambda q, k, v, gv: fla_ext.chunk_gla(q, k, v, gv=gv)[0]
+    if op == "chunk_rwkv7":  # the RWKV-7 layer's inputs: a = -kk, b = kk * iclr
+        kk = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1)
+        iclr = torch.sigmoid(torch.randn(B, T, H, K, device=dev))
+        w = -0.6065306597126334 * torch.sigmoid(torch.randn(B, T, H, K, device=dev))
+        args = (r(B, T, H, K), w.to(dtype), r(B, T, H, K), r(B, T, H, V), (-kk).to(dtype),
+                (kk * iclr).to(dtype))
+        return args, lambda *a: fla_ext.chunk_rwkv7(*a)[0]
     raise SystemExit(f"kernel_times: unknown op {op}")
 
 

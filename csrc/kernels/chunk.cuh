@@ -55,17 +55,7 @@ __device__ __forceinline__ int64_t num_chunks(int64_t len) { return (len + C - 1
 
 // Chunk slot -> (sequence, chunk); false for slots that hold no chunk (final-state / gap slots).
 __device__ __forceinline__ bool locate(const ChunkPass& p, int64_t slot, Pos& o) {
-  int n;
-  if (p.cu_seqlens) {
-    int lo = 0, hi = p.N - 1;  // the last sequence whose first slot is <= slot
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (chunk_slot(p.cu_seqlens, mid, p.T, 0) <= slot) lo = mid; else hi = mid - 1;
-    }
-    n = lo;
-  } else {
-    n = int(slot / (num_chunks(p.T) + 1));
-  }
+  const int n = slot_sequence(p.cu_seqlens, p.N, p.T, slot);
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int64_t c = slot - chunk_slot(p.cu_seqlens, n, p.T, 0), nch = num_chunks(s.len);
   if (c < 0 || c >= nch) return false;

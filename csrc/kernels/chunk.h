@@ -80,6 +80,19 @@ FLA_HD int64_t chunk_slot(const int64_t* cu_seqlens, int n, int T, int64_t c) {
   return int64_t(n) * ((int64_t(T) + C - 1) / C + 1) + c;
 }
 
+// The sequence that owns `slot` (its chunk index is slot - chunk_slot(n, 0); a final-state or
+// gap slot gives an index >= the sequence's chunk count).
+template <int C = kChunk>
+FLA_HD int slot_sequence(const int64_t* cu_seqlens, int N, int T, int64_t slot) {
+  if (!cu_seqlens) return int(slot / ((int64_t(T) + C - 1) / C + 1));
+  int lo = 0, hi = N - 1;  // the last sequence whose first slot is <= slot
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (chunk_slot<C>(cu_seqlens, mid, T, 0) <= slot) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 void chunk_cpu(const ChunkPass& p);
 // Returns nullptr on success, else the CUDA error string of the failed launch.
 const char* chunk_cuda(const ChunkPass& p, void* stream);

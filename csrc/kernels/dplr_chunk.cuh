@@ -1,15 +1,21 @@
 // CUDA engine for the chunked RWKV7 algebra of kernels/dplr_chunk.h (the steps of
 // cpu/dplr_chunk.cpp in fp32, SIMT FMA: no TF32 anywhere).
 //
-// One CTA of 256 threads per (sequence, head, tile of dplr_chunk_cols(K) state columns) walks
-// the sequence chunk by chunk with the full K x cols state slice in shared memory (U = X (M + P)
-// contracts over K, so K must be resident). Per chunk every thread pair (i, j) of the 16 x 16
-// grid builds its four pair-matrix entries with the exponent sum_{j < s < i} w_s added up
-// elementwise (never a difference, never positive: any w in [-inf, 0] is exact), warp 0 solves
-// X = (I - A_ab)^-1 by forward substitution, and the rest are small contractions over K, the
-// tile's columns or the 16 rows. The backward first reruns the forward, storing each chunk-start
-// state slice in the `hst` workspace, then runs the reverse chunk pass; its K-vector gradients
-// are per-tile partial sums. No host synchronisation: the launches are CUDA-graph safe.
+// Forward, three launches' worth of work in two kernels:
+//   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
+//          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
+//          sum_{j < s < i} w_s elementwise: never a difference, never positive, so any w in
+//          [-inf, 0] is exact), X = (I - A_ab)^-1 by forward substitution, then W, Q~, K^, B^,
+//          gamma, U0, O0 into the workspace (DplrWs).
+//   state  (N, H, V / 32)   the sequential pass over chunks with the K x 32 state slice in shared
+//          memory: U = U0 + W S, o = O0 + scale Q~ S, S+ = gamma S + K^^T V + B^^T U. The next
+//          chunk's workspace block is copied asynchronously while this one is used, so a step
+//          costs its arithmetic, not a memory latency. Writes the chunk-start states (`hst`)
+//          when the backward asks for them.
+// Backward: prep and state (for hst), then one CTA of 256 threads per (sequence, head, tile of
+// dplr_chunk_cols(K) columns) runs the reverse chunk pass with the rows, pair matrices and the
+// K x cols state and its gradient in shared memory; its K-vector gradients are per-tile partial
+// sums. No host synchronisation: the launches are CUDA-graph safe.
 #pragma once
 #include "dplr_chunk.h"
 #include "elements.cuh"
@@ -76,30 +82,40 @@ __device__ __forceinline__ float eE(const float* sm, const Smem& L, int i, int d
   return i ? sm[L.eG + (i - 1) * L.KP + d] : 1.f;
 }
 
-// Rows [t0, t0 + nrow) of the chunk into shared memory, padded to C rows with w = 0 and every
-// other input 0 (padding adds nothing, and exp(G) of the last row is the chunk's gamma);
-// columns >= V of the tile are 0.
+// Rows [t0, t0 + nrow) of the chunk's K-vectors into shared memory, padded to C rows with w = 0
+// and every other input 0 (padding adds nothing, and exp(G) of the last row is the chunk's
+// gamma).
 template <typename T>
-__device__ void load_chunk(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
-                           int64_t t0, int nrow, bool with_dout) {
-  const int64_t b = c.s.b;
+__device__ void load_rows(float* sm, const Smem& L, const DplrChunkPass& p, const SeqSpan& s,
+                          int h, int64_t t0, int nrow) {
   for (int e = threadIdx.x; e < C * L.K; e += NT) {
     const int i = e / L.K, d = e % L.K, at = i * L.KP + d;
     float r = 0.f, w = 0.f, k = 0.f, a = 0.f, bb = 0.f;
     if (i < nrow) {
-      const int64_t t = c.s.bos + t0 + i;
-      r = ld<T>(p.r, b, t, c.h, d), w = ld<T>(p.w, b, t, c.h, d), k = ld<T>(p.k, b, t, c.h, d);
-      a = ld<T>(p.a, b, t, c.h, d), bb = ld<T>(p.b, b, t, c.h, d);
+      const int64_t t = s.bos + t0 + i;
+      r = ld<T>(p.r, s.b, t, h, d), w = ld<T>(p.w, s.b, t, h, d), k = ld<T>(p.k, s.b, t, h, d);
+      a = ld<T>(p.a, s.b, t, h, d), bb = ld<T>(p.b, s.b, t, h, d);
     }
     sm[L.r + at] = r, sm[L.w + at] = w, sm[L.k + at] = k, sm[L.a + at] = a, sm[L.b + at] = bb;
   }
+}
+// The tile's v (and dO) rows; columns >= V of the tile and padded rows are 0.
+template <typename T>
+__device__ void load_cols(float* sm, const Smem& L, const DplrChunkPass& p, const SeqSpan& s,
+                          int h, int x0, int nc, int64_t t0, int nrow, bool with_dout) {
   for (int e = threadIdx.x; e < C * L.cols; e += NT) {
     const int i = e / L.cols, x = e % L.cols, at = i * L.BP + x;
-    const bool ok = i < nrow && x < c.nc;
-    const int64_t t = c.s.bos + t0 + i;
-    sm[L.v + at] = ok ? ld<T>(p.v, b, t, c.h, c.x0 + x) : 0.f;
-    if (with_dout) sm[L.dO + at] = ok ? ld<T>(p.dout, b, t, c.h, c.x0 + x) : 0.f;
+    const bool ok = i < nrow && x < nc;
+    const int64_t t = s.bos + t0 + i;
+    sm[L.v + at] = ok ? ld<T>(p.v, s.b, t, h, x0 + x) : 0.f;
+    if (with_dout) sm[L.dO + at] = ok ? ld<T>(p.dout, s.b, t, h, x0 + x) : 0.f;
   }
+}
+template <typename T>
+__device__ void load_chunk(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
+                           int64_t t0, int nrow, bool with_dout) {
+  load_rows<T>(sm, L, p, c.s, c.h, t0, nrow);
+  load_cols<T>(sm, L, p, c.s, c.h, c.x0, c.nc, t0, nrow, with_dout);
 }
 
 // The pair-matrix entries (i, j), j <= i: A_rk, A_rb with the factor exp(sum_{j<s<=i} w_s) and
@@ -199,21 +215,6 @@ __device__ inline void pseudo_values(float* sm, const Smem& L) {
   __syncthreads();
 }
 
-// S <- diag(gamma) S + K^^T V + B^^T U. Ends synchronised.
-__device__ inline void advance(float* sm, const Smem& L) {
-  for (int e = threadIdx.x; e < L.K * L.cols; e += NT) {
-    const int d = e / L.cols, x = e % L.cols;
-    float s = sm[L.eG + (C - 1) * L.KP + d] * sm[L.S + e];
-    for (int j = 0; j < C; ++j) {
-      const float eo = sm[L.eO + j * L.KP + d];
-      s += eo * (sm[L.k + j * L.KP + d] * sm[L.v + j * L.BP + x] +
-                 sm[L.b + j * L.KP + d] * sm[L.U + j * L.BP + x]);
-    }
-    sm[L.S + e] = s;
-  }
-  __syncthreads();
-}
-
 // Loads a state slice [K][cols] (columns >= V and an absent matrix read 0). Not synchronised.
 __device__ inline void load_state(float* dst, const Smem& L, const MatArg& m, const Cta& c) {
   for (int e = threadIdx.x; e < L.K * L.cols; e += NT) {
@@ -235,34 +236,220 @@ __device__ __forceinline__ float* hst_at(const DplrChunkPass& p, const Cta& c, i
   return static_cast<float*>(p.hst) + ((slot * p.H + c.h) * p.K + d) * int64_t(p.V) + c.x0 + x;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Forward, parallel part: one CTA per (chunk slot, head). Slots without a chunk (final-state and
+// gap slots) are never read and are left unwritten.
 template <typename T>
-__global__ void __launch_bounds__(NT) forward_kernel(const DplrChunkPass p) {
+__global__ void __launch_bounds__(NT) prep_kernel(const DplrChunkPass p) {
   extern __shared__ float sm[];
   const Smem L(p.K, false);
-  const Cta c = cta(p);
-  load_state(sm + L.S, L, p.h0, c);
+  const DplrWs ws(p.K, p.V);
+  const int64_t slot = blockIdx.x;
+  const int h = blockIdx.y, n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
+  const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
+  const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0), t0 = ci * C;
+  if (ci < 0 || t0 >= s.len) return;
+  const int nrow = int(s.len - t0 < C ? s.len - t0 : C);
+  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
+  load_rows<T>(sm, L, p, s, h, t0, nrow);
   __syncthreads();
-  for (int64_t t0 = 0; t0 < c.s.len; t0 += C) {
-    const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
-    load_chunk<T>(sm, L, p, c, t0, nrow, false);
+  prepare(sm, L);
+  // W = X Â into the w rows (w is not read again).
+  for (int e = threadIdx.x; e < C * K; e += NT) {
+    const int i = e / K, d = e % K;
+    float x = 0.f;
+    for (int l = 0; l <= i; ++l) x += sm[L.X + i * CP + l] * sm[L.a + l * KP + d] * eE(sm, L, l, d);
+    sm[L.w + i * KP + d] = x;
+  }
+  __syncthreads();
+  float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
+  for (int e = threadIdx.x; e < C * ws.KP4; e += NT) {
+    const int i = e / ws.KP4, d = e % ws.KP4;
+    float wv = 0.f, q = 0.f, kh = 0.f, bh = 0.f;
+    if (d < K) {
+      const int at = i * KP + d;
+      wv = sm[L.w + at];
+      q = sm[L.r + at] * sm[L.eG + at];
+      for (int j = 0; j <= i; ++j) q += sm[L.Arb + i * CP + j] * sm[L.w + j * KP + d];
+      kh = sm[L.k + at] * sm[L.eO + at], bh = sm[L.b + at] * sm[L.eO + at];
+    }
+    out[ws.W() + e] = wv, out[ws.Q() + e] = q, out[ws.Kh() + e] = kh, out[ws.Bh() + e] = bh;
+  }
+  for (int d = threadIdx.x; d < ws.KP4; d += NT)
+    out[ws.gam() + d] = d < K ? sm[L.eG + (C - 1) * KP + d] : 0.f;
+  const float rho = float(p.scale);
+  for (int x0 = 0; x0 < p.V; x0 += cols) {  // U0 = X A_ak V, O0 = scale (A_rk V + A_rb U0)
     __syncthreads();
-    prepare(sm, L);
-    pseudo_values(sm, L);
-    for (int e = threadIdx.x; e < C * L.cols; e += NT) {  // O = scale (R^ S + A_rk V + A_rb U)
-      const int i = e / L.cols, x = e % L.cols;
-      if (i >= nrow || x >= c.nc) continue;
-      float o = 0.f;
-      for (int d = 0; d < L.K; ++d)
-        o += sm[L.r + i * L.KP + d] * sm[L.eG + i * L.KP + d] * sm[L.S + d * L.cols + x];
-      for (int j = 0; j <= i; ++j)
-        o += sm[L.Ark + i * CP + j] * sm[L.v + j * L.BP + x] +
-             sm[L.Arb + i * CP + j] * sm[L.U + j * L.BP + x];
-      *vptr<T>(p.o, c.s.b, c.s.bos + t0 + i, c.h, c.x0 + x) = from_f<T>(float(p.scale) * o);
+    load_cols<T>(sm, L, p, s, h, x0, min(cols, p.V - x0), t0, nrow, false);
+    __syncthreads();
+    for (int e = threadIdx.x; e < C * cols; e += NT) {
+      const int i = e / cols, x = e % cols;
+      float m = 0.f;
+      for (int j = 0; j < i; ++j) m += sm[L.Aak + i * CP + j] * sm[L.v + j * BP + x];
+      sm[L.M + i * BP + x] = m;
     }
     __syncthreads();
-    advance(sm, L);
+    for (int e = threadIdx.x; e < C * cols; e += NT) {
+      const int i = e / cols, x = e % cols;
+      float u = 0.f;
+      for (int l = 0; l <= i; ++l) u += sm[L.X + i * CP + l] * sm[L.M + l * BP + x];
+      sm[L.U + i * BP + x] = u;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < C * cols; e += NT) {
+      const int i = e / cols, x = e % cols;
+      if (x0 + x >= ws.VP4) continue;  // columns in [V, VP4) are written: 0 there
+      float o = 0.f;
+      for (int j = 0; j <= i; ++j)
+        o += sm[L.Ark + i * CP + j] * sm[L.v + j * BP + x] + sm[L.Arb + i * CP + j] * sm[L.U + j * BP + x];
+      out[ws.U0() + i * ws.VP4 + x0 + x] = sm[L.U + i * BP + x];
+      out[ws.O0() + i * ws.VP4 + x0 + x] = rho * o;
+    }
   }
-  store_state(p.hT, sm + L.S, L, c);
+}
+
+// 16-byte global -> shared copy that does not wait (cp.async); `on` false writes zeros.
+__device__ __forceinline__ void copy16(float* dst, const float* src, bool on) {
+  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(on ? 16 : 0));
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;"); }
+template <int Pending>
+__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(Pending)); }
+
+// Forward, sequential part: one CTA of 256 threads per (sequence, head, 32 state columns).
+constexpr int SX = 32;  // state columns per CTA
+FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
+struct StateSmem {
+  int S, U, Vt, buf, stage, total;  // floats
+  FLA_HD StateSmem(const DplrWs& ws, int K) {
+    stage = int(ws.kpart()) + 2 * C * SX;  // W .. gamma, then U0 and O0 [C][SX]
+    S = 0, U = K * SX, Vt = U + C * SX, buf = Vt + C * SX;
+    buf = (buf + 3) / 4 * 4;
+    total = buf + 2 * stage;
+  }
+  FLA_HD size_t bytes() const { return size_t(total) * sizeof(float); }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(NT) state_kernel(const DplrChunkPass p) {
+  extern __shared__ float4 sm4[];
+  float* sm = reinterpret_cast<float*>(sm4);
+  const DplrWs ws(p.K, p.V);
+  const StateSmem L(ws, p.K);
+  const int K = p.K, KP4 = ws.KP4, tiles = state_tiles(p.V);
+  const int tile = blockIdx.x % tiles, nh = blockIdx.x / tiles, h = nh % p.H, n = nh / p.H;
+  const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
+  const int x0 = tile * SX, nc = min(SX, p.V - x0);
+  const int64_t nch = (s.len + C - 1) / C;
+  float *S = sm + L.S, *U = sm + L.U, *Vt = sm + L.Vt;
+  const float* wsb = static_cast<const float*>(p.ws);
+  auto slot_of = [&](int64_t ci) { return chunk_slot<C>(p.cu_seqlens, n, p.T, ci); };
+
+  // Chunk ci's workspace block (W .. gamma whole, U0 and O0 at this tile's columns) into buf.
+  auto fetch = [&](int64_t ci) {
+    float* dst = sm + L.buf + (ci & 1) * L.stage;
+    const float* src = wsb + (slot_of(ci) * p.H + h) * ws.per();
+    for (int e = threadIdx.x; e < ws.kpart() / 4; e += NT) copy16(dst + 4 * e, src + 4 * e, true);
+    for (int e = threadIdx.x; e < 2 * C * (SX / 4); e += NT) {
+      const int mtx = e / (C * SX / 4), i = e / (SX / 4) % C, q = e % (SX / 4), col = x0 + 4 * q;
+      const bool on = col < ws.VP4;
+      copy16(dst + ws.kpart() + (mtx * C + i) * SX + 4 * q,
+             src + ws.U0() + (mtx * C + i) * ws.VP4 + (on ? col : 0), on);
+    }
+    copy_commit();
+  };
+  // Chunk ci's v rows at this tile's columns, two per thread (0 outside).
+  auto fetch_v = [&](int64_t ci, float* x) {
+#pragma unroll
+    for (int it = 0; it < C * SX / NT; ++it) {
+      const int e = threadIdx.x + it * NT, i = e / SX, c = e % SX;
+      const int64_t t = ci * C + i;
+      x[it] = ci < nch && t < s.len && c < nc ? ld<T>(p.v, s.b, s.bos + t, h, x0 + c) : 0.f;
+    }
+  };
+  auto store_hst = [&](int64_t ci) {
+    float* dst = static_cast<float*>(p.hst) + (slot_of(ci) * p.H + h) * int64_t(K) * p.V + x0;
+    for (int e = threadIdx.x; e < K * SX; e += NT)
+      if (e % SX < nc) dst[int64_t(e / SX) * p.V + e % SX] = S[e];
+  };
+
+  for (int e = threadIdx.x; e < K * SX; e += NT) {
+    const int d = e / SX, x = e % SX;
+    S[e] = p.h0.on() && x < nc ? *mptr(p.h0, n, h, d, x0 + x) : 0.f;
+  }
+  float vx[C * SX / NT];
+  if (nch > 0) fetch(0);
+  fetch_v(0, vx);
+  const float rho = float(p.scale);
+  const int i = threadIdx.x / 16, xp = 2 * (threadIdx.x % 16);  // phase A: row i, columns xp, xp + 1
+  for (int64_t ci = 0; ci < nch; ++ci) {
+    const float* cur = sm + L.buf + (ci & 1) * L.stage;
+    if (ci + 1 < nch) {
+      fetch(ci + 1);
+      copy_wait<1>();
+    } else {
+      copy_wait<0>();
+    }
+#pragma unroll
+    for (int it = 0; it < C * SX / NT; ++it) Vt[threadIdx.x + it * NT] = vx[it];
+    fetch_v(ci + 1, vx);
+    __syncthreads();
+    if (p.hst) store_hst(ci);
+    {  // U = U0 + W S, o = O0 + scale Q~ S
+      const float *wr = cur + ws.W() + i * KP4, *qr = cur + ws.Q() + i * KP4;
+      float t0 = 0.f, t1 = 0.f, q0 = 0.f, q1 = 0.f;
+#pragma unroll 4
+      for (int d = 0; d < K; ++d) {
+        const float2 sv = *reinterpret_cast<const float2*>(S + d * SX + xp);
+        const float w = wr[d], q = qr[d];
+        t0 += w * sv.x, t1 += w * sv.y, q0 += q * sv.x, q1 += q * sv.y;
+      }
+      const float* u0 = cur + ws.kpart() + i * SX + xp;
+      const float* o0 = u0 + C * SX;
+      U[i * SX + xp] = u0[0] + t0, U[i * SX + xp + 1] = u0[1] + t1;
+      const int64_t t = ci * C + i;
+      if (p.o.on() && t < s.len) {
+        T* o = vptr<T>(p.o, s.b, s.bos + t, h, x0 + xp);
+        if (xp < nc) o[0] = from_f<T>(o0[0] + rho * q0);
+        if (xp + 1 < nc) o[p.o.sd] = from_f<T>(o0[1] + rho * q1);
+      }
+    }
+    __syncthreads();
+    // S+ = gamma S + K^^T V + B^^T U: thread owns rows 4 dg .. 4 dg + 3, columns xp, xp + 1.
+    for (int dg = threadIdx.x / 16; 4 * dg < K; dg += NT / 16) {
+      const int d0 = 4 * dg;
+      float acc[4][2];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float g = cur[ws.gam() + d0 + r];
+        const bool in = d0 + r < K;
+        acc[r][0] = in ? g * S[(d0 + r) * SX + xp] : 0.f;
+        acc[r][1] = in ? g * S[(d0 + r) * SX + xp + 1] : 0.f;
+      }
+#pragma unroll 4
+      for (int j = 0; j < C; ++j) {
+        const float4 kh = *reinterpret_cast<const float4*>(cur + ws.Kh() + j * KP4 + d0);
+        const float4 bh = *reinterpret_cast<const float4*>(cur + ws.Bh() + j * KP4 + d0);
+        const float2 v = *reinterpret_cast<const float2*>(Vt + j * SX + xp);
+        const float2 u = *reinterpret_cast<const float2*>(U + j * SX + xp);
+        const float kr[4] = {kh.x, kh.y, kh.z, kh.w}, br[4] = {bh.x, bh.y, bh.z, bh.w};
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          acc[r][0] += kr[r] * v.x + br[r] * u.x;
+          acc[r][1] += kr[r] * v.y + br[r] * u.y;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        if (d0 + r < K) S[(d0 + r) * SX + xp] = acc[r][0], S[(d0 + r) * SX + xp + 1] = acc[r][1];
+    }
+    __syncthreads();
+  }
+  if (p.hst) store_hst(nch);
+  if (p.hT.on())
+    for (int e = threadIdx.x; e < K * SX; e += NT)
+      if (e % SX < nc) *mptr(p.hT, n, h, e / SX, x0 + e % SX) = S[e];
 }
 
 template <typename T>
@@ -274,21 +461,10 @@ __global__ void __launch_bounds__(NT) backward_kernel(const DplrChunkPass p) {
   const float rho = float(p.scale);
   const int64_t nch = (c.s.len + C - 1) / C;
 
-  // Phase 1: the forward again, keeping every chunk-start state slice.
-  load_state(sm + L.S, L, p.h0, c);
-  __syncthreads();
-  for (int64_t ci = 0; ci < nch; ++ci) {
-    const int nrow = int(c.s.len - ci * C < C ? c.s.len - ci * C : C);
-    for (int e = threadIdx.x; e < K * cols; e += NT)
-      if (e % cols < c.nc) *hst_at(p, c, ci, e / cols, e % cols) = sm[L.S + e];
-    load_chunk<T>(sm, L, p, c, ci * C, nrow, false);
-    __syncthreads();
-    prepare(sm, L);
-    pseudo_values(sm, L);
-    advance(sm, L);
-  }
-
-  // Phase 2: reverse chunk pass. On entry to chunk ci, S holds the state at its end and dS the
+  // The state kernel left every chunk-start state and the final state in hst.
+  for (int e = threadIdx.x; e < K * cols; e += NT)
+    sm[L.S + e] = e % cols < c.nc ? *hst_at(p, c, nch, e / cols, e % cols) : 0.f;
+  // Reverse chunk pass. On entry to chunk ci, S holds the state at its end and dS the
   // gradient there.
   load_state(sm + L.dS, L, p.dht, c);
   __syncthreads();
@@ -447,18 +623,29 @@ __global__ void __launch_bounds__(NT) backward_kernel(const DplrChunkPass p) {
   store_state(p.dh0, sm + L.dS, L, c);
 }
 
+template <typename K>
+cudaError_t launch_with_smem(K kernel, dim3 grid, size_t bytes, const DplrChunkPass& p,
+                             cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (e != cudaSuccess) return e;
+  kernel<<<grid, NT, bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
-  const int64_t grid = int64_t(p.N) * p.H * dplr_chunk_tiles(p.K, p.V);
-  if (grid == 0) return cudaSuccess;
-  const bool bwd = p.backward();
-  const size_t bytes = Smem(p.K, bwd).bytes();
-  auto kernel = bwd ? backward_kernel<T> : forward_kernel<T>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(bytes));
+  if (int64_t(p.N) * p.H == 0) return cudaSuccess;
+  const int64_t slots = chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
+  cudaError_t e = launch_with_smem(prep_kernel<T>, dim3(unsigned(slots), p.H),
+                                   Smem(p.K, false).bytes(), p, stream);
   if (e != cudaSuccess) return e;
-  kernel<<<unsigned(grid), NT, bytes, stream>>>(p);
-  return cudaGetLastError();
+  const StateSmem st(DplrWs(p.K, p.V), p.K);
+  // The forward pass of a backward call writes only hst (its o and hT are off).
+  e = launch_with_smem(state_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H * state_tiles(p.V))),
+                       st.bytes(), p, stream);
+  if (e != cudaSuccess || !p.backward()) return e;
+  return launch_with_smem(backward_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H * dplr_chunk_tiles(p.K, p.V))),
+                          Smem(p.K, true).bytes(), p, stream);
 }
 
 }  // namespace dplr_chunk_detail

@@ -7,7 +7,12 @@
 // segment sum (never a difference of cumsums, never a positive exponent), so any w in
 // [-inf, 0] is exact and no sub-chunk reference or block inverse is needed; X = (I - A_ab)^-1 is
 // one 16 x 16 forward substitution (fla's DPLR default, §6.2). C = 64 with 16-row sub-chunks
-// and a block inverse would shorten the sequential pass 4x; it is the next performance step.
+// and a block inverse would shorten the sequential pass 4x.
+//
+// The CUDA forward splits the chunk step (§6.3) into what does not depend on the state, done
+// for all chunks at once, and a sequential pass that only multiplies by it:
+//   W = X Â,  Q~ = R^ + A_rb W,  U0 = X A_ak V,  O0 = scale (A_rk V + A_rb U0)     (parallel)
+//   U = U0 + W S,  O = O0 + scale Q~ S,  S+ = diag(gamma) S + K^^T V + B^^T U       (sequential)
 //
 // Per chunk (local rows i, j; G/E inclusive/exclusive sums from the chunk start, Omega to the
 // chunk end; S the chunk-start state):
@@ -40,10 +45,30 @@ FLA_HD int dplr_chunk_tiles(int K, int V) {
   return (V + c - 1) / c;
 }
 
+// The CUDA per-chunk workspace: for each (chunk slot, head) `per()` fp32 values, every row
+// padded to a multiple of 4 (16-byte aligned rows for asynchronous copies; the padding is 0):
+// W, Q~, K^, B^ [C][KP4], gamma [KP4], then U0, O0 [C][VP4]. The first part (W .. gamma) is
+// contiguous so that the sequential pass copies it as one block.
+struct DplrWs {
+  int KP4, VP4;
+  FLA_HD DplrWs(int K, int V) : KP4((K + 3) / 4 * 4), VP4((V + 3) / 4 * 4) {}
+  FLA_HD int64_t W() const { return 0; }
+  FLA_HD int64_t Q() const { return int64_t(kDplrChunk) * KP4; }
+  FLA_HD int64_t Kh() const { return 2 * Q(); }
+  FLA_HD int64_t Bh() const { return 3 * Q(); }
+  FLA_HD int64_t gam() const { return 4 * Q(); }
+  FLA_HD int64_t kpart() const { return gam() + KP4; }  // floats of W .. gamma
+  FLA_HD int64_t U0() const { return kpart(); }
+  FLA_HD int64_t O0() const { return U0() + int64_t(kDplrChunk) * VP4; }
+  FLA_HD int64_t per() const { return O0() + int64_t(kDplrChunk) * VP4; }
+};
+
 struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients
   // Backward workspace (acc, contiguous [chunk_slots<kDplrChunk>(N, T, varlen), H, K, V]): the
-  // chunk-start states of the recompute; a backend may keep them elsewhere.
+  // chunk-start states and, in the slot after a sequence's last chunk, its final state.
   void* hst = nullptr;
+  // CUDA workspace [chunk_slots<kDplrChunk>(N, T, varlen), H, DplrWs::per()] fp32 (CPU: unused).
+  void* ws = nullptr;
 };
 
 void dplr_chunk_cpu(const DplrChunkPass& p);

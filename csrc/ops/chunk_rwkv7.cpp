@@ -12,11 +12,18 @@
 namespace fla::ops {
 namespace {
 
+// `ws` receives the CUDA engine's per-chunk workspace (kept alive by the caller until the pass
+// has run; the CPU engine needs none).
 DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
                          const Tensor& v, const Tensor& a, const Tensor& b,
-                         const std::optional<Tensor>& h0) {
+                         const std::optional<Tensor>& h0, Tensor& ws) {
   DplrChunkPass p;
   set_dplr_args(p, d, r, w, k, v, a, b, h0);
+  if (r.is_cuda()) {
+    const int64_t slots = chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
+    ws = at::empty({slots * d.H * DplrWs(int(d.K), int(d.V)).per()}, r.options().dtype(at::kFloat));
+    p.ws = ws.data_ptr();
+  }
   return p;
 }
 
@@ -32,7 +39,8 @@ std::tuple<Tensor, Tensor> chunk_rwkv7_fwd(
   Tensor o = d.L.empty_like_with_dim(v, d.V, r.scalar_type());
   Tensor hT = new_output({output_final_state ? d.N : 0, d.H, d.K, d.V},
                          r.options().dtype(acc_type(r)));
-  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state);
+  Tensor ws;
+  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws);
   p.o = d.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
   run(p);
@@ -63,7 +71,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   Tensor hst = at::empty({d.T > 0 ? slots : 0, d.H, d.K, d.V}, acc);
 
   if (d.T > 0) {
-    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state);
+    Tensor ws;
+    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws);
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);
