@@ -3,11 +3,9 @@
 // inputs; the backward recomputes the chunk-start states, then runs the reverse chunk pass. This
 // file checks the arguments (the rwkv7 checks), lays out the workspace and adds the per-column-
 // tile partial gradients.
-#include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "autograd_state.h"
-#include "rwkv7.h"
+#include "rwkv7_autograd.h"
 
 namespace fla::ops {
 namespace {
@@ -89,45 +87,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
 }
 
 // ---------------------------------------------------------------------------------------------
-// Autograd: the backward is the fla::chunk_rwkv7_bwd op, called through the dispatcher so that
-// torch.compile traces it like any other op.
+// Autograd (rwkv7_autograd.h): the backward is the fla::chunk_rwkv7_bwd op.
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-class ChunkRwkv7 : public torch::autograd::Function<ChunkRwkv7> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& r, const Tensor& w,
-                               const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
-                               std::optional<double> scale,
-                               const std::optional<Tensor>& initial_state,
-                               bool output_final_state, const std::optional<Tensor>& cu_seqlens,
-                               bool head_first) {
-    at::AutoDispatchBelowADInplaceOrView below;
+struct ChunkOps {  // fused_recurrent's argument lists; `reverse` is always false here
+  static auto fwd(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
+                  const Tensor& a, const Tensor& b, std::optional<double> scale,
+                  const std::optional<Tensor>& h0, bool output_final_state, bool /*reverse*/,
+                  const std::optional<Tensor>& cu_seqlens, bool head_first) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::chunk_rwkv7", "")
                          .typed<decltype(chunk_rwkv7_impl<nullptr>)>();
-    auto [o, hT] = op.call(r, w, k, v, a, b, scale, initial_state, output_final_state,
-                           cu_seqlens, head_first);
-    ctx->save_for_backward({r, w, k, v, a, b, opt(initial_state), opt(cu_seqlens)});
-    SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
-    if (!output_final_state) ctx->mark_non_differentiable({hT});
-    return {o, hT};
+    return op.call(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, head_first);
   }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static auto bwd(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
+                  const Tensor& a, const Tensor& b, const Tensor& grad_o,
+                  const std::optional<Tensor>& dht, std::optional<double> scale,
+                  const std::optional<Tensor>& h0, bool /*reverse*/,
+                  const std::optional<Tensor>& cu_seqlens, bool head_first) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::chunk_rwkv7_bwd", "")
                          .typed<decltype(chunk_rwkv7_bwd_impl<nullptr>)>();
-    const auto s = ctx->get_saved_variables();
-    const auto f = SweepFlags::load(ctx);
-    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
-    auto [dr, dw, dk, dv, da, db, dh0] =
-        op.call(s[0], s[1], s[2], s[3], s[4], s[5], go, f.dht(grads), f.scale, some(s[6]),
-                some(s[7]), f.head_first);
-    return {dr,       dw,       dk,       dv,      da, db, Tensor(),
-            s[6].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor()};
+    return op.call(r, w, k, v, a, b, grad_o, dht, scale, h0, cu_seqlens, head_first);
   }
 };
 
@@ -135,8 +116,8 @@ std::tuple<Tensor, Tensor> chunk_rwkv7_autograd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  auto out = ChunkRwkv7::apply(r, w, k, v, a, b, scale, initial_state, output_final_state,
-                               cu_seqlens, head_first);
+  auto out = Rwkv7Function<ChunkOps>::apply(r, w, k, v, a, b, scale, initial_state,
+                                            output_final_state, false, cu_seqlens, head_first);
   return {out[0], out[1]};
 }
 

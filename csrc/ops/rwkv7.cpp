@@ -4,10 +4,9 @@
 // arguments, lays out the workspaces and adds the per-column-tile partial gradients.
 #include "rwkv7.h"
 
-#include "autograd_state.h"
-
-#include <torch/autograd.h>
 #include <torch/library.h>
+
+#include "rwkv7_autograd.h"
 
 namespace fla::ops {
 
@@ -104,45 +103,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
 }
 
 // ---------------------------------------------------------------------------------------------
-// Autograd: the backward is the fla::fused_recurrent_rwkv7_bwd op, called through the dispatcher
-// so that torch.compile traces it like any other op.
+// Autograd (rwkv7_autograd.h): the backward is the fla::fused_recurrent_rwkv7_bwd op.
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-class FusedRecurrentRwkv7 : public torch::autograd::Function<FusedRecurrentRwkv7> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& r, const Tensor& w,
-                               const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
-                               std::optional<double> scale,
-                               const std::optional<Tensor>& initial_state,
-                               bool output_final_state, bool reverse,
-                               const std::optional<Tensor>& cu_seqlens, bool head_first) {
-    at::AutoDispatchBelowADInplaceOrView below;
+struct FusedOps {
+  template <class... A>
+  static auto fwd(A&&... args) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::fused_recurrent_rwkv7", "")
                          .typed<decltype(fused_recurrent_rwkv7_impl<nullptr>)>();
-    auto [o, hT] = op.call(r, w, k, v, a, b, scale, initial_state, output_final_state, reverse,
-                           cu_seqlens, head_first);
-    ctx->save_for_backward({r, w, k, v, a, b, opt(initial_state), opt(cu_seqlens)});
-    SweepFlags{scale, reverse, head_first, output_final_state}.save(ctx);
-    if (!output_final_state) ctx->mark_non_differentiable({hT});
-    return {o, hT};
+    return op.call(std::forward<A>(args)...);
   }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  template <class... A>
+  static auto bwd(A&&... args) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::fused_recurrent_rwkv7_bwd", "")
                          .typed<decltype(fused_recurrent_rwkv7_bwd_impl<nullptr>)>();
-    const auto s = ctx->get_saved_variables();
-    const auto f = SweepFlags::load(ctx);
-    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
-    auto [dr, dw, dk, dv, da, db, dh0] =
-        op.call(s[0], s[1], s[2], s[3], s[4], s[5], go, f.dht(grads), f.scale, some(s[6]),
-                f.reverse, some(s[7]), f.head_first);
-    return {dr,       dw,       dk,       dv,       da,      db, Tensor(),
-            s[6].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return op.call(std::forward<A>(args)...);
   }
 };
 
@@ -151,8 +128,8 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv7_autograd(
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
     bool head_first) {
-  auto out = FusedRecurrentRwkv7::apply(r, w, k, v, a, b, scale, initial_state,
-                                        output_final_state, reverse, cu_seqlens, head_first);
+  auto out = Rwkv7Function<FusedOps>::apply(r, w, k, v, a, b, scale, initial_state,
+                                            output_final_state, reverse, cu_seqlens, head_first);
   return {out[0], out[1]};
 }
 
