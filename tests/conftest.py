@@ -33,6 +33,20 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (x - ref).norm().item() / den if den > 0 else (x - ref).norm().item()
 
 
+def assert_compiles_same(f, ins, wrt, device):
+    """torch.compile(f, fullgraph=True) gives f's loss and gradients wrt `wrt` (inductor on GPU,
+    aot_eager on CPU)."""
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    loss_c = cf(*ins)
+    g_c = torch.autograd.grad(loss_c, wrt)
+    loss_e = f(*ins)
+    g_e = torch.autograd.grad(loss_e, wrt)
+    torch.testing.assert_close(loss_c, loss_e)
+    for x, y in zip(g_c, g_e):
+        torch.testing.assert_close(x, y)
+
+
 def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float, atol: float):
     """ALGORITHMS.md §8.2: rel L2 <= tol or max|x - ref| <= atol; never NaN/Inf."""
     assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref.shape)}"

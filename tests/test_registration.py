@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fla_ext
-from conftest import DEVICES
+from conftest import DEVICES, assert_compiles_same
 
 
 @dataclass(frozen=True)
@@ -138,23 +138,14 @@ def test_opcheck_backward(device, name):
 
 @pytest.mark.parametrize("device,name", DEVICE_OPS)
 def test_compile_fullgraph_fwd_bwd(device, name):
-    torch._dynamo.reset()
     op = OPS[name]
     ins = samples(device)[0].inputs()
-    wrt = [ins[i] for i in op.wrt]
 
     def f(*ts):
         o, ht = op.call(*ts)
         return (o * o).sum() + ht.square().sum()
 
-    cf = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    loss_c = cf(*ins)
-    g_c = torch.autograd.grad(loss_c, wrt)
-    loss_e = f(*ins)
-    g_e = torch.autograd.grad(loss_e, wrt)
-    torch.testing.assert_close(loss_c, loss_e)
-    for a, b in zip(g_c, g_e):
-        torch.testing.assert_close(a, b)
+    assert_compiles_same(f, ins, [ins[i] for i in op.wrt], device)
 
 
 @pytest.mark.cuda

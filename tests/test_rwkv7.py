@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fla_ext
-from conftest import DEVICES
+from conftest import DEVICES, assert_compiles_same
 from inputs import STRESS
 from rwkv7_cases import (CHUNK, ERRORS, FUSED, MODES, NAMES, _good, bwd_args, check_bad_input,
                          make, relayout, run_and_check, samples)
@@ -212,7 +212,6 @@ def test_opcheck(mode, device):
 @pytest.mark.parametrize("mode", MODES, ids=str)
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph_fwd_bwd(mode, device):
-    torch._dynamo.reset()
     s = samples(mode, device)[0]
     ins = list(s[:6]) + [s[7]]  # r, w, k, v, a, b, h0
 
@@ -220,14 +219,7 @@ def test_compile_fullgraph_fwd_bwd(mode, device):
         o, ht = mode(r, w, k, v, a, b, initial_state=s0)
         return (o * o).sum() + ht.square().sum()
 
-    cf = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    loss_c = cf(*ins)
-    g_c = torch.autograd.grad(loss_c, ins)
-    loss_e = f(*ins)
-    g_e = torch.autograd.grad(loss_e, ins)
-    torch.testing.assert_close(loss_c, loss_e)
-    for x, y in zip(g_c, g_e):
-        torch.testing.assert_close(x, y)
+    assert_compiles_same(f, ins, ins, device)
 
 
 # ---------------------------------------------------------------------------------------------
