@@ -308,14 +308,27 @@ __global__ void __launch_bounds__(NT) prep_kernel(const DplrChunkPass p) {
   }
 }
 
-// 16-byte global -> shared copy that does not wait (cp.async); `on` false writes zeros.
+// 16-byte global -> shared copy that does not wait (cp.async); `on` false writes zeros. The host
+// branch (a synchronous copy) serves tools/cuda_emu, which runs these kernels on the CPU.
 __device__ __forceinline__ void copy16(float* dst, const float* src, bool on) {
+#ifdef __CUDA_ARCH__
   const unsigned d = unsigned(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(on ? 16 : 0));
+#else
+  for (int i = 0; i < 4; ++i) dst[i] = on ? src[i] : 0.f;
+#endif
 }
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void copy_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;");
+#endif
+}
 template <int Pending>
-__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(Pending)); }
+__device__ __forceinline__ void copy_wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" ::"n"(Pending));
+#endif
+}
 
 // Forward, sequential part: one CTA of 256 threads per (sequence, head, 32 state columns).
 constexpr int SX = 32;  // state columns per CTA
@@ -623,36 +636,5 @@ __global__ void __launch_bounds__(NT) backward_kernel(const DplrChunkPass p) {
   store_state(p.dh0, sm + L.dS, L, c);
 }
 
-template <typename K>
-cudaError_t launch_with_smem(K kernel, dim3 grid, size_t bytes, const DplrChunkPass& p,
-                             cudaStream_t stream) {
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  if (e != cudaSuccess) return e;
-  kernel<<<grid, NT, bytes, stream>>>(p);
-  return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
-  if (int64_t(p.N) * p.H == 0) return cudaSuccess;
-  const int64_t slots = chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
-  cudaError_t e = launch_with_smem(prep_kernel<T>, dim3(unsigned(slots), p.H),
-                                   Smem(p.K, false).bytes(), p, stream);
-  if (e != cudaSuccess) return e;
-  const StateSmem st(DplrWs(p.K, p.V), p.K);
-  // The forward pass of a backward call writes only hst (its o and hT are off).
-  e = launch_with_smem(state_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H * state_tiles(p.V))),
-                       st.bytes(), p, stream);
-  if (e != cudaSuccess || !p.backward()) return e;
-  return launch_with_smem(backward_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H * dplr_chunk_tiles(p.K, p.V))),
-                          Smem(p.K, true).bytes(), p, stream);
-}
-
 }  // namespace dplr_chunk_detail
-
-template <typename T>
-cudaError_t launch_dplr_chunk(const DplrChunkPass& p, cudaStream_t stream) {
-  return dplr_chunk_detail::launch<T>(p, stream);
-}
-
 }  // namespace fla

@@ -1,4 +1,4 @@
-#include "dplr_chunk.cuh"
+#include "dplr_chunk_launch.cuh"
 namespace fla {
 template cudaError_t launch_dplr_chunk<__nv_bfloat16>(const DplrChunkPass&, cudaStream_t);
 }

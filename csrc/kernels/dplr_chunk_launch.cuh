@@ -1,0 +1,41 @@
+// Launches of the chunked RWKV7 kernels (dplr_chunk.cuh), kept apart so that the kernels also
+// compile as host code (tools/cuda_emu runs them on the CPU).
+#pragma once
+#include "dplr_chunk.cuh"
+
+namespace fla {
+namespace dplr_chunk_detail {
+
+template <typename K>
+cudaError_t launch_with_smem(K kernel, dim3 grid, size_t bytes, const DplrChunkPass& p,
+                             cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (e != cudaSuccess) return e;
+  kernel<<<grid, NT, bytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
+  if (int64_t(p.N) * p.H == 0) return cudaSuccess;
+  const int64_t slots = chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
+  cudaError_t e = launch_with_smem(prep_kernel<T>, dim3(unsigned(slots), p.H),
+                                   Smem(p.K, false).bytes(), p, stream);
+  if (e != cudaSuccess) return e;
+  const StateSmem st(DplrWs(p.K, p.V), p.K);
+  // The forward pass of a backward call writes only hst (its o and hT are off).
+  e = launch_with_smem(state_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H * state_tiles(p.V))),
+                       st.bytes(), p, stream);
+  if (e != cudaSuccess || !p.backward()) return e;
+  return launch_with_smem(backward_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H * dplr_chunk_tiles(p.K, p.V))),
+                          Smem(p.K, true).bytes(), p, stream);
+}
+
+}  // namespace dplr_chunk_detail
+
+template <typename T>
+cudaError_t launch_dplr_chunk(const DplrChunkPass& p, cudaStream_t stream) {
+  return dplr_chunk_detail::launch<T>(p, stream);
+}
+
+}  // namespace fla

@@ -1,0 +1,68 @@
+// chunk_rwkv7's CUDA kernels (csrc/kernels/dplr_chunk.cuh) run on the CPU by emu.h, fp32, with
+// the workspaces laid out as csrc/ops/chunk_rwkv7.cpp does, every output and workspace
+// NaN-poisoned first. Built and compared with the CPU reference by tests/test_cuda_emu.py.
+#include <torch/extension.h>
+
+#include "emu.h"
+#include "dplr_chunk.cuh"
+
+namespace fla::dplr_chunk_detail {
+float sm[64 * 1024];     // extern __shared__ of the kernels: one CTA at a time
+float4 sm4[16 * 1024];
+}  // namespace fla::dplr_chunk_detail
+
+namespace {
+using namespace fla;
+using namespace fla::dplr_chunk_detail;
+using torch::Tensor;
+
+VecArg vec(const Tensor& t) {
+  VecArg v;
+  v.ptr = t.data_ptr(), v.sb = t.stride(0), v.st = t.stride(1), v.sh = t.stride(2), v.sd = t.stride(3);
+  return v;
+}
+MatArg mat(const Tensor& t) {
+  MatArg m;
+  m.ptr = t.data_ptr(), m.sn = t.stride(0), m.sh = t.stride(1), m.sr = t.stride(2), m.sc = t.stride(3);
+  return m;
+}
+Tensor poison(at::IntArrayRef s) { return torch::full(s, NAN, torch::kFloat); }
+
+// [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None.
+std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
+                        Tensor dout, Tensor dht, double scale, Tensor cu) {
+  const bool varlen = cu.numel() > 0, bwd = dout.dim() == 4;
+  const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
+  const int N = varlen ? int(cu.numel()) - 1 : B;
+  DplrChunkPass p;
+  p.N = N, p.H = H, p.T = T, p.K = K, p.V = V, p.scale = scale;
+  p.cu_seqlens = varlen ? cu.data_ptr<int64_t>() : nullptr;
+  p.r = vec(r), p.w = vec(w), p.k = vec(k), p.v = vec(v), p.a = vec(a), p.b = vec(b);
+  if (h0.numel()) p.h0 = mat(h0);
+  const int64_t slots = chunk_slots<C>(N, T, varlen);
+  const DplrWs ws(K, V);
+  Tensor wsb = poison({slots * H * ws.per()}), hst = poison({slots, H, K, V});
+  p.ws = wsb.data_ptr();
+  Tensor o = poison(v.sizes()), hT = poison({N, H, K, V});
+  const int tiles = dplr_chunk_tiles(K, V);
+  Tensor kg = torch::zeros({tiles, kNumKGrads, B, T, H, K}), dv = poison(v.sizes()),
+         dh0 = poison({N, H, K, V});
+  if (!bwd) {
+    p.o = vec(o), p.hT = mat(hT);
+  } else {
+    p.dout = vec(dout), p.dv = vec(dv), p.hst = hst.data_ptr();
+    if (dht.numel()) p.dht = mat(dht);
+    if (h0.numel()) p.dh0 = mat(dh0);
+    p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
+  }
+  emu::launch(dim3(unsigned(slots), H), NT, [&] { prep_kernel<float>(p); });
+  emu::launch(dim3(unsigned(N * H * state_tiles(V))), NT, [&] { state_kernel<float>(p); });
+  if (!bwd) return {o, hT};
+  emu::launch(dim3(unsigned(N * H * tiles)), NT, [&] { backward_kernel<float>(p); });
+  auto g = [&](int i) { return kg.select(1, i).sum(0); };
+  return {g(kGradR), g(kGradW), g(kGradK), dv, g(kGradA), g(kGradB), dh0};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }

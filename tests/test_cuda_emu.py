@@ -1,0 +1,70 @@
+"""The CUDA kernels of chunk_rwkv7, run on the CPU (tests/cuda_emu: a thread per CUDA thread, a
+barrier per __syncthreads, NaN-poisoned outputs and workspaces), against fla_ext's CPU
+chunk_rwkv7: forward and every gradient, fp32. CI has no GPU; this is where it executes the
+kernels' indexing, workspace layout and algebra (not their speed, nor races the barrier order
+hides on the CPU). Needs the CUDA headers (CUDA_HOME) and a C++20 compiler."""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_close
+from fla_ext import chunk_rwkv7
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_INC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(CUDA_INC, "cuda_runtime.h")),
+                                reason="no CUDA headers")
+
+
+@pytest.fixture(scope="module")
+def emu():
+    from torch.utils.cpp_extension import load
+    return load("fla_ext_dplr_chunk_emu", [os.path.join(HERE, "dplr_chunk_emu.cpp")],
+                extra_include_paths=[HERE, os.path.join(ROOT, "csrc", "kernels"), CUDA_INC],
+                extra_cflags=["-std=c++20", "-O2", "-w"])
+
+
+def inputs(B, T, H, K, V, w_kind, gen):
+    r = lambda *s: torch.randn(*s, generator=gen)
+    kk = F.normalize(r(B, T, H, K), dim=-1)
+    iclr = torch.rand(B, T, H, K, generator=gen)
+    if w_kind == "rwkv7":
+        w = -0.6065306597126334 * torch.sigmoid(r(B, T, H, K))
+    elif w_kind == "u30":
+        w = -30 * torch.rand(B, T, H, K, generator=gen)
+    else:  # mixed: typical, -1e4 and -inf
+        w = -torch.exp(r(B, T, H, K) - 1)
+        u = torch.rand(B, T, H, K, generator=gen)
+        w = torch.where(u < 0.1, -1e4, torch.where(u < 0.2, -math.inf, w))
+    return [r(B, T, H, K), w, r(B, T, H, K) / math.sqrt(K), r(B, T, H, V), -kk, kk * iclr]
+
+
+@pytest.mark.parametrize("shape,w_kind,cu", [
+    ((1, 40, 2, 16, 8), "rwkv7", None),
+    ((2, 37, 1, 32, 40), "mixed", None),
+    ((1, 50, 1, 70, 33), "u30", None),  # K > 64 and not a multiple of 4, V not a multiple of 32
+    ((1, 90, 2, 24, 20), "mixed", [0, 7, 7, 40, 90]),  # varlen with an empty sequence
+], ids=["rwkv7", "mixed", "K70V33", "varlen"])
+def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, gen):
+    B, T, H, K, V = shape
+    ins = inputs(B, T, H, K, V, w_kind, gen)
+    N = len(cu) - 1 if cu else B
+    h0 = torch.randn(N, H, K, V, generator=gen)
+    cu_t = torch.tensor(cu) if cu else None
+    xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
+    o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True,
+                        cu_seqlens=cu_t)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
+    none, cu_e = torch.empty(0), cu_t if cu else torch.empty(0, dtype=torch.int64)
+    eo, eht = emu.run(*ins, h0, none, none, 0.7, cu_e)
+    assert_close("o", eo, o.detach(), 1e-5, 1e-6)
+    assert_close("ht", eht, ht.detach(), 1e-5, 1e-6)
+    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e)
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
+        assert_close(f"d{name}", x, y, 5e-5 if name == "w" else 1e-5, 1e-6)
