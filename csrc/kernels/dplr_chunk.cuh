@@ -31,31 +31,48 @@ using elements::vptr;
 constexpr int C = kDplrChunk, CP = C + 1, NT = 256;
 static_assert(NT == C * C, "one thread per pair (i, j) of a chunk");
 
-// Shared memory of one CTA, in floats. K-rows [C][KP] (KP = K + 1: the pair loops read one
-// channel of 16 rows at once), tile rows [C][BP], 16 x 16 matrices [C][CP], states [K][cols].
+// Pair matrices by 4-row micro-blocks, channels in slabs of PS (ALGORITHMS.md §1.2 references one
+// level down). Pair workspace rows [C][PSP]: r~ = r exp(Rin), a~ = a exp(Rex) (exponents from
+// the micro-block start, inclusive / exclusive), k~ = k exp(L), b~ = b exp(L) (to the micro-block
+// end), and P1, P2, P3: the products of the last 1, 2, 3 exp(w) of the micro-block up to the row;
+// then rows [PSP]: the gap factors of micro-block pairs (2,0), (3,1), (3,0) (exp of the totals
+// strictly between), ones and zeros. Every exponent is a sum of w's, never a difference.
+constexpr int MB = 4, PS = 64, PSP = PS + 4;  // PSP: conflict-free 16-byte row reads
+constexpr int kPairRows = 7, kPairWs = kPairRows * C * PSP + 5 * PSP;
+
+// Shared memory of one CTA, in floats. K-rows [C][KP] (KP: 16-byte aligned rows with 4 floats of
+// padding, 0, so rows read as float4 and 16 rows' same channel spread over 8 banks), tile rows
+// [C][BP], 16 x 16 matrices [C][CP], states [K][cols]; every array starts 16-byte aligned. The
+// prep kernel (bwd = false) has no state and no P; the backward kernel has everything.
 struct Smem {
   int K, KP, cols, BP;
   int r, w, k, a, b, eG, eO, S, v, U, M, P, Ark, Arb, Aak, Aab, X;
   int dS, dO, dU, dM, gr, gk, ga, gb, dArk, dArb, dAak, dAab, dX, Y, zeta;  // backward
+  int pw;  // pair workspace (PairWs), 16-byte aligned; the backward's gr.. block when backward
   int total;
 
-  __host__ __device__ Smem(int K_, bool bwd) : K(K_), KP(K_ + 1), cols(dplr_chunk_cols(K_)) {
+  __host__ __device__ Smem(int K_, bool bwd)
+      : K(K_), KP((K_ + 3) / 4 * 4 + 4), cols(dplr_chunk_cols(K_)) {
     BP = cols + 1;
     int o = 0;
-    auto take = [&](int n) { const int at = o; o += n; return at; };
+    auto take = [&](int n) { const int at = o; o += (n + 3) / 4 * 4; return at; };
     r = take(C * KP), w = take(C * KP), k = take(C * KP), a = take(C * KP), b = take(C * KP);
-    eG = take(C * KP), eO = take(C * KP), S = take(K * cols);
-    v = take(C * BP), U = take(C * BP), M = take(C * BP), P = take(C * BP);
+    eG = take(C * KP), eO = take(C * KP), S = bwd ? take(K * cols) : 0;
+    v = take(C * BP), U = take(C * BP), M = take(C * BP), P = bwd ? take(C * BP) : 0;
     Ark = take(C * CP), Arb = take(C * CP), Aak = take(C * CP), Aab = take(C * CP);
-    X = take(C * CP);
+    X = take(C * CP);  // the five are consecutive (C * CP is a multiple of 4): mat_at
     dS = dO = dU = dM = gr = gk = ga = gb = dArk = dArb = dAak = dAab = dX = Y = zeta = 0;
     if (bwd) {
       dS = take(K * cols), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
+      zeta = take(K);  // before the rows the pair workspace overlays
       gr = take(C * KP), gk = take(C * KP), ga = take(C * KP), gb = take(C * KP);
       dArk = take(C * CP), dArb = take(C * CP), dAak = take(C * CP), dAab = take(C * CP);
-      dX = take(C * CP), Y = take(C * CP), zeta = take(K);
+      dX = take(C * CP), Y = take(C * CP);
     }
-    total = o;
+    // Only prepare() uses the pair workspace, before the backward writes its gradient rows
+    // (from gr on): it overlays them there (small K: it may reach past them).
+    pw = bwd ? gr : take(kPairWs);
+    total = o > pw + kPairWs ? o : pw + kPairWs;
   }
   __host__ __device__ size_t bytes() const { return size_t(total) * sizeof(float); }
 };
@@ -64,18 +81,6 @@ struct Cta {
   int n, h, tile, x0, nc;
   SeqSpan s;
 };
-
-__device__ __forceinline__ Cta cta(const DplrChunkPass& p) {
-  const int tiles = dplr_chunk_tiles(p.K, p.V), cols = dplr_chunk_cols(p.K);
-  Cta c;
-  c.tile = blockIdx.x % tiles;
-  const int nh = blockIdx.x / tiles;
-  c.h = nh % p.H, c.n = nh / p.H;
-  c.s = seq_span(p.cu_seqlens, c.n, p.T);
-  c.x0 = c.tile * cols;
-  c.nc = min(cols, p.V - c.x0);
-  return c;
-}
 
 // exp(E_i) = exp(G_{i-1}), 1 on the first row.
 __device__ __forceinline__ float eE(const float* sm, const Smem& L, int i, int d) {
@@ -88,10 +93,10 @@ __device__ __forceinline__ float eE(const float* sm, const Smem& L, int i, int d
 template <typename T>
 __device__ void load_rows(float* sm, const Smem& L, const DplrChunkPass& p, const SeqSpan& s,
                           int h, int64_t t0, int nrow) {
-  for (int e = threadIdx.x; e < C * L.K; e += NT) {
-    const int i = e / L.K, d = e % L.K, at = i * L.KP + d;
+  for (int e = threadIdx.x; e < C * L.KP; e += NT) {  // the row padding too: read as float4
+    const int i = e / L.KP, d = e % L.KP, at = e;
     float r = 0.f, w = 0.f, k = 0.f, a = 0.f, bb = 0.f;
-    if (i < nrow) {
+    if (i < nrow && d < L.K) {
       const int64_t t = s.bos + t0 + i;
       r = ld<T>(p.r, s.b, t, h, d), w = ld<T>(p.w, s.b, t, h, d), k = ld<T>(p.k, s.b, t, h, d);
       a = ld<T>(p.a, s.b, t, h, d), bb = ld<T>(p.b, s.b, t, h, d);
@@ -118,49 +123,84 @@ __device__ void load_chunk(float* sm, const Smem& L, const DplrChunkPass& p, con
   load_cols<T>(sm, L, p, c.s, c.h, c.x0, c.nc, t0, nrow, with_dout);
 }
 
-// The pair-matrix entries (i, j), j <= i: A_rk, A_rb with the factor exp(sum_{j<s<=i} w_s) and
-// (j < i) A_ak, A_ab with exp(sum_{j<s<i} w_s), each exponent added up (§2.6). Channels go kVec
-// at a time so that their exponent sums are independent chains: one chain per channel made the
-// pair matrices latency-bound. Host-callable, for testing.
-FLA_HD void pair_sums(const float* sm, const Smem& L, int i, int j, float& rk, float& rb,
-                      float& ak, float& ab) {
-  constexpr int kVec = 8;
-  const int K = L.K, KP = L.KP;
-  const float *ri = sm + L.r + i * KP, *ai = sm + L.a + i * KP, *wi = sm + L.w + i * KP;
-  const float *kj = sm + L.k + j * KP, *bj = sm + L.b + j * KP, *w = sm + L.w;
+// The four pair-matrix entries of thread (i, j) over all channels (0 for j > i): A_rk, A_rb with
+// exp(sum_{j<s<=i} w_s), A_ak, A_ab (j < i) with exp(sum_{j<s<i} w_s), as
+//   rk = sum_c (R F_in)(K), rb = sum_c (R F_in)(B), ak = sum_c (A F_ex)(K), ab = sum_c (A F_ex)(B)
+// with rows picked per pair so that every thread runs the same instructions: different
+// micro-blocks take the prescaled rows and the gap factor (no exponential per pair); one
+// micro-block the raw rows and the products P of at most three exp(w) (each <= 1; a few ulp);
+// the diagonal raw rows, F_in = 1, F_ex = 0. The per-pair exponent walk this replaced put
+// ~15 x K additions on the thread of pair (15, 0), and divergent paths serialised the warps.
+__device__ inline void pair_matrices(float* sm, const Smem& L, float& rk, float& rb, float& ak,
+                                     float& ab) {
+  float* const pw = sm + L.pw;
+  auto row = [&](int q, int i) { return pw + (q * C + i) * PSP; };  // q: 0 r~ 1 a~ 2 k~ 3 b~ 4.. P
+  float* const gap = pw + kPairRows * C * PSP;
+  float *const ones = gap + 3 * PSP, *const zeros = ones + PSP;
+  const int K = L.K, KP = L.KP, i = threadIdx.x / C, j = threadIdx.x % C;
+  const int mi = i / MB, mj = j / MB, dl = i - j;
   rk = rb = ak = ab = 0.f;
-  if (j == i) {
-    for (int d = 0; d < K; ++d) rk += ri[d] * kj[d], rb += ri[d] * bj[d];
-    return;
-  }
-  int d0 = 0;
-  for (; d0 + kVec <= K; d0 += kVec) {
-    float ex[kVec];
+  for (int d0 = 0; d0 < K; d0 += PS) {
+    const int nd = min(PS, K - d0);
+    __syncthreads();
+    {  // thread (micro-block m, slab channel c): its four rows
+      const int m = threadIdx.x / PS, c = threadIdx.x % PS, d = d0 + c;
+      const bool on = c < nd;
+      float e = 0.f, p1 = 1.f, p2 = 1.f;  // p1, p2: exp(w) of the previous one and two rows
 #pragma unroll
-    for (int u = 0; u < kVec; ++u) ex[u] = 0.f;
-    for (int s = j + 1; s < i; ++s)
+      for (int q = 0; q < MB; ++q) {  // from the micro-block start
+        const int rw = m * MB + q, at_ = rw * KP + d;
+        const float w = on ? sm[L.w + at_] : 0.f, ew = expf(w);
+        row(1, rw)[c] = on ? sm[L.a + at_] * expf(e) : 0.f;
+        e += w;
+        row(0, rw)[c] = on ? sm[L.r + at_] * expf(e) : 0.f;
+        row(4, rw)[c] = on ? ew : 0.f, row(5, rw)[c] = on ? ew * p1 : 0.f, row(6, rw)[c] = on ? ew * p2 : 0.f;
+        p2 = ew * p1, p1 = ew;
+      }
+      float f = 0.f;
 #pragma unroll
-      for (int u = 0; u < kVec; ++u) ex[u] += w[s * KP + d0 + u];
+      for (int q = MB - 1; q >= 0; --q) {  // to the micro-block end
+        const int rw = m * MB + q, at_ = rw * KP + d;
+        row(2, rw)[c] = on ? sm[L.k + at_] * expf(f) : 0.f;
+        row(3, rw)[c] = on ? sm[L.b + at_] * expf(f) : 0.f;
+        f += on ? sm[L.w + at_] : 0.f;
+      }
+      if (m == 0) {  // gaps: totals of micro-blocks 1 and 2, added
+        float t1 = 0.f, t2 = 0.f;
 #pragma unroll
-    for (int u = 0; u < kVec; ++u) {
-      const int d = d0 + u;
-      const float fin = expf(ex[u] + wi[d]), fex = expf(ex[u]);
-      rk += ri[d] * kj[d] * fin, rb += ri[d] * bj[d] * fin;
-      ak += ai[d] * kj[d] * fex, ab += ai[d] * bj[d] * fex;
+        for (int q = 0; q < MB; ++q)
+          t1 += on ? sm[L.w + (MB + q) * KP + d] : 0.f, t2 += on ? sm[L.w + (2 * MB + q) * KP + d] : 0.f;
+        gap[c] = expf(t1), gap[PSP + c] = expf(t2), gap[2 * PSP + c] = expf(t1 + t2);
+        ones[c] = on ? 1.f : 0.f, zeros[c] = 0.f;
+      }
     }
-  }
-  for (int d = d0; d < K; ++d) {
-    float ex = 0.f;
-    for (int s = j + 1; s < i; ++s) ex += w[s * KP + d];
-    const float fin = expf(ex + wi[d]), fex = expf(ex);
-    rk += ri[d] * kj[d] * fin, rb += ri[d] * bj[d] * fin;
-    ak += ai[d] * kj[d] * fex, ab += ai[d] * bj[d] * fex;
+    __syncthreads();
+    const float *R, *A, *Kr, *Br, *Fin, *Fex;
+    if (mi != mj) {
+      R = row(0, i), A = row(1, i), Kr = row(2, j), Br = row(3, j);
+      Fin = Fex = mi < mj ? zeros : mi - mj == 1 ? ones : gap + (mi - mj == 3 ? 2 : mi - 2) * PSP;
+    } else {  // raw rows at the slab (channels >= nd: the zeroed row padding, and F = 0 there)
+      R = sm + L.r + i * KP + d0, A = sm + L.a + i * KP + d0;
+      Kr = sm + L.k + j * KP + d0, Br = sm + L.b + j * KP + d0;
+      Fin = dl == 0 ? ones : dl > 0 ? row(3 + dl, i) : zeros;
+      Fex = dl <= 0 ? zeros : dl == 1 ? ones : row(2 + dl, i - 1);
+    }
+    const int n4 = mi != mj ? PS : (nd + 3) / 4 * 4;  // raw rows: no reads past the row's padding
+    for (int c = 0; c < n4; c += 4) {
+      const float4 r4 = *reinterpret_cast<const float4*>(R + c), a4 = *reinterpret_cast<const float4*>(A + c);
+      const float4 k4 = *reinterpret_cast<const float4*>(Kr + c), b4 = *reinterpret_cast<const float4*>(Br + c);
+      const float4 fi = *reinterpret_cast<const float4*>(Fin + c), fe = *reinterpret_cast<const float4*>(Fex + c);
+      const float r[4] = {r4.x * fi.x, r4.y * fi.y, r4.z * fi.z, r4.w * fi.w};
+      const float a[4] = {a4.x * fe.x, a4.y * fe.y, a4.z * fe.z, a4.w * fe.w};
+      const float k[4] = {k4.x, k4.y, k4.z, k4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) rk += r[u] * k[u], rb += r[u] * b[u], ak += a[u] * k[u], ab += a[u] * b[u];
+    }
   }
 }
 
-// Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
-// matrices and X. Ends synchronised.
-__device__ inline void prepare(float* sm, const Smem& L) {
+// exp(G) and exp(Omega) of a loaded chunk. Not synchronised.
+__device__ inline void chunk_decays(float* sm, const Smem& L) {
   const int K = L.K, KP = L.KP;
   for (int d = threadIdx.x; d < K; d += NT) {
     float run = 0.f;
@@ -171,10 +211,19 @@ __device__ inline void prepare(float* sm, const Smem& L) {
       run += sm[L.w + j * KP + d];
     }
   }
+}
+
+// The matrices of prepare() in shared memory, in the order of DplrWs::mats().
+__device__ __forceinline__ int mat_at(const Smem& L, int m) { return L.Ark + m * C * CP; }
+
+// Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
+// matrices and X. Ends synchronised.
+__device__ inline void prepare(float* sm, const Smem& L) {
+  chunk_decays(sm, L);
   {
     const int i = threadIdx.x / C, j = threadIdx.x % C;
-    float rk = 0.f, rb = 0.f, ak = 0.f, ab = 0.f;
-    if (j <= i) pair_sums(sm, L, i, j, rk, rb, ak, ab);
+    float rk, rb, ak, ab;
+    pair_matrices(sm, L, rk, rb, ak, ab);
     const int at = i * CP + j;
     sm[L.Ark + at] = rk, sm[L.Arb + at] = rb, sm[L.Aak + at] = ak, sm[L.Aab + at] = ab;
     sm[L.X + at] = i == j ? 1.f : 0.f;
@@ -215,20 +264,6 @@ __device__ inline void pseudo_values(float* sm, const Smem& L) {
   __syncthreads();
 }
 
-// Loads a state slice [K][cols] (columns >= V and an absent matrix read 0). Not synchronised.
-__device__ inline void load_state(float* dst, const Smem& L, const MatArg& m, const Cta& c) {
-  for (int e = threadIdx.x; e < L.K * L.cols; e += NT) {
-    const int d = e / L.cols, x = e % L.cols;
-    dst[e] = m.on() && x < c.nc ? *mptr(m, c.n, c.h, d, c.x0 + x) : 0.f;
-  }
-}
-__device__ inline void store_state(const MatArg& m, const float* src, const Smem& L, const Cta& c) {
-  if (!m.on()) return;
-  for (int e = threadIdx.x; e < L.K * L.cols; e += NT) {
-    const int d = e / L.cols, x = e % L.cols;
-    if (x < c.nc) *mptr(m, c.n, c.h, d, c.x0 + x) = src[e];
-  }
-}
 // The chunk-start state slice in the hst workspace [slots, H, K, V].
 __device__ __forceinline__ float* hst_at(const DplrChunkPass& p, const Cta& c, int64_t ci,
                                          int d, int x) {
@@ -239,6 +274,12 @@ __device__ __forceinline__ float* hst_at(const DplrChunkPass& p, const Cta& c, i
 // ---------------------------------------------------------------------------------------------
 // Forward, parallel part: one CTA per (chunk slot, head). Slots without a chunk (final-state and
 // gap slots) are never read and are left unwritten.
+__device__ __forceinline__ float* dhst_at(const DplrChunkPass& p, const Cta& c, int64_t ci,
+                                          int d, int x) {
+  const int64_t slot = chunk_slot<kDplrChunk>(p.cu_seqlens, c.n, p.T, ci);
+  return static_cast<float*>(p.dhst) + ((slot * p.H + c.h) * p.K + d) * int64_t(p.V) + c.x0 + x;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(NT) prep_kernel(const DplrChunkPass p) {
   extern __shared__ float sm[];
@@ -254,57 +295,83 @@ __global__ void __launch_bounds__(NT) prep_kernel(const DplrChunkPass p) {
   load_rows<T>(sm, L, p, s, h, t0, nrow);
   __syncthreads();
   prepare(sm, L);
-  // W = X Â into the w rows (w is not read again).
-  for (int e = threadIdx.x; e < C * K; e += NT) {
-    const int i = e / K, d = e % K;
-    float x = 0.f;
-    for (int l = 0; l <= i; ++l) x += sm[L.X + i * CP + l] * sm[L.a + l * KP + d] * eE(sm, L, l, d);
-    sm[L.w + i * KP + d] = x;
-  }
-  __syncthreads();
   float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
-  for (int e = threadIdx.x; e < C * ws.KP4; e += NT) {
-    const int i = e / ws.KP4, d = e % ws.KP4;
-    float wv = 0.f, q = 0.f, kh = 0.f, bh = 0.f;
-    if (d < K) {
-      const int at = i * KP + d;
-      wv = sm[L.w + at];
-      q = sm[L.r + at] * sm[L.eG + at];
-      for (int j = 0; j <= i; ++j) q += sm[L.Arb + i * CP + j] * sm[L.w + j * KP + d];
-      kh = sm[L.k + at] * sm[L.eO + at], bh = sm[L.b + at] * sm[L.eO + at];
+  for (int e = threadIdx.x; e < 5 * C * C; e += NT)
+    out[ws.mats() + e] = sm[mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C];
+  // K-wide rows: thread (channel d, row group g) holds channel d of all 16 rows of an operand in
+  // registers and makes rows g, g + 4, ..; the triangular matrices are zero-filled, so every
+  // product is a fixed 16-term sum. W = X Â goes through the w rows (w is not read again).
+  {
+    const int g = threadIdx.x / 64;
+    for (int d0 = 0; d0 < ws.KP4; d0 += 64) {
+      const int d = d0 + threadIdx.x % 64;
+      const bool on = d < K;
+      float x[C];
+#pragma unroll
+      for (int l = 0; l < C; ++l) x[l] = on ? sm[L.a + l * KP + d] * eE(sm, L, l, d) : 0.f;
+#pragma unroll
+      for (int i = g; i < C; i += 4) {
+        float wv = 0.f;
+#pragma unroll
+        for (int l = 0; l < C; ++l) wv += sm[L.X + i * CP + l] * x[l];
+        if (d < ws.KP4) sm[L.w + i * KP + d] = wv, out[ws.W() + i * ws.KP4 + d] = wv;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int l = 0; l < C; ++l) x[l] = on ? sm[L.w + l * KP + d] : 0.f;
+#pragma unroll
+      for (int i = g; i < C; i += 4) {
+        float q = on ? sm[L.r + i * KP + d] * sm[L.eG + i * KP + d] : 0.f;
+#pragma unroll
+        for (int j = 0; j < C; ++j) q += sm[L.Arb + i * CP + j] * x[j];
+        if (d < ws.KP4) {
+          const float eo = on ? sm[L.eO + i * KP + d] : 0.f;
+          out[ws.Q() + i * ws.KP4 + d] = q;
+          out[ws.Kh() + i * ws.KP4 + d] = eo * sm[L.k + i * KP + d];
+          out[ws.Bh() + i * ws.KP4 + d] = eo * sm[L.b + i * KP + d];
+        }
+      }
+      if (g == 0 && d < ws.KP4) out[ws.gam() + d] = on ? sm[L.eG + (C - 1) * KP + d] : 0.f;
+      __syncthreads();
     }
-    out[ws.W() + e] = wv, out[ws.Q() + e] = q, out[ws.Kh() + e] = kh, out[ws.Bh() + e] = bh;
   }
-  for (int d = threadIdx.x; d < ws.KP4; d += NT)
-    out[ws.gam() + d] = d < K ? sm[L.eG + (C - 1) * KP + d] : 0.f;
+  // V columns in tiles of `cols`: thread (column x, row group g). U0 = X A_ak V, O0 = scale
+  // (A_rk V + A_rb U0); columns in [V, VP4) are written (0: v reads 0 there).
   const float rho = float(p.scale);
-  for (int x0 = 0; x0 < p.V; x0 += cols) {  // U0 = X A_ak V, O0 = scale (A_rk V + A_rb U0)
-    __syncthreads();
+  const int x = threadIdx.x % cols, G = NT / cols, g = threadIdx.x / cols;
+  for (int x0 = 0; x0 < p.V; x0 += cols) {
     load_cols<T>(sm, L, p, s, h, x0, min(cols, p.V - x0), t0, nrow, false);
     __syncthreads();
-    for (int e = threadIdx.x; e < C * cols; e += NT) {
-      const int i = e / cols, x = e % cols;
+    const bool put = x0 + x < ws.VP4;
+    float vc[C], y[C];
+#pragma unroll
+    for (int j = 0; j < C; ++j) vc[j] = sm[L.v + j * BP + x];
+    for (int i = g; i < C; i += G) {
       float m = 0.f;
-      for (int j = 0; j < i; ++j) m += sm[L.Aak + i * CP + j] * sm[L.v + j * BP + x];
+#pragma unroll
+      for (int j = 0; j < C; ++j) m += sm[L.Aak + i * CP + j] * vc[j];
       sm[L.M + i * BP + x] = m;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < C * cols; e += NT) {
-      const int i = e / cols, x = e % cols;
+#pragma unroll
+    for (int l = 0; l < C; ++l) y[l] = sm[L.M + l * BP + x];
+    for (int i = g; i < C; i += G) {
       float u = 0.f;
-      for (int l = 0; l <= i; ++l) u += sm[L.X + i * CP + l] * sm[L.M + l * BP + x];
+#pragma unroll
+      for (int l = 0; l < C; ++l) u += sm[L.X + i * CP + l] * y[l];
       sm[L.U + i * BP + x] = u;
+      if (put) out[ws.U0() + i * ws.VP4 + x0 + x] = u;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < C * cols; e += NT) {
-      const int i = e / cols, x = e % cols;
-      if (x0 + x >= ws.VP4) continue;  // columns in [V, VP4) are written: 0 there
+#pragma unroll
+    for (int l = 0; l < C; ++l) y[l] = sm[L.U + l * BP + x];
+    for (int i = g; i < C; i += G) {
       float o = 0.f;
-      for (int j = 0; j <= i; ++j)
-        o += sm[L.Ark + i * CP + j] * sm[L.v + j * BP + x] + sm[L.Arb + i * CP + j] * sm[L.U + j * BP + x];
-      out[ws.U0() + i * ws.VP4 + x0 + x] = sm[L.U + i * BP + x];
-      out[ws.O0() + i * ws.VP4 + x0 + x] = rho * o;
+#pragma unroll
+      for (int j = 0; j < C; ++j) o += sm[L.Ark + i * CP + j] * vc[j] + sm[L.Arb + i * CP + j] * y[j];
+      if (put) out[ws.O0() + i * ws.VP4 + x0 + x] = rho * o;
     }
+    __syncthreads();
   }
 }
 
@@ -330,8 +397,17 @@ __device__ __forceinline__ void copy_wait() {
 #endif
 }
 
-// Forward, sequential part: one CTA of 256 threads per (sequence, head, 32 state columns).
-constexpr int SX = 32;  // state columns per CTA
+// The sequential passes: one CTA of NTS threads per (sequence, head, SX state columns), walking
+// the chunks with the K x SX slice in shared memory and the next chunk's workspace block copied
+// asynchronously while the current one is used. The backward pass is the forward's transpose:
+//   forward  (REV = false)  T = W S, U = U0 + T, o = O0 + scale Q~ S;  S  = gamma S + K^^T V + B^^T U
+//   backward (REV = true)   T = B^ D;                                  D  = gamma D + Q~^T (scale dO) + W^T T
+// (D = dS+ at a chunk's end, ALGORITHMS.md §6.4: dS = gamma dS+ + scale R^^T dO + W^T dU with
+// dU = scale A_rb^T dO + B^ dS+, and Q~ = R^ + A_rb W.) The forward stores the chunk-start
+// states in hst (when asked) and the final one after them; the backward stores every D in dhst.
+// (16 columns on 128 threads, 4 CTAs per SM at K = 64, measured 15% slower: 1.36 against 1.18 ms.)
+constexpr int SX = 32, NTS = 256;  // state columns and threads per CTA
+static_assert(NTS == C * SX / 2, "phase A: one thread per row and column pair");
 FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
 struct StateSmem {
   int S, U, Vt, buf, stage, total;  // floats
@@ -344,8 +420,8 @@ struct StateSmem {
   FLA_HD size_t bytes() const { return size_t(total) * sizeof(float); }
 };
 
-template <typename T>
-__global__ void __launch_bounds__(NT) state_kernel(const DplrChunkPass p) {
+template <typename T, bool REV>
+__global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const DplrWs ws(p.K, p.V);
@@ -355,61 +431,79 @@ __global__ void __launch_bounds__(NT) state_kernel(const DplrChunkPass p) {
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int x0 = tile * SX, nc = min(SX, p.V - x0);
   const int64_t nch = (s.len + C - 1) / C;
-  float *S = sm + L.S, *U = sm + L.U, *Vt = sm + L.Vt;
+  float *S = sm + L.S, *U = sm + L.U, *Vt = sm + L.Vt;  // S: the state or D; U: U or T
   const float* wsb = static_cast<const float*>(p.ws);
+  const float rho = float(p.scale);
   auto slot_of = [&](int64_t ci) { return chunk_slot<C>(p.cu_seqlens, n, p.T, ci); };
+  auto chunk_of = [&](int64_t step) { return REV ? nch - 1 - step : step; };
 
-  // Chunk ci's workspace block (W .. gamma whole, U0 and O0 at this tile's columns) into buf.
-  auto fetch = [&](int64_t ci) {
-    float* dst = sm + L.buf + (ci & 1) * L.stage;
-    const float* src = wsb + (slot_of(ci) * p.H + h) * ws.per();
-    for (int e = threadIdx.x; e < ws.kpart() / 4; e += NT) copy16(dst + 4 * e, src + 4 * e, true);
-    for (int e = threadIdx.x; e < 2 * C * (SX / 4); e += NT) {
-      const int mtx = e / (C * SX / 4), i = e / (SX / 4) % C, q = e % (SX / 4), col = x0 + 4 * q;
-      const bool on = col < ws.VP4;
-      copy16(dst + ws.kpart() + (mtx * C + i) * SX + 4 * q,
-             src + ws.U0() + (mtx * C + i) * ws.VP4 + (on ? col : 0), on);
-    }
+  // Step `step`'s workspace block (W .. gamma whole; forward: U0 and O0 at this tile's columns).
+  auto fetch = [&](int64_t step) {
+    float* dst = sm + L.buf + (step & 1) * L.stage;
+    const float* src = wsb + (slot_of(chunk_of(step)) * p.H + h) * ws.per();
+    for (int e = threadIdx.x; e < ws.kpart() / 4; e += NTS) copy16(dst + 4 * e, src + 4 * e, true);
+    if (!REV)
+      for (int e = threadIdx.x; e < 2 * C * (SX / 4); e += NTS) {
+        const int mtx = e / (C * SX / 4), i = e / (SX / 4) % C, q = e % (SX / 4), col = x0 + 4 * q;
+        const bool on = col < ws.VP4;
+        copy16(dst + ws.kpart() + (mtx * C + i) * SX + 4 * q,
+               src + ws.U0() + (mtx * C + i) * ws.VP4 + (on ? col : 0), on);
+      }
     copy_commit();
   };
-  // Chunk ci's v rows at this tile's columns, two per thread (0 outside).
-  auto fetch_v = [&](int64_t ci, float* x) {
+  // Step `step`'s rows of v (forward) or scale dO (backward) at this tile's columns, two per
+  // thread (0 outside).
+  auto fetch_rows = [&](int64_t step, float* x) {
+    const int64_t ci = chunk_of(step);
 #pragma unroll
-    for (int it = 0; it < C * SX / NT; ++it) {
-      const int e = threadIdx.x + it * NT, i = e / SX, c = e % SX;
+    for (int it = 0; it < C * SX / NTS; ++it) {
+      const int e = threadIdx.x + it * NTS, i = e / SX, c = e % SX;
       const int64_t t = ci * C + i;
-      x[it] = ci < nch && t < s.len && c < nc ? ld<T>(p.v, s.b, s.bos + t, h, x0 + c) : 0.f;
+      const bool on = step < nch && t < s.len && c < nc;
+      x[it] = !on ? 0.f : REV ? rho * ld<T>(p.dout, s.b, s.bos + t, h, x0 + c)
+                              : ld<T>(p.v, s.b, s.bos + t, h, x0 + c);
     }
   };
-  auto store_hst = [&](int64_t ci) {
-    float* dst = static_cast<float*>(p.hst) + (slot_of(ci) * p.H + h) * int64_t(K) * p.V + x0;
-    for (int e = threadIdx.x; e < K * SX; e += NT)
+  auto store_state_at = [&](void* dst_base, int64_t ci) {
+    float* dst = static_cast<float*>(dst_base) + (slot_of(ci) * p.H + h) * int64_t(K) * p.V + x0;
+    for (int e = threadIdx.x; e < K * SX; e += NTS)
       if (e % SX < nc) dst[int64_t(e / SX) * p.V + e % SX] = S[e];
   };
 
-  for (int e = threadIdx.x; e < K * SX; e += NT) {
+  const MatArg& init = REV ? p.dht : p.h0;
+  for (int e = threadIdx.x; e < K * SX; e += NTS) {
     const int d = e / SX, x = e % SX;
-    S[e] = p.h0.on() && x < nc ? *mptr(p.h0, n, h, d, x0 + x) : 0.f;
+    S[e] = init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
   }
-  float vx[C * SX / NT];
+  float vx[C * SX / NTS];
   if (nch > 0) fetch(0);
-  fetch_v(0, vx);
-  const float rho = float(p.scale);
-  const int i = threadIdx.x / 16, xp = 2 * (threadIdx.x % 16);  // phase A: row i, columns xp, xp + 1
-  for (int64_t ci = 0; ci < nch; ++ci) {
-    const float* cur = sm + L.buf + (ci & 1) * L.stage;
-    if (ci + 1 < nch) {
-      fetch(ci + 1);
+  fetch_rows(0, vx);
+  const int i = threadIdx.x / (SX / 2), xp = 2 * (threadIdx.x % (SX / 2));  // phase A: row i, columns xp, xp + 1
+  for (int64_t step = 0; step < nch; ++step) {
+    const int64_t ci = chunk_of(step);
+    const float* cur = sm + L.buf + (step & 1) * L.stage;
+    if (step + 1 < nch) {
+      fetch(step + 1);
       copy_wait<1>();
     } else {
       copy_wait<0>();
     }
 #pragma unroll
-    for (int it = 0; it < C * SX / NT; ++it) Vt[threadIdx.x + it * NT] = vx[it];
-    fetch_v(ci + 1, vx);
+    for (int it = 0; it < C * SX / NTS; ++it) Vt[threadIdx.x + it * NTS] = vx[it];
+    fetch_rows(step + 1, vx);
     __syncthreads();
-    if (p.hst) store_hst(ci);
-    {  // U = U0 + W S, o = O0 + scale Q~ S
+    if (REV) store_state_at(p.dhst, ci);
+    else if (p.hst) store_state_at(p.hst, ci);
+    if (REV) {  // T = B^ D
+      const float* br = cur + ws.Bh() + i * KP4;
+      float t0 = 0.f, t1 = 0.f;
+#pragma unroll 4
+      for (int d = 0; d < K; ++d) {
+        const float2 sv = *reinterpret_cast<const float2*>(S + d * SX + xp);
+        t0 += br[d] * sv.x, t1 += br[d] * sv.y;
+      }
+      U[i * SX + xp] = t0, U[i * SX + xp + 1] = t1;
+    } else {  // U = U0 + W S, o = O0 + scale Q~ S
       const float *wr = cur + ws.W() + i * KP4, *qr = cur + ws.Q() + i * KP4;
       float t0 = 0.f, t1 = 0.f, q0 = 0.f, q1 = 0.f;
 #pragma unroll 4
@@ -429,8 +523,11 @@ __global__ void __launch_bounds__(NT) state_kernel(const DplrChunkPass p) {
       }
     }
     __syncthreads();
-    // S+ = gamma S + K^^T V + B^^T U: thread owns rows 4 dg .. 4 dg + 3, columns xp, xp + 1.
-    for (int dg = threadIdx.x / 16; 4 * dg < K; dg += NT / 16) {
+    // S = gamma S + X1^T Vt + X2^T U with (X1, X2) = (K^, B^) forward, (Q~, W) backward: thread
+    // owns rows 4 dg .. 4 dg + 3, columns xp, xp + 1.
+    const float* x1 = cur + (REV ? ws.Q() : ws.Kh());
+    const float* x2 = cur + (REV ? ws.W() : ws.Bh());
+    for (int dg = threadIdx.x / (SX / 2); 4 * dg < K; dg += NTS / (SX / 2)) {
       const int d0 = 4 * dg;
       float acc[4][2];
 #pragma unroll
@@ -442,15 +539,15 @@ __global__ void __launch_bounds__(NT) state_kernel(const DplrChunkPass p) {
       }
 #pragma unroll 4
       for (int j = 0; j < C; ++j) {
-        const float4 kh = *reinterpret_cast<const float4*>(cur + ws.Kh() + j * KP4 + d0);
-        const float4 bh = *reinterpret_cast<const float4*>(cur + ws.Bh() + j * KP4 + d0);
+        const float4 a4 = *reinterpret_cast<const float4*>(x1 + j * KP4 + d0);
+        const float4 b4 = *reinterpret_cast<const float4*>(x2 + j * KP4 + d0);
         const float2 v = *reinterpret_cast<const float2*>(Vt + j * SX + xp);
         const float2 u = *reinterpret_cast<const float2*>(U + j * SX + xp);
-        const float kr[4] = {kh.x, kh.y, kh.z, kh.w}, br[4] = {bh.x, bh.y, bh.z, bh.w};
+        const float ar[4] = {a4.x, a4.y, a4.z, a4.w}, br[4] = {b4.x, b4.y, b4.z, b4.w};
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          acc[r][0] += kr[r] * v.x + br[r] * u.x;
-          acc[r][1] += kr[r] * v.y + br[r] * u.y;
+          acc[r][0] += ar[r] * v.x + br[r] * u.x;
+          acc[r][1] += ar[r] * v.y + br[r] * u.y;
         }
       }
 #pragma unroll
@@ -459,31 +556,40 @@ __global__ void __launch_bounds__(NT) state_kernel(const DplrChunkPass p) {
     }
     __syncthreads();
   }
-  if (p.hst) store_hst(nch);
-  if (p.hT.on())
-    for (int e = threadIdx.x; e < K * SX; e += NT)
-      if (e % SX < nc) *mptr(p.hT, n, h, e / SX, x0 + e % SX) = S[e];
+  const MatArg& fin = REV ? p.dh0 : p.hT;
+  if (!REV && p.hst) store_state_at(p.hst, nch);
+  if (fin.on())
+    for (int e = threadIdx.x; e < K * SX; e += NTS)
+      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = S[e];
 }
 
+// The backward's gradients, parallel over (chunk slot, head, tile of dplr_chunk_cols(K)
+// columns): with S (hst), S+ and dS+ (dhst, from the reverse sweep) known, every chunk's
+// gradients are independent. The pair matrices and X come from the prep workspace.
 template <typename T>
-__global__ void __launch_bounds__(NT) backward_kernel(const DplrChunkPass p) {
+__global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
   extern __shared__ float sm[];
   const Smem L(p.K, true);
-  const Cta c = cta(p);
+  const DplrWs ws(p.K, p.V);
+  const int64_t slot = blockIdx.x;
+  const int n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
+  Cta c;
+  c.h = blockIdx.y, c.n = n, c.tile = blockIdx.z, c.s = seq_span(p.cu_seqlens, n, p.T);
+  c.x0 = c.tile * L.cols, c.nc = min(L.cols, p.V - c.x0);
+  const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
+  if (ci < 0 || ci * C >= c.s.len) return;
   const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
   const float rho = float(p.scale);
-  const int64_t nch = (c.s.len + C - 1) / C;
-
-  // The state kernel left every chunk-start state and the final state in hst.
-  for (int e = threadIdx.x; e < K * cols; e += NT)
-    sm[L.S + e] = e % cols < c.nc ? *hst_at(p, c, nch, e / cols, e % cols) : 0.f;
-  // Reverse chunk pass. On entry to chunk ci, S holds the state at its end and dS the
-  // gradient there.
-  load_state(sm + L.dS, L, p.dht, c);
-  __syncthreads();
-  for (int64_t ci = nch - 1; ci >= 0; --ci) {
+  {
     const int64_t t0 = ci * C;
     const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
+    // S+ (the next slot of hst: the next chunk's start or the final state) and dS+.
+    for (int e = threadIdx.x; e < K * cols; e += NT) {
+      const bool on = e % cols < c.nc;
+      sm[L.S + e] = on ? *hst_at(p, c, ci + 1, e / cols, e % cols) : 0.f;
+      sm[L.dS + e] = on ? *dhst_at(p, c, ci, e / cols, e % cols) : 0.f;
+    }
+    __syncthreads();
     for (int d = threadIdx.x; d < K; d += NT) {  // zeta = rowsum(S+ * dS+)
       float z = 0.f;
       for (int x = 0; x < cols; ++x) z += sm[L.S + d * cols + x] * sm[L.dS + d * cols + x];
@@ -493,8 +599,14 @@ __global__ void __launch_bounds__(NT) backward_kernel(const DplrChunkPass p) {
     for (int e = threadIdx.x; e < K * cols; e += NT)
       sm[L.S + e] = e % cols < c.nc ? *hst_at(p, c, ci, e / cols, e % cols) : 0.f;
     load_chunk<T>(sm, L, p, c, t0, nrow, true);
+    {
+      const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.per() + ws.mats();
+      for (int e = threadIdx.x; e < 5 * C * C; e += NT)
+        sm[mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C] = mats[e];
+    }
     __syncthreads();
-    prepare(sm, L);
+    chunk_decays(sm, L);
+    __syncthreads();
     pseudo_values(sm, L);
 
     // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU.
@@ -621,19 +733,7 @@ __global__ void __launch_bounds__(NT) backward_kernel(const DplrChunkPass p) {
       *kg_at(kGradR, t, d) = sm[L.gr + at], *kg_at(kGradK, t, d) = sm[L.gk + at];
       *kg_at(kGradA, t, d) = sm[L.ga + at], *kg_at(kGradB, t, d) = sm[L.gb + at];
     }
-    // dS of the previous chunk's end: diag(gamma) dS+ + scale R^^T dO + A^^T dM (each thread
-    // reads and writes only its own element of dS).
-    for (int e = threadIdx.x; e < K * cols; e += NT) {
-      const int d = e / cols, x = e % cols;
-      float s = sm[L.eG + (C - 1) * KP + d] * sm[L.dS + e];
-      for (int i = 0; i < C; ++i)
-        s += rho * sm[L.r + i * KP + d] * sm[L.eG + i * KP + d] * sm[L.dO + i * BP + x] +
-             sm[L.a + i * KP + d] * eE(sm, L, i, d) * sm[L.dM + i * BP + x];
-      sm[L.dS + e] = s;
-    }
-    __syncthreads();
   }
-  store_state(p.dh0, sm + L.dS, L, c);
 }
 
 }  // namespace dplr_chunk_detail

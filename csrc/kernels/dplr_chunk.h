@@ -60,15 +60,19 @@ struct DplrWs {
   FLA_HD int64_t kpart() const { return gam() + KP4; }  // floats of W .. gamma
   FLA_HD int64_t U0() const { return kpart(); }
   FLA_HD int64_t O0() const { return U0() + int64_t(kDplrChunk) * VP4; }
-  FLA_HD int64_t per() const { return O0() + int64_t(kDplrChunk) * VP4; }
+  // The four pair matrices and X [C][C] each (A_rk, A_rb, A_ak, A_ab, X), for the backward.
+  FLA_HD int64_t mats() const { return O0() + int64_t(kDplrChunk) * VP4; }
+  FLA_HD int64_t per() const { return mats() + 5 * kDplrChunk * kDplrChunk; }
 };
 
 struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients
   // Backward workspace (acc, contiguous [chunk_slots<kDplrChunk>(N, T, varlen), H, K, V]): the
   // chunk-start states and, in the slot after a sequence's last chunk, its final state.
   void* hst = nullptr;
-  // CUDA workspace [chunk_slots<kDplrChunk>(N, T, varlen), H, DplrWs::per()] fp32 (CPU: unused).
+  // CUDA workspaces (CPU: unused): [chunk_slots<kDplrChunk>(N, T, varlen), H, DplrWs::per()]
+  // fp32, and for the backward dS at every chunk end, laid out as hst.
   void* ws = nullptr;
+  void* dhst = nullptr;
 };
 
 void dplr_chunk_cpu(const DplrChunkPass& p);

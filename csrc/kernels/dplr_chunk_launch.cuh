@@ -1,5 +1,5 @@
 // Launches of the chunked RWKV7 kernels (dplr_chunk.cuh), kept apart so that the kernels also
-// compile as host code (tools/cuda_emu runs them on the CPU).
+// compile as host code (tools/cuda_emu).
 #pragma once
 #include "dplr_chunk.cuh"
 
@@ -7,11 +7,11 @@ namespace fla {
 namespace dplr_chunk_detail {
 
 template <typename K>
-cudaError_t launch_with_smem(K kernel, dim3 grid, size_t bytes, const DplrChunkPass& p,
+cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, const DplrChunkPass& p,
                              cudaStream_t stream) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
   if (e != cudaSuccess) return e;
-  kernel<<<grid, NT, bytes, stream>>>(p);
+  kernel<<<grid, threads, bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -19,15 +19,17 @@ template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   const int64_t slots = chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
-  cudaError_t e = launch_with_smem(prep_kernel<T>, dim3(unsigned(slots), p.H),
+  cudaError_t e = launch_with_smem(prep_kernel<T>, dim3(unsigned(slots), p.H), NT,
                                    Smem(p.K, false).bytes(), p, stream);
   if (e != cudaSuccess) return e;
-  const StateSmem st(DplrWs(p.K, p.V), p.K);
-  // The forward pass of a backward call writes only hst (its o and hT are off).
-  e = launch_with_smem(state_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H * state_tiles(p.V))),
-                       st.bytes(), p, stream);
+  const size_t sweep_bytes = StateSmem(DplrWs(p.K, p.V), p.K).bytes();
+  const dim3 sweeps(unsigned(int64_t(p.N) * p.H * state_tiles(p.V)));
+  // The forward sweep of a backward call writes only hst (its o and hT are off).
+  e = launch_with_smem(sweep_kernel<T, false>, sweeps, NTS, sweep_bytes, p, stream);
   if (e != cudaSuccess || !p.backward()) return e;
-  return launch_with_smem(backward_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H * dplr_chunk_tiles(p.K, p.V))),
+  e = launch_with_smem(sweep_kernel<T, true>, sweeps, NTS, sweep_bytes, p, stream);
+  if (e != cudaSuccess) return e;
+  return launch_with_smem(grad_kernel<T>, dim3(unsigned(slots), p.H, dplr_chunk_tiles(p.K, p.V)), NT,
                           Smem(p.K, true).bytes(), p, stream);
 }
 

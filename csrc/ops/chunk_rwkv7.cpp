@@ -67,6 +67,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
   const int64_t slots = chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
   Tensor hst = at::empty({d.T > 0 ? slots : 0, d.H, d.K, d.V}, acc);
+  Tensor dhst = at::empty({d.T > 0 && r.is_cuda() ? slots : 0, d.H, d.K, d.V}, acc);
 
   if (d.T > 0) {
     Tensor ws;
@@ -75,7 +76,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);
     p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
-    p.hst = hst.data_ptr();
+    p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr();
     run(p);
   } else if (has_h0) {
     // No rows (every activation pointer null, so the pass would read as a forward): every

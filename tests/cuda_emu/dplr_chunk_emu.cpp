@@ -43,22 +43,24 @@ std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor
   const DplrWs ws(K, V);
   Tensor wsb = poison({slots * H * ws.per()}), hst = poison({slots, H, K, V});
   p.ws = wsb.data_ptr();
-  Tensor o = poison(v.sizes()), hT = poison({N, H, K, V});
+  Tensor o = poison(v.sizes()), hT = poison({N, H, K, V}), dhst = poison({slots, H, K, V});
   const int tiles = dplr_chunk_tiles(K, V);
   Tensor kg = torch::zeros({tiles, kNumKGrads, B, T, H, K}), dv = poison(v.sizes()),
          dh0 = poison({N, H, K, V});
   if (!bwd) {
     p.o = vec(o), p.hT = mat(hT);
   } else {
-    p.dout = vec(dout), p.dv = vec(dv), p.hst = hst.data_ptr();
+    p.dout = vec(dout), p.dv = vec(dv), p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr();
     if (dht.numel()) p.dht = mat(dht);
     if (h0.numel()) p.dh0 = mat(dh0);
     p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
   }
   emu::launch(dim3(unsigned(slots), H), NT, [&] { prep_kernel<float>(p); });
-  emu::launch(dim3(unsigned(N * H * state_tiles(V))), NT, [&] { state_kernel<float>(p); });
+  const dim3 sweeps(unsigned(N * H * state_tiles(V)));
+  emu::launch(sweeps, NTS, [&] { sweep_kernel<float, false>(p); });
   if (!bwd) return {o, hT};
-  emu::launch(dim3(unsigned(N * H * tiles)), NT, [&] { backward_kernel<float>(p); });
+  emu::launch(sweeps, NTS, [&] { sweep_kernel<float, true>(p); });
+  emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { grad_kernel<float>(p); });
   auto g = [&](int i) { return kg.select(1, i).sum(0); };
   return {g(kGradR), g(kGradW), g(kGradK), dv, g(kGradA), g(kGradB), dh0};
 }
