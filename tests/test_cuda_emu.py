@@ -51,20 +51,30 @@ def inputs(B, T, H, K, V, w_kind, gen):
     ((1, 90, 2, 24, 20), "mixed", [0, 7, 7, 40, 90]),  # varlen with an empty sequence
 ], ids=["rwkv7", "mixed", "K70V33", "varlen"])
 def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, gen):
+    check(emu, shape, w_kind, cu, gen, torch.float32, 1e-5)
+
+
+def test_chunk_rwkv7_kernels_bf16(emu, gen):
+    """The bf16 loads and stores; the reference gets the same bf16 values (fp32 math)."""
+    check(emu, (1, 45, 2, 32, 24), "rwkv7", None, gen, torch.bfloat16, 1e-2)
+
+
+def check(emu, shape, w_kind, cu, gen, dtype, tol):
     B, T, H, K, V = shape
-    ins = inputs(B, T, H, K, V, w_kind, gen)
+    ins = [t.to(dtype) for t in inputs(B, T, H, K, V, w_kind, gen)]
     N = len(cu) - 1 if cu else B
     h0 = torch.randn(N, H, K, V, generator=gen)
     cu_t = torch.tensor(cu) if cu else None
     xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
     o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True,
                         cu_seqlens=cu_t)
-    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    do = torch.randn(o.shape, generator=gen).to(dtype)
+    dht = torch.randn(ht.shape, generator=gen)
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
     none, cu_e = torch.empty(0), cu_t if cu else torch.empty(0, dtype=torch.int64)
     eo, eht = emu.run(*ins, h0, none, none, 0.7, cu_e)
-    assert_close("o", eo, o.detach(), 1e-5, 1e-6)
-    assert_close("ht", eht, ht.detach(), 1e-5, 1e-6)
+    assert_close("o", eo, o.detach(), tol, 1e-6)
+    assert_close("ht", eht, ht.detach(), tol, 1e-6)
     eg = emu.run(*ins, h0, do, dht, 0.7, cu_e)
     for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
-        assert_close(f"d{name}", x, y, 5e-5 if name == "w" else 1e-5, 1e-6)
+        assert_close(f"d{name}", x, y, 5 * tol if name == "w" else tol, 1e-6)

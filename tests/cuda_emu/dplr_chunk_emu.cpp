@@ -26,15 +26,18 @@ MatArg mat(const Tensor& t) {
   m.ptr = t.data_ptr(), m.sn = t.stride(0), m.sh = t.stride(1), m.sr = t.stride(2), m.sc = t.stride(3);
   return m;
 }
-Tensor poison(at::IntArrayRef s) { return torch::full(s, NAN, torch::kFloat); }
+Tensor poison(at::IntArrayRef s, at::ScalarType t = torch::kFloat) { return torch::full(s, NAN, t); }
 
-// [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None.
-std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
+// [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None. The
+// activations are float32 or bfloat16 (the kernels' T, E here); states and gradients of K-vectors fp32.
+template <typename E>
+std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu) {
   const bool varlen = cu.numel() > 0, bwd = dout.dim() == 4;
   const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
   const int N = varlen ? int(cu.numel()) - 1 : B;
   DplrChunkPass p;
+  p.dtype = std::is_same_v<E, float> ? DType::f32 : DType::bf16;
   p.N = N, p.H = H, p.T = T, p.K = K, p.V = V, p.scale = scale;
   p.cu_seqlens = varlen ? cu.data_ptr<int64_t>() : nullptr;
   p.r = vec(r), p.w = vec(w), p.k = vec(k), p.v = vec(v), p.a = vec(a), p.b = vec(b);
@@ -43,9 +46,9 @@ std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor
   const DplrWs ws(K, V);
   Tensor wsb = poison({slots * H * ws.per()}), hst = poison({slots, H, K, V});
   p.ws = wsb.data_ptr();
-  Tensor o = poison(v.sizes()), hT = poison({N, H, K, V});
+  Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V});
   const int tiles = dplr_chunk_tiles(K, V);
-  Tensor kg = torch::zeros({tiles, kNumKGrads, B, T, H, K}), dv = poison(v.sizes()),
+  Tensor kg = torch::zeros({tiles, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
          dh0 = poison({N, H, K, V});
   if (!bwd) {
     p.o = vec(o), p.hT = mat(hT);
@@ -55,12 +58,18 @@ std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor
     if (h0.numel()) p.dh0 = mat(dh0);
     p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
   }
-  emu::launch(dim3(unsigned(slots), H), NT, [&] { prep_kernel<float>(p); });
-  emu::launch(dim3(unsigned(N * H * state_tiles(V))), NT, [&] { state_kernel<float>(p); });
+  emu::launch(dim3(unsigned(slots), H), NT, [&] { prep_kernel<E>(p); });
+  emu::launch(dim3(unsigned(N * H * state_tiles(V))), NT, [&] { state_kernel<E>(p); });
   if (!bwd) return {o, hT};
-  emu::launch(dim3(unsigned(N * H * tiles)), NT, [&] { backward_kernel<float>(p); });
-  auto g = [&](int i) { return kg.select(1, i).sum(0); };
+  emu::launch(dim3(unsigned(N * H * tiles)), NT, [&] { backward_kernel<E>(p); });
+  auto g = [&](int i) { return kg.select(1, i).sum(0).to(r.scalar_type()); };
   return {g(kGradR), g(kGradW), g(kGradK), dv, g(kGradA), g(kGradB), dh0};
+}
+
+std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
+                        Tensor dout, Tensor dht, double scale, Tensor cu) {
+  auto f = r.scalar_type() == torch::kBFloat16 ? run_t<__nv_bfloat16> : run_t<float>;
+  return f(r, w, k, v, a, b, h0, dout, dht, scale, cu);
 }
 
 }  // namespace
