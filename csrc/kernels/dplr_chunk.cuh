@@ -1,7 +1,7 @@
 // CUDA engine for the chunked RWKV7 algebra of kernels/dplr_chunk.h (the steps of
 // cpu/dplr_chunk.cpp in fp32, SIMT FMA: no TF32 anywhere).
 //
-// Forward, three launches' worth of work in two kernels:
+// Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
 //          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
 //          sum_{j < s < i} w_s elementwise: never a difference, never positive, so any w in
@@ -33,6 +33,7 @@ static_assert(NT == C * C, "one thread per pair (i, j) of a chunk");
 
 // Shared memory of one CTA, in floats. K-rows [C][KP] (KP = K + 1: the pair loops read one
 // channel of 16 rows at once), tile rows [C][BP], 16 x 16 matrices [C][CP], states [K][cols].
+// The prep kernel (bwd = false) holds no state and no P.
 struct Smem {
   int K, KP, cols, BP;
   int r, w, k, a, b, eG, eO, S, v, U, M, P, Ark, Arb, Aak, Aab, X;
@@ -44,8 +45,8 @@ struct Smem {
     int o = 0;
     auto take = [&](int n) { const int at = o; o += n; return at; };
     r = take(C * KP), w = take(C * KP), k = take(C * KP), a = take(C * KP), b = take(C * KP);
-    eG = take(C * KP), eO = take(C * KP), S = take(K * cols);
-    v = take(C * BP), U = take(C * BP), M = take(C * BP), P = take(C * BP);
+    eG = take(C * KP), eO = take(C * KP), S = bwd ? take(K * cols) : 0;
+    v = take(C * BP), U = take(C * BP), M = take(C * BP), P = bwd ? take(C * BP) : 0;
     Ark = take(C * CP), Arb = take(C * CP), Aak = take(C * CP), Aab = take(C * CP);
     X = take(C * CP);
     dS = dO = dU = dM = gr = gk = ga = gb = dArk = dArb = dAak = dAab = dX = Y = zeta = 0;
@@ -309,7 +310,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(const DplrChunkPass p) {
 }
 
 // 16-byte global -> shared copy that does not wait (cp.async); `on` false writes zeros. The host
-// branch (a synchronous copy) serves tools/cuda_emu, which runs these kernels on the CPU.
+// branch (a synchronous copy) serves tests/cuda_emu, which runs these kernels on the CPU.
 __device__ __forceinline__ void copy16(float* dst, const float* src, bool on) {
 #ifdef __CUDA_ARCH__
   const unsigned d = unsigned(__cvta_generic_to_shared(dst));
