@@ -1,17 +1,16 @@
 """The CUDA kernels of chunk_rwkv7, run on the CPU (tests/cuda_emu: a thread per CUDA thread, a
 barrier per __syncthreads, NaN-poisoned outputs and workspaces), against fla_ext's CPU
-chunk_rwkv7: forward and every gradient, fp32. CI has no GPU; this is where it executes the
+chunk_rwkv7: forward and every gradient, fp32 and bf16. CI has no GPU; this is where it executes the
 kernels' indexing, workspace layout and algebra (not their speed, nor races the barrier order
 hides on the CPU). Needs the CUDA headers (CUDA_HOME) and a C++20 compiler."""
-import math
 import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import assert_close
 from fla_ext import chunk_rwkv7
+from rwkv7_cases import make
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,26 +28,11 @@ def emu():
                 extra_cflags=["-std=c++20", "-O2", "-w"])
 
 
-def inputs(B, T, H, K, V, w_kind, gen):
-    r = lambda *s: torch.randn(*s, generator=gen)
-    kk = F.normalize(r(B, T, H, K), dim=-1)
-    iclr = torch.rand(B, T, H, K, generator=gen)
-    if w_kind == "rwkv7":
-        w = -0.6065306597126334 * torch.sigmoid(r(B, T, H, K))
-    elif w_kind == "u30":
-        w = -30 * torch.rand(B, T, H, K, generator=gen)
-    else:  # mixed: typical, -1e4 and -inf
-        w = -torch.exp(r(B, T, H, K) - 1)
-        u = torch.rand(B, T, H, K, generator=gen)
-        w = torch.where(u < 0.1, -1e4, torch.where(u < 0.2, -math.inf, w))
-    return [r(B, T, H, K), w, r(B, T, H, K) / math.sqrt(K), r(B, T, H, V), -kk, kk * iclr]
-
-
 @pytest.mark.parametrize("shape,w_kind,cu", [
-    ((1, 40, 2, 16, 8), "rwkv7", None),
-    ((2, 37, 1, 32, 40), "mixed", None),
+    ((1, 40, 2, 16, 8), "rwkv", None),
+    ((2, 37, 1, 32, 40), "mixedinf", None),
     ((1, 50, 1, 70, 33), "u30", None),  # K > 64 and not a multiple of 4, V not a multiple of 32
-    ((1, 90, 2, 24, 20), "mixed", [0, 7, 7, 40, 90]),  # varlen with an empty sequence
+    ((1, 90, 2, 24, 20), "mixedinf", [0, 7, 7, 40, 90]),  # varlen with an empty sequence
 ], ids=["rwkv7", "mixed", "K70V33", "varlen"])
 def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, gen):
     check(emu, shape, w_kind, cu, gen, torch.float32, 1e-5)
@@ -56,14 +40,13 @@ def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, gen):
 
 def test_chunk_rwkv7_kernels_bf16(emu, gen):
     """The bf16 loads and stores; the reference gets the same bf16 values (fp32 math)."""
-    check(emu, (1, 45, 2, 32, 24), "rwkv7", None, gen, torch.bfloat16, 1e-2)
+    check(emu, (1, 45, 2, 32, 24), "rwkv", None, gen, torch.bfloat16, 1e-2)
 
 
 def check(emu, shape, w_kind, cu, gen, dtype, tol):
-    B, T, H, K, V = shape
-    ins = [t.to(dtype) for t in inputs(B, T, H, K, V, w_kind, gen)]
+    B = shape[0]
     N = len(cu) - 1 if cu else B
-    h0 = torch.randn(N, H, K, V, generator=gen)
+    *ins, h0 = make(*shape, dtype, "cpu", gen, w_kind=w_kind, N=N)
     cu_t = torch.tensor(cu) if cu else None
     xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
     o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True,

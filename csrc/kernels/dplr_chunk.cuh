@@ -1,7 +1,7 @@
 // CUDA engine for the chunked RWKV7 algebra of kernels/dplr_chunk.h (the steps of
 // cpu/dplr_chunk.cpp in fp32, SIMT FMA: no TF32 anywhere).
 //
-// Forward, three launches' worth of work in two kernels:
+// Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
 //          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
 //          sum_{j < s < i} w_s elementwise: never a difference, never positive, so any w in
@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(const DplrChunkPass p) {
 }
 
 // 16-byte global -> shared copy that does not wait (cp.async); `on` false writes zeros. The host
-// branch (a synchronous copy) serves tools/cuda_emu, which runs these kernels on the CPU.
+// branch (a synchronous copy) serves tests/cuda_emu, which runs these kernels on the CPU.
 __device__ __forceinline__ void copy16(float* dst, const float* src, bool on) {
 #ifdef __CUDA_ARCH__
   const unsigned d = unsigned(__cvta_generic_to_shared(dst));

@@ -1,5 +1,5 @@
 // Launches of the chunked RWKV7 kernels (dplr_chunk.cuh), kept apart so that the kernels also
-// compile as host code (tools/cuda_emu).
+// compile as host code (tests/cuda_emu runs them on the CPU).
 #pragma once
 #include "dplr_chunk.cuh"
 
