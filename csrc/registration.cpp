@@ -69,4 +69,15 @@ TORCH_LIBRARY(fla, m) {
       "Tensor grad_o, Tensor? grad_final_state, float? scale, Tensor? initial_state, "
       "Tensor? cu_seqlens, bool head_first) "
       "-> (Tensor dr, Tensor dw, Tensor dk, Tensor dv, Tensor da, Tensor db, Tensor dh0)");
+  // Gated Slot Attention: composites of the two GLA passes (ops/gsa.cpp). States: hk [N, H, K, M],
+  // hv [N, H, M, V], per key head.
+  m.def(
+      "chunk_gsa(Tensor q, Tensor k, Tensor v, Tensor s, Tensor? g=None, float? scale=None, "
+      "Tensor? hk0=None, Tensor? hv0=None, bool output_final_state=False, Tensor? cu_seqlens=None, "
+      "bool head_first=False) -> (Tensor o, Tensor hk, Tensor hv)");
+  m.def(
+      "fused_recurrent_gsa(Tensor q, Tensor k, Tensor v, Tensor s, Tensor? g=None, "
+      "float? scale=None, Tensor? hk0=None, Tensor? hv0=None, bool output_final_state=False, "
+      "bool reverse=False, Tensor? cu_seqlens=None, bool head_first=False) "
+      "-> (Tensor o, Tensor hk, Tensor hv)");
 }

@@ -28,15 +28,18 @@ _LIBRARY = _load_library()
 from . import _fake  # noqa: E402,F401  (registers fake kernels)
 from .ops import (  # noqa: E402
     chunk_gla,
+    chunk_gsa,
     chunk_rwkv6,
     chunk_rwkv7,
     fused_mul_recurrent_rwkv7,
     fused_recurrent_gla,
+    fused_recurrent_gsa,
     fused_recurrent_rwkv6,
     fused_recurrent_rwkv7,
     set_checks,
 )
 
-__all__ = ["chunk_gla", "chunk_rwkv6", "chunk_rwkv7", "fused_mul_recurrent_rwkv7", "fused_recurrent_gla",
-           "fused_recurrent_rwkv6", "fused_recurrent_rwkv7", "set_checks"]
+__all__ = ["chunk_gla", "chunk_gsa", "chunk_rwkv6", "chunk_rwkv7", "fused_mul_recurrent_rwkv7",
+           "fused_recurrent_gla", "fused_recurrent_gsa", "fused_recurrent_rwkv6",
+           "fused_recurrent_rwkv7", "set_checks"]
 __version__ = "0.1.0"

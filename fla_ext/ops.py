@@ -11,10 +11,12 @@ import torch
 
 __all__ = [
     "chunk_gla",
+    "chunk_gsa",
     "chunk_rwkv6",
     "chunk_rwkv7",
     "fused_mul_recurrent_rwkv7",
     "fused_recurrent_gla",
+    "fused_recurrent_gsa",
     "fused_recurrent_rwkv6",
     "fused_recurrent_rwkv7",
     "set_checks",
@@ -370,3 +372,94 @@ def chunk_rwkv7(
         r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, head_first
     )
     return o, (ht if output_final_state else None)
+
+
+def _gsa_states(initial_state) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if initial_state is None:
+        return None, None
+    if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+        raise TypeError("fla_ext: `initial_state` of GSA must be None or a pair (hk0, hv0) of "
+                        f"float32 [N, H, K, M] and [N, H, M, V] tensors, got {type(initial_state).__name__}")
+    hk0, hv0 = initial_state
+    _optional_tensors(**{"initial_state[0]": hk0, "initial_state[1]": hv0})
+    return hk0, hv0
+
+
+def chunk_gsa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    head_first: bool = False,
+) -> Tuple[torch.Tensor, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
+    r"""Gated Slot Attention, chunk-parallel (for training): two GLA passes sharing the slot gate
+    ``g`` around a float32 softmax over the M slots:
+
+    .. math:: H^k_t = H^k_{t-1} \mathrm{diag}(e^{g_t}) + k_t s_t^\top,\quad
+              p_t = \mathrm{softmax}(\text{scale}\, {H^k_t}^\top q_t),\quad
+              H^v_t = \mathrm{diag}(e^{g_t}) H^v_{t-1} + s_t v_t^\top,\quad o_t = {H^v_t}^\top p_t
+
+    Args:
+        q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; s (slot keys) and g (log
+            decay over the slots, <= 0): ``[B, T, H, M]`` (``[B, H, T, *]`` if ``head_first``).
+            HQ may be a multiple of H (grouped heads, as in fla).
+        g: None reproduces fla (ABC without a learned gate): with ``z_t = logcumsumexp(s)`` per
+            sequence, the slot keys become ``exp(s - z)`` and ``g_t = z_{t-1} - z_t``.
+        scale: defaults to ``K ** -0.5``.
+        initial_state: None or ``(hk0, hv0)``, float32 ``[N, H, K, M]`` and ``[N, H, M, V]``.
+        output_final_state, cu_seqlens, head_first: as in :func:`chunk_gla`.
+
+    Returns:
+        ``(o, (hk, hv))``: ``o`` ``[B, T, HQ, V]``; the final states, or ``(None, None)``.
+
+    Example::
+
+        >>> B, T, H, K, V, M = 2, 128, 4, 64, 64, 32
+        >>> q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+        >>> s = torch.randn(B, T, H, M)
+        >>> g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, M))
+        >>> o, (hk, hv) = fla_ext.chunk_gsa(q, k, v, s, g, output_final_state=True)
+    """
+    _require_tensors(q=q, k=k, v=v, s=s)
+    _optional_tensors(g=g)
+    hk0, hv0 = _gsa_states(initial_state)
+    o, hk, hv = torch.ops.fla.chunk_gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state,
+                                        cu_seqlens, head_first)
+    return o, ((hk, hv) if output_final_state else (None, None))
+
+
+def fused_recurrent_gsa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s: torch.Tensor,
+    g: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    head_first: bool = False,
+) -> Tuple[torch.Tensor, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
+    r"""Gated Slot Attention step by step (decoding, and the check of :func:`chunk_gsa`): the same
+    map and arguments as :func:`chunk_gsa`, plus ``reverse`` (run each sequence backwards in time),
+    through two :func:`fused_recurrent_gla` passes.
+
+    Example::
+
+        >>> o, (hk, hv) = fla_ext.fused_recurrent_gsa(q[:, -1:], k[:, -1:], v[:, -1:], s[:, -1:],
+        ...                                           g[:, -1:], initial_state=(hk, hv),
+        ...                                           output_final_state=True)  # one decode step
+    """
+    _require_tensors(q=q, k=k, v=v, s=s)
+    _optional_tensors(g=g)
+    hk0, hv0 = _gsa_states(initial_state)
+    o, hk, hv = torch.ops.fla.fused_recurrent_gsa(q, k, v, s, g, scale, hk0, hv0,
+                                                  output_final_state, reverse, cu_seqlens,
+                                                  head_first)
+    return o, ((hk, hv) if output_final_state else (None, None))

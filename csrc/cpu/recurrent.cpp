@@ -25,6 +25,17 @@ struct Sweep {
   static A* vec(const void* p, int64_t i) { return const_cast<A*>(static_cast<const A*>(p)) + i; }
   A uval(const void* u, int64_t i) const { return cpu::load_param<A>(p.udtype, u, i); }
 
+  // zeta[c] = sum_r S[r][c] * zdot[r][c] (Produce).
+  void produce_zeta(const std::vector<A>& S, int n, int h) const {
+    if (!p.zeta) return;
+    for (int c = 0; c < p.Dc; ++c) {
+      A z = 0;
+      if (p.zdot.on())
+        for (int r = 0; r < p.Dr; ++r) z += S[r * p.Dc + c] * *at(p.zdot, n, h, r, c);
+      *vec(p.zeta, (int64_t(n) * p.H + h) * p.Dc + c) = z;
+    }
+  }
+
   void run(int n, int h) const {
     const int Dr = p.Dr, Dc = p.Dc;
     const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
@@ -52,19 +63,27 @@ struct Sweep {
         }
       };
       // One pass over the columns applies the write and, unless it comes last, the decay.
-      const bool decay_now = p.order != Order::DecayLast;
-      if (p.order == Order::ReadFirst) read();
+      const bool decay_last = p.order == Order::DecayLast || p.order == Order::ReadWriteDecay;
+      const bool mid = p.order == Order::DecayReadWrite, last = step == s.len - 1;
+      if (p.order == Order::ReadFirst || p.order == Order::ReadWriteDecay) read();
+      for (int c = 0; c < Dc; ++c) {
+        lcs[c] = p.col_decay.on() ? std::exp(ld(p.col_decay, s.b, t, h, c)) : A(1);
+        if (mid)
+          for (int r = 0; r < Dr; ++r) S[r * Dc + c] *= lr[r] * lcs[c];
+      }
+      if (mid) {
+        read();
+        if (last && p.gate == GateGrad::Produce) produce_zeta(S, n, h);
+      }
       for (int c = 0; c < Dc; ++c) {
         const A bc = ld(p.b, s.b, t, h, c) * A(p.b_scale);
-        const A lc = p.col_decay.on() ? std::exp(ld(p.col_decay, s.b, t, h, c)) : A(1);
-        lcs[c] = lc;
         for (int r = 0; r < Dr; ++r) {
           A& e = S[r * Dc + c];
-          e = (decay_now ? lr[r] * lc : A(1)) * e + a[r] * bc;
+          e = (decay_last || mid ? A(1) : lr[r] * lcs[c]) * e + a[r] * bc;
         }
       }
-      if (p.order != Order::ReadFirst) read();
-      if (!decay_now)
+      if (p.order == Order::ReadLast || p.order == Order::DecayLast) read();
+      if (decay_last)
         for (int r = 0; r < Dr; ++r)
           for (int c = 0; c < Dc; ++c) S[r * Dc + c] *= lr[r] * lcs[c];
       for (int c = 0; c < Dc; ++c) {
@@ -80,7 +99,7 @@ struct Sweep {
         } else if (p.gate == GateGrad::Consume) {
           const A z = ld(p.z, s.b, t, h, c), ws = *elem<A>(p.ws, s.b, t, h, c);
           if (p.ws_inclusive) acc[c] += ws;
-          acc[c] -= z * pc[c];
+          if (step > 0 || p.order != Order::ReadWriteDecay) acc[c] -= z * pc[c];
           if (lcs[c] == A(0)) acc[c] = 0;
           *elem<T>(p.dlam, s.b, t, h, c) = static_cast<T>(acc[c]);
           if (!p.ws_inclusive) acc[c] += ws;
@@ -91,14 +110,8 @@ struct Sweep {
     if (p.hT.on())
       for (int r = 0; r < Dr; ++r)
         for (int c = 0; c < Dc; ++c) *at(p.hT, n, h, r, c) = S[r * Dc + c];
-    if (p.gate == GateGrad::Produce && p.zeta) {
-      for (int c = 0; c < Dc; ++c) {
-        A z = 0;
-        if (p.zdot.on())
-          for (int r = 0; r < Dr; ++r) z += S[r * Dc + c] * *at(p.zdot, n, h, r, c);
-        *vec(p.zeta, (int64_t(n) * p.H + h) * Dc + c) = z;
-      }
-    }
+    if (p.gate == GateGrad::Produce && (p.order != Order::DecayReadWrite || s.len == 0))
+      produce_zeta(S, n, h);
     if (p.gate == GateGrad::Consume && p.du)
       for (int c = 0; c < Dc; ++c) *vec(p.du, (int64_t(n) * p.H + h) * Dc + c) = du[c];
   }

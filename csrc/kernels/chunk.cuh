@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) 
     f.g = gs[c * p.H * p.K];
     if (on) {
       f.delta = BWD ? ds[c * sstep] : hs[(c + 1) * sstep];
-      if (BWD) f.sp = hs[(c + 1) * sstep];
+      if (BWD) f.sp = hs[c * sstep];
     }
     return f;
   };
@@ -298,8 +298,8 @@ __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) 
     const Step nxt = fetch(i + 1);
     const int64_t c = BWD ? nch - 1 - i : i;
     if (on) (BWD ? ds : hs)[c * sstep] = run;
-    if (BWD) {
-      float z = cur.sp * run;
+    if (BWD) {  // gamma ⊙ rowsum(S ⊙ dS+): the part of zeta without the chunk's writes
+      float z = cur.g * cur.sp * run;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
       if (v % 32 == 0) zs[c * p.H * nts * p.K] = z;
@@ -614,10 +614,14 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
 //   dk_i = e^{L_i + A4} DK_i + Σ_{j in i's micro-block} dA_ji q_j e^{(i,j]}
 //          + Σ_{μj > μi} e^{L_i + τ4 between} Σ_{j in μj} dA_ji q4_j
 // (B4 / A4: the τ4 of the micro-blocks before / after i's in the sub-chunk; exclusive reader:
-// (j,i) and (i,j) instead, pairs j = i excluded.) Q, Kr hold raw q, k; all loops unroll.
+// (j,i) and (i,j) instead.) The pairs j = i are left out for both readers: the caller adds them
+// (as the u bonus; 1 for GLA) where they cancel exactly in the dg sums. Q, Kr hold raw q, k; all
+// loops unroll. kin_sum / kin_last: Σ k_i ⊙ (inter part of dk_i) over this thread's rows other
+// than `last`, and that row's own term (0 when `last` is not one of them).
 template <Reader RD>
 __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, const Tile* Q,
-                                           const Tile* Kr, const Tile* LAM, int m, int ch) {
+                                           const Tile* Kr, const Tile* LAM, int m, int ch,
+                                           int last, float& kin_sum, float& kin_last) {
   constexpr bool INC = RD == Reader::Inclusive;
   const int r0 = m * SC;
   float k4[SC], q4[SC], t4[NMB];
@@ -642,9 +646,9 @@ __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, c
 #pragma unroll
   for (int i = 0; i < SC; ++i) {  // dq
     const int mi = i / MB, I = r0 + i;
-    float e = 0.f, w = 0.f;
+    float e = INC ? LAM[I][ch] : 0.f, w = 0.f;
 #pragma unroll
-    for (int j = INC ? i : i - 1; j >= mi * MB; --j) {
+    for (int j = i - 1; j >= mi * MB; --j) {
       w += DA[I][r0 + j] * Kr[r0 + j][ch] * ex2(e);
       e += LAM[r0 + j][ch];
     }
@@ -667,15 +671,18 @@ __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, c
     const int mi = i / MB, I = r0 + i;
     float e = 0.f, w = 0.f;
 #pragma unroll
-    for (int j = INC ? i : i + 1; j < (mi + 1) * MB; ++j) {
-      if (INC && j > i) e += LAM[r0 + j][ch];
+    for (int j = i + 1; j < (mi + 1) * MB; ++j) {
+      if (INC) e += LAM[r0 + j][ch];
       w += DA[r0 + j][I] * Q[r0 + j][ch] * ex2(e);
       if (!INC) e += LAM[r0 + j][ch];
     }
     float after = 0.f;  // e = L_i now
 #pragma unroll
     for (int nu = mi + 1; nu < NMB; ++nu) after += t4[nu];
-    float x = ex2(e + after) * DK[I][ch] + w, g = 0.f;
+    // __fmul_rn: no contraction, so that the step's k * DK of row `last` is this very product
+    const float inter = ex2(e + after) * DK[I][ch], kin = __fmul_rn(Kr[I][ch], inter);
+    if (I == last) kin_last = kin; else kin_sum += kin;
+    float x = inter + w, g = 0.f;
 #pragma unroll
     for (int mj = mi + 1; mj < NMB; ++mj) {
       float sum = 0.f;
@@ -701,12 +708,12 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   Tile* LAM = KY + C;  // phase 1: S^T;  phase 2: λ
   Decays& d = *reinterpret_cast<Decays*>(LAM + C);
   float* zs = reinterpret_cast<float*>(&d + 1);  // [DT] zeta
-  float* us = zs + DT;                            // [DT] u
+  float* us = zs + DT;                            // [DT] u, then [DT] the last row's k ⊙ dk_inter
   // The dg scan's arrays reuse the decays' space (dead by then): 110 KB keeps 2 CTAs per SM.
   float* carry = reinterpret_cast<float*>(&d);              // [NSC][DT] sub-chunk scan values
   int* resets = reinterpret_cast<int*>(carry + NSC * DT);   // [NSC][DT]
   float* dup = reinterpret_cast<float*>(resets + NSC * DT); // [NSC][DT] du partials
-  static_assert(sizeof(Decays) >= 3 * NSC * DT * sizeof(float), "scan arrays fit");
+  static_assert(sizeof(Decays) >= 4 * NSC * DT * sizeof(float), "scan arrays fit");
 
   Pos pos;
   if (!locate(p, blockIdx.x, pos)) return;
@@ -745,7 +752,9 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
       for (int t = 0; t < nts; ++t)
         z += static_cast<const float*>(p.zeta)[((pos.slot * p.H + h) * nts + t) * p.K + kk];
     zs[threadIdx.x] = z;
-    us[threadIdx.x] = RD == Reader::Exclusive && kk < p.K ? ldu(p.u, int64_t(h) * p.K + kk, p.udtype) : 0.f;
+    // The self pair (i = i) of dq / dk, left out of diag_grads: RWKV6's bonus u, GLA's 1.
+    us[threadIdx.x] = RD == Reader::Inclusive ? 1.f
+                      : kk < p.K ? ldu(p.u, int64_t(h) * p.K + kk, p.udtype) : 0.f;
   }
   __syncthreads();
 
@@ -783,11 +792,24 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);  // raw q, k again
   load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
   __syncthreads();
-  diag_grads<RD>(DQ, DK, DA, QX, KY, LAM, m, ch);
+  float kin_sum = 0.f, kin_last = 0.f;
+  diag_grads<RD>(DQ, DK, DA, QX, KY, LAM, m, ch, pos.L - 1, kin_sum, kin_last);
 
   // dg by the reverse cumsum (§3; RWKV6 reader terms strictly after t), as a segmented scan over
   // the 4 sub-chunks: where exp(λ_t) == 0 the true dg_t is exactly 0, and so is the suffix sum
   // (ζ included) it stands for, so the scan restarts from 0 there.
+  //   ζ = rowsum(S⁺ ⊙ dS⁺) = γ ⊙ rowsum(S ⊙ dS⁺) (the scan's partials) + Σ_j k_j ⊙ dk_inter_j.
+  // The last row's term k ⊙ dk_inter is O(1) whatever the decays and cancels against the same
+  // term inside its k ⊙ dk: it goes into that row's summand instead (where the two are the same
+  // fp32 product and cancel exactly), so ζ enters as γ-term + Σ_{j < L-1}; every other term then
+  // carries a decay factor, and a chunk of strong decays (all <= -20) gets a dg of the right
+  // size instead of an fp32 residue of O(1) terms.
+  float* const kins = carry + 3 * NSC * DT;  // [NSC][DT] kin_sum partials
+  kins[m * DT + ch] = kin_sum;
+  if (pos.L - 1 >= m * SC && pos.L - 1 < (m + 1) * SC) us[DT + ch] = kin_last;
+  __syncthreads();
+  if (threadIdx.x < DT) zs[ch] += kins[ch] + kins[DT + ch] + kins[2 * DT + ch] + kins[3 * DT + ch];
+  const float last_term = us[DT + ch];
   __syncthreads();
   const int kk = k0 + ch;
   // Row 0 of this thread's column of each output (null when off: chunk_vdecay.cuh wants only
@@ -799,7 +821,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   auto step = [&](float& acc, int t, bool write) {
     const float q = QX[t][ch], k = KY[t][ch];
     const bool dead = ex2(LAM[t][ch]) == 0.f && t < pos.L;
-    const float xq = q * DQ[t][ch], xk = k * DK[t][ch];
+    const float xq = q * DQ[t][ch], xk = __fmul_rn(k, DK[t][ch]) - (t == pos.L - 1 ? last_term : 0.f);
     if (RD == Reader::Inclusive) acc += xq - xk; else acc -= xk;
     float dg = acc;
     if (dead) dg = 0.f, acc = 0.f;
@@ -839,7 +861,7 @@ constexpr size_t kTileBytes = sizeof(float) * C * LD;
 constexpr size_t kDeltaSmem = 3 * kTileBytes + sizeof(Decays);
 constexpr size_t kIntraSmem = 3 * kTileBytes + sizeof(Decays) + sizeof(float) * (DT + 4 * NSC * DT);
 constexpr size_t kOutSmem = 3 * kTileBytes + sizeof(Decays);
-constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * 2 * DT;
+constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * 3 * DT;
 
 template <typename K>
 inline cudaError_t set_smem(K kernel, size_t bytes) {

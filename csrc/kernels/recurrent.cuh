@@ -140,6 +140,19 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
     const int r = row0 + j;
     S[j] = (p.h0.on() && cok && r < p.Dr) ? *mptr(p.h0, n, h, r, c) : 0.f;
   }
+  // zeta[c] = sum_r S[r][c] zdot[r][c] (Produce); every thread of the CTA calls it.
+  const bool produce_zeta = p.gate == GateGrad::Produce && p.zeta;
+  auto zeta_of = [&](const float* St) {
+    float z = 0.f;
+    if (p.zdot.on() && cok) {
+#pragma unroll
+      for (int j = 0; j < RPT; ++j)
+        if (row0 + j < p.Dr) z = fmaf(St[j], *mptr(p.zdot, n, h, row0 + j, c), z);
+    }
+    return sum_row_groups<RG>(z);
+  };
+  float zeta_pre = 0.f;
+
   float acc = 0.f, du = 0.f;
   if (consume && p.zeta && writer) acc = *fptr(p.zeta, (int64_t(n) * p.H + h) * p.Dc + c);
 
@@ -186,11 +199,14 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
 #pragma unroll
         for (int j = 0; j < RPT; j += 2) part0 = fmaf(q[j], S[j], part0), part1 = fmaf(q[j + 1], S[j + 1], part1);
       };
-      if (p.order == Order::ReadFirst) read();
-      if (p.order == Order::DecayLast) {
+      // Order (recurrent.h): rwd and mid read without this step's write; both decay apart.
+      const bool rwd = p.order == Order::ReadWriteDecay, mid = p.order == Order::DecayReadWrite;
+      const bool decay_apart = p.order == Order::DecayLast || rwd || mid;
+      if (p.order == Order::ReadFirst || rwd) read();
+      if (p.order == Order::DecayLast || rwd) {
 #pragma unroll
         for (int j = 0; j < RPT; ++j) S[j] = fmaf(a[j], bv, S[j]);
-        read();
+        if (!rwd) read();
       }
       // decay(S) = diag(row factors) S diag(column factor); an absent side is 1 (uniform branches;
       // without any decay the row path runs with factors exp(0) = 1). With both sides (GLA's gk
@@ -203,7 +219,7 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
       if (row_dec || !col_dec) {
         float l[RPT];
         lds(l, sl + tau * DrP + row0);
-        if (p.order == Order::DecayLast) {
+        if (decay_apart) {
 #pragma unroll
           for (int j = 0; j < RPT; ++j) S[j] *= l[j];
         } else {
@@ -212,13 +228,19 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
         }
       } else {
         const float dc = sdc[tau * BC + cl];
-        if (p.order == Order::DecayLast) {
+        if (decay_apart) {
 #pragma unroll
           for (int j = 0; j < RPT; ++j) S[j] *= dc;
         } else {
 #pragma unroll
           for (int j = 0; j < RPT; ++j) S[j] = fmaf(dc, S[j], a[j] * bv);
         }
+      }
+      if (mid) {
+        read();
+        if (produce_zeta && base + tau == s.len - 1) zeta_pre = zeta_of(S);  // before the write
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) S[j] = fmaf(a[j], bv, S[j]);
       }
       if (p.order == Order::ReadLast) read();
       const float pc = sum_row_groups<RG>(part0 + part1) * scale;
@@ -232,7 +254,7 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
         } else if (consume) {
           const float z = sz[tau * BC + cl], ws = sw[tau * BC + cl];
           if (p.ws_inclusive) acc += ws;
-          acc -= z * pc;
+          if (!rwd || step > 0) acc -= z * pc;
           if (sdc[tau * BC + cl] == 0.f) acc = 0.f;
           *vptr<T>(p.dlam, s.b, t, h, c) = from_f<T>(acc);
           if (!p.ws_inclusive) acc += ws;
@@ -247,14 +269,8 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
     for (int j = 0; j < RPT; ++j)
       if (row0 + j < p.Dr) *mptr(p.hT, n, h, row0 + j, c) = S[j];
   }
-  if (p.gate == GateGrad::Produce && p.zeta) {
-    float z = 0.f;
-    if (p.zdot.on() && cok) {
-#pragma unroll
-      for (int j = 0; j < RPT; ++j)
-        if (row0 + j < p.Dr) z = fmaf(S[j], *mptr(p.zdot, n, h, row0 + j, c), z);
-    }
-    z = sum_row_groups<RG>(z);
+  if (produce_zeta) {
+    const float z = p.order == Order::DecayReadWrite && s.len > 0 ? zeta_pre : zeta_of(S);
     if (writer) *fptr(p.zeta, (int64_t(n) * p.H + h) * p.Dc + c) = z;
   }
   if (consume && p.du && writer) *fptr(p.du, (int64_t(n) * p.H + h) * p.Dc + c) = du;

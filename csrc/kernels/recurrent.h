@@ -18,7 +18,14 @@
 namespace fla {
 
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
-enum class Order : int { ReadFirst = 0, ReadLast = 1, DecayLast = 2 };
+// When a step reads the state relative to its decay and its write. The last two read the state
+// without the step's own write (a bonus x, y with u = 1 adds that term to `out`): the exact
+// decay-gradient sweeps (ALGORITHMS.md §3) use them so that no O(1) self term enters ws / acc,
+// where it would cancel to a rounding residue larger than the true gradient once every decay is
+// strong. DecayReadWrite's zeta is taken before the last write; ReadWriteDecay's Consume leaves
+// the first step's read (of h0 = dHT) out of acc. The two omitted terms are equal: they cancel.
+enum class Order : int { ReadFirst = 0, ReadLast = 1, DecayLast = 2, DecayReadWrite = 3,
+                         ReadWriteDecay = 4 };
 
 // A per-step vector stored as [B, T, H, D] (any strides, in elements). The batch index is the
 // sequence index without cu_seqlens and 0 with it; t is the absolute time index.

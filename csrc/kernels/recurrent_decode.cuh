@@ -21,8 +21,10 @@ inline bool fits(const RecurrentPass& p) {
     return !m.on() || (m.sc == 1 && m.sr % 4 == 0 && m.sh % 4 == 0 && m.sn % 4 == 0 &&
                        reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0);
   };
+  const bool order = p.order == Order::ReadFirst || p.order == Order::ReadLast ||
+                     p.order == Order::DecayLast;  // the exact-gradient orders: the sweep kernel
   return p.T == 1 && p.cu_seqlens == nullptr && p.gate == GateGrad::None && p.Dc % 4 == 0 &&
-         vec4(p.h0) && vec4(p.hT);
+         order && vec4(p.h0) && vec4(p.hT);
 }
 
 __device__ __forceinline__ float4 mload(const MatArg& m, int n, int h, int r, int c) {

@@ -81,7 +81,7 @@ Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int6
 }
 
 void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N, int64_t H,
-                 int64_t R, int64_t C) {
+                 int64_t R, int64_t C, const char* dims) {
   TORCH_CHECK(s.device() == ref.device(), "fla_ext: `", name, "` is on ", s.device(),
               " but the inputs are on ", ref.device());
   TORCH_CHECK_VALUE(s.scalar_type() == acc_type(ref), "fla_ext: `", name, "` must be ",
@@ -89,7 +89,7 @@ void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N
                     s.scalar_type());
   TORCH_CHECK_VALUE(s.dim() == 4 && s.size(0) == N && s.size(1) == H && s.size(2) == R &&
                         s.size(3) == C,
-                    "fla_ext: `", name, "` must have shape [N, H, K, V] = [", N, ", ", H, ", ", R,
+                    "fla_ext: `", name, "` must have shape ", dims, " = [", N, ", ", H, ", ", R,
                     ", ", C, "], got ", shape_str(s));
 }
 

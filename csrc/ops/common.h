@@ -60,7 +60,7 @@ void check_activation(const Tensor& t, const char* name, const Tensor& ref, cons
 Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int64_t B);
 // Checks a state [N, H, R, C] of the acc type of `ref`.
 void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N, int64_t H,
-                 int64_t R, int64_t C);
+                 int64_t R, int64_t C, const char* dims = "[N, H, K, V]");
 void check_head_dim(int64_t d, const char* what);
 // Checks that `t` is an activation like `ref` (dtype, device) with exactly its shape.
 void check_same_shape(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name,

@@ -99,10 +99,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
     if (cols.defined()) p.col_decay = L.vec(cols);
   };
 
+  // The four sweeps read the state without the step's own write (Order::DecayReadWrite /
+  // ReadWriteDecay, recurrent.h) and add that term, (q . a) b times the scales, as a bonus with
+  // u = 1: exact decay gradients when every decay is strong (GSA's slot gates).
+  auto self_term = [](RecurrentPass& p, double scale) {
+    p.x = p.a, p.y = p.b, p.bonus_scale = scale;
+  };
+
   RecurrentPass pa = base;  // S = h^T [V x K]
-  pa.Dr = int(a.V), pa.Dc = int(a.K), pa.reverse = reverse, pa.order = Order::ReadLast;
+  pa.Dr = int(a.V), pa.Dc = int(a.K), pa.reverse = reverse, pa.order = Order::DecayReadWrite;
   pa.scale = a.scale;
   pa.q = L.vec(grad_o), pa.a = L.vec(v), pa.b = L.vec(k), pa.out = L.vec(dq);
+  self_term(pa, a.scale);
   decays(pa, true);
   if (has_h0) pa.h0 = mat(*initial_state, /*transpose=*/true);
   if (gated_k) {
@@ -113,9 +121,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
 
   if (gated_v) {  // S = h [K x V]: the forward again, for o * dO (fp32) and zeta_v
     RecurrentPass pv = base;
-    pv.Dr = int(a.K), pv.Dc = int(a.V), pv.reverse = reverse, pv.order = Order::ReadLast;
+    pv.Dr = int(a.K), pv.Dc = int(a.V), pv.reverse = reverse, pv.order = Order::DecayReadWrite;
     pv.scale = a.scale;
     pv.q = L.vec(q), pv.a = L.vec(k), pv.b = L.vec(v);
+    self_term(pv, a.scale);
     decays(pv, false);
     if (has_h0) pv.h0 = mat(*initial_state);
     pv.gate = GateGrad::Produce, pv.z = L.vec(grad_o), pv.ws = L.vec(ws_v);
@@ -125,9 +134,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
   }
 
   RecurrentPass pb = base;  // S = dh [K x V]
-  pb.Dr = int(a.K), pb.Dc = int(a.V), pb.reverse = !reverse, pb.order = Order::DecayLast;
+  pb.Dr = int(a.K), pb.Dc = int(a.V), pb.reverse = !reverse, pb.order = Order::ReadWriteDecay;
   pb.a_scale = a.scale;
   pb.q = L.vec(k), pb.a = L.vec(q), pb.b = L.vec(grad_o), pb.out = L.vec(dv);
+  self_term(pb, a.scale);
   decays(pb, false);
   if (has_dht) pb.h0 = mat(*grad_final_state);
   if (has_h0) pb.hT = mat(dh0);
@@ -138,9 +148,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
   run(pb);
 
   RecurrentPass pc = base;  // S = dh^T [V x K]
-  pc.Dr = int(a.V), pc.Dc = int(a.K), pc.reverse = !reverse, pc.order = Order::DecayLast;
+  pc.Dr = int(a.V), pc.Dc = int(a.K), pc.reverse = !reverse, pc.order = Order::ReadWriteDecay;
   pc.b_scale = a.scale;
   pc.q = L.vec(v), pc.a = L.vec(grad_o), pc.b = L.vec(q), pc.out = L.vec(dk);
+  self_term(pc, a.scale);
   decays(pc, true);
   if (has_dht) pc.h0 = mat(*grad_final_state, true);
   if (gated_k) {

@@ -130,4 +130,44 @@ inline std::tuple<at::Tensor, at::Tensor> chunk_rwkv7(
                  head_first);
 }
 
+// Gated Slot Attention, chunked (training) or step by step (decoding); see fla_ext.ops.chunk_gsa.
+// q [B, T, HQ, K]; k [B, T, H, K]; v [B, T, H, V]; s, g [B, T, H, M] (g nullopt: fla's gate derived
+// from s); states hk [N, H, K, M], hv [N, H, M, V]. Returns (o, hk, hv); the states are empty
+// tensors unless output_final_state.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_gsa(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s,
+    const std::optional<at::Tensor>& g, std::optional<double> scale = std::nullopt,
+    const std::optional<at::Tensor>& hk0 = std::nullopt,
+    const std::optional<at::Tensor>& hv0 = std::nullopt, bool output_final_state = false,
+    const std::optional<at::Tensor>& cu_seqlens = std::nullopt, bool head_first = false) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fla::chunk_gsa", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const std::optional<at::Tensor>&,
+                           std::optional<double>, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, bool,
+                           const std::optional<at::Tensor>&, bool)>();
+  return op.call(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first);
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_recurrent_gsa(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s,
+    const std::optional<at::Tensor>& g, std::optional<double> scale = std::nullopt,
+    const std::optional<at::Tensor>& hk0 = std::nullopt,
+    const std::optional<at::Tensor>& hv0 = std::nullopt, bool output_final_state = false,
+    bool reverse = false, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+    bool head_first = false) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fla::fused_recurrent_gsa", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const std::optional<at::Tensor>&,
+                           std::optional<double>, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, bool, bool,
+                           const std::optional<at::Tensor>&, bool)>();
+  return op.call(q, k, v, s, g, scale, hk0, hv0, output_final_state, reverse, cu_seqlens,
+                 head_first);
+}
+
 }  // namespace fla_ext
