@@ -267,6 +267,39 @@ register("chunk_rwkv6", _chunk_cases)(_diag_op("rwkv6", "chunk"))
 register("chunk_gla", _chunk_cases)(_diag_op("gla", "chunk"))
 
 
+def _gsa_cases(quick: bool) -> List[Case]:
+    if quick:
+        return [Case("full", dict(B=2, T=130, H=2, K=16, V=32, M=16), torch.bfloat16, MODES)]
+    full = dict(B=8, T=4096, H=16, K=64, V=64, M=64)
+    return [Case("full", full, torch.bfloat16, MODES), Case("full", full, torch.float32, MODES)]
+
+
+@register("chunk_gsa", _gsa_cases)
+def _gsa(case: Case, requires_grad: bool, device: torch.device) -> Built:
+    """Gated Slot Attention (BASELINE.md: M = 64 slots, no initial state), gate logsigmoid."""
+    B, T, H, K, V, M = (case.dims[d] for d in "BTHKVM")
+    dt = case.dtype
+    raw = {"q": _randn((B, T, H, K), dt, device), "k": _randn((B, T, H, K), dt, device),
+           "v": _randn((B, T, H, V), dt, device), "s": _randn((B, T, H, M), dt, device),
+           "g": torch.nn.functional.logsigmoid(torch.randn(B, T, H, M, device=device)).to(dt)}
+    inputs = _leaves(raw, requires_grad)
+    args = [inputs[n] for n in "qkvsg"]
+    impls = {"fla_ext": lambda: (fla_ext.chunk_gsa(*args)[0],)}
+    fla_fn, why = optional_fn("fla.ops.gsa", "chunk_gsa", device)
+    if fla_fn is not None:
+        impls["fla"] = lambda: (fla_fn(*args)[0],)
+
+    def reference(grad_outputs):
+        o, _ = fla_ref.gsa(*args)
+        grads = {}
+        if grad_outputs is not None:
+            grads = {n: x for n, x in fla_ref.gsa_bwd(*args, grad_outputs[0]).items()
+                     if n in inputs and inputs[n].requires_grad}
+        return [o], grads
+
+    return Built(inputs, impls, ("o",), {"fla": why} if why else {}, reference)
+
+
 # ------------------------------------------------------------------------------------------------
 # Timing
 # ------------------------------------------------------------------------------------------------

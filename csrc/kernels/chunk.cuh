@@ -616,12 +616,10 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
 // (B4 / A4: the τ4 of the micro-blocks before / after i's in the sub-chunk; exclusive reader:
 // (j,i) and (i,j) instead.) The pairs j = i are left out for both readers: the caller adds them
 // (as the u bonus; 1 for GLA) where they cancel exactly in the dg sums. Q, Kr hold raw q, k; all
-// loops unroll. kin_sum / kin_last: Σ k_i ⊙ (inter part of dk_i) over this thread's rows other
-// than `last`, and that row's own term (0 when `last` is not one of them).
+// loops unroll.
 template <Reader RD>
 __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, const Tile* Q,
-                                           const Tile* Kr, const Tile* LAM, int m, int ch,
-                                           int last, float& kin_sum, float& kin_last) {
+                                           const Tile* Kr, const Tile* LAM, int m, int ch) {
   constexpr bool INC = RD == Reader::Inclusive;
   const int r0 = m * SC;
   float k4[SC], q4[SC], t4[NMB];
@@ -679,10 +677,7 @@ __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, c
     float after = 0.f;  // e = L_i now
 #pragma unroll
     for (int nu = mi + 1; nu < NMB; ++nu) after += t4[nu];
-    // __fmul_rn: no contraction, so that the step's k * DK of row `last` is this very product
-    const float inter = ex2(e + after) * DK[I][ch], kin = __fmul_rn(Kr[I][ch], inter);
-    if (I == last) kin_last = kin; else kin_sum += kin;
-    float x = inter + w, g = 0.f;
+    float x = ex2(e + after) * DK[I][ch] + w, g = 0.f;
 #pragma unroll
     for (int mj = mi + 1; mj < NMB; ++mj) {
       float sum = 0.f;
@@ -765,10 +760,24 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   __syncthreads();
   chunk_decays(d, LAM);
 
-  // Inter terms to the sub-chunk references; operands for the off-diagonal blocks.
-  for (int ii = 0; ii < SC; ++ii) {
-    DQ[m * SC + ii][ch] *= d.before[m][ch];
-    DK[m * SC + ii][ch] *= d.after[m][ch];
+  // Inter terms to the sub-chunk references; operands for the off-diagonal blocks. Also
+  // kin = k ⊙ dk_inter (exponent Ω_i = Σ_{r>i} λ_r) for the dg scan below: summed over this
+  // thread's rows but the chunk's last, L - 1, whose term stays apart. There the factor is
+  // exp2(0) = 1 and nothing else ever adds to DK (no later rows), so kin_last is bitwise the
+  // product the scan forms from the final DK (__fmul_rn: no contraction on either side).
+  float kin_sum = 0.f, kin_last = 0.f;
+  {
+    float suf = 0.f;
+#pragma unroll
+    for (int ii = SC - 1; ii >= 0; --ii) {
+      const int row = m * SC + ii;
+      DQ[row][ch] *= d.before[m][ch];
+      const float dki = DK[row][ch] * d.after[m][ch];
+      DK[row][ch] = dki;
+      const float kin = __fmul_rn(KY[row][ch], ex2(suf) * dki);
+      if (row == pos.L - 1) kin_last = kin; else kin_sum += kin;
+      suf += LAM[row][ch];
+    }
   }
   scale_reader<RD>(QX, LAM, m, ch, 1.f);
   scale_key<false>(KY, LAM, m, ch, 1.f);
@@ -792,8 +801,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);  // raw q, k again
   load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
   __syncthreads();
-  float kin_sum = 0.f, kin_last = 0.f;
-  diag_grads<RD>(DQ, DK, DA, QX, KY, LAM, m, ch, pos.L - 1, kin_sum, kin_last);
+  diag_grads<RD>(DQ, DK, DA, QX, KY, LAM, m, ch);
 
   // dg by the reverse cumsum (§3; RWKV6 reader terms strictly after t), as a segmented scan over
   // the 4 sub-chunks: where exp(λ_t) == 0 the true dg_t is exactly 0, and so is the suffix sum
