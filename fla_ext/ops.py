@@ -396,6 +396,7 @@ def chunk_gsa(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
+    **kwargs,
 ) -> Tuple[torch.Tensor, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
     r"""Gated Slot Attention, chunk-parallel (for training): two GLA passes sharing the slot gate
     ``g`` around a float32 softmax over the M slots:
@@ -413,6 +414,8 @@ def chunk_gsa(
         scale: defaults to ``K ** -0.5``.
         initial_state: None or ``(hk0, hv0)``, float32 ``[N, H, K, M]`` and ``[N, H, M, V]``.
         output_final_state, cu_seqlens, head_first: as in :func:`chunk_gla`.
+        kwargs: fla's ``checkpoint_level``, ``cu_seqlens_cpu`` and ``chunk_size`` are accepted
+            for drop-in use and have no effect (what the backward keeps is the GLA passes' choice).
 
     Returns:
         ``(o, (hk, hv))``: ``o`` ``[B, T, HQ, V]``; the final states, or ``(None, None)``.
@@ -425,6 +428,9 @@ def chunk_gsa(
         >>> g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, M))
         >>> o, (hk, hv) = fla_ext.chunk_gsa(q, k, v, s, g, output_final_state=True)
     """
+    unknown = set(kwargs) - {"checkpoint_level", "cu_seqlens_cpu", "chunk_size"}
+    if unknown:
+        raise TypeError(f"fla_ext: chunk_gsa() got unexpected keyword arguments {sorted(unknown)}")
     _require_tensors(q=q, k=k, v=v, s=s)
     _optional_tensors(g=g)
     hk0, hv0 = _gsa_states(initial_state)

@@ -1,0 +1,25 @@
+"""Left-padded batches as varlen ones: a 2-D 0/1 ``attention_mask`` [B, T] becomes the packed rows
+and ``cu_seqlens`` the ops take, and back."""
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+def unpad(x: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, ...], mask [B, >= T] (its last T columns are used) -> (x [1, n, ...] of the kept
+    rows, indices [n] into the flattened [B*T], cu_seqlens [B+1] int64)."""
+    if mask.dim() != 2:
+        raise ValueError(f"fla_ext: `attention_mask` must be 2-D [B, T] of 0/1, got {tuple(mask.shape)}")
+    B, T = x.shape[:2]
+    keep = mask[:, -T:].bool()
+    indices = keep.flatten().nonzero(as_tuple=True)[0]
+    cu = F.pad(keep.sum(1).cumsum(0), (1, 0)).to(torch.int64)
+    return x.flatten(0, 1).index_select(0, indices).unsqueeze(0), indices, cu
+
+
+def repad(x: torch.Tensor, indices: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """Inverse of unpad: x [1, n, ...] -> [B, T, ...] with zeros at the padded positions."""
+    out = x.new_zeros(B * T, *x.shape[2:])
+    out.index_copy_(0, indices, x[0])
+    return out.view(B, T, *x.shape[2:])
