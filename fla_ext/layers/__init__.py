@@ -1,5 +1,6 @@
 """Drop-in nn.Module layers with fla's constructor arguments, parameter names and forward."""
 from .cache import Cache
 from .gsa import GatedSlotAttention
+from .rwkv6 import RWKV6Attention
 
-__all__ = ["Cache", "GatedSlotAttention"]
+__all__ = ["Cache", "GatedSlotAttention", "RWKV6Attention"]

@@ -25,15 +25,11 @@ class Cache:
         if layer_idx is None:
             raise ValueError("fla_ext: a layer given a cache needs its `layer_idx`")
         new = dict(zip(_KEYS, (recurrent_state, attn_state, conv_state, ffn_state)))
-        if len(self.states) <= layer_idx:
-            if len(self.states) < layer_idx:
-                raise ValueError(f"fla_ext: cache has {len(self.states)} layers; layer "
-                                 f"{layer_idx} cannot be added before the ones below it")
-            self.states.append(new)
-        else:
-            for key, value in new.items():
-                if value is not None:
-                    self.states[layer_idx][key] = value
+        while len(self.states) <= layer_idx:  # layers below an added one read empty states
+            self.states.append(dict.fromkeys(_KEYS))
+        for key, value in new.items():
+            if value is not None:
+                self.states[layer_idx][key] = value
         if layer_idx == 0:
             self._seen_tokens += offset
         return self.states[layer_idx]
