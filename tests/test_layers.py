@@ -219,3 +219,151 @@ def test_rwkv6_modes_agree():
     rec.load_state_dict(chunk.state_dict())
     x = torch.randn(2, 150, 64)
     torch.testing.assert_close(chunk(x)[0], rec(x)[0], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# RWKV7Attention
+
+from fla_ext.layers import RWKV7Attention  # noqa: E402
+
+
+def rwkv7_stack(device, dtype=torch.float32, L=2, drawn=True, C=64, head_dim=16):
+    """Layers 0..L-1 of one model; `drawn` also draws o_proj and the zero LoRA inputs (0 at init:
+    the outputs would be 0 and the cache checks vacuous)."""
+    torch.manual_seed(0)
+    layers = [RWKV7Attention(hidden_size=C, head_dim=head_dim, layer_idx=i, num_hidden_layers=L)
+              for i in range(L)]
+    if drawn:
+        with torch.no_grad():
+            for layer in layers:
+                layer.o_proj.weight.normal_(0, 0.2)
+                for lora in [layer.w_lora, layer.a_lora, layer.g_lora] + (
+                        [layer.v_lora] if layer.has_v_lora else []):
+                    lora.lora[0].weight.normal_(0, 0.2)
+    return [layer.to(device=device, dtype=dtype) for layer in layers]
+
+
+def run_stack(layers, x, **kw):
+    v_first, h = None, x
+    for layer in layers:
+        o, _, _, v_first = layer(h, v_first=v_first, **kw)
+        h = h + o
+    return h
+
+
+def test_rwkv7_parameters_match_fla():
+    l0, l1 = rwkv7_stack("cpu", drawn=False)
+    names0 = {n: tuple(p.shape) for n, p in l0.named_parameters()}
+    names1 = {n: tuple(p.shape) for n, p in l1.named_parameters()}
+    assert not any(n.startswith("v_lora") for n in names0)  # layer 0 has no value residual
+    assert names1["v_lora.lora.0.weight"] == (32, 64) and names1["v_lora.lora.2.bias"] == (64,)
+    assert names1["x_r"] == (1, 1, 64) and names1["r_k"] == (4, 16) and names1["k_k"] == (64,)
+    assert names1["w_lora.lora.2.weight"] == (64, 32) and names1["g_lora.lora.2.weight"] == (64, 32)
+    assert "g_lora.lora.2.bias" not in names1
+    big = RWKV7Attention(hidden_size=1024, head_dim=64, layer_idx=0, num_hidden_layers=24)
+    # LAYERS.md §2.1: half-to-even rounding gives 64 (not 96) at C = 1024
+    assert (big.decay_low_rank_dim, big.gate_low_rank_dim, big.a_low_rank_dim,
+            big.v_low_rank_dim) == (64, 160, 64, 64)
+
+
+@pytest.mark.parametrize("layer_idx,L", [(0, 1), (0, 24), (5, 24), (23, 24)])
+def test_rwkv7_official_init(layer_idx, L):
+    C, N = 128, 64
+    layer = RWKV7Attention(hidden_size=C, head_dim=N, layer_idx=layer_idx, num_hidden_layers=L)
+    r01 = layer_idx / (L - 1) if L > 1 else 0.0
+    r10 = 1 - layer_idx / L
+    n = torch.arange(C, dtype=torch.float32)
+    ddd, linear = n / C, n / (C - 1) - 0.5
+    z = ((n % N) - (N - 1) / 2) / ((N - 1) / 2)
+    zigzag = z * z.abs()
+    www = -6 + 6 * (n / (C - 1)) ** (1 + r01 ** 0.3)
+    torch.testing.assert_close(layer.x_r.data.flatten(), 1 - ddd ** (0.2 * r10))
+    torch.testing.assert_close(layer.x_a.data.flatten(), 1 - ddd ** (0.9 * r10))
+    torch.testing.assert_close(layer.k_k.data, 0.71 - 0.1 * linear)
+    assert torch.all(layer.k_a == 1.02) and torch.all(layer.r_k == -0.04)
+    torch.testing.assert_close(layer.w_lora.lora[2].bias.data, www + 0.5 + 2.5 * zigzag)
+    torch.testing.assert_close(layer.a_lora.lora[2].bias.data, -0.19 + 0.3 * zigzag + 0.4 * linear)
+    if layer_idx:
+        torch.testing.assert_close(layer.v_lora.lora[2].bias.data, 0.73 - 0.4 * linear)
+    torch.testing.assert_close(layer.g_norm.weight.data, torch.full((C,), ((layer_idx + 1) / L) ** 0.7))
+    assert layer.g_norm.eps == pytest.approx(64e-5)
+    assert layer.o_proj.weight.abs().max() == 0
+    k = layer.k_proj.weight.data
+    torch.testing.assert_close(k @ k.T, 0.01 * torch.eye(C), atol=1e-6, rtol=0)
+    for name, p in layer.named_parameters():
+        assert torch.isfinite(p).all(), name
+
+
+def test_rwkv7_bf16_module_gets_the_orthogonal_init():
+    """fla loses the r/k/v_proj init when the module is built in bf16; here it lands."""
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = RWKV7Attention(hidden_size=64, head_dim=16, layer_idx=1, num_hidden_layers=2)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert layer.k_proj.weight.dtype == torch.bfloat16
+    k = layer.k_proj.weight.float()
+    torch.testing.assert_close(k @ k.T, 0.01 * torch.eye(64), atol=2e-4, rtol=0)
+    assert torch.all(layer.k_a == 1.02) and torch.isfinite(layer.w_lora.lora[2].bias).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("drawn", [False, True], ids=["init", "drawn"])
+def test_rwkv7_fresh_stack_is_finite(device, dtype, L, drawn):
+    """The all-NaN RWKV7 report: a freshly built stack (single-layer too), training mode."""
+    layers = rwkv7_stack(device, dtype, L=L, drawn=drawn)
+    x = torch.randn(2, 80, 64, device=device, dtype=dtype, requires_grad=True)
+    h = run_stack(layers, x)
+    h.float().square().mean().backward()
+    assert torch.isfinite(h).all() and torch.isfinite(x.grad).all()
+    for layer in layers:
+        for n, p in layer.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rwkv7_decoding_with_cache_matches_full_forward(device):
+    """Two layers in eval mode: a 70-token prompt (chunk), then token by token (fused recurrent),
+    then a piece of 5, equal to one forward over everything."""
+    layers = rwkv7_stack(device)
+    for layer in layers:
+        layer.eval()
+    x = torch.randn(2, 90, 64, device=device)
+    with torch.no_grad():
+        full = run_stack(layers, x)
+        cache = Cache()
+        outs = [run_stack(layers, x[:, :70], past_key_values=cache, use_cache=True)]
+        for t in range(70, 85):
+            outs.append(run_stack(layers, x[:, t:t + 1], past_key_values=cache, use_cache=True))
+        outs.append(run_stack(layers, x[:, 85:], past_key_values=cache, use_cache=True))
+    assert (full - x).abs().max() > 1e-3
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rwkv7_left_padding_and_varlen_are_each_sequence_alone(device):
+    layers = rwkv7_stack(device)
+    lens = [90, 67, 3]
+    xs = [torch.randn(1, n, 64, device=device) for n in lens]
+    T = max(lens)
+    batch = torch.zeros(len(lens), T, 64, device=device)
+    mask = torch.zeros(len(lens), T, dtype=torch.long, device=device)
+    for i, (x, n) in enumerate(zip(xs, lens)):
+        batch[i, T - n:] = x[0]
+        mask[i, T - n:] = 1
+    o = run_stack(layers, batch, attention_mask=mask)
+    packed = run_stack(layers, torch.cat(xs, 1), cu_seqlens=torch.tensor([0, 90, 157, 160], device=device))
+    at = 0
+    for i, (x, n) in enumerate(zip(xs, lens)):
+        alone = run_stack(layers, x)
+        torch.testing.assert_close(o[i, T - n:], alone[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[0, at:at + n], alone[0], rtol=1e-5, atol=1e-5)
+        at += n
+
+
+def test_rwkv7_needs_v_first():
+    _, l1 = rwkv7_stack("cpu")
+    with pytest.raises(ValueError, match="v_first"):
+        l1(torch.randn(1, 5, 64))

@@ -17,20 +17,8 @@ import torch.nn.functional as F
 
 from ..ops import chunk_rwkv6, fused_recurrent_rwkv6
 from .cache import Cache
-
-
-class LoRA(nn.Module):
-    """fla's LoRA: Sequential(Linear(in -> r, no bias), act, Linear(r -> out, bias)) as `lora`."""
-
-    def __init__(self, input_dim: int, output_dim: int, low_rank_dim: int, bias: bool = True,
-                 activation: Optional[str] = "tanh") -> None:
-        super().__init__()
-        acts = {"tanh": nn.Tanh(), "sigmoid": nn.Sigmoid(), "relu": nn.ReLU(), None: nn.Identity()}
-        self.lora = nn.Sequential(nn.Linear(input_dim, low_rank_dim, bias=False), acts[activation],
-                                  nn.Linear(low_rank_dim, output_dim, bias=bias))
-
-    def forward(self, x):
-        return self.lora(x)
+from .lora import LoRA
+from .shift import token_shift
 
 
 class LerpLinear(nn.Module):
@@ -58,20 +46,7 @@ class DDLerpLinear(nn.Module):
         return self.linear(x + delta * mu)
 
 
-def token_shift_delta(x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                      prev: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """delta[:, t] = x[:, t-1] - x[:, t]; at a sequence start the previous token is `prev` [B, C]
-    (a cache) or 0. With cu_seqlens (B = 1) every sequence starts afresh."""
-    shifted = F.pad(x, (0, 0, 1, -1))
-    if prev is not None:
-        shifted[:, 0] = prev.to(x.dtype)
-    if cu_seqlens is not None:
-        starts = cu_seqlens[:-1][cu_seqlens[:-1] < x.shape[1]]
-        shifted[:, starts] = 0
-    return shifted - x
-
-
-def _orthogonal_(w: torch.Tensor, gain: float) -> None:
+def orthogonal_(w: torch.Tensor, gain: float) -> None:
     """The official recipe's orthogonal init: the gain grows by sqrt(out/in) for tall matrices."""
     out_f, in_f = w.shape
     g = gain * (math.sqrt(out_f / in_f) if out_f > in_f else 1.0)
@@ -149,10 +124,10 @@ class RWKV6Attention(nn.Module):
         copy(lora[2].bias, -6 + 5 * (n / max(D - 1, 1)).pow(0.7 + 1.3 * r01))
         bonus = r01 * (1 - n / max(D - 1, 1)) + ((n + 1) % 3 - 1) * 0.1
         copy(self.bonus, bonus.view(self.num_heads, self.head_k_dim))
-        _orthogonal_(self.r_proj.linear.weight, 1.0)
-        _orthogonal_(self.k_proj.linear.weight, 0.1)
-        _orthogonal_(self.v_proj.linear.weight, 1.0)
-        _orthogonal_(self.g_proj.linear.weight, 0.1)
+        orthogonal_(self.r_proj.linear.weight, 1.0)
+        orthogonal_(self.k_proj.linear.weight, 0.1)
+        orthogonal_(self.v_proj.linear.weight, 1.0)
+        orthogonal_(self.g_proj.linear.weight, 0.1)
         self.o_proj.weight.zero_()
         if self.g_norm.affine:
             self.g_norm.weight.fill_(((layer + 1) / L) ** 0.7)
@@ -171,8 +146,7 @@ class RWKV6Attention(nn.Module):
         x = hidden_states
         if attention_mask is not None:
             x = x * attention_mask[:, -T:, None].to(x.dtype)
-        prev = last["conv_state"] if last is not None else None
-        delta = token_shift_delta(x, cu_seqlens, prev)
+        delta, conv_state = token_shift(x, cu_seqlens, last["conv_state"] if last else None)
 
         R = self.proj_low_rank_dim
         z = self.x_proj[1](self.x_proj[0](x, delta)).view(B, T, 5, R)
@@ -195,7 +169,7 @@ class RWKV6Attention(nn.Module):
                    output_final_state=bool(use_cache), cu_seqlens=cu_seqlens)
         if past_key_values is not None:
             past_key_values.update(self.layer_idx, recurrent_state=ht if use_cache else None,
-                                   conv_state=x[:, -1] if use_cache else None, offset=T)
+                                   conv_state=conv_state if use_cache else None, offset=T)
         o = self.g_norm(o.reshape(B * T, self.value_dim)).view(B, T, self.value_dim)
         o = o * (F.silu(g) if self.gate_fn in ("swish", "silu") else torch.sigmoid(g))
         return self.o_proj(o), None, past_key_values
