@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import DEVICES
-from fla_ext.layers import Cache, GatedSlotAttention
+from fla_ext.layers import Cache, GatedLinearAttention, GatedSlotAttention, RWKV6Attention
 
 
 def gsa_layer(device, dtype=torch.float32, **kw):
@@ -27,62 +27,6 @@ def test_gsa_parameters_match_fla():
     assert t2r.num_slots == 16  # default: head_k_dim
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T", [40, 130], ids=["fused", "chunk"])
-def test_gsa_fresh_layer_is_finite(device, dtype, T):
-    layer = gsa_layer(device, dtype)
-    x = torch.randn(2, T, 64, device=device, dtype=dtype, requires_grad=True)
-    o, _, _ = layer(x)
-    assert o.shape == x.shape and o.dtype == dtype
-    o.float().square().mean().backward()
-    assert torch.isfinite(o).all() and torch.isfinite(x.grad).all()
-    for n, p in layer.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), n
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_gsa_decoding_with_cache_matches_full_forward(device):
-    """Prompt of 70 tokens (chunk mode), then token by token, then a piece of 5: equal to one
-    forward over everything (fp32 <= 1e-5)."""
-    layer = gsa_layer(device)
-    x = torch.randn(2, 90, 64, device=device)
-    full, _, _ = layer(x)
-    cache = Cache()
-    outs = [layer(x[:, :70], past_key_values=cache, use_cache=True)[0]]
-    for t in range(70, 85):
-        outs.append(layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)[0])
-    outs.append(layer(x[:, 85:], past_key_values=cache, use_cache=True)[0])
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
-    assert cache.get_seq_length() == 90
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_gsa_left_padding_is_each_sequence_alone(device):
-    layer = gsa_layer(device)
-    lens = [100, 67, 3]
-    xs = [torch.randn(1, n, 64, device=device) for n in lens]
-    T = max(lens)
-    batch = torch.zeros(len(lens), T, 64, device=device)
-    mask = torch.zeros(len(lens), T, dtype=torch.long, device=device)
-    for i, (x, n) in enumerate(zip(xs, lens)):
-        batch[i, T - n:] = x[0]
-        mask[i, T - n:] = 1
-    o, _, _ = layer(batch, attention_mask=mask)
-    for i, (x, n) in enumerate(zip(xs, lens)):
-        alone, _, _ = layer(x)
-        torch.testing.assert_close(o[i, T - n:], alone[0], rtol=1e-5, atol=1e-5)
-        assert torch.equal(o[i, :T - n], torch.zeros_like(o[i, :T - n]))
-
-
-def test_gsa_modes_agree():
-    chunk = gsa_layer("cpu", mode="chunk")
-    rec = gsa_layer("cpu", mode="fused_recurrent")
-    rec.load_state_dict(chunk.state_dict())
-    x = torch.randn(2, 150, 64)
-    torch.testing.assert_close(chunk(x)[0], rec(x)[0], rtol=1e-5, atol=1e-5)
-
-
 def test_gsa_bad_arguments():
     with pytest.raises(ValueError, match="mode"):
         GatedSlotAttention(mode="parallel", hidden_size=32, num_heads=2, layer_idx=0)
@@ -95,7 +39,6 @@ def test_gsa_bad_arguments():
 # ---------------------------------------------------------------------------------------------
 # RWKV6Attention
 
-from fla_ext.layers import RWKV6Attention  # noqa: E402
 
 
 def rwkv6_layer(device, dtype=torch.float32, trained=True, **kw):
@@ -161,64 +104,6 @@ def test_rwkv6_init_in_bf16_matches_fp32():
         if n in ("x_proj.2.weight", "w_proj.linear.lora.2.weight") or n.endswith("linear.weight"):
             continue  # random draws
         torch.testing.assert_close(q.float(), p.to(torch.bfloat16).float(), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T", [40, 130], ids=["fused", "chunk"])
-@pytest.mark.parametrize("trained", [False, True], ids=["init", "drawn"])
-def test_rwkv6_fresh_layer_is_finite(device, dtype, T, trained):
-    layer = rwkv6_layer(device, dtype, trained=trained)
-    x = torch.randn(2, T, 64, device=device, dtype=dtype, requires_grad=True)
-    o, _, _ = layer(x)
-    assert o.shape == x.shape and o.dtype == dtype
-    o.float().square().mean().backward()
-    assert torch.isfinite(o).all() and torch.isfinite(x.grad).all()
-    for n, p in layer.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), n
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_rwkv6_decoding_with_cache_matches_full_forward(device):
-    layer = rwkv6_layer(device)
-    x = torch.randn(2, 90, 64, device=device)
-    full, _, _ = layer(x)
-    assert full.abs().max() > 1e-3
-    cache = Cache()
-    outs = [layer(x[:, :70], past_key_values=cache, use_cache=True)[0]]
-    for t in range(70, 85):
-        outs.append(layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)[0])
-    outs.append(layer(x[:, 85:], past_key_values=cache, use_cache=True)[0])
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_rwkv6_left_padding_and_varlen_are_each_sequence_alone(device):
-    layer = rwkv6_layer(device)
-    lens = [100, 67, 3]
-    xs = [torch.randn(1, n, 64, device=device) for n in lens]
-    T = max(lens)
-    batch = torch.zeros(len(lens), T, 64, device=device)
-    mask = torch.zeros(len(lens), T, dtype=torch.long, device=device)
-    for i, (x, n) in enumerate(zip(xs, lens)):
-        batch[i, T - n:] = x[0]
-        mask[i, T - n:] = 1
-    o, _, _ = layer(batch, attention_mask=mask)
-    packed, _, _ = layer(torch.cat(xs, 1), cu_seqlens=torch.tensor([0, 100, 167, 170], device=device))
-    at = 0
-    for i, (x, n) in enumerate(zip(xs, lens)):
-        alone, _, _ = layer(x)
-        torch.testing.assert_close(o[i, T - n:], alone[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(packed[0, at:at + n], alone[0], rtol=1e-5, atol=1e-5)
-        at += n
-
-
-def test_rwkv6_modes_agree():
-    chunk = rwkv6_layer("cpu", mode="chunk")
-    rec = rwkv6_layer("cpu", mode="fused_recurrent")
-    rec.load_state_dict(chunk.state_dict())
-    x = torch.randn(2, 150, 64)
-    torch.testing.assert_close(chunk(x)[0], rec(x)[0], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,3 +252,100 @@ def test_rwkv7_needs_v_first():
     _, l1 = rwkv7_stack("cpu")
     with pytest.raises(ValueError, match="v_first"):
         l1(torch.randn(1, 5, 64))
+
+
+# ---------------------------------------------------------------------------------------------
+# GatedLinearAttention
+
+def gla_layer(device, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    args = dict(hidden_size=64, num_heads=4, num_kv_heads=2, layer_idx=0)
+    args.update(kw)
+    return GatedLinearAttention(**args).to(device=device, dtype=dtype)
+
+
+def test_gla_parameters_match_fla():
+    shapes = {n: tuple(p.shape) for n, p in gla_layer("cpu").named_parameters()}
+    assert shapes == {"q_proj.weight": (32, 64), "k_proj.weight": (16, 64),
+                      "v_proj.weight": (32, 64), "g_proj.weight": (64, 64),
+                      "gk_proj.0.weight": (16, 64), "gk_proj.1.weight": (16, 16),
+                      "gk_proj.1.bias": (16,), "o_proj.weight": (64, 64),
+                      "g_norm_swish_gate.weight": (16,)}
+    unfused = {n for n, _ in gla_layer("cpu", fuse_norm=False).named_parameters()}
+    assert "g_norm.weight" in unfused and "g_norm_swish_gate.weight" not in unfused
+
+
+# ---------------------------------------------------------------------------------------------
+# What every layer with fla's 3-tuple return must do (RWKV7, with v_first, has its own above)
+
+LAYERS = {"gsa": gsa_layer, "gla": gla_layer, "rwkv6": rwkv6_layer}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(LAYERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [40, 130], ids=["fused", "chunk"])
+def test_fresh_layer_is_finite(device, kind, dtype, T):
+    layers = [LAYERS[kind](device, dtype)]
+    if kind == "rwkv6":
+        layers.append(rwkv6_layer(device, dtype, trained=False))  # the init itself: o_proj = 0
+    for layer in layers:
+        x = torch.randn(2, T, 64, device=device, dtype=dtype, requires_grad=True)
+        o, _, _ = layer(x)
+        assert o.shape == x.shape and o.dtype == dtype
+        o.float().square().mean().backward()
+        assert torch.isfinite(o).all() and torch.isfinite(x.grad).all()
+        for n, p in layer.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_decoding_with_cache_matches_full_forward(device, kind):
+    """A 70-token prompt (chunk mode), then token by token, then a piece of 5: equal to one
+    forward over everything (fp32 <= 1e-5)."""
+    layer = LAYERS[kind](device)
+    x = torch.randn(2, 90, 64, device=device)
+    full, _, _ = layer(x)
+    assert full.abs().max() > 1e-3
+    cache = Cache()
+    outs = [layer(x[:, :70], past_key_values=cache, use_cache=True)[0]]
+    for t in range(70, 85):
+        outs.append(layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)[0])
+    outs.append(layer(x[:, 85:], past_key_values=cache, use_cache=True)[0])
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
+    if layer.layer_idx == 0:  # the cache counts tokens at layer 0 (fla's convention)
+        assert cache.get_seq_length() == 90
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_left_padding_and_varlen_are_each_sequence_alone(device, kind):
+    layer = LAYERS[kind](device)
+    lens = [100, 67, 3]
+    xs = [torch.randn(1, n, 64, device=device) for n in lens]
+    T = max(lens)
+    batch = torch.zeros(len(lens), T, 64, device=device)
+    mask = torch.zeros(len(lens), T, dtype=torch.long, device=device)
+    for i, (x, n) in enumerate(zip(xs, lens)):
+        batch[i, T - n:] = x[0]
+        mask[i, T - n:] = 1
+    o, _, _ = layer(batch, attention_mask=mask)
+    packed, _, _ = layer(torch.cat(xs, 1), cu_seqlens=torch.tensor([0, 100, 167, 170], device=device))
+    at = 0
+    for i, (x, n) in enumerate(zip(xs, lens)):
+        alone, _, _ = layer(x)
+        torch.testing.assert_close(o[i, T - n:], alone[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[0, at:at + n], alone[0], rtol=1e-5, atol=1e-5)
+        if kind != "rwkv6":  # RWKV6 zeroes padded inputs, not outputs (as fla)
+            assert torch.equal(o[i, :T - n], torch.zeros_like(o[i, :T - n]))
+        at += n
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_modes_agree(kind):
+    chunk = LAYERS[kind]("cpu", mode="chunk")
+    rec = LAYERS[kind]("cpu", mode="fused_recurrent")
+    rec.load_state_dict(chunk.state_dict())
+    x = torch.randn(2, 150, 64)
+    torch.testing.assert_close(chunk(x)[0], rec(x)[0], rtol=1e-5, atol=1e-5)

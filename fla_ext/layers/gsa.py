@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ..ops import chunk_gsa, fused_recurrent_gsa
 from .cache import Cache
+from .norm import RMSNorm
 from .padding import repad, unpad
 
 
@@ -21,20 +22,6 @@ class _T2R(nn.Module):
 
     def forward(self, x):
         return F.relu(self.layer(x))
-
-
-class _RMSNorm(nn.Module):
-    """fla's RMSNorm weight (fp32, ones); the forward normalises in fp32 with the given eps."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-
-    def forward(self, x, eps: float):
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * self.weight.float()
-        return y.to(x.dtype)
 
 
 class GatedSlotAttention(nn.Module):
@@ -96,7 +83,7 @@ class GatedSlotAttention(nn.Module):
         else:
             raise ValueError(f"fla_ext: unknown feature_map {feature_map!r} "
                              f"('swish', 'relu' or 't2r')")
-        self.g_norm = _RMSNorm(hidden_size, norm_eps)
+        self.g_norm = RMSNorm(hidden_size, eps=norm_eps)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
