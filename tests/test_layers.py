@@ -8,6 +8,18 @@ from conftest import DEVICES
 from fla_ext.layers import Cache, GatedLinearAttention, GatedSlotAttention, RWKV6Attention
 
 
+def padded_batch(lens, device):
+    """Sequences of the given lengths, alone and as one left-padded batch with its mask."""
+    xs = [torch.randn(1, n, 64, device=device) for n in lens]
+    T = max(lens)
+    batch = torch.zeros(len(lens), T, 64, device=device)
+    mask = torch.zeros(len(lens), T, dtype=torch.long, device=device)
+    for i, (x, n) in enumerate(zip(xs, lens)):
+        batch[i, T - n:] = x[0]
+        mask[i, T - n:] = 1
+    return xs, batch, mask, T
+
+
 def gsa_layer(device, dtype=torch.float32, **kw):
     torch.manual_seed(0)
     args = dict(hidden_size=64, num_heads=4, num_kv_heads=2, num_slots=8, layer_idx=0)
@@ -231,13 +243,7 @@ def test_rwkv7_decoding_with_cache_matches_full_forward(device):
 def test_rwkv7_left_padding_and_varlen_are_each_sequence_alone(device):
     layers = rwkv7_stack(device)
     lens = [90, 67, 3]
-    xs = [torch.randn(1, n, 64, device=device) for n in lens]
-    T = max(lens)
-    batch = torch.zeros(len(lens), T, 64, device=device)
-    mask = torch.zeros(len(lens), T, dtype=torch.long, device=device)
-    for i, (x, n) in enumerate(zip(xs, lens)):
-        batch[i, T - n:] = x[0]
-        mask[i, T - n:] = 1
+    xs, batch, mask, T = padded_batch(lens, device)
     o = run_stack(layers, batch, attention_mask=mask)
     packed = run_stack(layers, torch.cat(xs, 1), cu_seqlens=torch.tensor([0, 90, 157, 160], device=device))
     at = 0
@@ -323,13 +329,7 @@ def test_decoding_with_cache_matches_full_forward(device, kind):
 def test_left_padding_and_varlen_are_each_sequence_alone(device, kind):
     layer = LAYERS[kind](device)
     lens = [100, 67, 3]
-    xs = [torch.randn(1, n, 64, device=device) for n in lens]
-    T = max(lens)
-    batch = torch.zeros(len(lens), T, 64, device=device)
-    mask = torch.zeros(len(lens), T, dtype=torch.long, device=device)
-    for i, (x, n) in enumerate(zip(xs, lens)):
-        batch[i, T - n:] = x[0]
-        mask[i, T - n:] = 1
+    xs, batch, mask, T = padded_batch(lens, device)
     o, _, _ = layer(batch, attention_mask=mask)
     packed, _, _ = layer(torch.cat(xs, 1), cu_seqlens=torch.tensor([0, 100, 167, 170], device=device))
     at = 0

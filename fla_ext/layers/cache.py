@@ -48,3 +48,10 @@ class Cache:
         for s in self.states:
             for key in _KEYS:
                 s[key] = pick(s[key])
+
+
+def layer_cache(cache: Optional["Cache"], layer_idx: Optional[int]) -> Optional[Dict[str, Any]]:
+    """This layer's entry of `cache`, or None (no cache, or nothing stored for it yet)."""
+    if cache is None or len(cache) <= (layer_idx or 0):
+        return None
+    return cache[layer_idx or 0]

@@ -11,9 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_gla, fused_recurrent_gla
-from .cache import Cache
+from .cache import Cache, layer_cache
 from .norm import RMSNorm
-from .padding import repad, unpad
+from .padding import repad, unpad_inputs
 
 _ACT = {"swish": F.silu, "silu": F.silu, "sigmoid": torch.sigmoid, "relu": F.relu,
         "gelu": F.gelu, "tanh": torch.tanh}
@@ -82,13 +82,9 @@ class GatedLinearAttention(nn.Module):
                 output_attentions: Optional[bool] = False, **kwargs):
         B, T, _ = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
-        last = None
-        if past_key_values is not None and len(past_key_values) > self.layer_idx:
-            last = past_key_values[self.layer_idx]
-        cu_seqlens = kwargs.get("cu_seqlens")
-        x, indices = hidden_states, None
-        if cu_seqlens is None and attention_mask is not None:
-            x, indices, cu_seqlens = unpad(hidden_states, attention_mask)
+        last = layer_cache(past_key_values, self.layer_idx)
+        x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask,
+                                              kwargs.get("cu_seqlens"))
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_k_dim))
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_k_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_v_dim))

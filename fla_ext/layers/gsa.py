@@ -8,9 +8,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_gsa, fused_recurrent_gsa
-from .cache import Cache
+from .cache import Cache, layer_cache
 from .norm import RMSNorm
-from .padding import repad, unpad
+from .padding import repad, unpad_inputs
 
 
 class _T2R(nn.Module):
@@ -91,14 +91,9 @@ class GatedSlotAttention(nn.Module):
                 output_attentions: Optional[bool] = False, **kwargs):
         B, T, _ = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
-        last = None
-        if past_key_values is not None and len(past_key_values) > self.layer_idx:
-            last = past_key_values[self.layer_idx]
-        cu_seqlens = kwargs.get("cu_seqlens")
-        indices = None
-        x = hidden_states
-        if cu_seqlens is None and attention_mask is not None:
-            x, indices, cu_seqlens = unpad(hidden_states, attention_mask)
+        last = layer_cache(past_key_values, self.layer_idx)
+        x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask,
+                                              kwargs.get("cu_seqlens"))
 
         q, k, v, f = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.f_proj(x)
         q = q.unflatten(-1, (self.num_heads, self.head_k_dim))

@@ -23,3 +23,11 @@ def repad(x: torch.Tensor, indices: torch.Tensor, B: int, T: int) -> torch.Tenso
     out = x.new_zeros(B * T, *x.shape[2:])
     out.index_copy_(0, indices, x[0])
     return out.view(B, T, *x.shape[2:])
+
+
+def unpad_inputs(x: torch.Tensor, attention_mask, cu_seqlens):
+    """The layers' entry: explicit cu_seqlens win; else a mask turns the batch into varlen.
+    Returns (x, indices or None, cu_seqlens or None)."""
+    if cu_seqlens is None and attention_mask is not None:
+        return unpad(x, attention_mask)
+    return x, None, cu_seqlens

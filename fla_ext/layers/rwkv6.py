@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_rwkv6, fused_recurrent_rwkv6
-from .cache import Cache
+from .cache import Cache, layer_cache
 from .lora import LoRA
 from .shift import token_shift
 
@@ -140,9 +140,7 @@ class RWKV6Attention(nn.Module):
             raise ValueError("fla_ext: `attention_mask` must be 2-D [B, T] of 0/1 (left padding)")
         B, T, C = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
-        last = None
-        if past_key_values is not None and len(past_key_values) > self.layer_idx:
-            last = past_key_values[self.layer_idx]
+        last = layer_cache(past_key_values, self.layer_idx)
         x = hidden_states
         if attention_mask is not None:
             x = x * attention_mask[:, -T:, None].to(x.dtype)

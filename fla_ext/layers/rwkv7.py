@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_rwkv7, fused_recurrent_rwkv7
-from .cache import Cache
+from .cache import Cache, layer_cache
 from .lora import LoRA
 from .rwkv6 import orthogonal_
 from .shift import token_shift
@@ -137,9 +137,7 @@ class RWKV7Attention(nn.Module):
             raise ValueError("fla_ext: `attention_mask` must be 2-D [B, T] of 0/1 (left padding)")
         B, T, C = hidden_states.shape
         H, N = self.num_heads, self.head_dim
-        last = None
-        if past_key_values is not None and len(past_key_values) > (self.layer_idx or 0):
-            last = past_key_values[self.layer_idx or 0]
+        last = layer_cache(past_key_values, self.layer_idx)
         am = attention_mask[:, -T:, None].to(hidden_states.dtype) if attention_mask is not None else None
         x = hidden_states * am if am is not None else hidden_states
         delta, conv_state = token_shift(x, cu_seqlens, last["conv_state"] if last else None)
