@@ -9,7 +9,7 @@ token with the state cache reproduces the full-sequence predictions; it writes a
 curves. Runs on the best device present (a few minutes on a laptop CPU with the defaults).
 
     python examples/demo.py                      # all four layer types, defaults
-    python examples/demo.py --layers rwkv7 --steps 600 --seq-len 128 --num-kv 16
+    python examples/demo.py --layers rwkv7 --steps 600 --seq-len 128 --num-kv 16 --n-keys 64
 """
 import argparse
 import math
@@ -103,12 +103,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", nargs="+", default=list(LAYER_TYPES), choices=LAYER_TYPES)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--num-kv", type=int, default=8)
-    ap.add_argument("--n-keys", type=int, default=32)
-    ap.add_argument("--n-values", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--num-kv", type=int, default=4)
+    ap.add_argument("--n-keys", type=int, default=16)
+    ap.add_argument("--n-values", type=int, default=16)
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--n-layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=2)
