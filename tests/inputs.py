@@ -28,6 +28,12 @@ def log_decay(kind: str, shape, gen) -> torch.Tensor:
         w = -0.1 * torch.rand(shape, generator=gen)
         spike = torch.rand(shape, generator=gen) < 0.07
         return torch.where(spike, torch.tensor(-1e4 if kind == "mixed1e4" else -math.inf), w)
+    if kind == "u60_20":  # GSA's strong slot gates: every decay <= -20
+        return -20 - 40 * torch.rand(shape, generator=gen)
+    if kind == "gsa_hard":  # logsigmoid gates with 30 % near-resets at -20 .. -80
+        w = F.logsigmoid(torch.randn(shape, generator=gen))
+        hard = torch.rand(shape, generator=gen) < 0.3
+        return torch.where(hard, -20 - 60 * torch.rand(shape, generator=gen), w)
     if kind in ("spike0", "spike15"):
         w = -0.1 * torch.rand(shape, generator=gen)
         t = torch.arange(T).view(1, T, *([1] * (len(shape) - 2)))

@@ -243,7 +243,7 @@ def test_value_decay_shapes(device, dtype, fam, KV, T, cu, head_first, gen):
 
 
 @pytest.mark.parametrize("device,dtype,fam", on_devices(DEVICE_DTYPES, VALUE_FAMILIES))
-@pytest.mark.parametrize("kind", ["u60_20", "gsa_logsigmoid"])
+@pytest.mark.parametrize("kind", ["u60_20", "gsa_hard"])
 def test_gsa_strength_decay(device, dtype, fam, kind, gen):
     """GSA's slot decays reach far below -20 (logsigmoid of large negative logits, or
     U(-60, -20)): every factor of a pair or a chunk underflows after a step or two, and the
@@ -251,14 +251,7 @@ def test_gsa_strength_decay(device, dtype, fam, kind, gen):
     B, T, H, K, V = 2, 150, 2, 32, 48
     x = fam.make(B, T, H, K, V, dtype, device, gen)
     for n in fam.decays:
-        shape = x[n].shape
-        if kind == "u60_20":
-            w = -20 - 40 * torch.rand(shape, generator=gen)
-        else:  # mostly gentle slots, 30 % of them near-resets at -20 .. -80
-            w = torch.nn.functional.logsigmoid(torch.randn(shape, generator=gen))
-            hard = torch.rand(shape, generator=gen) < 0.3
-            w = torch.where(hard, -20 - 60 * torch.rand(shape, generator=gen), w)
-        x[n] = w.to(device=device, dtype=dtype)
+        x[n] = log_decay(kind, x[n].shape, gen).to(device=device, dtype=dtype)
     run_and_check(fam, "chunk", x, gen=gen)
 
 

@@ -9,6 +9,7 @@ import torch
 
 import fla_ext
 from conftest import DEVICES, TOL, assert_close
+from families import leaves
 from fla_ext import reference
 from inputs import STRESS, layout, log_decay
 
@@ -19,18 +20,6 @@ MODES = {"chunk": fla_ext.chunk_gsa, "fused": fla_ext.fused_recurrent_gsa}
 NAMES = ("q", "k", "v", "s", "g")
 
 
-def gsa_gate(kind, shape, gen):
-    """§8.4 regimes plus GSA's strong slot gates: U(-60, -20), and logsigmoid with 30 % of the
-    slots near-reset (-20 .. -80), the |f| > 20 logits that gave fla users NaN gradients."""
-    if kind == "u60_20":
-        return -20 - 40 * torch.rand(shape, generator=gen)
-    if kind == "gsa_hard":
-        w = torch.nn.functional.logsigmoid(torch.randn(shape, generator=gen))
-        hard = torch.rand(shape, generator=gen) < 0.3
-        return torch.where(hard, -20 - 60 * torch.rand(shape, generator=gen), w)
-    return log_decay(kind, shape, gen)
-
-
 def make(B, T, HQ, H, K, V, M, dtype, device, gen, *, head_first=False, noncontig=False,
          h0=True, g_kind="typical", qk_scale=1.0, N=None):
     def act(D, heads, x=None):
@@ -38,16 +27,12 @@ def make(B, T, HQ, H, K, V, M, dtype, device, gen, *, head_first=False, nonconti
         return layout(x, dtype, device, head_first=head_first, noncontig=noncontig)
     x = dict(q=act(K, HQ, qk_scale * torch.randn(B, T, HQ, K, generator=gen)),
              k=act(K, H, qk_scale * torch.randn(B, T, H, K, generator=gen)), v=act(V, H),
-             s=act(M, H), g=None if g_kind is None else act(M, H, gsa_gate(g_kind, (B, T, H, M), gen)))
+             s=act(M, H), g=None if g_kind is None else act(M, H, log_decay(g_kind, (B, T, H, M), gen)))
     N = B if N is None else N
     acc = F64 if dtype == F64 else F32
     x["hk0"] = torch.randn(N, H, K, M, generator=gen).to(device, acc) if h0 else None
     x["hv0"] = torch.randn(N, H, M, V, generator=gen).to(device, acc) if h0 else None
     return x
-
-
-def leaves(x):
-    return {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in x.items()}
 
 
 def call(mode, x, **kw):

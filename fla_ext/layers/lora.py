@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .init import orthogonal_
+
 
 class LoRA(nn.Module):
     def __init__(self, input_dim: int, output_dim: int, low_rank_dim: int, bias: bool = True,
@@ -24,9 +26,7 @@ class LoRA(nn.Module):
     def reset_parameters(self) -> None:
         self.lora[0].weight.zero_()
         r, out = self.low_rank_dim, self.output_dim
-        w = torch.empty(self.lora[2].weight.shape, dtype=torch.float32)
-        nn.init.orthogonal_(w, gain=0.1 * (math.sqrt(r / out) if r > out else 1.0))
-        self.lora[2].weight.copy_(w)
+        orthogonal_(self.lora[2].weight, 0.1 * (math.sqrt(r / out) if r > out else 1.0))
         if self.lora[2].bias is not None:
             self.lora[2].bias.zero_()
 

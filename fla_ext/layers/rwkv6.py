@@ -7,7 +7,6 @@ decay at exp(-1) for every channel and layer (LAYERS.md §1.2). The recipe depen
 depth, so the constructor takes `num_hidden_layers` (fla's layer does not; its model does).
 Everything is computed in float32 and copied into the parameters, so a bfloat16 module gets the
 same values rounded once."""
-import math
 import warnings
 from typing import Optional
 
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 from ..ops import chunk_rwkv6, fused_recurrent_rwkv6
 from .cache import Cache, layer_cache
+from .init import rwkv_orthogonal_
 from .lora import LoRA
 from .shift import token_shift
 
@@ -44,18 +44,6 @@ class DDLerpLinear(nn.Module):
 
     def forward(self, x, mu, delta):
         return self.linear(x + delta * mu)
-
-
-def orthogonal_(w: torch.Tensor, gain: float) -> None:
-    """The official recipe's orthogonal init: the gain grows by sqrt(out/in) for tall matrices."""
-    out_f, in_f = w.shape
-    g = gain * (math.sqrt(out_f / in_f) if out_f > in_f else 1.0)
-    value = torch.empty(w.shape, dtype=torch.float32)
-    if g == 0:
-        value.zero_()
-    else:
-        nn.init.orthogonal_(value, gain=g)
-    w.data.copy_(value)
 
 
 class RWKV6Attention(nn.Module):
@@ -124,10 +112,10 @@ class RWKV6Attention(nn.Module):
         copy(lora[2].bias, -6 + 5 * (n / max(D - 1, 1)).pow(0.7 + 1.3 * r01))
         bonus = r01 * (1 - n / max(D - 1, 1)) + ((n + 1) % 3 - 1) * 0.1
         copy(self.bonus, bonus.view(self.num_heads, self.head_k_dim))
-        orthogonal_(self.r_proj.linear.weight, 1.0)
-        orthogonal_(self.k_proj.linear.weight, 0.1)
-        orthogonal_(self.v_proj.linear.weight, 1.0)
-        orthogonal_(self.g_proj.linear.weight, 0.1)
+        rwkv_orthogonal_(self.r_proj.linear.weight, 1.0)
+        rwkv_orthogonal_(self.k_proj.linear.weight, 0.1)
+        rwkv_orthogonal_(self.v_proj.linear.weight, 1.0)
+        rwkv_orthogonal_(self.g_proj.linear.weight, 0.1)
         self.o_proj.weight.zero_()
         if self.g_norm.affine:
             self.g_norm.weight.fill_(((layer + 1) / L) ** 0.7)

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from ..ops import chunk_rwkv7, fused_recurrent_rwkv7
 from .cache import Cache, layer_cache
+from .init import rwkv_orthogonal_
 from .lora import LoRA
-from .rwkv6 import orthogonal_
 from .shift import token_shift
 
 _EXP_MINUS_HALF = math.exp(-0.5)  # the log decay is -e^-0.5 * sigmoid(.) in (-0.6065, 0)
@@ -111,9 +111,9 @@ class RWKV7Attention(nn.Module):
         copy(self.k_k, 0.71 - 0.1 * linear)
         self.k_a.fill_(1.02)
         self.r_k.fill_(-0.04)
-        orthogonal_(self.r_proj.weight, 1.0)
-        orthogonal_(self.k_proj.weight, 0.1)
-        orthogonal_(self.v_proj.weight, 1.0)
+        rwkv_orthogonal_(self.r_proj.weight, 1.0)
+        rwkv_orthogonal_(self.k_proj.weight, 0.1)
+        rwkv_orthogonal_(self.v_proj.weight, 1.0)
         self.o_proj.weight.zero_()
         for lora in [self.w_lora, self.a_lora, self.g_lora] + ([self.v_lora] if self.has_v_lora else []):
             lora.reset_parameters()
