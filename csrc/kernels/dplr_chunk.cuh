@@ -26,6 +26,7 @@ namespace dplr_chunk_detail {
 using elements::from_f;
 using elements::ld;
 using elements::mptr;
+using elements::to_f;
 using elements::vptr;
 
 constexpr int C = kDplrChunk, CP = C + 1, NT = 256;
@@ -45,7 +46,7 @@ constexpr int kPairRows = 7, kPairWs = kPairRows * C * PSP + 5 * PSP;
 // [C][BP], 16 x 16 matrices [C][CP], states [K][cols]; every array starts 16-byte aligned. The
 // prep kernel (bwd = false) has no state and no P; the backward kernel has everything.
 struct Smem {
-  int K, KP, cols, BP;
+  int K, KP, cols, lc, BP, SP;  // lc = log2(cols); SP: state row stride (backward: cols + 4)
   int r, w, k, a, b, eG, eO, S, v, U, M, P, Ark, Arb, Aak, Aab, X;
   int dS, dO, dU, dM, gr, gk, ga, gb, dArk, dArb, dAak, dAab, dX, Y, zeta;  // backward
   int pw;  // pair workspace (PairWs), 16-byte aligned; the backward's gr.. block when backward
@@ -53,17 +54,21 @@ struct Smem {
 
   __host__ __device__ Smem(int K_, bool bwd)
       : K(K_), KP((K_ + 3) / 4 * 4 + 4), cols(dplr_chunk_cols(K_)) {
+    lc = cols == 32 ? 5 : 3;
     BP = cols + 1;
+    // The K-vector gradients read S and dS down a column (lanes on channels) as float4: rows
+    // cols + 4 apart put the 8 lanes of a 16-byte phase on different banks (cols apart: 32-way).
+    SP = cols + 4;
     int o = 0;
     auto take = [&](int n) { const int at = o; o += (n + 3) / 4 * 4; return at; };
     r = take(C * KP), w = take(C * KP), k = take(C * KP), a = take(C * KP), b = take(C * KP);
-    eG = take(C * KP), eO = take(C * KP), S = bwd ? take(K * cols) : 0;
+    eG = take(C * KP), eO = take(C * KP), S = bwd ? take(K * SP) : 0;
     v = take(C * BP), U = take(C * BP), M = take(C * BP), P = bwd ? take(C * BP) : 0;
     Ark = take(C * CP), Arb = take(C * CP), Aak = take(C * CP), Aab = take(C * CP);
     X = take(C * CP);  // the five are consecutive (C * CP is a multiple of 4): mat_at
     dS = dO = dU = dM = gr = gk = ga = gb = dArk = dArb = dAak = dAab = dX = Y = zeta = 0;
     if (bwd) {
-      dS = take(K * cols), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
+      dS = take(K * SP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
       zeta = take(K);  // before the rows the pair workspace overlays
       gr = take(C * KP), gk = take(C * KP), ga = take(C * KP), gb = take(C * KP);
       dArk = take(C * CP), dArb = take(C * CP), dAak = take(C * CP), dAab = take(C * CP);
@@ -89,31 +94,36 @@ __device__ __forceinline__ float eE(const float* sm, const Smem& L, int i, int d
 
 // Rows [t0, t0 + nrow) of the chunk's K-vectors into shared memory, padded to C rows with w = 0
 // and every other input 0 (padding adds nothing, and exp(G) of the last row is the chunk's
-// gamma).
+// gamma). Thread: rows tid / 64 + 4 q, channels tid % 64 + 64 m (the row padding too: rows are
+// read as float4); row addresses once per row, not per element.
 template <typename T>
 __device__ void load_rows(float* sm, const Smem& L, const DplrChunkPass& p, const SeqSpan& s,
                           int h, int64_t t0, int nrow) {
-  for (int e = threadIdx.x; e < C * L.KP; e += NT) {  // the row padding too: read as float4
-    const int i = e / L.KP, d = e % L.KP, at = e;
-    float r = 0.f, w = 0.f, k = 0.f, a = 0.f, bb = 0.f;
-    if (i < nrow && d < L.K) {
-      const int64_t t = s.bos + t0 + i;
-      r = ld<T>(p.r, s.b, t, h, d), w = ld<T>(p.w, s.b, t, h, d), k = ld<T>(p.k, s.b, t, h, d);
-      a = ld<T>(p.a, s.b, t, h, d), bb = ld<T>(p.b, s.b, t, h, d);
+  for (int i = threadIdx.x / 64; i < C; i += NT / 64) {
+    const bool row = i < nrow;
+    const int64_t t = s.bos + t0 + i;
+    const T *r = row ? vptr<T>(p.r, s.b, t, h, 0) : nullptr, *w = row ? vptr<T>(p.w, s.b, t, h, 0) : nullptr;
+    const T *k = row ? vptr<T>(p.k, s.b, t, h, 0) : nullptr, *a = row ? vptr<T>(p.a, s.b, t, h, 0) : nullptr;
+    const T* b = row ? vptr<T>(p.b, s.b, t, h, 0) : nullptr;
+    for (int d = threadIdx.x % 64; d < L.KP; d += 64) {
+      const bool on = row && d < L.K;
+      const int at = i * L.KP + d;
+      sm[L.r + at] = on ? to_f(r[d * p.r.sd]) : 0.f, sm[L.w + at] = on ? to_f(w[d * p.w.sd]) : 0.f;
+      sm[L.k + at] = on ? to_f(k[d * p.k.sd]) : 0.f, sm[L.a + at] = on ? to_f(a[d * p.a.sd]) : 0.f;
+      sm[L.b + at] = on ? to_f(b[d * p.b.sd]) : 0.f;
     }
-    sm[L.r + at] = r, sm[L.w + at] = w, sm[L.k + at] = k, sm[L.a + at] = a, sm[L.b + at] = bb;
   }
 }
 // The tile's v (and dO) rows; columns >= V of the tile and padded rows are 0.
 template <typename T>
 __device__ void load_cols(float* sm, const Smem& L, const DplrChunkPass& p, const SeqSpan& s,
                           int h, int x0, int nc, int64_t t0, int nrow, bool with_dout) {
-  for (int e = threadIdx.x; e < C * L.cols; e += NT) {
-    const int i = e / L.cols, x = e % L.cols, at = i * L.BP + x;
+  const int x = threadIdx.x & (L.cols - 1);
+  for (int i = threadIdx.x >> L.lc; i < C; i += NT >> L.lc) {
     const bool ok = i < nrow && x < nc;
     const int64_t t = s.bos + t0 + i;
-    sm[L.v + at] = ok ? ld<T>(p.v, s.b, t, h, x0 + x) : 0.f;
-    if (with_dout) sm[L.dO + at] = ok ? ld<T>(p.dout, s.b, t, h, x0 + x) : 0.f;
+    sm[L.v + i * L.BP + x] = ok ? ld<T>(p.v, s.b, t, h, x0 + x) : 0.f;
+    if (with_dout) sm[L.dO + i * L.BP + x] = ok ? ld<T>(p.dout, s.b, t, h, x0 + x) : 0.f;
   }
 }
 template <typename T>
@@ -249,7 +259,7 @@ __device__ inline void pseudo_values(float* sm, const Smem& L) {
     const int i = e / L.cols, x = e % L.cols;
     float pv = 0.f, m = 0.f;
     for (int d = 0; d < L.K; ++d)
-      pv += sm[L.a + i * L.KP + d] * eE(sm, L, i, d) * sm[L.S + d * L.cols + x];
+      pv += sm[L.a + i * L.KP + d] * eE(sm, L, i, d) * sm[L.S + d * L.SP + x];
     for (int j = 0; j < i; ++j) m += sm[L.Aak + i * CP + j] * sm[L.v + j * L.BP + x];
     sm[L.P + i * L.BP + x] = pv, sm[L.M + i * L.BP + x] = m;
   }
@@ -262,6 +272,21 @@ __device__ inline void pseudo_values(float* sm, const Smem& L) {
     sm[L.U + i * L.BP + x] = u;
   }
   __syncthreads();
+}
+
+__device__ __forceinline__ bool aligned16(const void* q) {
+  return reinterpret_cast<uintptr_t>(q) % 16 == 0;
+}
+// Up to 4 consecutive floats from n >= 1 available (zeros past them): one 16-byte load when
+// `vec` (aligned) and all 4 are there.
+__device__ __forceinline__ float4 load4(const float* q, int n, bool vec) {
+  if (vec && n >= 4) return *reinterpret_cast<const float4*>(q);
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (n > 0) v.x = q[0];
+  if (n > 1) v.y = q[1];
+  if (n > 2) v.z = q[2];
+  if (n > 3) v.w = q[3];
+  return v;
 }
 
 // The chunk-start state slice in the hst workspace [slots, H, K, V].
@@ -568,7 +593,8 @@ __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
 // gradients are independent. The pair matrices and X come from the prep workspace.
 template <typename T>
 __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
-  extern __shared__ float sm[];
+  extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
+  float* sm = reinterpret_cast<float*>(sm4);
   const Smem L(p.K, true);
   const DplrWs ws(p.K, p.V);
   const int64_t slot = blockIdx.x;
@@ -578,26 +604,31 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
   c.x0 = c.tile * L.cols, c.nc = min(L.cols, p.V - c.x0);
   const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
   if (ci < 0 || ci * C >= c.s.len) return;
-  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
+  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP, SP = L.SP;
   const float rho = float(p.scale);
   {
     const int64_t t0 = ci * C;
     const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
-    // S+ (the next slot of hst: the next chunk's start or the final state) and dS+.
-    for (int e = threadIdx.x; e < K * cols; e += NT) {
-      const bool on = e % cols < c.nc;
-      sm[L.S + e] = on ? *hst_at(p, c, ci + 1, e / cols, e % cols) : 0.f;
-      sm[L.dS + e] = on ? *dhst_at(p, c, ci, e / cols, e % cols) : 0.f;
+    // S (hst at this chunk), S+ (the next slot: the next chunk's start or the final state) and
+    // dS+ at this tile's columns, 4 per thread, all loads in flight before the first store.
+    // zeta = rowsum(S+ * dS+) from registers (S+ is not kept): partial sums per 4 columns in
+    // the gradient rows' space, which is written only after zeta is summed.
+    {
+      const float *s0 = hst_at(p, c, ci, 0, 0), *s1 = hst_at(p, c, ci + 1, 0, 0);
+      const float* d1 = dhst_at(p, c, ci, 0, 0);
+      const bool vec = p.V % 4 == 0 && aligned16(p.hst) && aligned16(p.dhst);
+      const int lq = L.lc - 2;  // log2(column quads per row)
+#pragma unroll 2
+      for (int e = threadIdx.x; e < K << lq; e += NT) {
+        const int d = e >> lq, x = 4 * (e & ((1 << lq) - 1));
+        const int64_t at = int64_t(d) * p.V + x;
+        const float4 a = load4(s0 + at, c.nc - x, vec), b = load4(s1 + at, c.nc - x, vec);
+        const float4 g = load4(d1 + at, c.nc - x, vec);
+        *reinterpret_cast<float4*>(sm + L.S + d * SP + x) = a;
+        *reinterpret_cast<float4*>(sm + L.dS + d * SP + x) = g;
+        sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
+      }
     }
-    __syncthreads();
-    for (int d = threadIdx.x; d < K; d += NT) {  // zeta = rowsum(S+ * dS+)
-      float z = 0.f;
-      for (int x = 0; x < cols; ++x) z += sm[L.S + d * cols + x] * sm[L.dS + d * cols + x];
-      sm[L.zeta + d] = z;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < K * cols; e += NT)
-      sm[L.S + e] = e % cols < c.nc ? *hst_at(p, c, ci, e / cols, e % cols) : 0.f;
     load_chunk<T>(sm, L, p, c, t0, nrow, true);
     {
       const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.per() + ws.mats();
@@ -605,6 +636,11 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         sm[mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C] = mats[e];
     }
     __syncthreads();
+    for (int d = threadIdx.x; d < K; d += NT) {
+      float z = 0.f;
+      for (int q = 0; q < cols / 4; ++q) z += sm[L.gr + d * (cols / 4) + q];
+      sm[L.zeta + d] = z;
+    }
     chunk_decays(sm, L);
     __syncthreads();
     pseudo_values(sm, L);
@@ -615,7 +651,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       float u = 0.f;
       for (int i = j; i < C; ++i) u += rho * sm[L.Arb + i * CP + j] * sm[L.dO + i * BP + x];
       for (int d = 0; d < K; ++d)
-        u += sm[L.b + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * cols + x];
+        u += sm[L.b + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * SP + x];
       sm[L.dU + j * BP + x] = u;
     }
     __syncthreads();
@@ -667,7 +703,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         dv += rho * sm[L.Ark + i * CP + j] * sm[L.dO + i * BP + x] +
               sm[L.Aak + i * CP + j] * sm[L.dM + i * BP + x];
       for (int d = 0; d < K; ++d)
-        dv += sm[L.k + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * cols + x];
+        dv += sm[L.k + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * SP + x];
       *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + x) = from_f<T>(dv);
     }
     // K-vector gradients of row i, channel d: state parts, then the pair parts (query-type
@@ -676,7 +712,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       const int i = e / K, d = e % K;
       float dr = 0.f, da = 0.f, dk = 0.f, db = 0.f;
       for (int x = 0; x < cols; ++x) {
-        const float s = sm[L.S + d * cols + x], ds = sm[L.dS + d * cols + x];
+        const float s = sm[L.S + d * SP + x], ds = sm[L.dS + d * SP + x];
         dr += sm[L.dO + i * BP + x] * s, da += sm[L.dM + i * BP + x] * s;
         dk += sm[L.v + i * BP + x] * ds, db += sm[L.U + i * BP + x] * ds;
       }
