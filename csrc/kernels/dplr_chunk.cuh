@@ -55,7 +55,7 @@ struct Smem {
   __host__ __device__ Smem(int K_, bool bwd)
       : K(K_), KP((K_ + 3) / 4 * 4 + 4), cols(dplr_chunk_cols(K_)) {
     lc = cols == 32 ? 5 : 3;
-    BP = cols + 1;
+    BP = cols + 4;  // 16-byte aligned rows: a thread's walk along a row reads float4
     // The K-vector gradients read S and dS down a column (lanes on channels) as float4: rows
     // cols + 4 apart put the 8 lanes of a 16-byte phase on different banks (cols apart: 32-way).
     SP = cols + 4;
@@ -209,12 +209,16 @@ __device__ inline void pair_matrices(float* sm, const Smem& L, float& rk, float&
   }
 }
 
-// exp(G) and exp(Omega) of a loaded chunk. Not synchronised.
-__device__ inline void chunk_decays(float* sm, const Smem& L) {
+// exp(G) and exp(Omega) of a loaded chunk and, at `ah` when >= 0, Â = a exp(E) (rows [C][KP]).
+// Not synchronised.
+__device__ inline void chunk_decays(float* sm, const Smem& L, int ah = -1) {
   const int K = L.K, KP = L.KP;
   for (int d = threadIdx.x; d < K; d += NT) {
-    float run = 0.f;
-    for (int i = 0; i < C; ++i) sm[L.eG + i * KP + d] = expf(run += sm[L.w + i * KP + d]);
+    float run = 0.f, prev = 1.f;  // prev = exp(E_i) = exp(G_{i-1})
+    for (int i = 0; i < C; ++i) {
+      if (ah >= 0) sm[ah + i * KP + d] = sm[L.a + i * KP + d] * prev;
+      sm[L.eG + i * KP + d] = prev = expf(run += sm[L.w + i * KP + d]);
+    }
     run = 0.f;
     for (int j = C - 1; j >= 0; --j) {
       sm[L.eO + j * KP + d] = expf(run);
@@ -230,46 +234,75 @@ __device__ __forceinline__ int mat_at(const Smem& L, int m) { return L.Ark + m *
 // matrices and X. Ends synchronised.
 __device__ inline void prepare(float* sm, const Smem& L) {
   chunk_decays(sm, L);
+  // X = (I - N)^-1 = (I + N)(I + N^2)(I + N^4)(I + N^8) for the strictly lower N = A_ab
+  // (N^16 = 0): three squarings and three products on all threads, 4 barriers, where a
+  // 15-step substitution on one warp kept the other seven waiting (22% of prep's stall samples).
+  // Every element is written, so the upper triangles are explicit zeros.
+  const int i = threadIdx.x / C, j = threadIdx.x % C, at = i * CP + j;
+  float* const P0 = sm + L.pw;  // the pair workspace is free once the pair sums are in registers
+  float *const P1 = P0 + C * CP, *const Xb = P1 + C * CP;
   {
-    const int i = threadIdx.x / C, j = threadIdx.x % C;
     float rk, rb, ak, ab;
     pair_matrices(sm, L, rk, rb, ak, ab);
-    const int at = i * CP + j;
+    __syncthreads();  // the pair workspace is read up to here
     sm[L.Ark + at] = rk, sm[L.Arb + at] = rb, sm[L.Aak + at] = ak, sm[L.Aab + at] = ab;
-    sm[L.X + at] = i == j ? 1.f : 0.f;
+    P0[at] = ab, Xb[at] = (i == j ? 1.f : 0.f) + ab;
   }
   __syncthreads();
-  if (threadIdx.x < 32) {  // X = (I - A_ab)^-1 row by row; lane j owns column j
-    const int j = threadIdx.x;
-    for (int i = 1; i < C; ++i) {
-      if (j < i) {
-        float x = sm[L.Aab + i * CP + j];
-        for (int l = j + 1; l < i; ++l) x += sm[L.Aab + i * CP + l] * sm[L.X + l * CP + j];
-        sm[L.X + i * CP + j] = x;
-      }
-      __syncwarp();
-    }
-  }
+  auto square = [&](const float* P, float* Q) {  // Q = P P, strictly lower
+    float q = 0.f;
+    for (int l = j + 1; l < i; ++l) q += P[i * CP + l] * P[l * CP + j];
+    Q[at] = q;
+  };
+  auto grow = [&](const float* X, const float* Q, float* Y) {  // Y = X (I + Q)
+    float y = X[at];
+    for (int l = j + 1; l <= i; ++l) y += X[i * CP + l] * Q[l * CP + j];
+    Y[at] = y;
+  };
+  square(P0, P1);  // N^2
+  __syncthreads();
+  grow(Xb, P1, sm + L.X), square(P1, P0);  // X = I + .. + N^3; N^4
+  __syncthreads();
+  grow(sm + L.X, P0, Xb), square(P0, P1);  // X = I + .. + N^7; N^8
+  __syncthreads();
+  grow(Xb, P1, sm + L.X);  // X = I + .. + N^15
   __syncthreads();
 }
 
-// P = (A * exp(E)) S, M = A_ak V, then U = X (M + P). Ends synchronised.
-__device__ inline void pseudo_values(float* sm, const Smem& L) {
-  for (int e = threadIdx.x; e < C * L.cols; e += NT) {
-    const int i = e / L.cols, x = e % L.cols;
-    float pv = 0.f, m = 0.f;
-    for (int d = 0; d < L.K; ++d)
-      pv += sm[L.a + i * L.KP + d] * eE(sm, L, i, d) * sm[L.S + d * L.SP + x];
-    for (int j = 0; j < i; ++j) m += sm[L.Aak + i * CP + j] * sm[L.v + j * L.BP + x];
-    sm[L.P + i * L.BP + x] = pv, sm[L.M + i * L.BP + x] = m;
+// P = Â S, M = A_ak V, then U = X (M + P) (Â at `ah`, the 16 x 16 matrices zero-filled: fixed
+// 16-term sums). Thread: column x, rows i and i + 8, so each state or tile element read serves
+// two rows. Ends synchronised.
+__device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
+  const int BP = L.BP, KP = L.KP;
+  for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
+    const int i = e >> L.lc, x = e & (L.cols - 1);
+    const float *a0 = sm + ah + i * KP, *a1 = a0 + (C / 2) * KP;
+    const float *k0 = sm + L.Aak + i * CP, *k1 = k0 + (C / 2) * CP;
+    float p0 = 0.f, p1 = 0.f, m0 = 0.f, m1 = 0.f;
+#pragma unroll 4
+    for (int d = 0; d < L.K; ++d) {
+      const float st = sm[L.S + d * L.SP + x];
+      p0 += a0[d] * st, p1 += a1[d] * st;
+    }
+#pragma unroll
+    for (int jj = 0; jj < C; ++jj) {
+      const float v = sm[L.v + jj * BP + x];
+      m0 += k0[jj] * v, m1 += k1[jj] * v;
+    }
+    sm[L.P + i * BP + x] = p0, sm[L.M + i * BP + x] = m0;
+    sm[L.P + (i + C / 2) * BP + x] = p1, sm[L.M + (i + C / 2) * BP + x] = m1;
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < C * L.cols; e += NT) {
-    const int i = e / L.cols, x = e % L.cols;
-    float u = 0.f;
-    for (int l = 0; l <= i; ++l)
-      u += sm[L.X + i * CP + l] * (sm[L.M + l * L.BP + x] + sm[L.P + l * L.BP + x]);
-    sm[L.U + i * L.BP + x] = u;
+  for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
+    const int i = e >> L.lc, x = e & (L.cols - 1);
+    const float *x0 = sm + L.X + i * CP, *x1 = x0 + (C / 2) * CP;
+    float u0 = 0.f, u1 = 0.f;
+#pragma unroll
+    for (int l = 0; l < C; ++l) {
+      const float mp = sm[L.M + l * BP + x] + sm[L.P + l * BP + x];
+      u0 += x0[l] * mp, u1 += x1[l] * mp;
+    }
+    sm[L.U + i * BP + x] = u0, sm[L.U + (i + C / 2) * BP + x] = u1;
   }
   __syncthreads();
 }
@@ -306,7 +339,7 @@ __device__ __forceinline__ float* dhst_at(const DplrChunkPass& p, const Cta& c, 
 }
 
 template <typename T>
-__global__ void __launch_bounds__(NT) prep_kernel(const DplrChunkPass p) {
+__global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   extern __shared__ float sm[];
   const Smem L(p.K, false);
   const DplrWs ws(p.K, p.V);
@@ -641,9 +674,9 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       for (int q = 0; q < cols / 4; ++q) z += sm[L.gr + d * (cols / 4) + q];
       sm[L.zeta + d] = z;
     }
-    chunk_decays(sm, L);
+    chunk_decays(sm, L, L.ga);  // Â in the gradient rows' space (written after P is made)
     __syncthreads();
-    pseudo_values(sm, L);
+    pseudo_values(sm, L, L.ga);
 
     // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU.
     for (int e = threadIdx.x; e < C * cols; e += NT) {
@@ -706,43 +739,54 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         dv += sm[L.k + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * SP + x];
       *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + x) = from_f<T>(dv);
     }
-    // K-vector gradients of row i, channel d: state parts, then the pair parts (query-type
-    // rows r, a over j <= i; key-type rows k, b over i' >= j), exponents added up.
-    for (int e = threadIdx.x; e < C * K; e += NT) {
-      const int i = e / K, d = e % K;
-      float dr = 0.f, da = 0.f, dk = 0.f, db = 0.f;
+    // K-vector gradients of rows i and i + 8 (one read of S and dS serves both), channel d:
+    // state parts, then the pair parts (query-type rows r, a over j <= i; key-type rows k, b
+    // over i' >= j), exponents added up.
+    for (int e = threadIdx.x; e < (C / 2) * K; e += NT) {
+      const int i0 = e / K, d = e % K;
+      float g[2][4] = {};
       for (int x = 0; x < cols; ++x) {
         const float s = sm[L.S + d * SP + x], ds = sm[L.dS + d * SP + x];
-        dr += sm[L.dO + i * BP + x] * s, da += sm[L.dM + i * BP + x] * s;
-        dk += sm[L.v + i * BP + x] * ds, db += sm[L.U + i * BP + x] * ds;
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = i0 + h2 * (C / 2);
+          g[h2][0] += sm[L.dO + i * BP + x] * s, g[h2][1] += sm[L.dM + i * BP + x] * s;
+          g[h2][2] += sm[L.v + i * BP + x] * ds, g[h2][3] += sm[L.U + i * BP + x] * ds;
+        }
       }
-      const float eo = sm[L.eO + i * KP + d];
-      dr *= rho * sm[L.eG + i * KP + d], da *= eE(sm, L, i, d), dk *= eo, db *= eo;
-      const float* w = sm + L.w + d;
-      dr += sm[L.dArk + i * CP + i] * sm[L.k + i * KP + d] +
-            sm[L.dArb + i * CP + i] * sm[L.b + i * KP + d];
-      float ex = 0.f;  // sum of w_s over j < s < i
-      for (int j = i - 1; j >= 0; --j) {
-        const float fex = expf(ex), fin = expf(ex + w[i * KP]);
-        const float kj = sm[L.k + j * KP + d], bj = sm[L.b + j * KP + d];
-        dr += (sm[L.dArk + i * CP + j] * kj + sm[L.dArb + i * CP + j] * bj) * fin;
-        da += (sm[L.dAak + i * CP + j] * kj + sm[L.dAab + i * CP + j] * bj) * fex;
-        ex += w[j * KP];
+#pragma unroll 1
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = i0 + h2 * (C / 2);
+        float dr = h2 ? g[1][0] : g[0][0], da = h2 ? g[1][1] : g[0][1];  // selects: no local memory
+        float dk = h2 ? g[1][2] : g[0][2], db = h2 ? g[1][3] : g[0][3];
+        const float eo = sm[L.eO + i * KP + d];
+        dr *= rho * sm[L.eG + i * KP + d], da *= eE(sm, L, i, d), dk *= eo, db *= eo;
+        const float* w = sm + L.w + d;
+        dr += sm[L.dArk + i * CP + i] * sm[L.k + i * KP + d] +
+              sm[L.dArb + i * CP + i] * sm[L.b + i * KP + d];
+        float ex = 0.f;  // sum of w_s over j < s < i
+        for (int j = i - 1; j >= 0; --j) {
+          const float fex = expf(ex), fin = expf(ex + w[i * KP]);
+          const float kj = sm[L.k + j * KP + d], bj = sm[L.b + j * KP + d];
+          dr += (sm[L.dArk + i * CP + j] * kj + sm[L.dArb + i * CP + j] * bj) * fin;
+          da += (sm[L.dAak + i * CP + j] * kj + sm[L.dAab + i * CP + j] * bj) * fex;
+          ex += w[j * KP];
+        }
+        const int j = i;  // this row as the key
+        dk += sm[L.dArk + j * CP + j] * sm[L.r + j * KP + d];
+        db += sm[L.dArb + j * CP + j] * sm[L.r + j * KP + d];
+        ex = 0.f;  // sum of w_s over j < s < i'
+        for (int i2 = j + 1; i2 < C; ++i2) {
+          const float nx = ex + w[i2 * KP];
+          const float fex = expf(ex), fin = expf(nx);
+          const float ri = sm[L.r + i2 * KP + d], ai = sm[L.a + i2 * KP + d];
+          dk += sm[L.dArk + i2 * CP + j] * ri * fin + sm[L.dAak + i2 * CP + j] * ai * fex;
+          db += sm[L.dArb + i2 * CP + j] * ri * fin + sm[L.dAab + i2 * CP + j] * ai * fex;
+          ex = nx;
+        }
+        sm[L.gr + i * KP + d] = dr, sm[L.ga + i * KP + d] = da;
+        sm[L.gk + i * KP + d] = dk, sm[L.gb + i * KP + d] = db;
       }
-      const int j = i;  // this row as the key
-      dk += sm[L.dArk + j * CP + j] * sm[L.r + j * KP + d];
-      db += sm[L.dArb + j * CP + j] * sm[L.r + j * KP + d];
-      ex = 0.f;  // sum of w_s over j < s < i'
-      for (int i2 = j + 1; i2 < C; ++i2) {
-        const float nx = ex + w[i2 * KP];
-        const float fex = expf(ex), fin = expf(nx);
-        const float ri = sm[L.r + i2 * KP + d], ai = sm[L.a + i2 * KP + d];
-        dk += sm[L.dArk + i2 * CP + j] * ri * fin + sm[L.dAak + i2 * CP + j] * ai * fex;
-        db += sm[L.dArb + i2 * CP + j] * ri * fin + sm[L.dAab + i2 * CP + j] * ai * fex;
-        ex = nx;
-      }
-      sm[L.gr + i * KP + d] = dr, sm[L.ga + i * KP + d] = da;
-      sm[L.gk + i * KP + d] = dk, sm[L.gb + i * KP + d] = db;
     }
     __syncthreads();
 

@@ -10,6 +10,11 @@ template <typename K>
 cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, const DplrChunkPass& p,
                              cudaStream_t stream) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  // All of the unified L1 as shared memory: the driver may otherwise pick a carveout that holds
+  // fewer CTAs than registers and shared memory allow (these kernels stream; L1 hits are rare).
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             int(cudaSharedmemCarveoutMaxShared));
   if (e != cudaSuccess) return e;
   kernel<<<grid, threads, bytes, stream>>>(p);
   return cudaGetLastError();
