@@ -8,7 +8,7 @@ oracle (fla_ext.reference) to ~1e-12 is what validates the algebra before it is 
 
 Layout: [B, T, H, D] without cu_seqlens (each batch row is one sequence); states [B, H, K, V].
 """
-from typing import Dict, Optional, Tuple
+from typing import Dict
 
 import torch
 

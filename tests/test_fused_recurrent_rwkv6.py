@@ -160,7 +160,7 @@ def test_analytic_hard_decay(device, w_fill, gen):
 # Exact fp64 path: gradcheck, and inputs left untouched
 
 def test_gradcheck_fp64(gen):
-    B, T, H, K, V = 1, 7, 2, 3, 4
+    T, H, K, V = 7, 2, 3, 4
     r, k, v, w, u, h0 = make(1, T, H, K, V, torch.float64, "cpu", gen, N=2)
     cu = torch.tensor([0, 3, 7])
     ins = [t.clone().requires_grad_(True) for t in (r, k, v, w, u, h0)]

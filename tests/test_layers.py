@@ -282,9 +282,68 @@ def test_gla_parameters_match_fla():
 
 
 # ---------------------------------------------------------------------------------------------
+# use_short_conv: fla's q/k/v ShortConvolution in front of GLA and GSA
+
+def gla_conv_layer(device, dtype=torch.float32, **kw):
+    return gla_layer(device, dtype, use_short_conv=True, conv_bias=True, **kw)
+
+
+def gsa_conv_layer(device, dtype=torch.float32, **kw):
+    return gsa_layer(device, dtype, use_short_conv=True, conv_size=3, **kw)
+
+
+def test_short_conv_parameters_match_fla():
+    gla = {n: tuple(p.shape) for n, p in gla_conv_layer("cpu").named_parameters() if "conv" in n}
+    assert gla == {"q_conv1d.weight": (32, 1, 4), "q_conv1d.bias": (32,),
+                   "k_conv1d.weight": (16, 1, 4), "k_conv1d.bias": (16,),
+                   "v_conv1d.weight": (32, 1, 4), "v_conv1d.bias": (32,)}
+    gsa = {n: tuple(p.shape) for n, p in gsa_conv_layer("cpu").named_parameters() if "conv" in n}
+    assert gsa == {"q_conv1d.weight": (64, 1, 3), "k_conv1d.weight": (32, 1, 3),
+                   "v_conv1d.weight": (32, 1, 3)}
+    assert gsa_conv_layer("cpu").q_conv1d.activation == "silu"
+
+
+@pytest.mark.parametrize("make", [gla_conv_layer, gsa_conv_layer], ids=["gla", "gsa"])
+def test_short_conv_cache_holds_fla_conv_state(make):
+    """conv_state is fla's tuple (q, k, v), each [N, D, W]: the last W projected inputs."""
+    layer = make("cpu")
+    x = torch.randn(2, 9, 64)
+    cache = Cache()
+    layer(x, past_key_values=cache, use_cache=True)
+    cq, ck, cv = cache[0]["conv_state"]
+    W = layer.conv_size
+    assert cq.shape == (2, layer.key_dim, W) and ck.shape == (2, layer.key_dim_per_group, W)
+    assert cv.shape == (2, layer.value_dim_per_group, W)
+    torch.testing.assert_close(ck, layer.k_proj(x)[:, -W:].transpose(1, 2), rtol=0, atol=0)
+    assert layer(x, past_key_values=Cache())[2][0]["conv_state"] is None  # use_cache=False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", [gla_conv_layer, gsa_conv_layer], ids=["gla", "gsa"])
+def test_short_conv_left_padded_prompt_then_decoding(device, make):
+    """A left-padded prompt (attention_mask), then tokens one by one with the growing mask:
+    each row equals its sequence run alone in one forward."""
+    layer = make(device)
+    lens, extra = [12, 5, 2], 4
+    xs, batch, mask, T = padded_batch(lens, device)
+    more = torch.randn(len(lens), extra, 64, device=device)
+    cache = Cache()
+    outs = [layer(batch, attention_mask=mask, past_key_values=cache, use_cache=True)[0]]
+    for t in range(extra):
+        mask = torch.cat([mask, mask.new_ones(len(lens), 1)], 1)
+        outs.append(layer(more[:, t:t + 1], attention_mask=mask, past_key_values=cache,
+                          use_cache=True)[0])
+    o = torch.cat(outs, 1)
+    for i, (x, n) in enumerate(zip(xs, lens)):
+        alone, _, _ = layer(torch.cat([x, more[i:i + 1]], 1))
+        torch.testing.assert_close(o[i, T - n:], alone[0], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
 # What every layer with fla's 3-tuple return must do (RWKV7, with v_first, has its own above)
 
-LAYERS = {"gsa": gsa_layer, "gla": gla_layer, "rwkv6": rwkv6_layer}
+LAYERS = {"gsa": gsa_layer, "gla": gla_layer, "rwkv6": rwkv6_layer,
+          "gsa_conv": gsa_conv_layer, "gla_conv": gla_conv_layer}
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..ops import chunk_gla, fused_recurrent_gla
 from .cache import Cache, layer_cache
+from .conv import add_qkv_convs, project_qkv
 from .norm import RMSNorm
 from .padding import repad, unpad_inputs
 
@@ -32,9 +33,6 @@ class GatedLinearAttention(nn.Module):
         if mode not in ("chunk", "fused_recurrent", "fused_chunk"):
             raise ValueError(f"fla_ext: GatedLinearAttention `mode` must be 'chunk', "
                              f"'fused_recurrent' or 'fused_chunk', got {mode!r}")
-        if use_short_conv:
-            raise NotImplementedError("fla_ext: GatedLinearAttention(use_short_conv=True) is not "
-                                      "implemented yet")
         for name, fn in (("feature_map", feature_map), ("gate_fn", gate_fn)):
             if fn is not None and fn not in _ACT:
                 raise ValueError(f"fla_ext: unknown {name} {fn!r} (one of {sorted(_ACT)})")
@@ -56,6 +54,7 @@ class GatedLinearAttention(nn.Module):
         self.head_k_dim, self.head_v_dim = self.key_dim // num_heads, self.value_dim // num_heads
         self.feature_map_fn = _ACT[feature_map] if feature_map is not None else None
         self.use_short_conv, self.use_output_gate = use_short_conv, use_output_gate
+        self.conv_size, self.conv_bias = conv_size, conv_bias
         self.gate_logit_normalizer, self.clamp_min = gate_logit_normalizer, clamp_min
         self.layer_idx = layer_idx
         if layer_idx is None:
@@ -66,6 +65,9 @@ class GatedLinearAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, self.value_dim_per_group, bias=False)
         if use_output_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        if use_short_conv:
+            add_qkv_convs(self, self.key_dim, self.key_dim_per_group, self.value_dim_per_group,
+                          conv_size, conv_bias)
         self.gk_proj = nn.Sequential(nn.Linear(hidden_size, gate_low_rank_dim, bias=False),
                                      nn.Linear(gate_low_rank_dim, self.key_dim_per_group, bias=True))
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
@@ -85,9 +87,10 @@ class GatedLinearAttention(nn.Module):
         last = layer_cache(past_key_values, self.layer_idx)
         x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask,
                                               kwargs.get("cu_seqlens"))
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_k_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_k_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_v_dim))
+        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens)
+        q = q.unflatten(-1, (self.num_heads, self.head_k_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_k_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_v_dim))
         gk = self.gk_proj(x).unflatten(-1, (self.num_kv_heads, self.head_k_dim))
         if self.num_kv_groups > 1:  # kv head i feeds query heads i*g .. i*g+g-1 (as fla)
             k, v, gk = (t.repeat_interleave(self.num_kv_groups, 2) for t in (k, v, gk))
@@ -104,7 +107,7 @@ class GatedLinearAttention(nn.Module):
             o, ht = chunk_gla(q, k, v, gk, **kw)
         if past_key_values is not None:
             past_key_values.update(self.layer_idx, recurrent_state=ht if use_cache else None,
-                                   offset=T)
+                                   conv_state=conv_state, offset=T)
         if self.use_output_gate:
             g = self.g_proj(x)
             if self.fuse_norm_and_gate:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ..ops import chunk_gsa, fused_recurrent_gsa
 from .cache import Cache, layer_cache
+from .conv import add_qkv_convs, project_qkv
 from .norm import RMSNorm
 from .padding import repad, unpad_inputs
 
@@ -36,9 +37,6 @@ class GatedSlotAttention(nn.Module):
         if mode not in ("chunk", "fused_recurrent"):
             raise ValueError(f"fla_ext: GatedSlotAttention `mode` must be 'chunk' or "
                              f"'fused_recurrent', got {mode!r}")
-        if use_short_conv:
-            raise NotImplementedError("fla_ext: GatedSlotAttention(use_short_conv=True) is not "
-                                      "implemented yet")
         self.mode = mode
         self.hidden_size = hidden_size
         self.num_heads = num_heads
@@ -63,6 +61,7 @@ class GatedSlotAttention(nn.Module):
         self.num_slots = num_slots if num_slots is not None else self.head_k_dim
         self.gate_logit_normalizer = gate_logit_normalizer
         self.use_short_conv = use_short_conv
+        self.conv_size, self.conv_bias = conv_size, conv_bias
         self.use_output_gate, self.use_norm = use_output_gate, use_norm  # accepted, unused (fla)
         self.scale = scale
         self.norm_eps = norm_eps
@@ -74,6 +73,9 @@ class GatedSlotAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, self.key_dim_per_group, bias=False)
         self.v_proj = nn.Linear(hidden_size, self.value_dim_per_group, bias=False)
         self.f_proj = nn.Linear(hidden_size, self.num_kv_heads * self.num_slots, bias=False)
+        if use_short_conv:
+            add_qkv_convs(self, self.key_dim, self.key_dim_per_group, self.value_dim_per_group,
+                          conv_size, conv_bias)
         if feature_map == "t2r":
             self.feature_map = _T2R(self.head_k_dim)
         elif feature_map in ("swish", "silu"):
@@ -95,7 +97,8 @@ class GatedSlotAttention(nn.Module):
         x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask,
                                               kwargs.get("cu_seqlens"))
 
-        q, k, v, f = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.f_proj(x)
+        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens)
+        f = self.f_proj(x)
         q = q.unflatten(-1, (self.num_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_v_dim))
@@ -112,7 +115,7 @@ class GatedSlotAttention(nn.Module):
                          output_final_state=bool(use_cache), cu_seqlens=cu_seqlens)
         if past_key_values is not None:
             past_key_values.update(self.layer_idx, recurrent_state=(hk, hv) if use_cache else None,
-                                   offset=T)
+                                   conv_state=conv_state, offset=T)
         o = o.flatten(-2)
         o = self.o_proj(self.g_norm(F.silu(o), eps=1e-5))  # fla's fused norm: eps 1e-5
         if indices is not None:
