@@ -60,7 +60,13 @@ def relayout(x, ref):
 
 def low_rank(kind, kk_src, gen):
     """(a, b) in float32 from a [.., K] draw: RWKV-7's a = -kk, b = kk * iclr (kk L2-normalised
-    over K), with iclr U(0,1), 0 or 1 (then ||b a^T|| = 1), or a generic small pair."""
+    over K), with iclr U(0,1), 0 or 1 (then ||b a^T|| = 1), or a generic small pair. "repeated":
+    nearly the same kk for every token and iclr = 1 (a repeated token): the chunk's A_ab has
+    every entry near -exp(decay sum), and X = (I - A_ab)^-1 stays bounded only through
+    cancellation in the series I + A + A^2 + .., whose terms grow like binomials."""
+    if kind == "repeated":
+        kk = F.normalize(1 + 0.01 * kk_src.float(), dim=-1)
+        return -kk, kk.clone()
     kk = F.normalize(kk_src.float(), dim=-1)
     if kind == "rwkv":
         iclr = torch.rand(kk.shape, generator=gen)

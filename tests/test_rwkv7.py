@@ -126,7 +126,7 @@ def test_stress_gates(mode, states, device, dtype, w_kind, gen):
 
 
 # fused_recurrent's other tests all draw RWKV-7's own pair ("rwkv"), so it is not repeated here.
-LOW_RANK = [(m, lr) for m in MODES for lr in ["rwkv", "iclr0", "iclr1", "generic"]
+LOW_RANK = [(m, lr) for m in MODES for lr in ["rwkv", "iclr0", "iclr1", "generic", "repeated"]
             if (m, lr) != (FUSED, "rwkv")]
 
 

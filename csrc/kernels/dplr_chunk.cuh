@@ -234,39 +234,51 @@ __device__ __forceinline__ int mat_at(const Smem& L, int m) { return L.Ark + m *
 // matrices and X. Ends synchronised.
 __device__ inline void prepare(float* sm, const Smem& L) {
   chunk_decays(sm, L);
-  // X = (I - N)^-1 = (I + N)(I + N^2)(I + N^4)(I + N^8) for the strictly lower N = A_ab
-  // (N^16 = 0): three squarings and three products on all threads, 4 barriers, where a
-  // 15-step substitution on one warp kept the other seven waiting (22% of prep's stall samples).
-  // Every element is written, so the upper triangles are explicit zeros.
+  // X = (I - N)^-1 for the strictly lower N = A_ab by 4 x 4 blocks (ALGORITHMS.md §6.2): each
+  // diagonal block by forward substitution down its columns, then the blocks 1, 2, 3 below the
+  // diagonal, X_IJ = X_II sum_{L=J..I-1} N_IL X_LJ (blocks nearer the diagonal are done by
+  // then). Every thread makes its own entry, so all warps work where a 15-step substitution on
+  // one warp kept seven waiting (22 % of prep's stall samples). Not the product
+  // (I + N)(I + N^2)(I + N^4)(I + N^8): for repeated keys with iclr = 1 the entries of N^k grow
+  // like C(14, k - 1) while |X| <= 1, and the cancellation cost ~1e-4 in fp32 (tests: the
+  // "repeated" low-rank regime). Every entry is written: the upper triangle is explicit zeros.
   const int i = threadIdx.x / C, j = threadIdx.x % C, at = i * CP + j;
-  float* const P0 = sm + L.pw;  // the pair workspace is free once the pair sums are in registers
-  float *const P1 = P0 + C * CP, *const Xb = P1 + C * CP;
+  const int I = i / 4, J = j / 4;
+  const float* const N = sm + L.Aab;
+  float* const X = sm + L.X;
   {
     float rk, rb, ak, ab;
     pair_matrices(sm, L, rk, rb, ak, ab);
-    __syncthreads();  // the pair workspace is read up to here
     sm[L.Ark + at] = rk, sm[L.Arb + at] = rb, sm[L.Aak + at] = ak, sm[L.Aab + at] = ab;
-    P0[at] = ab, Xb[at] = (i == j ? 1.f : 0.f) + ab;
   }
   __syncthreads();
-  auto square = [&](const float* P, float* Q) {  // Q = P P, strictly lower
-    float q = 0.f;
-    for (int l = j + 1; l < i; ++l) q += P[i * CP + l] * P[l * CP + j];
-    Q[at] = q;
-  };
-  auto grow = [&](const float* X, const float* Q, float* Y) {  // Y = X (I + Q)
-    float y = X[at];
-    for (int l = j + 1; l <= i; ++l) y += X[i * CP + l] * Q[l * CP + j];
-    Y[at] = y;
-  };
-  square(P0, P1);  // N^2
+  if (I == J) {  // column j of the diagonal block, rows from its start (x = 0 above row j)
+    const int b0 = 4 * I, jj = j - b0, ii = i - b0;
+    float x[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float v = q == jj ? 1.f : 0.f;
+#pragma unroll
+      for (int l = 0; l < q; ++l) v += N[(b0 + q) * CP + b0 + l] * x[l];
+      x[q] = v;
+    }
+    X[at] = ii == 0 ? x[0] : ii == 1 ? x[1] : ii == 2 ? x[2] : x[3];
+  } else if (I < J) {
+    X[at] = 0.f;
+  }
   __syncthreads();
-  grow(Xb, P1, sm + L.X), square(P1, P0);  // X = I + .. + N^3; N^4
-  __syncthreads();
-  grow(sm + L.X, P0, Xb), square(P0, P1);  // X = I + .. + N^7; N^8
-  __syncthreads();
-  grow(Xb, P1, sm + L.X);  // X = I + .. + N^15
-  __syncthreads();
+  for (int dist = 1; dist < C / 4; ++dist) {
+    if (I - J == dist) {
+      float acc = 0.f;
+      for (int rp = 4 * I; rp <= i; ++rp) {
+        float t = 0.f;
+        for (int l = 4 * J; l < 4 * I; ++l) t += N[rp * CP + l] * X[l * CP + j];
+        acc += X[i * CP + rp] * t;
+      }
+      X[at] = acc;
+    }
+    __syncthreads();
+  }
 }
 
 // P = Â S, M = A_ak V, then U = X (M + P) (Â at `ah`, the 16 x 16 matrices zero-filled: fixed
