@@ -142,14 +142,18 @@ def add_qkv_convs(layer: nn.Module, q_dim: int, k_dim: int, v_dim: int, conv_siz
 
 def project_qkv(layer: nn.Module, x: torch.Tensor, last, use_cache, cu_seqlens):
     """The q, k, v projections of x, through the layer's short convolutions when it has them
-    (fla: before any feature map; the gates read x itself). Returns (q, k, v, the conv_state
-    tuple to cache or None)."""
+    (fla: before any feature map; the gates read x itself), split into heads: q
+    [.., num_heads, head_k_dim], k [.., num_kv_heads, head_k_dim], v [.., num_kv_heads,
+    head_v_dim]. Returns (q, k, v, the conv_state tuple to cache or None)."""
     q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
-    if not layer.use_short_conv:
-        return q, k, v, None
-    caches = (last or {}).get("conv_state") or (None, None, None)
-    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
-    out = [conv(t, cache=c, output_final_state=bool(use_cache), cu_seqlens=cu_seqlens)
-           for conv, t, c in zip(convs, (q, k, v), caches)]
-    (q, cq), (k, ck), (v, cv) = out
-    return q, k, v, ((cq, ck, cv) if use_cache else None)
+    conv_state = None
+    if layer.use_short_conv:
+        caches = (last or {}).get("conv_state") or (None, None, None)
+        convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+        out = [conv(t, cache=c, output_final_state=bool(use_cache), cu_seqlens=cu_seqlens)
+               for conv, t, c in zip(convs, (q, k, v), caches)]
+        (q, cq), (k, ck), (v, cv) = out
+        conv_state = (cq, ck, cv) if use_cache else None
+    return (q.unflatten(-1, (layer.num_heads, layer.head_k_dim)),
+            k.unflatten(-1, (layer.num_kv_heads, layer.head_k_dim)),
+            v.unflatten(-1, (layer.num_kv_heads, layer.head_v_dim)), conv_state)

@@ -88,9 +88,6 @@ class GatedLinearAttention(nn.Module):
         x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask,
                                               kwargs.get("cu_seqlens"))
         q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens)
-        q = q.unflatten(-1, (self.num_heads, self.head_k_dim))
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_k_dim))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_v_dim))
         gk = self.gk_proj(x).unflatten(-1, (self.num_kv_heads, self.head_k_dim))
         if self.num_kv_groups > 1:  # kv head i feeds query heads i*g .. i*g+g-1 (as fla)
             k, v, gk = (t.repeat_interleave(self.num_kv_groups, 2) for t in (k, v, gk))

@@ -99,9 +99,6 @@ class GatedSlotAttention(nn.Module):
 
         q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens)
         f = self.f_proj(x)
-        q = q.unflatten(-1, (self.num_heads, self.head_k_dim))
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_k_dim))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_v_dim))
         f = f.unflatten(-1, (self.num_kv_heads, self.num_slots))
         q, k = self.feature_map(q), self.feature_map(k)
         v = F.silu(v)
