@@ -23,6 +23,7 @@
 namespace fla {
 namespace dplr_chunk_detail {
 
+using elements::aligned16;
 using elements::from_f;
 using elements::ld;
 using elements::mptr;
@@ -43,10 +44,10 @@ constexpr int kPairRows = 7, kPairWs = kPairRows * C * PSP + 5 * PSP;
 
 // Shared memory of one CTA, in floats. K-rows [C][KP] (KP: 16-byte aligned rows with 4 floats of
 // padding, 0, so rows read as float4 and 16 rows' same channel spread over 8 banks), tile rows
-// [C][BP], 16 x 16 matrices [C][CP], states [K][cols]; every array starts 16-byte aligned. The
+// [C][BP], 16 x 16 matrices [C][CP], states [K][BP]; every array starts 16-byte aligned. The
 // prep kernel (bwd = false) has no state and no P; the backward kernel has everything.
 struct Smem {
-  int K, KP, cols, lc, BP, SP;  // lc = log2(cols); SP: state row stride (backward: cols + 4)
+  int K, KP, cols, lc, BP;  // lc = log2(cols); BP: row stride of tile rows and states
   int r, w, k, a, b, eG, eO, S, v, U, M, P, Ark, Arb, Aak, Aab, X;
   int dS, dO, dU, dM, gr, gk, ga, gb, dArk, dArb, dAak, dAab, dX, Y, zeta;  // backward
   int pw;  // pair workspace (PairWs), 16-byte aligned; the backward's gr.. block when backward
@@ -55,20 +56,20 @@ struct Smem {
   __host__ __device__ Smem(int K_, bool bwd)
       : K(K_), KP((K_ + 3) / 4 * 4 + 4), cols(dplr_chunk_cols(K_)) {
     lc = cols == 32 ? 5 : 3;
-    BP = cols + 4;  // 16-byte aligned rows: a thread's walk along a row reads float4
-    // The K-vector gradients read S and dS down a column (lanes on channels) as float4: rows
-    // cols + 4 apart put the 8 lanes of a 16-byte phase on different banks (cols apart: 32-way).
-    SP = cols + 4;
+    // cols + 4: 16-byte aligned rows (a thread's walk along a row reads float4), and the
+    // K-vector gradients' float4 reads down a state column (lanes on channels) put the 8 lanes
+    // of a 16-byte phase on different banks (cols apart: 32-way conflicts).
+    BP = cols + 4;
     int o = 0;
     auto take = [&](int n) { const int at = o; o += (n + 3) / 4 * 4; return at; };
     r = take(C * KP), w = take(C * KP), k = take(C * KP), a = take(C * KP), b = take(C * KP);
-    eG = take(C * KP), eO = take(C * KP), S = bwd ? take(K * SP) : 0;
+    eG = take(C * KP), eO = take(C * KP), S = bwd ? take(K * BP) : 0;
     v = take(C * BP), U = take(C * BP), M = take(C * BP), P = bwd ? take(C * BP) : 0;
     Ark = take(C * CP), Arb = take(C * CP), Aak = take(C * CP), Aab = take(C * CP);
     X = take(C * CP);  // the five are consecutive (C * CP is a multiple of 4): mat_at
     dS = dO = dU = dM = gr = gk = ga = gb = dArk = dArb = dAak = dAab = dX = Y = zeta = 0;
     if (bwd) {
-      dS = take(K * SP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
+      dS = take(K * BP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
       zeta = take(K);  // before the rows the pair workspace overlays
       gr = take(C * KP), gk = take(C * KP), ga = take(C * KP), gb = take(C * KP);
       dArk = take(C * CP), dArb = take(C * CP), dAak = take(C * CP), dAab = take(C * CP);
@@ -293,7 +294,7 @@ __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
     float p0 = 0.f, p1 = 0.f, m0 = 0.f, m1 = 0.f;
 #pragma unroll 4
     for (int d = 0; d < L.K; ++d) {
-      const float st = sm[L.S + d * L.SP + x];
+      const float st = sm[L.S + d * L.BP + x];
       p0 += a0[d] * st, p1 += a1[d] * st;
     }
 #pragma unroll
@@ -319,9 +320,6 @@ __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
   __syncthreads();
 }
 
-__device__ __forceinline__ bool aligned16(const void* q) {
-  return reinterpret_cast<uintptr_t>(q) % 16 == 0;
-}
 // Up to 4 consecutive floats from n >= 1 available (zeros past them): one 16-byte load when
 // `vec` (aligned) and all 4 are there.
 __device__ __forceinline__ float4 load4(const float* q, int n, bool vec) {
@@ -649,7 +647,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
   c.x0 = c.tile * L.cols, c.nc = min(L.cols, p.V - c.x0);
   const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
   if (ci < 0 || ci * C >= c.s.len) return;
-  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP, SP = L.SP;
+  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
   const float rho = float(p.scale);
   {
     const int64_t t0 = ci * C;
@@ -669,8 +667,8 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         const int64_t at = int64_t(d) * p.V + x;
         const float4 a = load4(s0 + at, c.nc - x, vec), b = load4(s1 + at, c.nc - x, vec);
         const float4 g = load4(d1 + at, c.nc - x, vec);
-        *reinterpret_cast<float4*>(sm + L.S + d * SP + x) = a;
-        *reinterpret_cast<float4*>(sm + L.dS + d * SP + x) = g;
+        *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = a;
+        *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = g;
         sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
       }
     }
@@ -696,7 +694,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       float u = 0.f;
       for (int i = j; i < C; ++i) u += rho * sm[L.Arb + i * CP + j] * sm[L.dO + i * BP + x];
       for (int d = 0; d < K; ++d)
-        u += sm[L.b + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * SP + x];
+        u += sm[L.b + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * BP + x];
       sm[L.dU + j * BP + x] = u;
     }
     __syncthreads();
@@ -748,7 +746,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         dv += rho * sm[L.Ark + i * CP + j] * sm[L.dO + i * BP + x] +
               sm[L.Aak + i * CP + j] * sm[L.dM + i * BP + x];
       for (int d = 0; d < K; ++d)
-        dv += sm[L.k + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * SP + x];
+        dv += sm[L.k + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * BP + x];
       *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + x) = from_f<T>(dv);
     }
     // K-vector gradients of rows i and i + 8 (one read of S and dS serves both), channel d:
@@ -758,7 +756,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       const int i0 = e / K, d = e % K;
       float g[2][4] = {};
       for (int x = 0; x < cols; ++x) {
-        const float s = sm[L.S + d * SP + x], ds = sm[L.dS + d * SP + x];
+        const float s = sm[L.S + d * BP + x], ds = sm[L.dS + d * BP + x];
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
           const int i = i0 + h2 * (C / 2);

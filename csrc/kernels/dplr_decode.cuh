@@ -16,14 +16,10 @@ using decode_detail::mload;
 using decode_detail::mstore;
 using decode_detail::NT;
 using decode_detail::RGS;
+using decode_detail::vec4_state;
 using recurrent_detail::from_f;
 using recurrent_detail::ld;
 using recurrent_detail::vptr;
-
-inline bool vec4_state(const MatArg& m) {
-  return !m.on() || (m.sc == 1 && m.sr % 4 == 0 && m.sh % 4 == 0 && m.sn % 4 == 0 &&
-                     reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0);
-}
 
 inline bool fits(const DplrPass& p) {
   return !p.backward() && p.T == 1 && p.cu_seqlens == nullptr && p.V % 4 == 0 &&

@@ -36,6 +36,7 @@ __device__ __forceinline__ float ldu(const void* u, int64_t i, DType dt) {
     default: return static_cast<const float*>(u)[i];
   }
 }
+FLA_HD bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
 __device__ __forceinline__ float* mptr(const MatArg& m, int n, int h, int r, int c) {
   return static_cast<float*>(m.ptr) + n * m.sn + h * m.sh + int64_t(r) * m.sr + int64_t(c) * m.sc;
 }

@@ -15,16 +15,18 @@ using recurrent_detail::from_f;
 
 constexpr int NT = 256, CQ = 16, COLS = 4 * CQ, RGS = NT / CQ;  // 16 quads x 16 row groups
 
+// A state every 16-byte access of the decode kernels can address (or none).
+inline bool vec4_state(const MatArg& m) {
+  return !m.on() || (m.sc == 1 && m.sr % 4 == 0 && m.sh % 4 == 0 && m.sn % 4 == 0 &&
+                     elements::aligned16(m.ptr));
+}
+
 // The sweep is a decode step this kernel can take: one token, plain outputs, 16-byte state rows.
 inline bool fits(const RecurrentPass& p) {
-  auto vec4 = [](const MatArg& m) {
-    return !m.on() || (m.sc == 1 && m.sr % 4 == 0 && m.sh % 4 == 0 && m.sn % 4 == 0 &&
-                       reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0);
-  };
   const bool order = p.order == Order::ReadFirst || p.order == Order::ReadLast ||
                      p.order == Order::DecayLast;  // the exact-gradient orders: the sweep kernel
   return p.T == 1 && p.cu_seqlens == nullptr && p.gate == GateGrad::None && p.Dc % 4 == 0 &&
-         order && vec4(p.h0) && vec4(p.hT);
+         order && vec4_state(p.h0) && vec4_state(p.hT);
 }
 
 __device__ __forceinline__ float4 mload(const MatArg& m, int n, int h, int r, int c) {
