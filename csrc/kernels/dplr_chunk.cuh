@@ -231,6 +231,14 @@ __device__ inline void chunk_decays(float* sm, const Smem& L, int ah = -1) {
 // The matrices of prepare() in shared memory, in the order of DplrWs::mats().
 __device__ __forceinline__ int mat_at(const Smem& L, int m) { return L.Ark + m * C * CP; }
 
+// 16-byte shared reads: rows of K-vectors and tiles and the state rows start 16-byte aligned
+// (Smem), so a reduction along a row reads 4 terms per load instead of 1.
+__device__ __forceinline__ float4 ld4(const float* q) { return *reinterpret_cast<const float4*>(q); }
+__device__ __forceinline__ float dot4(const float4& a, const float4& b, float acc) {
+  acc += a.x * b.x, acc += a.y * b.y, acc += a.z * b.z, acc += a.w * b.w;
+  return acc;
+}
+
 // Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
 // matrices and X. Ends synchronised.
 __device__ inline void prepare(float* sm, const Smem& L) {
@@ -292,11 +300,13 @@ __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
     const float *a0 = sm + ah + i * KP, *a1 = a0 + (C / 2) * KP;
     const float *k0 = sm + L.Aak + i * CP, *k1 = k0 + (C / 2) * CP;
     float p0 = 0.f, p1 = 0.f, m0 = 0.f, m1 = 0.f;
-#pragma unroll 4
-    for (int d = 0; d < L.K; ++d) {
-      const float st = sm[L.S + d * L.BP + x];
-      p0 += a0[d] * st, p1 += a1[d] * st;
+    const float* st = sm + L.S + x;
+    int d = 0;
+    for (; d + 4 <= L.K; d += 4) {  // Â is not set past K: the tail below
+      const float4 s4 = make_float4(st[d * BP], st[(d + 1) * BP], st[(d + 2) * BP], st[(d + 3) * BP]);
+      p0 = dot4(ld4(a0 + d), s4, p0), p1 = dot4(ld4(a1 + d), s4, p1);
     }
+    for (; d < L.K; ++d) p0 += a0[d] * st[d * BP], p1 += a1[d] * st[d * BP];
 #pragma unroll
     for (int jj = 0; jj < C; ++jj) {
       const float v = sm[L.v + jj * BP + x];
@@ -404,7 +414,7 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
     }
   }
   // V columns in tiles of `cols`: thread (column x, row group g). U0 = X A_ak V, O0 = scale
-  // (A_rk V + A_rb U0); columns in [V, VP4) are written (0: v reads 0 there).
+  // (A_rk V + A_rb U0) (forward only); columns in [V, VP4) are written (0: v reads 0 there).
   const float rho = float(p.scale);
   const int x = threadIdx.x % cols, G = NT / cols, g = threadIdx.x / cols;
   for (int x0 = 0; x0 < p.V; x0 += cols) {
@@ -431,6 +441,7 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
       if (put) out[ws.U0() + i * ws.VP4 + x0 + x] = u;
     }
     __syncthreads();
+    if (p.backward()) continue;  // O0 only serves the forward's o
 #pragma unroll
     for (int l = 0; l < C; ++l) y[l] = sm[L.U + l * BP + x];
     for (int i = g; i < C; i += G) {
@@ -488,7 +499,9 @@ struct StateSmem {
   FLA_HD size_t bytes() const { return size_t(total) * sizeof(float); }
 };
 
-template <typename T, bool REV>
+// OUT: the forward computes o (false in the forward sweep of a backward call, which only makes
+// hst: no O0 copies, no Q~ S).
+template <typename T, bool REV, bool OUT = !REV>
 __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
@@ -505,13 +518,15 @@ __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
   auto slot_of = [&](int64_t ci) { return chunk_slot<C>(p.cu_seqlens, n, p.T, ci); };
   auto chunk_of = [&](int64_t step) { return REV ? nch - 1 - step : step; };
 
-  // Step `step`'s workspace block (W .. gamma whole; forward: U0 and O0 at this tile's columns).
+  const bool want_o = OUT && p.o.on();
+  // Step `step`'s workspace block (W .. gamma whole; forward: U0 and, for o, O0 at this tile's
+  // columns).
   auto fetch = [&](int64_t step) {
     float* dst = sm + L.buf + (step & 1) * L.stage;
     const float* src = wsb + (slot_of(chunk_of(step)) * p.H + h) * ws.per();
     for (int e = threadIdx.x; e < ws.kpart() / 4; e += NTS) copy16(dst + 4 * e, src + 4 * e, true);
     if (!REV)
-      for (int e = threadIdx.x; e < 2 * C * (SX / 4); e += NTS) {
+      for (int e = threadIdx.x; e < (want_o ? 2 : 1) * C * (SX / 4); e += NTS) {
         const int mtx = e / (C * SX / 4), i = e / (SX / 4) % C, q = e % (SX / 4), col = x0 + 4 * q;
         const bool on = col < ws.VP4;
         copy16(dst + ws.kpart() + (mtx * C + i) * SX + 4 * q,
@@ -577,14 +592,18 @@ __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
 #pragma unroll 4
       for (int d = 0; d < K; ++d) {
         const float2 sv = *reinterpret_cast<const float2*>(S + d * SX + xp);
-        const float w = wr[d], q = qr[d];
-        t0 += w * sv.x, t1 += w * sv.y, q0 += q * sv.x, q1 += q * sv.y;
+        const float w = wr[d];
+        t0 += w * sv.x, t1 += w * sv.y;
+        if (OUT) {
+          const float q = qr[d];
+          q0 += q * sv.x, q1 += q * sv.y;
+        }
       }
       const float* u0 = cur + ws.kpart() + i * SX + xp;
       const float* o0 = u0 + C * SX;
       U[i * SX + xp] = u0[0] + t0, U[i * SX + xp + 1] = u0[1] + t1;
       const int64_t t = ci * C + i;
-      if (p.o.on() && t < s.len) {
+      if (want_o && t < s.len) {
         T* o = vptr<T>(p.o, s.b, s.bos + t, h, x0 + xp);
         if (xp < nc) o[0] = from_f<T>(o0[0] + rho * q0);
         if (xp + 1 < nc) o[p.o.sd] = from_f<T>(o0[1] + rho * q1);
@@ -686,35 +705,67 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
     }
     chunk_decays(sm, L, L.ga);  // Â in the gradient rows' space (written after P is made)
     __syncthreads();
+    // exp(w) in place of w: the pair parts of the K-vector gradients multiply the factors up
+    // (products of <= 15 factors <= 1, a few ulp) instead of exponentiating sums per pair. K^ =
+    // k exp(Omega) and B^ = b exp(Omega) in the gradient rows gk, gb (free until the K-vector
+    // gradients write them), 0 on the channel padding where exp(Omega) is not set.
+    for (int e = threadIdx.x; e < C * KP; e += NT) {
+      const bool on = e % KP < K;
+      sm[L.w + e] = on ? expf(sm[L.w + e]) : 0.f;
+      sm[L.gk + e] = on ? sm[L.k + e] * sm[L.eO + e] : 0.f;
+      sm[L.gb + e] = on ? sm[L.b + e] * sm[L.eO + e] : 0.f;
+    }
     pseudo_values(sm, L, L.ga);
 
-    // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU.
-    for (int e = threadIdx.x; e < C * cols; e += NT) {
-      const int j = e / cols, x = e % cols;
-      float u = 0.f;
-      for (int i = j; i < C; ++i) u += rho * sm[L.Arb + i * CP + j] * sm[L.dO + i * BP + x];
-      for (int d = 0; d < K; ++d)
-        u += sm[L.b + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * BP + x];
-      sm[L.dU + j * BP + x] = u;
+    // Thread (column x, rows j and j + 8) in the loops over tile rows, so that each state or
+    // tile element read serves two rows; 4 channels per K-row read.
+    const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc;
+    const bool rows2 = j0 < C / 2;  // all 256 threads when cols = 32
+    const int K4 = K & ~3;
+    // sum_d R[row][d] dS[d][x] for rows j0 and j0 + 8 of a K-row array R (its padding unread).
+    auto rows_dS = [&](int R, float& s0, float& s1) {
+      const float *r0 = sm + R + j0 * KP, *r1 = r0 + (C / 2) * KP, *ds = sm + L.dS + x;
+      int d = 0;
+      for (; d < K4; d += 4) {
+        const float4 d4 = make_float4(ds[d * BP], ds[(d + 1) * BP], ds[(d + 2) * BP], ds[(d + 3) * BP]);
+        s0 = dot4(ld4(r0 + d), d4, s0), s1 = dot4(ld4(r1 + d), d4, s1);
+      }
+      for (; d < K; ++d) s0 += r0[d] * ds[d * BP], s1 += r1[d] * ds[d * BP];
+    };
+
+    // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU (the 16 x 16 matrices are zero-filled
+    // outside their triangles: fixed 16-term sums).
+    if (rows2) {
+      float u0 = 0.f, u1 = 0.f;
+      for (int i = 0; i < C; ++i) {
+        const float o = rho * sm[L.dO + i * BP + x];
+        u0 += sm[L.Arb + i * CP + j0] * o, u1 += sm[L.Arb + i * CP + j0 + C / 2] * o;
+      }
+      rows_dS(L.gb, u0, u1);
+      sm[L.dU + j0 * BP + x] = u0, sm[L.dU + (j0 + C / 2) * BP + x] = u1;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < C * cols; e += NT) {
-      const int l = e / cols, x = e % cols;
-      float m = 0.f;
-      for (int i = l; i < C; ++i) m += sm[L.X + i * CP + l] * sm[L.dU + i * BP + x];
-      sm[L.dM + l * BP + x] = m;
+    if (rows2) {
+      float m0 = 0.f, m1 = 0.f;
+      for (int i = 0; i < C; ++i) {
+        const float du = sm[L.dU + i * BP + x];
+        m0 += sm[L.X + i * CP + j0] * du, m1 += sm[L.X + i * CP + j0 + C / 2] * du;
+      }
+      sm[L.dM + j0 * BP + x] = m0, sm[L.dM + (j0 + C / 2) * BP + x] = m1;
     }
     __syncthreads();
     {  // pair-matrix gradients; dX only below the diagonal (the rest cannot reach dA_ab)
       const int i = threadIdx.x / C, j = threadIdx.x % C, at = i * CP + j;
       float rk = 0.f, rb = 0.f, ak = 0.f, dx = 0.f;
       if (j <= i)
-        for (int x = 0; x < cols; ++x) {
-          const float o = sm[L.dO + i * BP + x];
-          rk += o * sm[L.v + j * BP + x], rb += o * sm[L.U + j * BP + x];
+        for (int q = 0; q < cols; q += 4) {
+          const float4 o = ld4(sm + L.dO + i * BP + q), vj = ld4(sm + L.v + j * BP + q);
+          rk = dot4(o, vj, rk), rb = dot4(o, ld4(sm + L.U + j * BP + q), rb);
           if (j < i) {
-            ak += sm[L.dM + i * BP + x] * sm[L.v + j * BP + x];
-            dx += sm[L.dU + i * BP + x] * (sm[L.M + j * BP + x] + sm[L.P + j * BP + x]);
+            const float4 m = ld4(sm + L.M + j * BP + q), pp = ld4(sm + L.P + j * BP + q);
+            ak = dot4(ld4(sm + L.dM + i * BP + q), vj, ak);
+            dx = dot4(ld4(sm + L.dU + i * BP + q),
+                      make_float4(m.x + pp.x, m.y + pp.y, m.z + pp.z, m.w + pp.w), dx);
           }
         }
       sm[L.dArk + at] = rho * rk, sm[L.dArb + at] = rho * rb, sm[L.dAak + at] = ak;
@@ -735,33 +786,38 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         for (int q = 0; q < C; ++q) z += sm[L.Y + i * CP + q] * sm[L.X + j * CP + q];
       sm[L.dAab + i * CP + j] = z;
     }
-    __syncthreads();
 
     // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+ (this tile's columns: final).
-    for (int e = threadIdx.x; e < C * cols; e += NT) {
-      const int j = e / cols, x = e % cols;
-      if (j >= nrow || x >= c.nc) continue;
-      float dv = 0.f;
-      for (int i = j; i < C; ++i)
-        dv += rho * sm[L.Ark + i * CP + j] * sm[L.dO + i * BP + x] +
-              sm[L.Aak + i * CP + j] * sm[L.dM + i * BP + x];
-      for (int d = 0; d < K; ++d)
-        dv += sm[L.k + j * KP + d] * sm[L.eO + j * KP + d] * sm[L.dS + d * BP + x];
-      *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + x) = from_f<T>(dv);
+    if (rows2) {
+      float v0 = 0.f, v1 = 0.f;
+      for (int i = 0; i < C; ++i) {
+        const float o = rho * sm[L.dO + i * BP + x], m = sm[L.dM + i * BP + x];
+        v0 += sm[L.Ark + i * CP + j0] * o + sm[L.Aak + i * CP + j0] * m;
+        v1 += sm[L.Ark + i * CP + j0 + C / 2] * o + sm[L.Aak + i * CP + j0 + C / 2] * m;
+      }
+      rows_dS(L.gk, v0, v1);
+      if (x < c.nc) {
+        if (j0 < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j0, c.h, c.x0 + x) = from_f<T>(v0);
+        if (j0 + C / 2 < nrow)
+          *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j0 + C / 2, c.h, c.x0 + x) = from_f<T>(v1);
+      }
     }
+    __syncthreads();  // dA_ab complete; K^, B^ read: the gradient rows are written below
     // K-vector gradients of rows i and i + 8 (one read of S and dS serves both), channel d:
     // state parts, then the pair parts (query-type rows r, a over j <= i; key-type rows k, b
-    // over i' >= j), exponents added up.
+    // over i' >= j), factors multiplied up from exp(w).
     for (int e = threadIdx.x; e < (C / 2) * K; e += NT) {
       const int i0 = e / K, d = e % K;
       float g[2][4] = {};
-      for (int x = 0; x < cols; ++x) {
-        const float s = sm[L.S + d * BP + x], ds = sm[L.dS + d * BP + x];
+      for (int q = 0; q < cols; q += 4) {
+        const float4 s = ld4(sm + L.S + d * BP + q), ds = ld4(sm + L.dS + d * BP + q);
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
           const int i = i0 + h2 * (C / 2);
-          g[h2][0] += sm[L.dO + i * BP + x] * s, g[h2][1] += sm[L.dM + i * BP + x] * s;
-          g[h2][2] += sm[L.v + i * BP + x] * ds, g[h2][3] += sm[L.U + i * BP + x] * ds;
+          g[h2][0] = dot4(ld4(sm + L.dO + i * BP + q), s, g[h2][0]);
+          g[h2][1] = dot4(ld4(sm + L.dM + i * BP + q), s, g[h2][1]);
+          g[h2][2] = dot4(ld4(sm + L.v + i * BP + q), ds, g[h2][2]);
+          g[h2][3] = dot4(ld4(sm + L.U + i * BP + q), ds, g[h2][3]);
         }
       }
 #pragma unroll 1
@@ -771,28 +827,28 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         float dk = h2 ? g[1][2] : g[0][2], db = h2 ? g[1][3] : g[0][3];
         const float eo = sm[L.eO + i * KP + d];
         dr *= rho * sm[L.eG + i * KP + d], da *= eE(sm, L, i, d), dk *= eo, db *= eo;
-        const float* w = sm + L.w + d;
+        const float* ew = sm + L.w + d;  // exp(w)
         dr += sm[L.dArk + i * CP + i] * sm[L.k + i * KP + d] +
               sm[L.dArb + i * CP + i] * sm[L.b + i * KP + d];
-        float ex = 0.f;  // sum of w_s over j < s < i
+        const float ewi = ew[i * KP];
+        float fex = 1.f;  // exp(sum of w_s over j < s < i)
         for (int j = i - 1; j >= 0; --j) {
-          const float fex = expf(ex), fin = expf(ex + w[i * KP]);
+          const float fin = fex * ewi;
           const float kj = sm[L.k + j * KP + d], bj = sm[L.b + j * KP + d];
           dr += (sm[L.dArk + i * CP + j] * kj + sm[L.dArb + i * CP + j] * bj) * fin;
           da += (sm[L.dAak + i * CP + j] * kj + sm[L.dAab + i * CP + j] * bj) * fex;
-          ex += w[j * KP];
+          fex *= ew[j * KP];
         }
         const int j = i;  // this row as the key
         dk += sm[L.dArk + j * CP + j] * sm[L.r + j * KP + d];
         db += sm[L.dArb + j * CP + j] * sm[L.r + j * KP + d];
-        ex = 0.f;  // sum of w_s over j < s < i'
+        fex = 1.f;  // exp(sum of w_s over j < s < i')
         for (int i2 = j + 1; i2 < C; ++i2) {
-          const float nx = ex + w[i2 * KP];
-          const float fex = expf(ex), fin = expf(nx);
+          const float fin = fex * ew[i2 * KP];
           const float ri = sm[L.r + i2 * KP + d], ai = sm[L.a + i2 * KP + d];
           dk += sm[L.dArk + i2 * CP + j] * ri * fin + sm[L.dAak + i2 * CP + j] * ai * fex;
           db += sm[L.dArb + i2 * CP + j] * ri * fin + sm[L.dAab + i2 * CP + j] * ai * fex;
-          ex = nx;
+          fex = fin;
         }
         sm[L.gr + i * KP + d] = dr, sm[L.ga + i * KP + d] = da;
         sm[L.gk + i * KP + d] = dk, sm[L.gb + i * KP + d] = db;
@@ -812,7 +868,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         const int at = t * KP + d;
         acc += sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
                sm[L.b + at] * sm[L.gb + at];
-        if (expf(sm[L.w + at]) == 0.f) acc = 0.f;
+        if (sm[L.w + at] == 0.f) acc = 0.f;  // exp(w), set above
         *kg_at(kGradW, c.s.bos + t0 + t, d) = acc;
         acc += sm[L.a + at] * sm[L.ga + at];
       }

@@ -83,7 +83,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     // sequence is empty and the state gradient passes through.
     has_dht ? dh0.copy_(*grad_final_state) : dh0.zero_();
   }
-  auto grad = [&](int g) { return kg.select(1, g).sum(0).to(r.scalar_type()); };
+  // The tiles' partial sums added in fp32 and rounded once to r's dtype, in one pass for up to
+  // two tiles: add() into an output of another dtype computes in fp32 and casts on store (a
+  // sum() into it would round every partial first).
+  auto grad = [&](int g) {
+    const Tensor parts = kg.select(1, g);
+    if (tiles == 1) return parts[0].to(r.scalar_type(), false, /*copy=*/true);  // no aliases
+    const Tensor head = tiles == 2 ? parts[0] : parts.narrow(0, 0, tiles - 1).sum(0);
+    Tensor out = at::empty(r.sizes(), r.options());
+    return at::add_out(out, head, parts[tiles - 1]);
+  };
   return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
 }
 

@@ -28,6 +28,18 @@ MatArg mat(const Tensor& t) {
 }
 Tensor poison(at::IntArrayRef s, at::ScalarType t = torch::kFloat) { return torch::full(s, NAN, t); }
 
+// Every CTA starts on NaN-filled shared memory, so a read of an element no thread wrote (row or
+// channel padding included) shows in the results.
+template <class F>
+void cta(const F& kernel) {
+  if (threadIdx.x == 0) {
+    std::fill(std::begin(sm), std::end(sm), NAN);
+    std::fill(&sm4[0].x, &sm4[0].x + 4 * std::size(sm4), NAN);
+  }
+  __syncthreads();
+  kernel();
+}
+
 // [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None. The
 // activations are float32 or bfloat16 (the kernels' T, E here); states and gradients of K-vectors fp32.
 template <typename E>
@@ -58,12 +70,15 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     if (h0.numel()) p.dh0 = mat(dh0);
     p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
   }
-  emu::launch(dim3(unsigned(slots), H), NT, [&] { prep_kernel<E>(p); });
+  emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(p); }); });
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
-  emu::launch(sweeps, NTS, [&] { sweep_kernel<E, false>(p); });
+  if (bwd)  // as the launch does: the backward's forward sweep makes hst alone
+    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false>(p); }); });
+  else
+    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false>(p); }); });
   if (!bwd) return {o, hT};
-  emu::launch(sweeps, NTS, [&] { sweep_kernel<E, true>(p); });
-  emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { grad_kernel<E>(p); });
+  emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true>(p); }); });
+  emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { cta([&] { grad_kernel<E>(p); }); });
   auto g = [&](int i) { return kg.select(1, i).sum(0).to(r.scalar_type()); };
   return {g(kGradR), g(kGradW), g(kGradK), dv, g(kGradA), g(kGradB), dh0};
 }
