@@ -196,6 +196,24 @@ def test_inputs_unchanged(mode, device, gen):
         assert torch.equal(x.detach(), y), f"{name} was modified"
 
 
+@pytest.mark.parametrize("mode", MODES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_deterministic(mode, device, gen):
+    """Bitwise the same gradients on every call: the CUDA chunk backward adds two column tiles'
+    K-vector partials into one slab atomically, in whichever order their CTAs finish (V = 100:
+    four tiles, two slabs)."""
+    ins = [t.requires_grad_(True) for t in make(2, 50, 2, 64, 100, torch.float32, device, gen)]
+    do = torch.randn(2, 50, 2, 100, generator=gen).to(device)
+
+    def grads():
+        o, ht = mode(*ins[:6], initial_state=ins[6], output_final_state=True)
+        return torch.autograd.grad((o * do).sum() + ht.sum(), ins)
+    first = grads()
+    for _ in range(3):
+        for name, x, y in zip(NAMES, first, grads()):
+            assert torch.equal(x, y), f"d{name} changed between calls"
+
+
 # ---------------------------------------------------------------------------------------------
 # Real ops: opcheck (schema, fake kernel, autograd registration) and torch.compile fullgraph
 # (CUDA graph capture: test_chunk_rwkv7.py).

@@ -53,13 +53,17 @@ struct DplrArgs {
   MatArg hT;
 
   // Backward (when dout is on): inputs dO and dh_T (zero when off); outputs dv (input dtype),
-  // dh0 (when on) and the K-vector partials: grad g of column tile p at
-  // kg with ptr offset p * kg_tile + g * kg_grad (acc type).
+  // dh0 (when on) and the K-vector partials: grad g of column tile p at kg with ptr offset
+  // (p / kg_pair) * kg_tile + g * kg_grad (acc type). kg_pair = 1: one slab per tile, written.
+  // kg_pair = 2 (the CUDA chunk engine only): tiles 2b and 2b + 1 add into slab b, which the
+  // caller zero-fills; two terms added onto 0 give the same sum in either order, so the result
+  // does not depend on which tile's CTA runs first, and the slabs take half the memory.
   VecArg dout;
   MatArg dht, dh0;
   VecArg dv;
   VecArg kg;
   int64_t kg_tile = 0, kg_grad = 0;
+  int kg_pair = 1;
 
   FLA_HD bool backward() const { return dout.on(); }
 };

@@ -12,10 +12,11 @@
 //          chunk's workspace block is copied asynchronously while this one is used, so a step
 //          costs its arithmetic, not a memory latency. Writes the chunk-start states (`hst`)
 //          when the backward asks for them.
-// Backward: prep and state (for hst), then one CTA of 256 threads per (sequence, head, tile of
-// dplr_chunk_cols(K) columns) runs the reverse chunk pass with the rows, pair matrices and the
-// K x cols state and its gradient in shared memory; its K-vector gradients are per-tile partial
-// sums. No host synchronisation: the launches are CUDA-graph safe.
+// Backward: prep and the forward sweep (for hst), the reverse sweep (dS+ at every chunk end),
+// then one CTA of 256 threads per (chunk slot, head, tile of dplr_chunk_cols(K) columns) makes
+// that chunk's gradients with the rows, pair matrices and the K x cols state and its gradient in
+// shared memory; its K-vector gradients are per-tile partial sums, added into zero-filled slabs
+// two tiles per slab (DplrArgs::kg_pair). No host synchronisation: CUDA-graph safe.
 #pragma once
 #include "dplr_chunk.h"
 #include "elements.cuh"
@@ -858,7 +859,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
 
     auto kg_at = [&](int g, int64_t t, int d) {
       VecArg v = p.kg;
-      v.ptr = static_cast<const float*>(p.kg.ptr) + c.tile * p.kg_tile + g * p.kg_grad;
+      v.ptr = static_cast<const float*>(p.kg.ptr) + c.tile / p.kg_pair * p.kg_tile + g * p.kg_grad;
       return vptr<float>(v, c.s.b, t, c.h, d);
     };
     // dw = reverse cumsum + zeta (§6.4), exactly 0 where exp(w) == 0.
@@ -869,15 +870,15 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         acc += sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
                sm[L.b + at] * sm[L.gb + at];
         if (sm[L.w + at] == 0.f) acc = 0.f;  // exp(w), set above
-        *kg_at(kGradW, c.s.bos + t0 + t, d) = acc;
+        atomicAdd(kg_at(kGradW, c.s.bos + t0 + t, d), acc);
         acc += sm[L.a + at] * sm[L.ga + at];
       }
     }
     for (int e = threadIdx.x; e < nrow * K; e += NT) {
       const int i = e / K, d = e % K, at = i * KP + d;
       const int64_t t = c.s.bos + t0 + i;
-      *kg_at(kGradR, t, d) = sm[L.gr + at], *kg_at(kGradK, t, d) = sm[L.gk + at];
-      *kg_at(kGradA, t, d) = sm[L.ga + at], *kg_at(kGradB, t, d) = sm[L.gb + at];
+      atomicAdd(kg_at(kGradR, t, d), sm[L.gr + at]), atomicAdd(kg_at(kGradK, t, d), sm[L.gk + at]);
+      atomicAdd(kg_at(kGradA, t, d), sm[L.ga + at]), atomicAdd(kg_at(kGradB, t, d), sm[L.gb + at]);
     }
   }
 }

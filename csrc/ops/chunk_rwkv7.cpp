@@ -59,10 +59,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   if (has_dht) check_state(*grad_final_state, "grad_final_state", r, d.N, d.H, d.K, d.V);
 
   const auto acc = r.options().dtype(acc_type(r));
-  const int tiles = dplr_chunk_tiles(int(d.K), int(d.V));
+  // [slabs, grad, <r's shape>]: per-tile partial sums, two tiles per zero-filled slab on CUDA
+  // (DplrArgs::kg_pair), one per tile on the CPU.
+  const int tiles = dplr_chunk_tiles(int(d.K), int(d.V)), pair = r.is_cuda() ? 2 : 1;
   auto kg_sizes = r.sizes().vec();
-  kg_sizes.insert(kg_sizes.begin(), {int64_t(tiles), int64_t(kNumKGrads)});
-  Tensor kg = new_output(kg_sizes, acc);  // [tiles, grad, <r's shape>]: per-tile partial sums
+  kg_sizes.insert(kg_sizes.begin(), {int64_t((tiles + pair - 1) / pair), int64_t(kNumKGrads)});
+  Tensor kg = pair == 2 ? at::zeros(kg_sizes, acc) : new_output(kg_sizes, acc);
   Tensor dv = new_output(v.sizes(), v.options());
   Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
   const int64_t slots = chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
@@ -75,7 +77,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);
-    p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
+    p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1), p.kg_pair = pair;
     p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr();
     run(p);
   } else if (has_h0) {
@@ -83,16 +85,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     // sequence is empty and the state gradient passes through.
     has_dht ? dh0.copy_(*grad_final_state) : dh0.zero_();
   }
-  // The tiles' partial sums added in fp32 and rounded once to r's dtype, in one pass for up to
-  // two tiles: add() into an output of another dtype computes in fp32 and casts on store (a
-  // sum() into it would round every partial first).
-  auto grad = [&](int g) {
-    const Tensor parts = kg.select(1, g);
-    if (tiles == 1) return parts[0].to(r.scalar_type(), false, /*copy=*/true);  // no aliases
-    const Tensor head = tiles == 2 ? parts[0] : parts.narrow(0, 0, tiles - 1).sum(0);
-    Tensor out = at::empty(r.sizes(), r.options());
-    return at::add_out(out, head, parts[tiles - 1]);
-  };
+  auto grad = [&](int g) { return kgrad_sum(kg, g, r); };
   return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
 }
 

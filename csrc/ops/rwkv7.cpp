@@ -10,6 +10,17 @@
 
 namespace fla::ops {
 
+Tensor kgrad_sum(const Tensor& kg, int g, const Tensor& r) {
+  const Tensor parts = kg.select(1, g);
+  const int64_t n = parts.size(0);
+  if (n == 1) return parts[0].to(r.scalar_type(), false, /*copy=*/true);  // no aliases
+  // add() into an output of another dtype computes in fp32 and rounds once on the store (a sum()
+  // into it would round every partial first): one pass for two slabs.
+  const Tensor head = n == 2 ? parts[0] : parts.narrow(0, 0, n - 1).sum(0);
+  Tensor out = at::empty(r.sizes(), r.options());
+  return at::add_out(out, head, parts[n - 1]);
+}
+
 DiagArgs check_rwkv7(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
                      const Tensor& a, const Tensor& b, std::optional<double> scale,
                      const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
@@ -98,7 +109,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
   p.chk = chk.data_ptr(), p.seg = seg.data_ptr();
   run(p);
 
-  auto grad = [&](int g) { return kg.select(1, g).sum(0).to(r.scalar_type()); };
+  auto grad = [&](int g) { return kgrad_sum(kg, g, r); };
   return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
 }
 

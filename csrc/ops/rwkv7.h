@@ -15,6 +15,9 @@ void set_dplr_args(DplrArgs& p, const DiagArgs& d, const Tensor& r, const Tensor
                    const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
                    const std::optional<Tensor>& h0);
 using DplrChunkRunner = void (*)(const DplrChunkPass&);
+// Gradient g (DplrKGrad) from the fp32 partial slabs kg [slabs, kNumKGrads, <r's shape>] of
+// either RWKV7 backward: the slabs added in fp32 and rounded once to r's dtype.
+Tensor kgrad_sum(const Tensor& kg, int g, const Tensor& r);
 
 // Shapes, dtypes, devices of (r, w, k, v, a, b, h0, cu_seqlens) and, with FLA_EXT_CHECKS, their
 // values (w a log decay <= 0, the rest finite).

@@ -22,6 +22,12 @@ inline thread_local uint3 threadIdx, blockIdx;
 inline std::barrier<>* emu_barrier = nullptr;
 inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) {}
+// A CTA's threads never add to one element here, and CTAs run one after another.
+inline float atomicAdd(float* p, float v) {
+  const float old = *p;
+  *p = old + v;
+  return old;
+}
 
 namespace emu {
 
