@@ -206,7 +206,7 @@ def test_backward_deterministic(mode, device, gen):
     do = torch.randn(2, 50, 2, 100, generator=gen).to(device)
 
     def grads():
-        o, ht = mode(*ins[:6], initial_state=ins[6], output_final_state=True)
+        o, ht = mode(*ins[:6], initial_state=ins[6])
         return torch.autograd.grad((o * do).sum() + ht.sum(), ins)
     first = grads()
     for _ in range(3):
