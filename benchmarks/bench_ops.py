@@ -385,7 +385,7 @@ def copy_bandwidth(timer: Timer, device: torch.device, mib: int) -> Tuple[float,
     src = torch.ones(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # freed before the next case; the lambda is done with them
     _free(device)
     return 2 * n / (ms * 1e-3) / 1e9, ms
 
