@@ -239,6 +239,20 @@ __device__ __forceinline__ float dot4(const float4& a, const float4& b, float ac
   acc += a.x * b.x, acc += a.y * b.y, acc += a.z * b.z, acc += a.w * b.w;
   return acc;
 }
+// s0 += sum_d R[i][d] St[d][x] and s1 the same for row i + C / 2: two K-rows (arrays [C][KP]
+// at offset R, 4 channels per read; nothing at or past K is read, where the padding may be
+// unset) against column x of a [K][BP] state array at offset St.
+__device__ __forceinline__ void rows_dot_state(const float* sm, const Smem& L, int R, int St,
+                                               int i, int x, float& s0, float& s1) {
+  const int BP = L.BP;
+  const float *r0 = sm + R + i * L.KP, *r1 = r0 + (C / 2) * L.KP, *st = sm + St + x;
+  int d = 0;
+  for (; d + 4 <= L.K; d += 4) {
+    const float4 s4 = make_float4(st[d * BP], st[(d + 1) * BP], st[(d + 2) * BP], st[(d + 3) * BP]);
+    s0 = dot4(ld4(r0 + d), s4, s0), s1 = dot4(ld4(r1 + d), s4, s1);
+  }
+  for (; d < L.K; ++d) s0 += r0[d] * st[d * BP], s1 += r1[d] * st[d * BP];
+}
 
 // Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
 // matrices and X. Ends synchronised.
@@ -295,19 +309,12 @@ __device__ inline void prepare(float* sm, const Smem& L) {
 // 16-term sums). Thread: column x, rows i and i + 8, so each state or tile element read serves
 // two rows. Ends synchronised.
 __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
-  const int BP = L.BP, KP = L.KP;
+  const int BP = L.BP;
   for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
     const int i = e >> L.lc, x = e & (L.cols - 1);
-    const float *a0 = sm + ah + i * KP, *a1 = a0 + (C / 2) * KP;
     const float *k0 = sm + L.Aak + i * CP, *k1 = k0 + (C / 2) * CP;
     float p0 = 0.f, p1 = 0.f, m0 = 0.f, m1 = 0.f;
-    const float* st = sm + L.S + x;
-    int d = 0;
-    for (; d + 4 <= L.K; d += 4) {  // Â is not set past K: the tail below
-      const float4 s4 = make_float4(st[d * BP], st[(d + 1) * BP], st[(d + 2) * BP], st[(d + 3) * BP]);
-      p0 = dot4(ld4(a0 + d), s4, p0), p1 = dot4(ld4(a1 + d), s4, p1);
-    }
-    for (; d < L.K; ++d) p0 += a0[d] * st[d * BP], p1 += a1[d] * st[d * BP];
+    rows_dot_state(sm, L, ah, L.S, i, x, p0, p1);
 #pragma unroll
     for (int jj = 0; jj < C; ++jj) {
       const float v = sm[L.v + jj * BP + x];
@@ -722,17 +729,6 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
     // tile element read serves two rows; 4 channels per K-row read.
     const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc;
     const bool rows2 = j0 < C / 2;  // all 256 threads when cols = 32
-    const int K4 = K & ~3;
-    // sum_d R[row][d] dS[d][x] for rows j0 and j0 + 8 of a K-row array R (its padding unread).
-    auto rows_dS = [&](int R, float& s0, float& s1) {
-      const float *r0 = sm + R + j0 * KP, *r1 = r0 + (C / 2) * KP, *ds = sm + L.dS + x;
-      int d = 0;
-      for (; d < K4; d += 4) {
-        const float4 d4 = make_float4(ds[d * BP], ds[(d + 1) * BP], ds[(d + 2) * BP], ds[(d + 3) * BP]);
-        s0 = dot4(ld4(r0 + d), d4, s0), s1 = dot4(ld4(r1 + d), d4, s1);
-      }
-      for (; d < K; ++d) s0 += r0[d] * ds[d * BP], s1 += r1[d] * ds[d * BP];
-    };
 
     // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU (the 16 x 16 matrices are zero-filled
     // outside their triangles: fixed 16-term sums).
@@ -742,7 +738,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         const float o = rho * sm[L.dO + i * BP + x];
         u0 += sm[L.Arb + i * CP + j0] * o, u1 += sm[L.Arb + i * CP + j0 + C / 2] * o;
       }
-      rows_dS(L.gb, u0, u1);
+      rows_dot_state(sm, L, L.gb, L.dS, j0, x, u0, u1);
       sm[L.dU + j0 * BP + x] = u0, sm[L.dU + (j0 + C / 2) * BP + x] = u1;
     }
     __syncthreads();
@@ -796,7 +792,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         v0 += sm[L.Ark + i * CP + j0] * o + sm[L.Aak + i * CP + j0] * m;
         v1 += sm[L.Ark + i * CP + j0 + C / 2] * o + sm[L.Aak + i * CP + j0 + C / 2] * m;
       }
-      rows_dS(L.gk, v0, v1);
+      rows_dot_state(sm, L, L.gk, L.dS, j0, x, v0, v1);
       if (x < c.nc) {
         if (j0 < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j0, c.h, c.x0 + x) = from_f<T>(v0);
         if (j0 + C / 2 < nrow)
