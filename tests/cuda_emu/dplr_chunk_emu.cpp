@@ -59,8 +59,10 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   Tensor wsb = poison({slots * H * ws.per()}), hst = poison({slots, H, K, V});
   p.ws = wsb.data_ptr();
   Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V}), dhst = poison({slots, H, K, V});
-  const int tiles = dplr_chunk_tiles(K, V);
-  Tensor kg = torch::zeros({tiles, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
+  // As the CUDA op lays them out (csrc/ops/chunk_rwkv7.cpp): two column tiles add into one
+  // zero-filled slab.
+  const int tiles = dplr_chunk_tiles(K, V), pair = 2;
+  Tensor kg = torch::zeros({(tiles + pair - 1) / pair, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
          dh0 = poison({N, H, K, V});
   if (!bwd) {
     p.o = vec(o), p.hT = mat(hT);
@@ -68,7 +70,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     p.dout = vec(dout), p.dv = vec(dv), p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr();
     if (dht.numel()) p.dht = mat(dht);
     if (h0.numel()) p.dh0 = mat(dh0);
-    p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
+    p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1), p.kg_pair = pair;
   }
   emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(p); }); });
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
