@@ -40,9 +40,11 @@ def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, lr, gen):
     check(emu, shape, w_kind, cu, gen, torch.float32, 1e-5, lr=lr)
 
 
-def test_chunk_rwkv7_kernels_bf16(emu, gen):
-    """The bf16 loads and stores; the reference gets the same bf16 values (fp32 math)."""
-    check(emu, (1, 45, 2, 32, 24), "rwkv", None, gen, torch.bfloat16, 1e-2)
+@pytest.mark.parametrize("shape", [(1, 45, 2, 32, 24), (1, 30, 1, 20, 12)], ids=["rows16", "K20"])
+def test_chunk_rwkv7_kernels_bf16(emu, shape, gen):
+    """The bf16 loads and stores (K, V multiples of 8: the asynchronous row copies; K = 20: the
+    element-wise loads), TF32 sweeps; the reference gets the same bf16 values (fp32 math)."""
+    check(emu, shape, "rwkv", None, gen, torch.bfloat16, 1e-2)
 
 
 def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv"):

@@ -18,8 +18,11 @@
 // shared memory; its K-vector gradients are per-tile partial sums, added into zero-filled slabs
 // two tiles per slab (DplrArgs::kg_pair). No host synchronisation: CUDA-graph safe.
 #pragma once
+#include <type_traits>
+
 #include "dplr_chunk.h"
 #include "elements.cuh"
+#include "tile_mma.cuh"
 
 namespace fla {
 namespace dplr_chunk_detail {
@@ -52,6 +55,7 @@ struct Smem {
   int r, w, k, a, b, eG, eO, S, v, U, M, P, Ark, Arb, Aak, Aab, X;
   int dS, dO, dU, dM, gr, gk, ga, gb, dArk, dArb, dAak, dAab, dX, Y, zeta;  // backward
   int pw;  // pair workspace (PairWs), 16-byte aligned; the backward's gr.. block when backward
+  int stage;  // raw rows of the asynchronous loads: over pw (prep) or from gk on (backward)
   int total;
 
   __host__ __device__ Smem(int K_, bool bwd)
@@ -80,6 +84,7 @@ struct Smem {
     // (from gr on): it overlays them there (small K: it may reach past them).
     pw = bwd ? gr : take(kPairWs);
     total = o > pw + kPairWs ? o : pw + kPairWs;
+    stage = bwd ? gk : pw;
   }
   __host__ __device__ size_t bytes() const { return size_t(total) * sizeof(float); }
 };
@@ -92,6 +97,126 @@ struct Cta {
 // exp(E_i) = exp(G_{i-1}), 1 on the first row.
 __device__ __forceinline__ float eE(const float* sm, const Smem& L, int i, int d) {
   return i ? sm[L.eG + (i - 1) * L.KP + d] : 1.f;
+}
+
+// 16-byte global -> shared copy that does not wait (cp.async); `on` false writes zeros. The host
+// branch (a synchronous copy) serves tests/cuda_emu, which runs these kernels on the CPU.
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool on) {
+#ifdef __CUDA_ARCH__
+  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(on ? 16 : 0));
+#else
+  char* o = static_cast<char*>(dst);
+  for (int i = 0; i < 16; ++i) o[i] = on ? static_cast<const char*>(src)[i] : 0;
+#endif
+}
+// The same for one float (4-byte destinations, such as the 17-float rows of the 16 x 16 matrices).
+__device__ __forceinline__ void copy4(float* dst, const float* src) {
+#ifdef __CUDA_ARCH__
+  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src));
+#else
+  *dst = *src;
+#endif
+}
+__device__ __forceinline__ void copy_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;");
+#endif
+}
+template <int Pending>
+__device__ __forceinline__ void copy_wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" ::"n"(Pending));
+#endif
+}
+
+// Asynchronous chunk loads (DplrChunkPass::rows16): every activation row goes to shared memory
+// by cp.async, 16 bytes at a time, so that all of a CTA's loads are in flight together and no
+// thread waits on one before it issues the next (the element-wise loads below, each converted
+// right after it arrives, were a third of prep's and grad's stall samples: ncu, NOTES c13).
+// fp32 K-rows land in place; bf16 / fp16 K-rows, and the column rows of every dtype, land raw in
+// a stage (at L.stage, over arrays not live yet) that widen_rows / widen_cols convert.
+template <typename T>
+constexpr int kPiece = 16 / int(sizeof(T));  // elements per 16-byte copy
+template <typename T>
+constexpr bool kRawRows = !std::is_same<T, float>::value;
+
+// Stage layout (T elements): K-rows [5][C][K] (r, w, k, a, b; raw dtypes only), then column rows
+// [C][ncol] of v and, with dO, [C][ncol] of dO.
+template <typename T>
+FLA_HD int64_t stage_cols_at(int K) { return kRawRows<T> ? int64_t(5) * C * K : 0; }
+template <typename T>
+FLA_HD size_t stage_bytes(int K, int ncol, int ncolmats) {
+  return size_t(stage_cols_at<T>(K) + int64_t(ncolmats) * C * ncol) * sizeof(T);
+}
+
+// DplrChunkPass::rows16 for these inputs: every activation row in whole 16-byte pieces at 16-byte
+// aligned addresses, and the stages of prep (raw K-rows, then all of v, over the pair workspace)
+// and of grad (raw K-rows, v and dO tile rows, from gk on) within the space they overlay.
+template <typename T>
+inline bool rows16(const DplrChunkPass& p) {
+  constexpr int E = kPiece<T>;
+  auto ok = [](const VecArg& v, int n) {
+    return v.sd == 1 && n % E == 0 && v.sb % E == 0 && v.st % E == 0 && v.sh % E == 0 &&
+           elements::aligned16(v.ptr);
+  };
+  if (!(ok(p.r, p.K) && ok(p.w, p.K) && ok(p.k, p.K) && ok(p.a, p.K) && ok(p.b, p.K) && ok(p.v, p.V)))
+    return false;
+  if (stage_bytes<T>(p.K, p.V, 1) > size_t(kPairWs) * sizeof(float)) return false;
+  if (!p.backward()) return true;
+  const Smem g(p.K, true);
+  return ok(p.dout, p.V) && stage_bytes<T>(p.K, g.cols, 2) <= size_t(g.total - g.stage) * sizeof(float);
+}
+
+// Issues the copies of rows [t0, t0 + nrow) of r, w, k, a, b (rows past nrow zero-filled).
+template <typename T>
+__device__ void copy_rows_async(float* sm, const Smem& L, const DplrChunkPass& p, const SeqSpan& s,
+                                int h, int64_t t0, int nrow) {
+  constexpr int E = kPiece<T>;
+  const int pk = L.K / E;
+  T* const stage = reinterpret_cast<T*>(sm + L.stage);
+  for (int e = threadIdx.x; e < 5 * C * pk; e += NT) {
+    const int qi = e / pk, c = (e - qi * pk) * E, q = qi / C, i = qi % C;
+    const VecArg& v = q == 0 ? p.r : q == 1 ? p.w : q == 2 ? p.k : q == 3 ? p.a : p.b;
+    const bool on = i < nrow;
+    const T* src = on ? vptr<T>(v, s.b, s.bos + t0 + i, h, c) : static_cast<const T*>(v.ptr);
+    if (kRawRows<T>) copy16(stage + qi * L.K + c, src, on);
+    else copy16(sm + L.r + q * C * L.KP + i * L.KP + c, src, on);
+  }
+}
+// Issues the copies of columns [x0, x0 + ncol) of rows [t0, t0 + nrow) of x into stage matrix m
+// (columns at or past x0 + nvalid and rows past nrow zero-filled; ncol and nvalid whole pieces).
+template <typename T>
+__device__ void copy_cols_async(float* sm, const Smem& L, const VecArg& x, int m, const SeqSpan& s,
+                                int h, int64_t t0, int nrow, int x0, int ncol, int nvalid) {
+  constexpr int E = kPiece<T>;
+  const int pc = ncol / E;
+  T* const stage = reinterpret_cast<T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * ncol;
+  for (int e = threadIdx.x; e < C * pc; e += NT) {
+    const int i = e / pc, c = (e - i * pc) * E;
+    const bool on = i < nrow && c < nvalid;
+    copy16(stage + i * ncol + c, on ? vptr<T>(x, s.b, s.bos + t0 + i, h, x0 + c) : x.ptr, on);
+  }
+}
+// After the wait and a barrier: K-rows to fp32 (channel padding 0). fp32 rows are in place; only
+// their padding is written (before the wait is fine: no copy goes there).
+template <typename T>
+__device__ void widen_rows(float* sm, const Smem& L) {
+  const T* const stage = reinterpret_cast<const T*>(sm + L.stage);
+  for (int i = threadIdx.x / 64; i < C; i += NT / 64)
+    for (int d = threadIdx.x % 64 + (kRawRows<T> ? 0 : L.K); d < L.KP; d += 64)
+#pragma unroll
+      for (int q = 0; q < 5; ++q)
+        sm[L.r + q * C * L.KP + i * L.KP + d] = d < L.K ? to_f(stage[(q * C + i) * L.K + d]) : 0.f;
+}
+// Columns [x0, x0 + cols) of stage matrix m (ncol columns per row) to a tile array [C][BP].
+template <typename T>
+__device__ void widen_cols(float* sm, const Smem& L, int m, int ncol, int x0, int dst) {
+  const T* const stage = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * ncol;
+  const int x = threadIdx.x & (L.cols - 1);
+  for (int i = threadIdx.x >> L.lc; i < C; i += NT >> L.lc)
+    sm[dst + i * L.BP + x] = x0 + x < ncol ? to_f(stage[i * ncol + x0 + x]) : 0.f;
 }
 
 // Rows [t0, t0 + nrow) of the chunk's K-vectors into shared memory, padded to C rows with w = 0
@@ -378,9 +503,23 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   if (ci < 0 || t0 >= s.len) return;
   const int nrow = int(s.len - t0 < C ? s.len - t0 : C);
   const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
-  load_rows<T>(sm, L, p, s, h, t0, nrow);
+  if (p.rows16) {
+    copy_rows_async<T>(sm, L, p, s, h, t0, nrow);
+    copy_commit();
+    copy_wait<0>();
+    __syncthreads();
+    widen_rows<T>(sm, L);
+  } else {
+    load_rows<T>(sm, L, p, s, h, t0, nrow);
+  }
   __syncthreads();
   prepare(sm, L);
+  // All of v at once into the stage (over the pair workspace, free now), in flight during the
+  // K-wide rows below; every column tile reads it.
+  if (p.rows16) {
+    copy_cols_async<T>(sm, L, p.v, 0, s, h, t0, nrow, 0, p.V, p.V);
+    copy_commit();
+  }
   float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
   for (int e = threadIdx.x; e < 5 * C * C; e += NT)
     out[ws.mats() + e] = sm[mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C];
@@ -426,7 +565,15 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   const float rho = float(p.scale);
   const int x = threadIdx.x % cols, G = NT / cols, g = threadIdx.x / cols;
   for (int x0 = 0; x0 < p.V; x0 += cols) {
-    load_cols<T>(sm, L, p, s, h, x0, min(cols, p.V - x0), t0, nrow, false);
+    if (p.rows16) {
+      if (x0 == 0) {
+        copy_wait<0>();
+        __syncthreads();
+      }
+      widen_cols<T>(sm, L, 0, p.V, x0, L.v);
+    } else {
+      load_cols<T>(sm, L, p, s, h, x0, min(cols, p.V - x0), t0, nrow, false);
+    }
     __syncthreads();
     const bool put = x0 + x < ws.VP4;
     float vc[C], y[C];
@@ -462,27 +609,42 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   }
 }
 
-// 16-byte global -> shared copy that does not wait (cp.async); `on` false writes zeros. The host
-// branch (a synchronous copy) serves tests/cuda_emu, which runs these kernels on the CPU.
-__device__ __forceinline__ void copy16(float* dst, const float* src, bool on) {
-#ifdef __CUDA_ARCH__
-  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(on ? 16 : 0));
-#else
-  for (int i = 0; i < 4; ++i) dst[i] = on ? src[i] : 0.f;
-#endif
+constexpr int SX = 32, NTS = 256;  // state columns and threads per CTA
+// Row stride of the column arrays (state, U, v rows, U0, O0): 8 mod 32, so that the TF32 B
+// fragments (lanes (g, q) read row k + q, column n0 + g) fall on 32 different banks.
+constexpr int SXP = SX + 8;
+static_assert(NTS == C * SX / 2, "phase A: one thread per row and column pair");
+FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
+// Shared memory (floats): S [K][SXP], U, Vt [C][SXP], then two stages of a chunk's workspace
+// block, rows padded: W, Q~, K^, B^ [C][KS] (KS = KP4 + 4: the A fragments' rows g = 0..7 on
+// different banks), gamma [KP4], U0, O0 [C][SXP].
+struct StateSmem {
+  int KS, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, total;
+  FLA_HD StateSmem(const DplrWs& ws, int K) : KS(ws.KP4 + 4) {
+    S = 0, U = K * SXP, Vt = U + C * SXP, buf = Vt + C * SXP;
+    sW = 0, sQ = C * KS, sKh = 2 * C * KS, sBh = 3 * C * KS, sGam = 4 * C * KS;
+    sU0 = sGam + ws.KP4, sO0 = sU0 + C * SXP, stage = sO0 + C * SXP;
+    total = buf + 2 * stage;
+  }
+  FLA_HD size_t bytes() const { return size_t(total) * sizeof(float); }
+};
+
+// The sweeps' two products for bf16/fp16 inputs, on TF32 tensor cores (tile_mma.cuh's mma_tf32;
+// fp32 inputs keep exact SIMT FMA). Operands are cut to TF32 where the inputs carry 8-11
+// significant bits; the state itself stays fp32 (it is the accumulator, not an operand, in S+).
+// acc (this lane's m16n8 elements) += A[m0.., 0..kn) B[0..kn), n0..) with A(r, k) and B(k, n)
+// given as functions (the caller masks rows and k past the live range to 0).
+template <class A, class B>
+__device__ __forceinline__ void warp_mma(float* acc, int kn, A a, B b) {
+  const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  for (int k = 0; k < kn; k += 8)
+    tile::mma_tf32(acc, tile::to_tf32(a(g, k + q)), tile::to_tf32(a(g + 8, k + q)),
+                   tile::to_tf32(a(g, k + q + 4)), tile::to_tf32(a(g + 8, k + q + 4)),
+                   tile::to_tf32(b(k + q, g)), tile::to_tf32(b(k + q + 4, g)));
 }
-__device__ __forceinline__ void copy_commit() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.commit_group;");
-#endif
-}
-template <int Pending>
-__device__ __forceinline__ void copy_wait() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.wait_group %0;" ::"n"(Pending));
-#endif
-}
+// Row and column of this lane's accumulator element e (0..3) in an m16n8 tile at (m0, n0).
+__device__ __forceinline__ int acc_row(int m0, int e) { return m0 + threadIdx.x % 32 / 4 + 8 * (e / 2); }
+__device__ __forceinline__ int acc_col(int n0, int e) { return n0 + 2 * (threadIdx.x % 4) + e % 2; }
 
 // The sequential passes: one CTA of NTS threads per (sequence, head, SX state columns), walking
 // the chunks with the K x SX slice in shared memory and the next chunk's workspace block copied
@@ -492,30 +654,18 @@ __device__ __forceinline__ void copy_wait() {
 // (D = dS+ at a chunk's end, ALGORITHMS.md §6.4: dS = gamma dS+ + scale R^^T dO + W^T dU with
 // dU = scale A_rb^T dO + B^ dS+, and Q~ = R^ + A_rb W.) The forward stores the chunk-start
 // states in hst (when asked) and the final one after them; the backward stores every D in dhst.
-// (16 columns on 128 threads, 4 CTAs per SM at K = 64, measured 15% slower: 1.36 against 1.18 ms.)
-constexpr int SX = 32, NTS = 256;  // state columns and threads per CTA
-static_assert(NTS == C * SX / 2, "phase A: one thread per row and column pair");
-FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
-struct StateSmem {
-  int S, U, Vt, buf, stage, total;  // floats
-  FLA_HD StateSmem(const DplrWs& ws, int K) {
-    stage = int(ws.kpart()) + 2 * C * SX;  // W .. gamma, then U0 and O0 [C][SX]
-    S = 0, U = K * SX, Vt = U + C * SX, buf = Vt + C * SX;
-    buf = (buf + 3) / 4 * 4;
-    total = buf + 2 * stage;
-  }
-  FLA_HD size_t bytes() const { return size_t(total) * sizeof(float); }
-};
-
+// (16 columns on 128 threads, 4 CTAs per SM at K = 64, measured 15% slower: 1.36 against 1.18 ms;
+// three workspace stages instead of two, 1.17 -> 1.26 ms: the SIMT sweep was issue-bound.)
 // OUT: the forward computes o (false in the forward sweep of a backward call, which only makes
 // hst: no O0 copies, no Q~ S).
 template <typename T, bool REV, bool OUT = !REV>
 __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
+  constexpr bool TC = !std::is_same<T, float>::value;
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const DplrWs ws(p.K, p.V);
   const StateSmem L(ws, p.K);
-  const int K = p.K, KP4 = ws.KP4, tiles = state_tiles(p.V);
+  const int K = p.K, KS = L.KS, tiles = state_tiles(p.V);
   const int tile = blockIdx.x % tiles, nh = blockIdx.x / tiles, h = nh % p.H, n = nh / p.H;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int x0 = tile * SX, nc = min(SX, p.V - x0);
@@ -527,49 +677,57 @@ __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
   auto chunk_of = [&](int64_t step) { return REV ? nch - 1 - step : step; };
 
   const bool want_o = OUT && p.o.on();
-  // Step `step`'s workspace block (W .. gamma whole; forward: U0 and, for o, O0 at this tile's
-  // columns).
+  // Step `step`'s workspace block (W .. gamma whole, rows re-strided to KS; forward: U0 and, for
+  // o, O0 at this tile's columns).
   auto fetch = [&](int64_t step) {
     float* dst = sm + L.buf + (step & 1) * L.stage;
     const float* src = wsb + (slot_of(chunk_of(step)) * p.H + h) * ws.per();
-    for (int e = threadIdx.x; e < ws.kpart() / 4; e += NTS) copy16(dst + 4 * e, src + 4 * e, true);
+    // A warp per K-row (row 4C is gamma), a lane per 16-byte piece: no division by KP4 / 4.
+    for (int row = threadIdx.x / 32; row < 4 * C + 1; row += NTS / 32)
+      for (int c = 4 * (threadIdx.x % 32); c < ws.KP4; c += 128)
+        copy16(dst + row * KS + c, src + row * ws.KP4 + c, true);
     if (!REV)
       for (int e = threadIdx.x; e < (want_o ? 2 : 1) * C * (SX / 4); e += NTS) {
         const int mtx = e / (C * SX / 4), i = e / (SX / 4) % C, q = e % (SX / 4), col = x0 + 4 * q;
         const bool on = col < ws.VP4;
-        copy16(dst + ws.kpart() + (mtx * C + i) * SX + 4 * q,
+        copy16(dst + L.sU0 + (mtx * C + i) * SXP + 4 * q,
                src + ws.U0() + (mtx * C + i) * ws.VP4 + (on ? col : 0), on);
       }
     copy_commit();
   };
-  // Step `step`'s rows of v (forward) or scale dO (backward) at this tile's columns, two per
-  // thread (0 outside).
-  auto fetch_rows = [&](int64_t step, float* x) {
+  // Step `step`'s rows of v (forward) or dO (backward) at this tile's columns, two per thread (0
+  // outside), kept in T until the next step stores them: converting right after the load made
+  // every step wait for it (ncu: 18 % of the sweep's stall samples on that conversion).
+  auto fetch_rows = [&](int64_t step, T* x) {
     const int64_t ci = chunk_of(step);
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
       const int e = threadIdx.x + it * NTS, i = e / SX, c = e % SX;
       const int64_t t = ci * C + i;
       const bool on = step < nch && t < s.len && c < nc;
-      x[it] = !on ? 0.f : REV ? rho * ld<T>(p.dout, s.b, s.bos + t, h, x0 + c)
-                              : ld<T>(p.v, s.b, s.bos + t, h, x0 + c);
+      x[it] = on ? *vptr<T>(REV ? p.dout : p.v, s.b, s.bos + t, h, x0 + c) : from_f<T>(0.f);
     }
   };
   auto store_state_at = [&](void* dst_base, int64_t ci) {
     float* dst = static_cast<float*>(dst_base) + (slot_of(ci) * p.H + h) * int64_t(K) * p.V + x0;
     for (int e = threadIdx.x; e < K * SX; e += NTS)
-      if (e % SX < nc) dst[int64_t(e / SX) * p.V + e % SX] = S[e];
+      if (e % SX < nc) dst[int64_t(e / SX) * p.V + e % SX] = S[e / SX * SXP + e % SX];
+  };
+  auto store_o = [&](int64_t ci, int i, int x, float v) {
+    const int64_t t = ci * C + i;
+    if (t < s.len && x < nc) *vptr<T>(p.o, s.b, s.bos + t, h, x0 + x) = from_f<T>(v);
   };
 
   const MatArg& init = REV ? p.dht : p.h0;
   for (int e = threadIdx.x; e < K * SX; e += NTS) {
     const int d = e / SX, x = e % SX;
-    S[e] = init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
+    S[d * SXP + x] = init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
   }
-  float vx[C * SX / NTS];
+  T vx[C * SX / NTS];
   if (nch > 0) fetch(0);
   fetch_rows(0, vx);
   const int i = threadIdx.x / (SX / 2), xp = 2 * (threadIdx.x % (SX / 2));  // phase A: row i, columns xp, xp + 1
+  const int warp = threadIdx.x / 32;
   for (int64_t step = 0; step < nch; ++step) {
     const int64_t ci = chunk_of(step);
     const float* cur = sm + L.buf + (step & 1) * L.stage;
@@ -580,26 +738,46 @@ __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
       copy_wait<0>();
     }
 #pragma unroll
-    for (int it = 0; it < C * SX / NTS; ++it) Vt[threadIdx.x + it * NTS] = vx[it];
+    for (int it = 0; it < C * SX / NTS; ++it) {
+      const int e = threadIdx.x + it * NTS;
+      Vt[e / SX * SXP + e % SX] = REV ? rho * to_f(vx[it]) : to_f(vx[it]);
+    }
     fetch_rows(step + 1, vx);
     __syncthreads();
     if (REV) store_state_at(p.dhst, ci);
     else if (p.hst) store_state_at(p.hst, ci);
-    if (REV) {  // T = B^ D
-      const float* br = cur + ws.Bh() + i * KP4;
+    if (TC) {
+      // Phase A, one m16n8 tile per warp: columns 8 (warp % 4), product T (warps 0-3) or Q~ S
+      // (warps 4-7, forward with o).
+      if (warp < (OUT ? 8 : 4)) {
+        const int n0 = 8 * (warp % 4);
+        const float* A = cur + (REV ? L.sBh : warp < 4 ? L.sW : L.sQ);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        warp_mma(acc, K, [&](int r, int k) { return k < K ? A[r * KS + k] : 0.f; },
+                 [&](int k, int c) { return k < K ? S[k * SXP + n0 + c] : 0.f; });
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = acc_row(0, e), x = acc_col(n0, e);
+          if (REV) U[r * SXP + x] = acc[e];
+          else if (warp < 4) U[r * SXP + x] = cur[L.sU0 + r * SXP + x] + acc[e];
+          else if (want_o) store_o(ci, r, x, cur[L.sO0 + r * SXP + x] + rho * acc[e]);
+        }
+      }
+    } else if (REV) {  // T = B^ D
+      const float* br = cur + L.sBh + i * KS;
       float t0 = 0.f, t1 = 0.f;
 #pragma unroll 4
       for (int d = 0; d < K; ++d) {
-        const float2 sv = *reinterpret_cast<const float2*>(S + d * SX + xp);
+        const float2 sv = *reinterpret_cast<const float2*>(S + d * SXP + xp);
         t0 += br[d] * sv.x, t1 += br[d] * sv.y;
       }
-      U[i * SX + xp] = t0, U[i * SX + xp + 1] = t1;
+      U[i * SXP + xp] = t0, U[i * SXP + xp + 1] = t1;
     } else {  // U = U0 + W S, o = O0 + scale Q~ S
-      const float *wr = cur + ws.W() + i * KP4, *qr = cur + ws.Q() + i * KP4;
+      const float *wr = cur + L.sW + i * KS, *qr = cur + L.sQ + i * KS;
       float t0 = 0.f, t1 = 0.f, q0 = 0.f, q1 = 0.f;
 #pragma unroll 4
       for (int d = 0; d < K; ++d) {
-        const float2 sv = *reinterpret_cast<const float2*>(S + d * SX + xp);
+        const float2 sv = *reinterpret_cast<const float2*>(S + d * SXP + xp);
         const float w = wr[d];
         t0 += w * sv.x, t1 += w * sv.y;
         if (OUT) {
@@ -607,47 +785,63 @@ __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
           q0 += q * sv.x, q1 += q * sv.y;
         }
       }
-      const float* u0 = cur + ws.kpart() + i * SX + xp;
-      const float* o0 = u0 + C * SX;
-      U[i * SX + xp] = u0[0] + t0, U[i * SX + xp + 1] = u0[1] + t1;
-      const int64_t t = ci * C + i;
-      if (want_o && t < s.len) {
-        T* o = vptr<T>(p.o, s.b, s.bos + t, h, x0 + xp);
-        if (xp < nc) o[0] = from_f<T>(o0[0] + rho * q0);
-        if (xp + 1 < nc) o[p.o.sd] = from_f<T>(o0[1] + rho * q1);
-      }
+      const float* u0 = cur + L.sU0 + i * SXP + xp;
+      const float* o0 = u0 + C * SXP;
+      U[i * SXP + xp] = u0[0] + t0, U[i * SXP + xp + 1] = u0[1] + t1;
+      if (want_o) store_o(ci, i, xp, o0[0] + rho * q0), store_o(ci, i, xp + 1, o0[1] + rho * q1);
     }
     __syncthreads();
-    // S = gamma S + X1^T Vt + X2^T U with (X1, X2) = (K^, B^) forward, (Q~, W) backward: thread
-    // owns rows 4 dg .. 4 dg + 3, columns xp, xp + 1.
-    const float* x1 = cur + (REV ? ws.Q() : ws.Kh());
-    const float* x2 = cur + (REV ? ws.W() : ws.Bh());
-    for (int dg = threadIdx.x / (SX / 2); 4 * dg < K; dg += NTS / (SX / 2)) {
-      const int d0 = 4 * dg;
-      float acc[4][2];
+    // S = gamma S + X1^T Vt + X2^T U with (X1, X2) = (K^, B^) forward, (Q~, W) backward.
+    const float* x1 = cur + (REV ? L.sQ : L.sKh);
+    const float* x2 = cur + (REV ? L.sW : L.sBh);
+    const float* gam = cur + L.sGam;
+    if (TC) {  // m16n8 tiles (16 state rows, 8 columns), warp-strided; each element has one owner
+      for (int tl = warp; tl < (K + 15) / 16 * (SX / 8); tl += NTS / 32) {
+        const int m0 = 16 * (tl / (SX / 8)), n0 = 8 * (tl % (SX / 8));
+        float acc[4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float g = cur[ws.gam() + d0 + r];
-        const bool in = d0 + r < K;
-        acc[r][0] = in ? g * S[(d0 + r) * SX + xp] : 0.f;
-        acc[r][1] = in ? g * S[(d0 + r) * SX + xp + 1] : 0.f;
-      }
-#pragma unroll 4
-      for (int j = 0; j < C; ++j) {
-        const float4 a4 = *reinterpret_cast<const float4*>(x1 + j * KP4 + d0);
-        const float4 b4 = *reinterpret_cast<const float4*>(x2 + j * KP4 + d0);
-        const float2 v = *reinterpret_cast<const float2*>(Vt + j * SX + xp);
-        const float2 u = *reinterpret_cast<const float2*>(U + j * SX + xp);
-        const float ar[4] = {a4.x, a4.y, a4.z, a4.w}, br[4] = {b4.x, b4.y, b4.z, b4.w};
+        for (int e = 0; e < 4; ++e) {
+          const int d = acc_row(m0, e);
+          acc[e] = d < K ? gam[d] * S[d * SXP + acc_col(n0, e)] : 0.f;
+        }
+        warp_mma(acc, C, [&](int r, int j) { return m0 + r < K ? x1[j * KS + m0 + r] : 0.f; },
+                 [&](int j, int c) { return Vt[j * SXP + n0 + c]; });
+        warp_mma(acc, C, [&](int r, int j) { return m0 + r < K ? x2[j * KS + m0 + r] : 0.f; },
+                 [&](int j, int c) { return U[j * SXP + n0 + c]; });
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          acc[r][0] += ar[r] * v.x + br[r] * u.x;
-          acc[r][1] += ar[r] * v.y + br[r] * u.y;
+        for (int e = 0; e < 4; ++e) {
+          const int d = acc_row(m0, e);
+          if (d < K) S[d * SXP + acc_col(n0, e)] = acc[e];
         }
       }
+    } else {  // thread: rows 4 dg .. 4 dg + 3, columns xp, xp + 1
+      for (int dg = threadIdx.x / (SX / 2); 4 * dg < K; dg += NTS / (SX / 2)) {
+        const int d0 = 4 * dg;
+        float acc[4][2];
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-        if (d0 + r < K) S[(d0 + r) * SX + xp] = acc[r][0], S[(d0 + r) * SX + xp + 1] = acc[r][1];
+        for (int r = 0; r < 4; ++r) {
+          const float g = gam[d0 + r];
+          const bool in = d0 + r < K;
+          acc[r][0] = in ? g * S[(d0 + r) * SXP + xp] : 0.f;
+          acc[r][1] = in ? g * S[(d0 + r) * SXP + xp + 1] : 0.f;
+        }
+#pragma unroll 4
+        for (int j = 0; j < C; ++j) {
+          const float4 a4 = *reinterpret_cast<const float4*>(x1 + j * KS + d0);
+          const float4 b4 = *reinterpret_cast<const float4*>(x2 + j * KS + d0);
+          const float2 v = *reinterpret_cast<const float2*>(Vt + j * SXP + xp);
+          const float2 u = *reinterpret_cast<const float2*>(U + j * SXP + xp);
+          const float ar[4] = {a4.x, a4.y, a4.z, a4.w}, br[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            acc[r][0] += ar[r] * v.x + br[r] * u.x;
+            acc[r][1] += ar[r] * v.y + br[r] * u.y;
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          if (d0 + r < K) S[(d0 + r) * SXP + xp] = acc[r][0], S[(d0 + r) * SXP + xp + 1] = acc[r][1];
+      }
     }
     __syncthreads();
   }
@@ -655,7 +849,7 @@ __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
   if (!REV && p.hst) store_state_at(p.hst, nch);
   if (fin.on())
     for (int e = threadIdx.x; e < K * SX; e += NTS)
-      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = S[e];
+      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = S[e / SX * SXP + e % SX];
 }
 
 // The backward's gradients, parallel over (chunk slot, head, tile of dplr_chunk_cols(K)
@@ -683,6 +877,15 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
     // dS+ at this tile's columns, 4 per thread, all loads in flight before the first store.
     // zeta = rowsum(S+ * dS+) from registers (S+ is not kept): partial sums per 4 columns in
     // the gradient rows' space, which is written only after zeta is summed.
+    const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.per() + ws.mats();
+    if (p.rows16) {  // everything but the states in flight first (rows, v, dO, the matrices)
+      copy_rows_async<T>(sm, L, p, c.s, c.h, t0, nrow);
+      copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
+      copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
+      for (int e = threadIdx.x; e < 5 * C * C; e += NT)
+        copy4(sm + mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C, mats + e);
+      copy_commit();
+    }
     {
       const float *s0 = hst_at(p, c, ci, 0, 0), *s1 = hst_at(p, c, ci + 1, 0, 0);
       const float* d1 = dhst_at(p, c, ci, 0, 0);
@@ -699,9 +902,15 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
       }
     }
-    load_chunk<T>(sm, L, p, c, t0, nrow, true);
-    {
-      const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.per() + ws.mats();
+    if (p.rows16) {
+      if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only, no copy goes there
+      copy_wait<0>();
+      __syncthreads();
+      if (kRawRows<T>) widen_rows<T>(sm, L);
+      widen_cols<T>(sm, L, 0, cols, 0, L.v);
+      widen_cols<T>(sm, L, 1, cols, 0, L.dO);
+    } else {
+      load_chunk<T>(sm, L, p, c, t0, nrow, true);
       for (int e = threadIdx.x; e < 5 * C * C; e += NT)
         sm[mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C] = mats[e];
     }

@@ -73,6 +73,10 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // fp32, and for the backward dS at every chunk end, laid out as hst.
   void* ws = nullptr;
   void* dhst = nullptr;
+  // CUDA: set by the launch when every activation row can be copied asynchronously 16 bytes at a
+  // time (last dim contiguous, row starts 16-byte aligned, K and V whole 16-byte pieces) and the
+  // raw rows fit the kernels' stage; else the kernels load element by element.
+  bool rows16 = false;
 };
 
 void dplr_chunk_cpu(const DplrChunkPass& p);

@@ -21,8 +21,10 @@ cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, con
 }
 
 template <typename T>
-cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
-  if (int64_t(p.N) * p.H == 0) return cudaSuccess;
+cudaError_t launch(const DplrChunkPass& p_in, cudaStream_t stream) {
+  if (int64_t(p_in.N) * p_in.H == 0) return cudaSuccess;
+  DplrChunkPass p = p_in;
+  p.rows16 = rows16<T>(p);
   const int64_t slots = chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
   cudaError_t e = launch_with_smem(prep_kernel<T>, dim3(unsigned(slots), p.H), NT,
                                    Smem(p.K, false).bytes(), p, stream);

@@ -84,14 +84,26 @@ struct Frag<false> {
 // instructions per operand element instead of 1); operands here are finite.
 __device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
-// d (an m16n8 fp32 accumulator) += a (m16k8) b (k8n8), TF32 operands.
+#ifndef __CUDA_ARCH__
+// The host branch's warp collective (tests/cuda_emu/emu.h defines it; nothing else calls it).
+void emu_mma_tf32(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                  uint32_t b1);
+#endif
+
+// d (an m16n8 fp32 accumulator) += a (m16k8) b (k8n8), TF32 operands. Lane (g, q) = (lane / 4,
+// lane % 4) holds a0 = a(g, q), a1 = a(g + 8, q), a2 = a(g, q + 4), a3 = a(g + 8, q + 4),
+// b0 = b(q, g), b1 = b(q + 4, g) and d(g, 2q), d(g, 2q + 1), d(g + 8, 2q), d(g + 8, 2q + 1).
 __device__ __forceinline__ void mma_tf32(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+#ifdef __CUDA_ARCH__
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  emu_mma_tf32(d, a0, a1, a2, a3, b0, b1);
+#endif
 }
 
 template <>

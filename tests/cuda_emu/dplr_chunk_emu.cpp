@@ -72,6 +72,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     if (h0.numel()) p.dh0 = mat(dh0);
     p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1), p.kg_pair = pair;
   }
+  p.rows16 = rows16<E>(p);  // as the launch decides: asynchronous row copies where they apply
   emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(p); }); });
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
   if (bwd)  // as the launch does: the backward's forward sweep makes hst alone
