@@ -337,19 +337,40 @@ __device__ inline void pair_matrices(float* sm, const Smem& L, float& rk, float&
 }
 
 // exp(G) and exp(Omega) of a loaded chunk and, at `ah` when >= 0, Â = a exp(E) (rows [C][KP]).
-// Not synchronised.
+// Four threads per channel, four rows each (all 256 threads: one thread per channel walking all
+// 16 rows kept three warps in four at the next barrier, ~10 % of grad's stall samples). Every
+// exponent is a sum of w's (the other rows' totals through shuffles), never a difference. Not
+// synchronised.
 __device__ inline void chunk_decays(float* sm, const Smem& L, int ah = -1) {
-  const int K = L.K, KP = L.KP;
-  for (int d = threadIdx.x; d < K; d += NT) {
-    float run = 0.f, prev = 1.f;  // prev = exp(E_i) = exp(G_{i-1})
-    for (int i = 0; i < C; ++i) {
-      if (ah >= 0) sm[ah + i * KP + d] = sm[L.a + i * KP + d] * prev;
-      sm[L.eG + i * KP + d] = prev = expf(run += sm[L.w + i * KP + d]);
+  static_assert(C == 16, "four rows per thread, four threads per channel");
+  const int K = L.K, KP = L.KP, part = threadIdx.x % 4, r0 = 4 * part;
+  for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane: shuffles below
+    const int d = d0 + threadIdx.x / 4;
+    const bool on = d < K;
+    float wl[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) wl[r] = on ? sm[L.w + (r0 + r) * KP + d] : 0.f;
+    const float tot = wl[0] + wl[1] + wl[2] + wl[3];
+    float before = 0.f, after = 0.f;  // totals of the rows before and after this thread's four
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float t = __shfl_sync(0xffffffffu, tot, q, 4);
+      if (q < part) before += t;
+      if (q > part) after += t;
     }
-    run = 0.f;
-    for (int j = C - 1; j >= 0; --j) {
-      sm[L.eO + j * KP + d] = expf(run);
-      run += sm[L.w + j * KP + d];
+    if (!on) continue;
+    float run = before, prev = part ? expf(before) : 1.f;  // prev = exp(E_i) = exp(G_{i-1})
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = r0 + r;
+      if (ah >= 0) sm[ah + i * KP + d] = sm[L.a + i * KP + d] * prev;
+      sm[L.eG + i * KP + d] = prev = expf(run += wl[r]);
+    }
+    run = after;
+#pragma unroll
+    for (int r = 3; r >= 0; --r) {
+      sm[L.eO + (r0 + r) * KP + d] = expf(run);
+      run += wl[r];
     }
   }
 }
@@ -1067,16 +1088,43 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       v.ptr = static_cast<const float*>(p.kg.ptr) + c.tile / p.kg_pair * p.kg_tile + g * p.kg_grad;
       return vptr<float>(v, c.s.b, t, c.h, d);
     };
-    // dw = reverse cumsum + zeta (§6.4), exactly 0 where exp(w) == 0.
-    for (int d = threadIdx.x; d < K; d += NT) {
-      float acc = sm[L.zeta + d];
-      for (int t = nrow - 1; t >= 0; --t) {
-        const int at = t * KP + d;
-        acc += sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
-               sm[L.b + at] * sm[L.gb + at];
-        if (sm[L.w + at] == 0.f) acc = 0.f;  // exp(w), set above
-        atomicAdd(kg_at(kGradW, c.s.bos + t0 + t, d), acc);
-        acc += sm[L.a + at] * sm[L.ga + at];
+    // dw = reverse cumsum + zeta (§6.4), exactly 0 where exp(w) == 0: per row t (reverse)
+    // acc += x_t; acc = 0 where exp(w_t) == 0; dw_t = acc; acc += y_t. Four threads per channel,
+    // four rows each: a row group maps the sum entering it to acc_in + c (no reset in it) or to
+    // c, and each thread starts from zeta carried through the later groups' maps (shuffles).
+    {
+      const int part = threadIdx.x % 4, r0 = 4 * part;
+      for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane
+        const int d = d0 + threadIdx.x / 4;
+        const bool on = d < K;
+        float x[4], y[4], cg = 0.f;
+        bool z[4], keep = true;  // keep: no reset in this row group
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int at = (r0 + r) * KP + d;
+          const bool live = on && r0 + r < nrow;
+          x[r] = live ? sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
+                            sm[L.b + at] * sm[L.gb + at]
+                      : 0.f;
+          y[r] = live ? sm[L.a + at] * sm[L.ga + at] : 0.f;
+          z[r] = live && sm[L.w + at] == 0.f;  // exp(w), set above
+        }
+#pragma unroll
+        for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
+        float acc = on ? sm[L.zeta + d] : 0.f;
+#pragma unroll
+        for (int q = 3; q >= 0; --q) {
+          const float cq = __shfl_sync(0xffffffffu, cg, q, 4);
+          const float kq = __shfl_sync(0xffffffffu, keep ? 1.f : 0.f, q, 4);
+          if (q > part) acc = kq != 0.f ? acc + cq : cq;
+        }
+#pragma unroll
+        for (int r = 3; r >= 0; --r) {
+          acc += x[r];
+          if (z[r]) acc = 0.f;
+          if (on && r0 + r < nrow) atomicAdd(kg_at(kGradW, c.s.bos + t0 + r0 + r, d), acc);
+          acc += y[r];
+        }
       }
     }
     for (int e = threadIdx.x; e < nrow * K; e += NT) {

@@ -32,6 +32,17 @@ inline uint32_t __float_as_uint(float f) {
 inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
 struct EmuMmaLane { float a[4], b[2]; };
 inline std::vector<EmuMmaLane> emu_lanes;
+inline std::vector<float> emu_shfl;
+// __shfl_sync over the thread's warp (every lane must call it, as on the GPU with a full mask).
+inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
+  const int t = int(threadIdx.x), lane = t % 32;
+  std::barrier<>& bar = *emu_warps[t / 32];
+  emu_shfl[t] = v;
+  bar.arrive_and_wait();
+  const float r = emu_shfl[t - lane + lane / width * width + src % width];
+  bar.arrive_and_wait();
+  return r;
+}
 inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) {}
 // A CTA's threads never add to one element here, and CTAs run one after another.
@@ -79,6 +90,7 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
   emu_warps.clear();
   for (int w = 0; w < (threads + 31) / 32; ++w) emu_warps.push_back(std::make_unique<std::barrier<>>(32));
   emu_lanes.assign(size_t(threads), {});
+  emu_shfl.assign(size_t(threads), 0.f);
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
     pool.emplace_back([&, t] {
