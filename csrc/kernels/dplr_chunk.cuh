@@ -18,6 +18,7 @@
 // shared memory; its K-vector gradients are per-tile partial sums, added into zero-filled slabs
 // two tiles per slab (DplrArgs::kg_pair). No host synchronisation: CUDA-graph safe.
 #pragma once
+#include <cstring>
 #include <type_traits>
 
 #include "dplr_chunk.h"
@@ -154,6 +155,8 @@ FLA_HD size_t stage_bytes(int K, int ncol, int ncolmats) {
 // DplrChunkPass::rows16 for these inputs: every activation row in whole 16-byte pieces at 16-byte
 // aligned addresses, and the stages of prep (raw K-rows, then all of v, over the pair workspace)
 // and of grad (raw K-rows, v and dO tile rows, from gk on) within the space they overlay.
+constexpr int kSp = 4;  // S+ quads a grad thread holds in registers while its copies fly
+
 template <typename T>
 inline bool rows16(const DplrChunkPass& p) {
   constexpr int E = kPiece<T>;
@@ -166,7 +169,8 @@ inline bool rows16(const DplrChunkPass& p) {
   if (stage_bytes<T>(p.K, p.V, 1) > size_t(kPairWs) * sizeof(float)) return false;
   if (!p.backward()) return true;
   const Smem g(p.K, true);
-  return ok(p.dout, p.V) && stage_bytes<T>(p.K, g.cols, 2) <= size_t(g.total - g.stage) * sizeof(float);
+  return ok(p.dout, p.V) && stage_bytes<T>(p.K, g.cols, 2) <= size_t(g.total - g.stage) * sizeof(float) &&
+         elements::aligned16(p.hst) && elements::aligned16(p.dhst) && (p.K << (g.lc - 2)) <= kSp * NT;
 }
 
 // Issues the copies of rows [t0, t0 + nrow) of r, w, k, a, b (rows past nrow zero-filled).
@@ -199,24 +203,46 @@ __device__ void copy_cols_async(float* sm, const Smem& L, const VecArg& x, int m
     copy16(stage + i * ncol + c, on ? vptr<T>(x, s.b, s.bos + t0 + i, h, x0 + c) : x.ptr, on);
   }
 }
-// After the wait and a barrier: K-rows to fp32 (channel padding 0). fp32 rows are in place; only
-// their padding is written (before the wait is fine: no copy goes there).
+// Widens one 16-byte piece (E elements of T) to E floats at dst (16-byte aligned); zeros if !on.
+template <typename T>
+__device__ __forceinline__ void widen_piece(float* dst, const T* src, bool on) {
+  constexpr int E = kPiece<T>;
+  uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+  if (on) raw = *reinterpret_cast<const uint4*>(src);
+  T v[E];
+  memcpy(v, &raw, sizeof(raw));  // not a pointer cast: that would break strict aliasing
+#pragma unroll
+  for (int q = 0; q < E; q += 4)
+    *reinterpret_cast<float4*>(dst + q) = make_float4(to_f(v[q]), to_f(v[q + 1]), to_f(v[q + 2]), to_f(v[q + 3]));
+}
+// After the wait and a barrier: raw K-rows to fp32, a piece per thread and step. Every dtype:
+// the channel padding [K, KP) of the five row arrays to 0 (fp32 rows are in place already; no
+// copy goes to the padding, so this may also run before the wait).
 template <typename T>
 __device__ void widen_rows(float* sm, const Smem& L) {
-  const T* const stage = reinterpret_cast<const T*>(sm + L.stage);
-  for (int i = threadIdx.x / 64; i < C; i += NT / 64)
-    for (int d = threadIdx.x % 64 + (kRawRows<T> ? 0 : L.K); d < L.KP; d += 64)
-#pragma unroll
-      for (int q = 0; q < 5; ++q)
-        sm[L.r + q * C * L.KP + i * L.KP + d] = d < L.K ? to_f(stage[(q * C + i) * L.K + d]) : 0.f;
+  constexpr int E = kPiece<T>;
+  if (kRawRows<T>) {
+    const T* const stage = reinterpret_cast<const T*>(sm + L.stage);
+    const int pk = L.K / E;
+    for (int e = threadIdx.x; e < 5 * C * pk; e += NT) {  // arrays r..b are C * KP apart
+      const int qi = e / pk, c = (e - qi * pk) * E;
+      widen_piece<T>(sm + L.r + qi * L.KP + c, stage + qi * L.K + c, true);
+    }
+  }
+  const int pad = L.KP - L.K;
+  for (int e = threadIdx.x; e < 5 * C * pad; e += NT) sm[L.r + e / pad * L.KP + L.K + e % pad] = 0.f;
 }
-// Columns [x0, x0 + cols) of stage matrix m (ncol columns per row) to a tile array [C][BP].
+// Columns [x0, x0 + cols) of stage matrix m (ncol columns per row) to a tile array [C][BP]
+// (columns at or past ncol: 0).
 template <typename T>
 __device__ void widen_cols(float* sm, const Smem& L, int m, int ncol, int x0, int dst) {
+  constexpr int E = kPiece<T>;
   const T* const stage = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * ncol;
-  const int x = threadIdx.x & (L.cols - 1);
-  for (int i = threadIdx.x >> L.lc; i < C; i += NT >> L.lc)
-    sm[dst + i * L.BP + x] = x0 + x < ncol ? to_f(stage[i * ncol + x0 + x]) : 0.f;
+  const int pc = L.cols / E;
+  for (int e = threadIdx.x; e < C * pc; e += NT) {
+    const int i = e / pc, c = (e - i * pc) * E;
+    widen_piece<T>(sm + dst + i * L.BP + c, stage + i * ncol + x0 + c, x0 + c < ncol);
+  }
 }
 
 // Rows [t0, t0 + nrow) of the chunk's K-vectors into shared memory, padded to C rows with w = 0
@@ -899,22 +925,62 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
     // zeta = rowsum(S+ * dS+) from registers (S+ is not kept): partial sums per 4 columns in
     // the gradient rows' space, which is written only after zeta is summed.
     const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.per() + ws.mats();
-    if (p.rows16) {  // everything but the states in flight first (rows, v, dO, the matrices)
+    // S (hst at this chunk), S+ (the next slot: the next chunk's start or the final state) and
+    // dS+ at this tile's columns, 4 per thread. zeta = rowsum(S+ * dS+) with S+ from registers
+    // (it is not kept): partial sums per 4 columns in the gradient rows' space, which is written
+    // only after zeta is summed.
+    const float *s0 = hst_at(p, c, ci, 0, 0), *s1 = hst_at(p, c, ci + 1, 0, 0);
+    const float* d1 = dhst_at(p, c, ci, 0, 0);
+    const int lq = L.lc - 2;  // log2(column quads per row)
+    auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
+    if (p.rows16) {
+      // Everything in flight before any wait: rows, v, dO, the matrices, S and dS+ by cp.async,
+      // S+ into registers (at most kSp quads per thread: DplrChunkPass::rows16), consumed after.
       copy_rows_async<T>(sm, L, p, c.s, c.h, t0, nrow);
       copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       for (int e = threadIdx.x; e < 5 * C * C; e += NT)
         copy4(sm + mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C, mats + e);
+      float4 sp[kSp];
+#pragma unroll
+      for (int it = 0; it < kSp; ++it) {
+        int d, x;
+        quad(threadIdx.x + it * NT, d, x);
+        if (d < K) {
+          const int64_t at = int64_t(d) * p.V + x;
+          copy16(sm + L.S + d * BP + x, s0 + at, x < c.nc);
+          copy16(sm + L.dS + d * BP + x, d1 + at, x < c.nc);
+        }
+      }
       copy_commit();
-    }
-    {
-      const float *s0 = hst_at(p, c, ci, 0, 0), *s1 = hst_at(p, c, ci + 1, 0, 0);
-      const float* d1 = dhst_at(p, c, ci, 0, 0);
+#pragma unroll
+      for (int it = 0; it < kSp; ++it) {
+        int d, x;
+        quad(threadIdx.x + it * NT, d, x);
+        if (d < K) sp[it] = load4(s1 + int64_t(d) * p.V + x, c.nc - x, true);
+      }
+      if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only
+      copy_wait<0>();
+      __syncthreads();
+      if (kRawRows<T>) widen_rows<T>(sm, L);
+      widen_cols<T>(sm, L, 0, cols, 0, L.v);
+      widen_cols<T>(sm, L, 1, cols, 0, L.dO);
+#pragma unroll
+      for (int it = 0; it < kSp; ++it) {
+        int d, x;
+        const int e = threadIdx.x + it * NT;
+        quad(e, d, x);
+        if (d < K) {
+          const float4 g = ld4(sm + L.dS + d * BP + x), b = sp[it];
+          sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
+        }
+      }
+    } else {
       const bool vec = p.V % 4 == 0 && aligned16(p.hst) && aligned16(p.dhst);
-      const int lq = L.lc - 2;  // log2(column quads per row)
 #pragma unroll 2
       for (int e = threadIdx.x; e < K << lq; e += NT) {
-        const int d = e >> lq, x = 4 * (e & ((1 << lq) - 1));
+        int d, x;
+        quad(e, d, x);
         const int64_t at = int64_t(d) * p.V + x;
         const float4 a = load4(s0 + at, c.nc - x, vec), b = load4(s1 + at, c.nc - x, vec);
         const float4 g = load4(d1 + at, c.nc - x, vec);
@@ -922,15 +988,6 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = g;
         sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
       }
-    }
-    if (p.rows16) {
-      if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only, no copy goes there
-      copy_wait<0>();
-      __syncthreads();
-      if (kRawRows<T>) widen_rows<T>(sm, L);
-      widen_cols<T>(sm, L, 0, cols, 0, L.v);
-      widen_cols<T>(sm, L, 1, cols, 0, L.dO);
-    } else {
       load_chunk<T>(sm, L, p, c, t0, nrow, true);
       for (int e = threadIdx.x; e < 5 * C * C; e += NT)
         sm[mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C] = mats[e];
@@ -1127,11 +1184,17 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         }
       }
     }
-    for (int e = threadIdx.x; e < nrow * K; e += NT) {
-      const int i = e / K, d = e % K, at = i * KP + d;
-      const int64_t t = c.s.bos + t0 + i;
-      atomicAdd(kg_at(kGradR, t, d), sm[L.gr + at]), atomicAdd(kg_at(kGradK, t, d), sm[L.gk + at]);
-      atomicAdd(kg_at(kGradA, t, d), sm[L.ga + at]), atomicAdd(kg_at(kGradB, t, d), sm[L.gb + at]);
+    // One slab pointer per row; the four gradients sit kg_grad apart.
+    for (int i = threadIdx.x / 64; i < nrow; i += NT / 64) {
+      float* const row = kg_at(kGradR, c.s.bos + t0 + i, 0);
+      const int64_t gk = (kGradK - kGradR) * p.kg_grad, ga = (kGradA - kGradR) * p.kg_grad;
+      const int64_t gb = (kGradB - kGradR) * p.kg_grad;
+      for (int d = threadIdx.x % 64; d < K; d += 64) {
+        float* const g = row + d * p.kg.sd;
+        const int at = i * KP + d;
+        atomicAdd(g, sm[L.gr + at]), atomicAdd(g + gk, sm[L.gk + at]);
+        atomicAdd(g + ga, sm[L.ga + at]), atomicAdd(g + gb, sm[L.gb + at]);
+      }
     }
   }
 }
