@@ -904,6 +904,7 @@ __global__ void __launch_bounds__(NTS) sweep_kernel(const DplrChunkPass p) {
 // gradients are independent. The pair matrices and X come from the prep workspace.
 template <typename T>
 __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
+  constexpr bool TC = !std::is_same<T, float>::value;
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
   const Smem L(p.K, true);
@@ -1087,13 +1088,40 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       }
     }
     __syncthreads();  // dA_ab complete; K^, B^ read: the gradient rows are written below
+    // bf16 / fp16: the state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T
+    // ([C][K] over this tile's columns), on TF32 tensor cores into the gradient rows (the SIMT
+    // sums below were a quarter of grad's instructions); fp32 keeps the exact sums below.
+    if (TC) {
+      const int ntile = (K + 7) / 8;
+      for (int task = threadIdx.x / 32; task < 4 * ntile; task += NT / 32) {
+        const int m = task / ntile, n0 = 8 * (task % ntile);
+        const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
+        const int D = m == 0 ? L.gr : m == 1 ? L.ga : m == 2 ? L.gk : L.gb;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        warp_mma(acc, cols, [&](int r, int k) { return sm[A + r * BP + k]; },
+                 [&](int k, int n) { return n0 + n < K ? sm[B + (n0 + n) * BP + k] : 0.f; });
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int d = acc_col(n0, e);
+          if (d < K) sm[D + acc_row(0, e) * KP + d] = acc[e];
+        }
+      }
+      __syncthreads();
+    }
     // K-vector gradients of rows i and i + 8 (one read of S and dS serves both), channel d:
     // state parts, then the pair parts (query-type rows r, a over j <= i; key-type rows k, b
     // over i' >= j), factors multiplied up from exp(w).
     for (int e = threadIdx.x; e < (C / 2) * K; e += NT) {
       const int i0 = e / K, d = e % K;
       float g[2][4] = {};
-      for (int q = 0; q < cols; q += 4) {
+      if (TC) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int at = (i0 + h2 * (C / 2)) * KP + d;
+          g[h2][0] = sm[L.gr + at], g[h2][1] = sm[L.ga + at], g[h2][2] = sm[L.gk + at], g[h2][3] = sm[L.gb + at];
+        }
+      }
+      for (int q = 0; q < (TC ? 0 : cols); q += 4) {
         const float4 s = ld4(sm + L.S + d * BP + q), ds = ld4(sm + L.dS + d * BP + q);
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
