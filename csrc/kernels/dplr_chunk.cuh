@@ -1,5 +1,8 @@
 // CUDA engine for the chunked RWKV7 algebra of kernels/dplr_chunk.h (the steps of
-// cpu/dplr_chunk.cpp in fp32, SIMT FMA: no TF32 anywhere).
+// cpu/dplr_chunk.cpp in fp32). Exact SIMT FMA everywhere for fp32 inputs; for bf16 / fp16 inputs
+// the sweeps' state products and the grad kernel's state parts of the K-vector gradients run on
+// TF32 tensor cores (fp32 accumulators and states; the pair matrices, X and every exponent stay
+// SIMT fp32).
 //
 // Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
@@ -713,11 +716,11 @@ __device__ __forceinline__ int acc_col(int n0, int e) { return n0 + 2 * (threadI
 // (D = dS+ at a chunk's end, ALGORITHMS.md §6.4: dS = gamma dS+ + scale R^^T dO + W^T dU with
 // dU = scale A_rb^T dO + B^ dS+, and Q~ = R^ + A_rb W.) The forward stores the chunk-start
 // states in hst (when asked) and the final one after them; the backward stores every D in dhst.
-// (16 columns on 128 threads, 4 CTAs per SM at K = 64, measured 15% slower: 1.36 against 1.18 ms;
-// three workspace stages instead of two, 1.17 -> 1.26 ms: the SIMT sweep was issue-bound.)
+// Tried (NOTES c9, c13): 16 columns on 128 threads (SIMT: 15 % slower; TF32: equal at K = 64,
+// 35 % slower at K = 128), three workspace stages instead of two (SIMT: 8 % slower).
 // OUT: the forward computes o (false in the forward sweep of a backward call, which only makes
 // hst: no O0 copies, no Q~ S).
-template <typename T, bool REV, bool OUT = !REV>
+template <typename T, bool REV, bool OUT = !REV>  // two CTAs per SM: at most 128 registers
 __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;
   extern __shared__ float4 sm4[];
@@ -936,10 +939,6 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
   {
     const int64_t t0 = ci * C;
     const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
-    // S (hst at this chunk), S+ (the next slot: the next chunk's start or the final state) and
-    // dS+ at this tile's columns, 4 per thread, all loads in flight before the first store.
-    // zeta = rowsum(S+ * dS+) from registers (S+ is not kept): partial sums per 4 columns in
-    // the gradient rows' space, which is written only after zeta is summed.
     const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.per() + ws.mats();
     // S (hst at this chunk), S+ (the next slot: the next chunk's start or the final state) and
     // dS+ at this tile's columns, 4 per thread. zeta = rowsum(S+ * dS+) with S+ from registers
