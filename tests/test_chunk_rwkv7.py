@@ -85,6 +85,37 @@ def test_stress_nondefault_scale(device, gen):
 
 
 # ---------------------------------------------------------------------------------------------
+# The CUDA kernels' two load paths: whole aligned rows copied asynchronously (DplrChunkPass::
+# rows16, contiguous last dims) or element by element (any strides). The same values must give
+# the same results (up to a reordered fp32 product or two); an indexing slip in either is O(1).
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3)])
+def test_row_copy_paths_agree(dtype, tol, gen):
+    r, w, k, v, a, b, h0 = make(2, 70, 2, 64, 64, dtype, "cuda", gen, N=2)
+
+    def strided(t):  # the same values, the last dim two elements apart
+        s = torch.zeros(*t.shape, 2, dtype=t.dtype, device=t.device)
+        s[..., 0] = t
+        return s[..., 0]
+
+    do = torch.randn(v.shape, generator=gen).to(v)
+    dht = torch.randn(h0.shape, generator=gen).to(h0)
+
+    def run(xs):
+        xs = [x.requires_grad_(True) for x in xs]
+        o, ht = chunk_rwkv7(*xs, scale=0.5, initial_state=h0, output_final_state=True)
+        grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
+        return [o, ht, *grads]
+
+    fast = run([t.clone() for t in (r, w, k, v, a, b)])
+    slow = run([strided(t) for t in (r, w, k, v, a, b)])
+    for name, x, y in zip(["o", "ht", *(f"d{n}" for n in NAMES[:6])], fast, slow):
+        assert_close(name, x, y, tol, 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA graph capture of the raw ops (opcheck and torch.compile: test_rwkv7.py).
 
 @pytest.mark.cuda
