@@ -35,7 +35,9 @@ def emu():
     ((1, 90, 2, 24, 20), "mixedinf", [0, 7, 7, 40, 90], "rwkv"),  # varlen with an empty sequence
     # X's entries come out of cancelling binomial-size terms unless it is solved by substitution
     ((1, 48, 1, 16, 8), "zero", None, "repeated"),
-], ids=["rwkv7", "mixed", "K70V33", "varlen", "repeated_keys"])
+    # K = 128: grad's S+ quads fill all kSp registers per thread (the asynchronous path's limit)
+    ((1, 20, 1, 128, 32), "rwkv", None, "rwkv"),
+], ids=["rwkv7", "mixed", "K70V33", "varlen", "repeated_keys", "K128"])
 def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, lr, gen):
     check(emu, shape, w_kind, cu, gen, torch.float32, 1e-5, lr=lr)
 
