@@ -57,7 +57,9 @@ constexpr int kPairRows = 7, kPairWs = kPairRows * C * PSP + 5 * PSP;
 struct Smem {
   int K, KP, cols, lc, BP;  // lc = log2(cols); BP: row stride of tile rows and states
   int r, w, k, a, b, eG, eO, S, v, U, M, P, Ark, Arb, Aak, Aab, X;
-  int dS, dO, dU, dM, gr, gk, ga, gb, dArk, dArb, dAak, dAab, dX, Y, zeta;  // backward
+  // Backward. dA: the four pair-matrix gradients interleaved, [C][C][4] = (dA_rk, dA_rb, dA_ak,
+  // dA_ab) per pair, so that the K-vector gradients' pair walks read one float4 per pair.
+  int dS, dO, dU, dM, gr, gk, ga, gb, dA, dX, Y, zeta;
   int pw;  // pair workspace (PairWs), 16-byte aligned; the backward's gr.. block when backward
   int stage;  // raw rows of the asynchronous loads: over pw (prep) or from gk on (backward)
   int total;
@@ -76,12 +78,12 @@ struct Smem {
     v = take(C * BP), U = take(C * BP), M = take(C * BP), P = bwd ? take(C * BP) : 0;
     Ark = take(C * CP), Arb = take(C * CP), Aak = take(C * CP), Aab = take(C * CP);
     X = take(C * CP);  // the five are consecutive (C * CP is a multiple of 4): mat_at
-    dS = dO = dU = dM = gr = gk = ga = gb = dArk = dArb = dAak = dAab = dX = Y = zeta = 0;
+    dS = dO = dU = dM = gr = gk = ga = gb = dA = dX = Y = zeta = 0;
     if (bwd) {
       dS = take(K * BP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
       zeta = take(K);  // before the rows the pair workspace overlays
       gr = take(C * KP), gk = take(C * KP), ga = take(C * KP), gb = take(C * KP);
-      dArk = take(C * CP), dArb = take(C * CP), dAak = take(C * CP), dAab = take(C * CP);
+      dA = take(4 * C * C);
       dX = take(C * CP), Y = take(C * CP);
     }
     // Only prepare() uses the pair workspace, before the backward writes its gradient rows
@@ -1067,7 +1069,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
                       make_float4(m.x + pp.x, m.y + pp.y, m.z + pp.z, m.w + pp.w), dx);
           }
         }
-      sm[L.dArk + at] = rho * rk, sm[L.dArb + at] = rho * rb, sm[L.dAak + at] = ak;
+      *reinterpret_cast<float4*>(sm + L.dA + 4 * (i * C + j)) = make_float4(rho * rk, rho * rb, ak, 0.f);
       sm[L.dX + at] = j < i ? dx : 0.f;
     }
     __syncthreads();
@@ -1083,7 +1085,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       float z = 0.f;
       if (j < i)
         for (int q = 0; q < C; ++q) z += sm[L.Y + i * CP + q] * sm[L.X + j * CP + q];
-      sm[L.dAab + i * CP + j] = z;
+      sm[L.dA + 4 * (i * C + j) + 3] = z;
     }
 
     // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+ (this tile's columns: final).
@@ -1154,26 +1156,29 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         const float eo = sm[L.eO + i * KP + d];
         dr *= rho * sm[L.eG + i * KP + d], da *= eE(sm, L, i, d), dk *= eo, db *= eo;
         const float* ew = sm + L.w + d;  // exp(w)
-        dr += sm[L.dArk + i * CP + i] * sm[L.k + i * KP + d] +
-              sm[L.dArb + i * CP + i] * sm[L.b + i * KP + d];
+        const float4 di = ld4(sm + L.dA + 4 * (i * C + i));
+        dr += di.x * sm[L.k + i * KP + d] + di.y * sm[L.b + i * KP + d];
         const float ewi = ew[i * KP];
         float fex = 1.f;  // exp(sum of w_s over j < s < i)
         for (int j = i - 1; j >= 0; --j) {
           const float fin = fex * ewi;
           const float kj = sm[L.k + j * KP + d], bj = sm[L.b + j * KP + d];
-          dr += (sm[L.dArk + i * CP + j] * kj + sm[L.dArb + i * CP + j] * bj) * fin;
-          da += (sm[L.dAak + i * CP + j] * kj + sm[L.dAab + i * CP + j] * bj) * fex;
+          const float4 a = ld4(sm + L.dA + 4 * (i * C + j));
+          dr += (a.x * kj + a.y * bj) * fin;
+          da += (a.z * kj + a.w * bj) * fex;
           fex *= ew[j * KP];
         }
         const int j = i;  // this row as the key
-        dk += sm[L.dArk + j * CP + j] * sm[L.r + j * KP + d];
-        db += sm[L.dArb + j * CP + j] * sm[L.r + j * KP + d];
+        const float4 dj = ld4(sm + L.dA + 4 * (j * C + j));
+        dk += dj.x * sm[L.r + j * KP + d];
+        db += dj.y * sm[L.r + j * KP + d];
         fex = 1.f;  // exp(sum of w_s over j < s < i')
         for (int i2 = j + 1; i2 < C; ++i2) {
           const float fin = fex * ew[i2 * KP];
           const float ri = sm[L.r + i2 * KP + d], ai = sm[L.a + i2 * KP + d];
-          dk += sm[L.dArk + i2 * CP + j] * ri * fin + sm[L.dAak + i2 * CP + j] * ai * fex;
-          db += sm[L.dArb + i2 * CP + j] * ri * fin + sm[L.dAab + i2 * CP + j] * ai * fex;
+          const float4 a = ld4(sm + L.dA + 4 * (i2 * C + j));
+          dk += a.x * ri * fin + a.z * ai * fex;
+          db += a.y * ri * fin + a.w * ai * fex;
           fex = fin;
         }
         sm[L.gr + i * KP + d] = dr, sm[L.ga + i * KP + d] = da;
