@@ -1,7 +1,8 @@
 // Launches of the chunked RWKV7 kernels (dplr_chunk.cuh), kept apart so that the kernels also
 // compile as host code (tests/cuda_emu runs them on the CPU).
 #pragma once
-#include "dplr_chunk.cuh"
+#include "dplr_chunk_grad.cuh"
+#include "dplr_chunk_sweep.cuh"
 
 namespace fla {
 namespace dplr_chunk_detail {

@@ -106,6 +106,21 @@ __device__ __forceinline__ void mma_tf32(float* d, uint32_t a0, uint32_t a1, uin
 #endif
 }
 
+// One warp's m16n8 product on TF32 tensor cores, for kernels whose tiles are not 64 x 64 (the
+// RWKV7 chunk engine's 16-row chunks): acc (this lane's four m16n8 elements) += A[0..16, 0..kn)
+// B[0..kn, 0..8) with A(r, k) and B(k, n) given as functions (the caller masks rows and k past the
+// live range to 0; kn a multiple of 8). For bf16/fp16 inputs only, as Frag<true>.
+template <class A, class B>
+__device__ __forceinline__ void warp_mma(float* acc, int kn, A a, B b) {
+  const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  for (int k = 0; k < kn; k += 8)
+    mma_tf32(acc, to_tf32(a(g, k + q)), to_tf32(a(g + 8, k + q)), to_tf32(a(g, k + q + 4)),
+             to_tf32(a(g + 8, k + q + 4)), to_tf32(b(k + q, g)), to_tf32(b(k + q + 4, g)));
+}
+// Row and column of this lane's accumulator element e (0..3) in an m16n8 tile at (m0, n0).
+__device__ __forceinline__ int acc_row(int m0, int e) { return m0 + threadIdx.x % 32 / 4 + 8 * (e / 2); }
+__device__ __forceinline__ int acc_col(int n0, int e) { return n0 + 2 * (threadIdx.x % 4) + e % 2; }
+
 template <>
 struct Frag<true> {
   float v[16] = {};  // v[4 j + e]: n-tile j, element e of the m16n8 accumulator

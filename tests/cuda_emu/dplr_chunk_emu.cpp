@@ -1,10 +1,11 @@
-// chunk_rwkv7's CUDA kernels (csrc/kernels/dplr_chunk.cuh) run on the CPU by emu.h, fp32, with
+// chunk_rwkv7's CUDA kernels (csrc/kernels/dplr_chunk*.cuh) run on the CPU by emu.h, fp32, with
 // the workspaces laid out as csrc/ops/chunk_rwkv7.cpp does, every output and workspace
 // NaN-poisoned first. Built and compared with the CPU reference by tests/test_cuda_emu.py.
 #include <torch/extension.h>
 
 #include "emu.h"
-#include "dplr_chunk.cuh"
+#include "dplr_chunk_grad.cuh"
+#include "dplr_chunk_sweep.cuh"
 
 namespace fla::dplr_chunk_detail {
 float sm[64 * 1024];     // extern __shared__ of the kernels: one CTA at a time

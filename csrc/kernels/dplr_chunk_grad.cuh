@@ -1,0 +1,341 @@
+// The chunked RWKV7 engine's gradient kernel (dplr_chunk.cuh): every chunk's gradients, given the
+// chunk-start states (forward sweep) and dS+ (reverse sweep, dplr_chunk_sweep.cuh).
+#pragma once
+#include "dplr_chunk.cuh"
+
+namespace fla {
+namespace dplr_chunk_detail {
+
+using tile::acc_col;
+using tile::acc_row;
+using tile::warp_mma;
+
+// The backward's gradients, parallel over (chunk slot, head, tile of dplr_chunk_cols(K)
+// columns): with S (hst), S+ and dS+ (dhst, from the reverse sweep) known, every chunk's
+// gradients are independent. The pair matrices and X come from the prep workspace.
+template <typename T>
+__global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
+  constexpr bool TC = !std::is_same<T, float>::value;
+  extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
+  float* sm = reinterpret_cast<float*>(sm4);
+  const Smem L(p.K, true);
+  const DplrWs ws(p.K, p.V);
+  const int64_t slot = blockIdx.x;
+  const int n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
+  Cta c;
+  c.h = blockIdx.y, c.n = n, c.tile = blockIdx.z, c.s = seq_span(p.cu_seqlens, n, p.T);
+  c.x0 = c.tile * L.cols, c.nc = min(L.cols, p.V - c.x0);
+  const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
+  if (ci < 0 || ci * C >= c.s.len) return;
+  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
+  const float rho = float(p.scale);
+  {
+    const int64_t t0 = ci * C;
+    const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
+    const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.per() + ws.mats();
+    // S (hst at this chunk), S+ (the next slot: the next chunk's start or the final state) and
+    // dS+ at this tile's columns, 4 per thread. zeta = rowsum(S+ * dS+) with S+ from registers
+    // (it is not kept): partial sums per 4 columns in the gradient rows' space, which is written
+    // only after zeta is summed.
+    const float *s0 = hst_at(p, c, ci, 0, 0), *s1 = hst_at(p, c, ci + 1, 0, 0);
+    const float* d1 = dhst_at(p, c, ci, 0, 0);
+    const int lq = L.lc - 2;  // log2(column quads per row)
+    auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
+    if (p.rows16) {
+      // Everything in flight before any wait: rows, v, dO, the matrices, S and dS+ by cp.async,
+      // S+ into registers (at most kSp quads per thread: DplrChunkPass::rows16), consumed after.
+      copy_rows_async<T>(sm, L, p, c.s, c.h, t0, nrow);
+      copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
+      copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
+      for (int e = threadIdx.x; e < 5 * C * C; e += NT)
+        copy4(sm + mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C, mats + e);
+      float4 sp[kSp];
+#pragma unroll
+      for (int it = 0; it < kSp; ++it) {
+        int d, x;
+        quad(threadIdx.x + it * NT, d, x);
+        if (d < K) {
+          const int64_t at = int64_t(d) * p.V + x;
+          copy16(sm + L.S + d * BP + x, s0 + at, x < c.nc);
+          copy16(sm + L.dS + d * BP + x, d1 + at, x < c.nc);
+        }
+      }
+      copy_commit();
+#pragma unroll
+      for (int it = 0; it < kSp; ++it) {
+        int d, x;
+        quad(threadIdx.x + it * NT, d, x);
+        if (d < K) sp[it] = load4(s1 + int64_t(d) * p.V + x, c.nc - x, true);
+      }
+      if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only
+      copy_wait<0>();
+      __syncthreads();
+      if (kRawRows<T>) widen_rows<T>(sm, L);
+      widen_cols<T>(sm, L, 0, cols, 0, L.v);
+      widen_cols<T>(sm, L, 1, cols, 0, L.dO);
+#pragma unroll
+      for (int it = 0; it < kSp; ++it) {
+        int d, x;
+        const int e = threadIdx.x + it * NT;
+        quad(e, d, x);
+        if (d < K) {
+          const float4 g = ld4(sm + L.dS + d * BP + x), b = sp[it];
+          sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
+        }
+      }
+    } else {
+      const bool vec = p.V % 4 == 0 && aligned16(p.hst) && aligned16(p.dhst);
+#pragma unroll 2
+      for (int e = threadIdx.x; e < K << lq; e += NT) {
+        int d, x;
+        quad(e, d, x);
+        const int64_t at = int64_t(d) * p.V + x;
+        const float4 a = load4(s0 + at, c.nc - x, vec), b = load4(s1 + at, c.nc - x, vec);
+        const float4 g = load4(d1 + at, c.nc - x, vec);
+        *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = a;
+        *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = g;
+        sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
+      }
+      load_chunk<T>(sm, L, p, c, t0, nrow, true);
+      for (int e = threadIdx.x; e < 5 * C * C; e += NT)
+        sm[mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C] = mats[e];
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < K; d += NT) {
+      float z = 0.f;
+      for (int q = 0; q < cols / 4; ++q) z += sm[L.gr + d * (cols / 4) + q];
+      sm[L.zeta + d] = z;
+    }
+    chunk_decays(sm, L, L.ga);  // Â in the gradient rows' space (written after P is made)
+    __syncthreads();
+    // exp(w) in place of w: the pair parts of the K-vector gradients multiply the factors up
+    // (products of <= 15 factors <= 1, a few ulp) instead of exponentiating sums per pair. K^ =
+    // k exp(Omega) and B^ = b exp(Omega) in the gradient rows gk, gb (free until the K-vector
+    // gradients write them), 0 on the channel padding where exp(Omega) is not set.
+    for (int e = threadIdx.x; e < C * KP; e += NT) {
+      const bool on = e % KP < K;
+      sm[L.w + e] = on ? expf(sm[L.w + e]) : 0.f;
+      sm[L.gk + e] = on ? sm[L.k + e] * sm[L.eO + e] : 0.f;
+      sm[L.gb + e] = on ? sm[L.b + e] * sm[L.eO + e] : 0.f;
+    }
+    pseudo_values(sm, L, L.ga);
+
+    // Thread (column x, rows j and j + 8) in the loops over tile rows, so that each state or
+    // tile element read serves two rows; 4 channels per K-row read.
+    const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc;
+    const bool rows2 = j0 < C / 2;  // all 256 threads when cols = 32
+
+    // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU (the 16 x 16 matrices are zero-filled
+    // outside their triangles: fixed 16-term sums).
+    if (rows2) {
+      float u0 = 0.f, u1 = 0.f;
+      for (int i = 0; i < C; ++i) {
+        const float o = rho * sm[L.dO + i * BP + x];
+        u0 += sm[L.Arb + i * CP + j0] * o, u1 += sm[L.Arb + i * CP + j0 + C / 2] * o;
+      }
+      rows_dot_state(sm, L, L.gb, L.dS, j0, x, u0, u1);
+      sm[L.dU + j0 * BP + x] = u0, sm[L.dU + (j0 + C / 2) * BP + x] = u1;
+    }
+    __syncthreads();
+    if (rows2) {
+      float m0 = 0.f, m1 = 0.f;
+      for (int i = 0; i < C; ++i) {
+        const float du = sm[L.dU + i * BP + x];
+        m0 += sm[L.X + i * CP + j0] * du, m1 += sm[L.X + i * CP + j0 + C / 2] * du;
+      }
+      sm[L.dM + j0 * BP + x] = m0, sm[L.dM + (j0 + C / 2) * BP + x] = m1;
+    }
+    __syncthreads();
+    {  // pair-matrix gradients; dX only below the diagonal (the rest cannot reach dA_ab)
+      const int i = threadIdx.x / C, j = threadIdx.x % C, at = i * CP + j;
+      float rk = 0.f, rb = 0.f, ak = 0.f, dx = 0.f;
+      if (j <= i)
+        for (int q = 0; q < cols; q += 4) {
+          const float4 o = ld4(sm + L.dO + i * BP + q), vj = ld4(sm + L.v + j * BP + q);
+          rk = dot4(o, vj, rk), rb = dot4(o, ld4(sm + L.U + j * BP + q), rb);
+          if (j < i) {
+            const float4 m = ld4(sm + L.M + j * BP + q), pp = ld4(sm + L.P + j * BP + q);
+            ak = dot4(ld4(sm + L.dM + i * BP + q), vj, ak);
+            dx = dot4(ld4(sm + L.dU + i * BP + q),
+                      make_float4(m.x + pp.x, m.y + pp.y, m.z + pp.z, m.w + pp.w), dx);
+          }
+        }
+      *reinterpret_cast<float4*>(sm + L.dA + 4 * (i * C + j)) = make_float4(rho * rk, rho * rb, ak, 0.f);
+      sm[L.dX + at] = j < i ? dx : 0.f;
+    }
+    __syncthreads();
+    {  // Y = X^T dX, then dA_ab = stril(Y X^T)
+      const int i = threadIdx.x / C, q = threadIdx.x % C;
+      float y = 0.f;
+      for (int pp = 0; pp < C; ++pp) y += sm[L.X + pp * CP + i] * sm[L.dX + pp * CP + q];
+      sm[L.Y + i * CP + q] = y;
+    }
+    __syncthreads();
+    {
+      const int i = threadIdx.x / C, j = threadIdx.x % C;
+      float z = 0.f;
+      if (j < i)
+        for (int q = 0; q < C; ++q) z += sm[L.Y + i * CP + q] * sm[L.X + j * CP + q];
+      sm[L.dA + 4 * (i * C + j) + 3] = z;
+    }
+
+    // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+ (this tile's columns: final).
+    if (rows2) {
+      float v0 = 0.f, v1 = 0.f;
+      for (int i = 0; i < C; ++i) {
+        const float o = rho * sm[L.dO + i * BP + x], m = sm[L.dM + i * BP + x];
+        v0 += sm[L.Ark + i * CP + j0] * o + sm[L.Aak + i * CP + j0] * m;
+        v1 += sm[L.Ark + i * CP + j0 + C / 2] * o + sm[L.Aak + i * CP + j0 + C / 2] * m;
+      }
+      rows_dot_state(sm, L, L.gk, L.dS, j0, x, v0, v1);
+      if (x < c.nc) {
+        if (j0 < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j0, c.h, c.x0 + x) = from_f<T>(v0);
+        if (j0 + C / 2 < nrow)
+          *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j0 + C / 2, c.h, c.x0 + x) = from_f<T>(v1);
+      }
+    }
+    __syncthreads();  // dA_ab complete; K^, B^ read: the gradient rows are written below
+    // bf16 / fp16: the state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T
+    // ([C][K] over this tile's columns), on TF32 tensor cores into the gradient rows (the SIMT
+    // sums below were a quarter of grad's instructions); fp32 keeps the exact sums below.
+    if (TC) {
+      const int ntile = (K + 7) / 8;
+      for (int task = threadIdx.x / 32; task < 4 * ntile; task += NT / 32) {
+        const int m = task / ntile, n0 = 8 * (task % ntile);
+        const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
+        const int D = m == 0 ? L.gr : m == 1 ? L.ga : m == 2 ? L.gk : L.gb;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        warp_mma(acc, cols, [&](int r, int k) { return sm[A + r * BP + k]; },
+                 [&](int k, int n) { return n0 + n < K ? sm[B + (n0 + n) * BP + k] : 0.f; });
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int d = acc_col(n0, e);
+          if (d < K) sm[D + acc_row(0, e) * KP + d] = acc[e];
+        }
+      }
+      __syncthreads();
+    }
+    // K-vector gradients of rows i and i + 8 (one read of S and dS serves both), channel d:
+    // state parts, then the pair parts (query-type rows r, a over j <= i; key-type rows k, b
+    // over i' >= j), factors multiplied up from exp(w).
+    for (int e = threadIdx.x; e < (C / 2) * K; e += NT) {
+      const int i0 = e / K, d = e % K;
+      float g[2][4] = {};
+      if (TC) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int at = (i0 + h2 * (C / 2)) * KP + d;
+          g[h2][0] = sm[L.gr + at], g[h2][1] = sm[L.ga + at], g[h2][2] = sm[L.gk + at], g[h2][3] = sm[L.gb + at];
+        }
+      }
+      for (int q = 0; q < (TC ? 0 : cols); q += 4) {
+        const float4 s = ld4(sm + L.S + d * BP + q), ds = ld4(sm + L.dS + d * BP + q);
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = i0 + h2 * (C / 2);
+          g[h2][0] = dot4(ld4(sm + L.dO + i * BP + q), s, g[h2][0]);
+          g[h2][1] = dot4(ld4(sm + L.dM + i * BP + q), s, g[h2][1]);
+          g[h2][2] = dot4(ld4(sm + L.v + i * BP + q), ds, g[h2][2]);
+          g[h2][3] = dot4(ld4(sm + L.U + i * BP + q), ds, g[h2][3]);
+        }
+      }
+#pragma unroll 1
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = i0 + h2 * (C / 2);
+        float dr = h2 ? g[1][0] : g[0][0], da = h2 ? g[1][1] : g[0][1];  // selects: no local memory
+        float dk = h2 ? g[1][2] : g[0][2], db = h2 ? g[1][3] : g[0][3];
+        const float eo = sm[L.eO + i * KP + d];
+        dr *= rho * sm[L.eG + i * KP + d], da *= eE(sm, L, i, d), dk *= eo, db *= eo;
+        const float* ew = sm + L.w + d;  // exp(w)
+        const float4 di = ld4(sm + L.dA + 4 * (i * C + i));
+        dr += di.x * sm[L.k + i * KP + d] + di.y * sm[L.b + i * KP + d];
+        const float ewi = ew[i * KP];
+        float fex = 1.f;  // exp(sum of w_s over j < s < i)
+        for (int j = i - 1; j >= 0; --j) {
+          const float fin = fex * ewi;
+          const float kj = sm[L.k + j * KP + d], bj = sm[L.b + j * KP + d];
+          const float4 a = ld4(sm + L.dA + 4 * (i * C + j));
+          dr += (a.x * kj + a.y * bj) * fin;
+          da += (a.z * kj + a.w * bj) * fex;
+          fex *= ew[j * KP];
+        }
+        const int j = i;  // this row as the key
+        const float4 dj = ld4(sm + L.dA + 4 * (j * C + j));
+        dk += dj.x * sm[L.r + j * KP + d];
+        db += dj.y * sm[L.r + j * KP + d];
+        fex = 1.f;  // exp(sum of w_s over j < s < i')
+        for (int i2 = j + 1; i2 < C; ++i2) {
+          const float fin = fex * ew[i2 * KP];
+          const float ri = sm[L.r + i2 * KP + d], ai = sm[L.a + i2 * KP + d];
+          const float4 a = ld4(sm + L.dA + 4 * (i2 * C + j));
+          dk += a.x * ri * fin + a.z * ai * fex;
+          db += a.y * ri * fin + a.w * ai * fex;
+          fex = fin;
+        }
+        sm[L.gr + i * KP + d] = dr, sm[L.ga + i * KP + d] = da;
+        sm[L.gk + i * KP + d] = dk, sm[L.gb + i * KP + d] = db;
+      }
+    }
+    __syncthreads();
+
+    auto kg_at = [&](int g, int64_t t, int d) {
+      VecArg v = p.kg;
+      v.ptr = static_cast<const float*>(p.kg.ptr) + c.tile / p.kg_pair * p.kg_tile + g * p.kg_grad;
+      return vptr<float>(v, c.s.b, t, c.h, d);
+    };
+    // dw = reverse cumsum + zeta (§6.4), exactly 0 where exp(w) == 0: per row t (reverse)
+    // acc += x_t; acc = 0 where exp(w_t) == 0; dw_t = acc; acc += y_t. Four threads per channel,
+    // four rows each: a row group maps the sum entering it to acc_in + c (no reset in it) or to
+    // c, and each thread starts from zeta carried through the later groups' maps (shuffles).
+    {
+      const int part = threadIdx.x % 4, r0 = 4 * part;
+      for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane
+        const int d = d0 + threadIdx.x / 4;
+        const bool on = d < K;
+        float x[4], y[4], cg = 0.f;
+        bool z[4], keep = true;  // keep: no reset in this row group
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int at = (r0 + r) * KP + d;
+          const bool live = on && r0 + r < nrow;
+          x[r] = live ? sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
+                            sm[L.b + at] * sm[L.gb + at]
+                      : 0.f;
+          y[r] = live ? sm[L.a + at] * sm[L.ga + at] : 0.f;
+          z[r] = live && sm[L.w + at] == 0.f;  // exp(w), set above
+        }
+#pragma unroll
+        for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
+        float acc = on ? sm[L.zeta + d] : 0.f;
+#pragma unroll
+        for (int q = 3; q >= 0; --q) {
+          const float cq = __shfl_sync(0xffffffffu, cg, q, 4);
+          const float kq = __shfl_sync(0xffffffffu, keep ? 1.f : 0.f, q, 4);
+          if (q > part) acc = kq != 0.f ? acc + cq : cq;
+        }
+#pragma unroll
+        for (int r = 3; r >= 0; --r) {
+          acc += x[r];
+          if (z[r]) acc = 0.f;
+          if (on && r0 + r < nrow) atomicAdd(kg_at(kGradW, c.s.bos + t0 + r0 + r, d), acc);
+          acc += y[r];
+        }
+      }
+    }
+    // One slab pointer per row; the four gradients sit kg_grad apart.
+    for (int i = threadIdx.x / 64; i < nrow; i += NT / 64) {
+      float* const row = kg_at(kGradR, c.s.bos + t0 + i, 0);
+      const int64_t gk = (kGradK - kGradR) * p.kg_grad, ga = (kGradA - kGradR) * p.kg_grad;
+      const int64_t gb = (kGradB - kGradR) * p.kg_grad;
+      for (int d = threadIdx.x % 64; d < K; d += 64) {
+        float* const g = row + d * p.kg.sd;
+        const int at = i * KP + d;
+        atomicAdd(g, sm[L.gr + at]), atomicAdd(g + gk, sm[L.gk + at]);
+        atomicAdd(g + ga, sm[L.ga + at]), atomicAdd(g + gb, sm[L.gb + at]);
+      }
+    }
+  }
+}
+
+}  // namespace dplr_chunk_detail
+}  // namespace fla
