@@ -38,6 +38,9 @@ using elements::ld;
 using elements::mptr;
 using elements::to_f;
 using elements::vptr;
+using tile::acc_col;
+using tile::acc_row;
+using tile::warp_mma;
 
 constexpr int C = kDplrChunk, CP = C + 1, NT = 256;
 static_assert(NT == C * C, "one thread per pair (i, j) of a chunk");

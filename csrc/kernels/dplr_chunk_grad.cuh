@@ -6,10 +6,6 @@
 namespace fla {
 namespace dplr_chunk_detail {
 
-using tile::acc_col;
-using tile::acc_row;
-using tile::warp_mma;
-
 // The backward's gradients, parallel over (chunk slot, head, tile of dplr_chunk_cols(K)
 // columns): with S (hst), S+ and dS+ (dhst, from the reverse sweep) known, every chunk's
 // gradients are independent. The pair matrices and X come from the prep workspace.

@@ -6,10 +6,6 @@
 namespace fla {
 namespace dplr_chunk_detail {
 
-using tile::acc_col;
-using tile::acc_row;
-using tile::warp_mma;
-
 constexpr int SX = 32, NTS = 256;  // state columns and threads per CTA
 // Row stride of the column arrays (state, U, v rows, U0, O0): 8 mod 32, so that the TF32 B
 // fragments (lanes (g, q) read row k + q, column n0 + g) fall on 32 different banks.
