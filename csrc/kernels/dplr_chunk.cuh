@@ -424,6 +424,10 @@ __device__ inline void chunk_decays(float* sm, const Smem& L, int ah = -1) {
 
 // The matrices of prepare() in shared memory, in the order of DplrWs::mats().
 __device__ __forceinline__ int mat_at(const Smem& L, int m) { return L.Ark + m * C * CP; }
+// Shared offset of element e of the five matrices as the workspace holds them ([5][C][C]).
+__device__ __forceinline__ int mat_elem(const Smem& L, int e) {
+  return mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C;
+}
 
 // 16-byte shared reads: rows of K-vectors and tiles and the state rows start 16-byte aligned
 // (Smem), so a reduction along a row reads 4 terms per load instead of 1.
@@ -590,7 +594,7 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   }
   float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
   for (int e = threadIdx.x; e < 5 * C * C; e += NT)
-    out[ws.mats() + e] = sm[mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C];
+    out[ws.mats() + e] = sm[mat_elem(L, e)];
   // K-wide rows: thread (channel d, row group g) holds channel d of all 16 rows of an operand in
   // registers and makes rows g, g + 4, ..; the triangular matrices are zero-filled, so every
   // product is a fixed 16-term sum. W = X Â goes through the w rows (w is not read again).

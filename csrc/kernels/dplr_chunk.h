@@ -48,7 +48,7 @@ FLA_HD int dplr_chunk_tiles(int K, int V) {
 // The CUDA per-chunk workspace: for each (chunk slot, head) `per()` fp32 values, every row
 // padded to a multiple of 4 (16-byte aligned rows for asynchronous copies; the padding is 0):
 // W, Q~, K^, B^ [C][KP4], gamma [KP4], then U0, O0 [C][VP4]. The first part (W .. gamma) is
-// contiguous so that the sequential pass copies it as one block.
+// contiguous: the sequential pass copies it as 4C + 1 rows of KP4 floats.
 struct DplrWs {
   int KP4, VP4;
   FLA_HD DplrWs(int K, int V) : KP4((K + 3) / 4 * 4), VP4((V + 3) / 4 * 4) {}

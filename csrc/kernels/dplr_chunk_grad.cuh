@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       for (int e = threadIdx.x; e < 5 * C * C; e += NT)
-        copy4(sm + mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C, mats + e);
+        copy4(sm + mat_elem(L, e), mats + e);
       float4 sp[kSp];
 #pragma unroll
       for (int it = 0; it < kSp; ++it) {
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       }
       load_chunk<T>(sm, L, p, c, t0, nrow, true);
       for (int e = threadIdx.x; e < 5 * C * C; e += NT)
-        sm[mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C] = mats[e];
+        sm[mat_elem(L, e)] = mats[e];
     }
     __syncthreads();
     for (int d = threadIdx.x; d < K; d += NT) {
