@@ -2,14 +2,16 @@
 //
 // Kernels (fp32 arithmetic; the tile products run on TF32 tensor cores for bf16/fp16 inputs and
 // on exact SIMT FMA for fp32 inputs, never plain TF32 there: tile_mma.cuh):
-//   intra  (chunk slot, H)  the pair matrix A (kept in a workspace, computed once whatever V)
-//          and the forward state delta K̂ᵀV: they share the loads of k and λ.
+//   intra  (chunk slot, H)  the pair matrix A (kept in a workspace, computed once whatever V).
+//   state  (N, H, tiles)  the forward state pass, sequential over chunks, with S in registers;
+//          it also forms o when K <= 128 (chunk_state.cuh).
 //   delta  (chunk slot, H, K/64 x V/64)  the backward state delta ρQ̂ᵀdO.
-//   scan   (N, H, K x V elements)  S = γS + Δ over the chunks: Hst (forward), dHst and the zeta
-//          partials (backward); only bytes move in the serial part.
-//   out    (chunk slot, H, V/64)  forward o = ρ(Q̂ S + A V), backward dv = K̂ dS+ + ρ Aᵀ dO.
+//   scan   (N, H, K x V elements)  dS = γ dS + Δ over the chunks: dHst and the zeta partials.
+//   out    (chunk slot, H, V/64)  forward o = ρ(Q̂ S + A V) (K > 128), backward
+//          dv = K̂ dS+ + ρ Aᵀ dO.
 //   grad_qk (chunk slot, H, K/64)  dA, dq, dk (inter + intra), dg by the segmented reverse
 //          cumsum with exact resets, the u terms and the du partials.
+// Launch sequences: chunk_launch.cuh.
 // Decay exponents (log2 units) are only ever *added* (§2.6 additive segment sums), so they are
 // <= 0 in every factor, -inf is exact and nothing cancels: off-diagonal sub-chunk blocks use the
 // §1.2 boundary references (query from its sub-chunk start, key to its sub-chunk end, the
@@ -74,16 +76,25 @@ constexpr int kPer = C * DT / NTH;  // elements per thread per tile
 // Thread x owns column x % DT of rows x / DT + 4 it: one pointer, advanced by a fixed row step
 // (the index arithmetic, not the loads, dominated these kernels' instruction counts).
 constexpr int kRowStep = NTH / DT;
+// Thread x's element of row x / DT: its pointer, and in `left` how many rows it has inside the
+// sequence (rows it * kRowStep < left; 0 when its column is past D or the argument is off: an off
+// argument, no decay, reads as zeros).
+template <typename T>
+__device__ __forceinline__ const T* row_start(const VecArg& a, int64_t b, int64_t t0, int L, int h,
+                                              int d0, int D, int& left) {
+  const unsigned c = threadIdx.x % DT, r0 = threadIdx.x / DT;
+  const bool on = a.on() && d0 + int(c) < D;
+  left = on ? L - int(r0) : 0;
+  return on ? vptr<T>(a, b, t0 + r0, h, d0 + c) : nullptr;
+}
 struct RowFetch {
   float x[kPer];
   template <typename T>
   __device__ __forceinline__ void fetch(const VecArg& a, int64_t b, int64_t t0, int L, int h,
                                         int d0, int D, float mul) {
-    const unsigned c = threadIdx.x % DT, r0 = threadIdx.x / DT;
-    const bool on = a.on() && d0 + int(c) < D;  // an off argument (no decay) reads as zeros
-    const T* ptr = on ? vptr<T>(a, b, t0 + r0, h, d0 + c) : nullptr;
+    int left;
+    const T* ptr = row_start<T>(a, b, t0, L, h, d0, D, left);
     const int64_t step = kRowStep * a.st;
-    const int left = on ? L - int(r0) : 0;  // rows of this thread inside the sequence: it * 4 < left
 #pragma unroll
     for (int it = 0; it < kPer; ++it, ptr += step) x[it] = it * kRowStep < left ? to_f(*ptr) * mul : 0.f;
   }
@@ -216,14 +227,12 @@ __device__ __forceinline__ void scale_key(Tile* y, const Tile* lam, int m, int c
 }
 
 // ------------------------------------------------------------------------------------------------
-// State passes, split into a parallel and a serial part so that the serial part moves bytes only.
-// Parallel, per chunk: forward ΔS_c = K̂ᵀ V into Hst[slot + 1] (in chunk_intra_kernel, with the
-// pair matrices), backward ΔD_c = ρ Q̂ᵀ dO into dHst[slot] (chunk_delta_kernel, (chunk slot, H,
-// K/64 x V/64)), and γ_c = exp2(Σ λ) per channel into `gam`.
-// scan (N, H, K x V elements), serial over chunks, in place:
-//   forward   Hst[c] = S; S = γ_c S + ΔS_c; the final S into the slot after the last chunk (hT)
-//   backward  dHst[c] = D (= dS+ of chunk c), zeta partials rowsum(S+ ⊙ dS+) per 32 columns,
-//             D = γ_c D + ΔD_c, then dh0.
+// The backward state pass, split into a parallel and a serial part so that the serial part moves
+// bytes only (the forward's is one sequential kernel, chunk_state.cuh):
+//   delta (chunk slot, H, K/64 x V/64)  ΔD_c = ρ Q̂ᵀ dO into dHst[slot], γ_c = exp2(Σ λ) per
+//          channel into `gam`;
+//   scan (N, H, K x V elements), serial over chunks, in place: dHst[c] = D (= dS+ of chunk c),
+//          zeta partials rowsum(S+ ⊙ dS+) per 32 columns, D = γ_c D + ΔD_c, then dh0.
 template <typename T, Reader RD>
 __global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int ntv) {
   extern __shared__ float4 smem4[];
@@ -244,7 +253,7 @@ __global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int nt
   }
   __syncthreads();
   chunk_decays(d, LAM);
-  {  // gam again: the forward's is not there when the backward runs on kept workspaces
+  {
     const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
     scale_reader<RD>(X, LAM, m, ch, float(p.scale) * d.before[m][ch]);
     if (v0 == 0 && m == 0 && k0 + ch < p.K)
@@ -261,8 +270,8 @@ __global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int nt
 
 constexpr int SV = kStateCols;  // columns per zeta partial: one warp of the scan
 
-template <bool BWD>
-__global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) {
+// static: each dtype's translation unit has its own copy (the kernel reads no activation).
+static __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) {
   const int n = blockIdx.x, h = blockIdx.y;
   const int64_t e = int64_t(blockIdx.z) * NTH + threadIdx.x;
   const int k = int(e / vpad), v = int(e % vpad);
@@ -270,55 +279,39 @@ __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) 
   const bool on = v < p.V;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int64_t nch = num_chunks(s.len), KV = int64_t(p.K) * p.V, kv = int64_t(k) * p.V + v;
-  const MatArg& init = BWD ? p.dht : p.h0;
-  float run = on && init.on() ? *mptr(init, n, h, k, v) : 0.f;
+  float run = on && p.dht.on() ? *mptr(p.dht, n, h, k, v) : 0.f;
   // A sequence's slots are consecutive: chunk c's matrices sit c * H * KV past its first.
   const int64_t slot0 = chunk_slot(p.cu_seqlens, n, p.T, 0), sstep = int64_t(p.H) * KV;
-  float* const hs = static_cast<float*>(p.hst) + (slot0 * p.H + h) * KV + kv;
-  float* const ds = BWD ? static_cast<float*>(p.dhst) + (slot0 * p.H + h) * KV + kv : nullptr;
+  const float* const hs = static_cast<const float*>(p.hst) + (slot0 * p.H + h) * KV + kv;
+  float* const ds = static_cast<float*>(p.dhst) + (slot0 * p.H + h) * KV + kv;
   const float* const gs = static_cast<const float*>(p.gam) + (slot0 * p.H + h) * p.K + k;
   const int nts = vpad / SV;
-  float* const zs = BWD ? static_cast<float*>(p.zeta) + ((slot0 * p.H + h) * nts + v / SV) * p.K + k : nullptr;
+  float* const zs = static_cast<float*>(p.zeta) + ((slot0 * p.H + h) * nts + v / SV) * p.K + k;
   // The loads of chunk i + 1 are issued before the stores of chunk i: one memory latency per
   // step would otherwise serialise the scan (the compiler cannot move loads past the stores).
   struct Step { float delta, sp, g; };
   auto fetch = [&](int64_t i) {
     Step f{0.f, 0.f, 1.f};
     if (i >= nch) return f;
-    const int64_t c = BWD ? nch - 1 - i : i;
+    const int64_t c = nch - 1 - i;
     f.g = gs[c * p.H * p.K];
-    if (on) {
-      f.delta = BWD ? ds[c * sstep] : hs[(c + 1) * sstep];
-      if (BWD) f.sp = hs[c * sstep];
-    }
+    if (on) f.delta = ds[c * sstep], f.sp = hs[c * sstep];
     return f;
   };
   Step cur = fetch(0);
   for (int64_t i = 0; i < nch; ++i) {
     const Step nxt = fetch(i + 1);
-    const int64_t c = BWD ? nch - 1 - i : i;
-    if (on) (BWD ? ds : hs)[c * sstep] = run;
-    if (BWD) {  // gamma ⊙ rowsum(S ⊙ dS+): the part of zeta without the chunk's writes
-      float z = cur.g * cur.sp * run;
+    const int64_t c = nch - 1 - i;
+    if (on) ds[c * sstep] = run;
+    // gamma ⊙ rowsum(S ⊙ dS+): the part of zeta without the chunk's writes
+    float z = cur.g * cur.sp * run;
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
-      if (v % 32 == 0) zs[c * p.H * nts * p.K] = z;
-    }
+    for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
+    if (v % 32 == 0) zs[c * p.H * nts * p.K] = z;
     run = cur.g * run + cur.delta;
     cur = nxt;
   }
-  if (!on) return;
-  if (BWD) {
-    if (p.dh0.on()) *mptr(p.dh0, n, h, k, v) = run;
-  } else {
-    hs[nch * sstep] = run;
-    if (p.hT.on()) *mptr(p.hT, n, h, k, v) = run;
-    if (p.cu_seqlens) {  // hst may be kept as an op output: its gap slots read 0
-      const int64_t next = n + 1 < p.N ? chunk_slot(p.cu_seqlens, n + 1, p.T, 0)
-                                       : chunk_slots(p.N, p.T, true);
-      for (int64_t c = nch + 1; slot0 + c < next; ++c) hs[c * sstep] = 0.f;
-    }
-  }
+  if (on && p.dh0.on()) *mptr(p.dh0, n, h, k, v) = run;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -446,24 +439,18 @@ __device__ __forceinline__ void diag_store(Tile* A, DiagAcc& acc) {
   }
 }
 
-// Per chunk and head, over all K tiles (one CTA: the pair work is done once, whatever V):
-//   PAIRS  the pair matrix A_ij = Σ_c q_ic k_jc exp2(Σ_{j<s<=i} λ_sc) for j < i (and the i = j
-//          terms: 1, or the bonus u) into p.amat [slots, H, C, C] (fp32, zero above the diagonal
-//          and for slots that hold no chunk);
-//   always the forward state delta ΔS_c = K̂ᵀ V into Hst[slot + 1] (the slot the scan fills
-//          next) and γ_c = exp2(Σ λ) per channel into `gam`.
-// One kernel for both: they share the loads of k and λ and the chunk decays.
-// Three tiles of shared memory (the V tile takes q's once the pair work of the K tile is done)
-// keep 3 CTAs on an SM: the kernel is latency-bound (ncu); 3 CTAs instead of 2 took it from
-// 0.609 to 0.570 ms at gla K=V=64 and 1.318 to 1.235 at 128 (H100, NOTES c8), spills included.
-template <typename T, Reader RD, bool PAIRS>
+// The pair matrix A_ij = Σ_c q_ic k_jc exp2(Σ_{j<s<=i} λ_sc) for j < i (and the i = j terms: 1,
+// or the bonus u) of one chunk and head, over all K tiles (once, whatever V), into p.amat
+// [slots, H, C, C] (fp32, zero above the diagonal and for slots that hold no chunk).
+// 61 KB of shared memory keep 3 CTAs on an SM: the kernel is latency-bound (ncu); 3 CTAs instead
+// of 2 took it from 0.487 to 0.396 ms at gla K=V=64 (H100, NOTES c8), spills included.
+template <typename T, Reader RD>
 __global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p) {
   extern __shared__ float4 smem4[];
   Tile* QX = reinterpret_cast<Tile*>(smem4);  // q, then q4, then q ⊙ exp2(reader exponent)
-  Tile* KYt = QX + (PAIRS ? C : 0);            // k transposed [ch][j], then k4, ..., then K̂
+  Tile* KYt = QX + C;                          // k transposed [ch][j], then k4, then k ⊙ exp2(Qex)
   Tile* W = KYt + C;                           // λ, then A
-  Tile* VS = PAIRS ? QX : W + C;               // a V tile, then a ΔS tile
-  Decays& d = *reinterpret_cast<Decays*>(W + C + (PAIRS ? 0 : C));
+  Decays& d = *reinterpret_cast<Decays*>(W + C);
   float* us = reinterpret_cast<float*>(&d + 1);  // [DT]
   float* tau4 = us + DT;                          // [4 NSC][DT]
 
@@ -473,62 +460,38 @@ __global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p) {
   float4* amat = reinterpret_cast<float4*>(static_cast<float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C);
   if (!chunk) {  // a kept A is an op output: slots without a chunk read 0. (amat may be null
     // when no slot holds a chunk: T = 0 reads as a pass without decays, see chunk_cuda.)
-    if (PAIRS && p.amat)
+    if (p.amat)
       for (int e = threadIdx.x; e < C * C / 4; e += NTH) amat[e] = make_float4(0.f, 0.f, 0.f, 0.f);
     return;
   }
-  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
-  float* ds = static_cast<float*>(p.hst) + ((pos.slot + 1) * p.H + h) * int64_t(p.K) * p.V;
   DiagAcc dacc;
   Acc<T> off;  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk); the rest stays 0
   for (int k0 = 0; k0 < p.K; k0 += DT) {
     __syncthreads();
     {  // every load of the K tile in flight at once: one memory latency
       RowFetch fq, fk, fl;
-      fq.fetch<T>(PAIRS ? p.q : p.v, pos.b, pos.t0, pos.L, h, PAIRS ? k0 : 0, PAIRS ? p.K : p.V, 1.f);
+      fq.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
       fk.fetch<T>(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
       fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
-      fq.store<false>(PAIRS ? QX : VS), fk.store<true>(KYt), fl.store<false>(W);
+      fq.store<false>(QX), fk.store<true>(KYt), fl.store<false>(W);
     }
-    if (PAIRS && RD == Reader::Exclusive && threadIdx.x < DT)
+    if (RD == Reader::Exclusive && threadIdx.x < DT)
       us[threadIdx.x] = k0 + threadIdx.x < p.K ? ldu(p.u, int64_t(h) * p.K + k0 + threadIdx.x, p.udtype) : 0.f;
     __syncthreads();
     chunk_decays(d, W);
-    if (m == 0 && k0 + ch < p.K)
-      static_cast<float*>(p.gam)[(pos.slot * p.H + h) * p.K + k0 + ch] = d.gamma[ch];
-    if (PAIRS) {
-      diag_step_a<RD>(dacc, QX, KYt, W, us);
-      __syncthreads();
-      micro_keys(KYt, W, tau4);
-      __syncthreads();
-      diag_step_b(dacc, QX, KYt, tau4);
-      __syncthreads();
-      micro_to_sub(QX, KYt, tau4);
-      __syncthreads();
-      off.template mma_blocks<false>(
-          QX, KYt, [](int) { return 0; }, [](int) { return DT; },
-          [&](int c, int j, int mq) { return d.gap[j / SC][mq][c]; },
-          [](int mq, int mk) { return mk < mq; });
-      __syncthreads();
-      for (int j = m * SC; j < (m + 1) * SC; ++j) KYt[ch][j] *= d.after[m][ch];  // K̂
-    } else {
-      scale_key<true>(KYt, W, m, ch, d.after[m][ch]);
-    }
-    for (int v0 = 0; v0 < p.V; v0 += DT) {
-      if (PAIRS || v0 > 0) {
-        __syncthreads();
-        load_rows<T, false>(VS, p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
-      }
-      __syncthreads();
-      Acc<T> acc;
-      acc.template mma<false>(KYt, VS, C);
-      __syncthreads();
-      stage(acc, VS, 1.f);
-      __syncthreads();
-      store_mat(VS, ds, p.K, p.V, k0, v0);
-    }
+    diag_step_a<RD>(dacc, QX, KYt, W, us);
+    __syncthreads();
+    micro_keys(KYt, W, tau4);
+    __syncthreads();
+    diag_step_b(dacc, QX, KYt, tau4);
+    __syncthreads();
+    micro_to_sub(QX, KYt, tau4);
+    __syncthreads();
+    off.template mma_blocks<false>(
+        QX, KYt, [](int) { return 0; }, [](int) { return DT; },
+        [&](int c, int j, int mq) { return d.gap[j / SC][mq][c]; },
+        [](int mq, int mk) { return mk < mq; });
   }
-  if (!PAIRS) return;
   __syncthreads();
   Tile* A = W;
 #pragma unroll
@@ -864,88 +827,5 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   }
 }
 
-// ------------------------------------------------------------------------------------------------
-constexpr size_t kTileBytes = sizeof(float) * C * LD;
-constexpr size_t kDeltaSmem = 3 * kTileBytes + sizeof(Decays);
-constexpr size_t kIntraSmem = 3 * kTileBytes + sizeof(Decays) + sizeof(float) * (DT + 4 * NSC * DT);
-constexpr size_t kOutSmem = 3 * kTileBytes + sizeof(Decays);
-constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * 3 * DT;
-
-template <typename K>
-inline cudaError_t set_smem(K kernel, size_t bytes) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-}
-
-template <bool BWD>
-cudaError_t launch_scan(const ChunkPass& p, cudaStream_t stream) {
-  const int vpad = (p.V + SV - 1) / SV * SV;
-  const int64_t elems = int64_t(p.K) * vpad;
-  chunk_scan_kernel<BWD><<<dim3(p.N, p.H, unsigned((elems + NTH - 1) / NTH)), NTH, 0, stream>>>(p, vpad);
-  return cudaGetLastError();
-}
-
-// Forward: the pair matrices (PAIRS) and the state deltas, then the scan: Hst, gam, amat.
-template <typename T, Reader RD, bool PAIRS>
-cudaError_t launch_forward_state(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
-  auto intra = chunk_intra_kernel<T, RD, PAIRS>;
-  const size_t smem = PAIRS ? kIntraSmem : kDeltaSmem;  // without pairs: no q tile, no τ4
-  cudaError_t e = set_smem(intra, smem);
-  if (e != cudaSuccess) return e;
-  if (slots > 0) intra<<<dim3(unsigned(slots), p.H), NTH, smem, stream>>>(p);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  return launch_scan<false>(p, stream);
-}
-
-// Backward: the per-chunk ΔD, then the reverse scan: dHst, zeta.
-template <typename T, Reader RD>
-cudaError_t launch_backward_state(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
-  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
-  auto delta = chunk_delta_kernel<T, RD>;
-  cudaError_t e = set_smem(delta, kDeltaSmem);
-  if (e != cudaSuccess) return e;
-  if (slots > 0) delta<<<dim3(unsigned(slots), p.H, ntk * ntv), NTH, kDeltaSmem, stream>>>(p, ntv);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  return launch_scan<true>(p, stream);
-}
-
-// o (DV = false) or dv (DV) from hst / dhst and amat.
-template <typename T, Reader RD, bool DV>
-cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
-  auto launch = [&](auto out, int nv) {
-    cudaError_t e = set_smem(out, kOutSmem);
-    if (e != cudaSuccess) return e;
-    const unsigned z = unsigned((p.V + nv * DT - 1) / (nv * DT));
-    if (slots > 0) out<<<dim3(unsigned(slots), p.H, z), NTH, kOutSmem, stream>>>(p);
-    return cudaGetLastError();
-  };
-  return p.V > DT ? launch(chunk_out_kernel<T, RD, DV, 2>, 2) : launch(chunk_out_kernel<T, RD, DV, 1>, 1);
-}
-
-template <typename T, Reader RD>
-cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
-  const int ntk = (p.K + DT - 1) / DT, nts = (p.V + SV - 1) / SV;
-  const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
-  const bool bwd = p.dout.on();
-  cudaError_t e;
-  // Kept workspaces come together (hst_kept implies amat_kept: ops check it).
-  if (!(bwd && p.hst_kept) && (e = launch_forward_state<T, RD, true>(p, slots, stream)) != cudaSuccess)
-    return e;
-  if (!bwd) return launch_out<T, RD, false>(p, slots, stream);
-  if ((e = launch_backward_state<T, RD>(p, slots, stream)) != cudaSuccess) return e;
-  if ((e = launch_out<T, RD, true>(p, slots, stream)) != cudaSuccess) return e;
-  auto dqk = chunk_grad_qk_kernel<T, RD>;
-  if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
-  if (slots > 0) dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, nts);
-  return cudaGetLastError();
-}
-
 }  // namespace chunk_detail
-
-template <typename T>
-cudaError_t launch_chunk(const ChunkPass& p, cudaStream_t stream) {
-  return p.reader == Reader::Inclusive
-             ? chunk_detail::launch_chunk_reader<T, Reader::Inclusive>(p, stream)
-             : chunk_detail::launch_chunk_reader<T, Reader::Exclusive>(p, stream);
-}
-
 }  // namespace fla

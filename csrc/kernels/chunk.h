@@ -46,7 +46,9 @@ struct ChunkPass {
   MatArg dh0;
   void* du = nullptr;          // [slots, H, K] acc per-chunk partials of du (summed by the op)
 
-  void* hst = nullptr;         // [slots, H, K, V] acc workspace (chunk-start states)
+  // [slots, H, K, V] acc workspace (chunk-start states). May be null in a key-side forward with
+  // chunk_fused_out(K) on CUDA (the state kernel forms o itself): the states are then not kept.
+  void* hst = nullptr;
   void* dhst = nullptr;        // [slots, H, K, V] acc workspace (backward: dS at chunk ends)
   // [slots, H, ceil(V / kStateCols), K] acc workspace (backward): per-column-tile partial sums of
   // zeta = rowsum(S+ * dS+) (ALGORITHMS.md §3); a backend may leave it unused.
@@ -63,6 +65,10 @@ struct ChunkPass {
   bool amat_kept = false;
   bool hst_kept = false;
 };
+
+// Whether the CUDA key-side forward forms o inside its sequential state kernel (its state
+// fragments for all of K fit in registers), so that it needs no hst workspace.
+FLA_HD constexpr bool chunk_fused_out(int K) { return K <= 2 * kChunkTile; }
 
 // Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens), for chunks of
 // C rows (the RWKV7 chunk engine, kernels/dplr_chunk.h, uses the same map with C = 16).

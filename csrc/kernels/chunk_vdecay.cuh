@@ -15,7 +15,7 @@
 // over unchanged. The workspaces hold the transposed states: hst/dhst [slots, H, V, K] (same
 // size), gam [slots, H, V], zeta [slots, H, ceil(K / kStateCols), V] (ops/chunk.cpp sizes them).
 #pragma once
-#include "chunk.cuh"
+#include "chunk_launch.cuh"
 
 namespace fla {
 namespace chunk_detail {

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "dplr_chunk.h"
+#include "async_copy.cuh"
 #include "elements.cuh"
 #include "tile_mma.cuh"
 
@@ -109,38 +110,6 @@ __device__ __forceinline__ float eE(const float* sm, const Smem& L, int i, int d
   return i ? sm[L.eG + (i - 1) * L.KP + d] : 1.f;
 }
 
-// 16-byte global -> shared copy that does not wait (cp.async); `on` false writes zeros. The host
-// branch (a synchronous copy) serves tests/cuda_emu, which runs these kernels on the CPU.
-__device__ __forceinline__ void copy16(void* dst, const void* src, bool on) {
-#ifdef __CUDA_ARCH__
-  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(on ? 16 : 0));
-#else
-  char* o = static_cast<char*>(dst);
-  for (int i = 0; i < 16; ++i) o[i] = on ? static_cast<const char*>(src)[i] : 0;
-#endif
-}
-// The same for one float (4-byte destinations, such as the 17-float rows of the 16 x 16 matrices).
-__device__ __forceinline__ void copy4(float* dst, const float* src) {
-#ifdef __CUDA_ARCH__
-  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src));
-#else
-  *dst = *src;
-#endif
-}
-__device__ __forceinline__ void copy_commit() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.commit_group;");
-#endif
-}
-template <int Pending>
-__device__ __forceinline__ void copy_wait() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.wait_group %0;" ::"n"(Pending));
-#endif
-}
-
 // Asynchronous chunk loads (DplrChunkPass::rows16): every activation row goes to shared memory
 // by cp.async, 16 bytes at a time, so that all of a CTA's loads are in flight together and no
 // thread waits on one before it issues the next (the element-wise loads below, each converted
@@ -181,10 +150,7 @@ constexpr int kSp = 4;  // S+ quads a grad thread holds in registers while its c
 template <typename T>
 inline bool rows16(const DplrChunkPass& p) {
   constexpr int E = kPiece<T>;
-  auto ok = [](const VecArg& v, int n) {
-    return v.sd == 1 && n % E == 0 && v.sb % E == 0 && v.st % E == 0 && v.sh % E == 0 &&
-           elements::aligned16(v.ptr);
-  };
+  auto ok = [](const VecArg& v, int n) { return elements::rows_in_pieces(v, n, E); };
   if (!(ok(p.r, p.K) && ok(p.w, p.K) && ok(p.k, p.K) && ok(p.a, p.K) && ok(p.b, p.K) && ok(p.v, p.V)))
     return false;
   if (stage_bytes<T>(p.K, p.V, 1) > size_t(kPairWs) * sizeof(float)) return false;

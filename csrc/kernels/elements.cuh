@@ -37,6 +37,11 @@ __device__ __forceinline__ float ldu(const void* u, int64_t i, DType dt) {
   }
 }
 FLA_HD bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
+// Whether every row of v (n elements of e to a 16-byte piece) is whole pieces at 16-byte aligned
+// addresses: rows can then move 16 bytes at a time.
+FLA_HD bool rows_in_pieces(const VecArg& v, int n, int e) {
+  return v.sd == 1 && n % e == 0 && v.sb % e == 0 && v.st % e == 0 && v.sh % e == 0 && aligned16(v.ptr);
+}
 __device__ __forceinline__ float* mptr(const MatArg& m, int n, int h, int r, int c) {
   return static_cast<float*>(m.ptr) + n * m.sn + h * m.sh + int64_t(r) * m.sr + int64_t(c) * m.sc;
 }

@@ -36,9 +36,11 @@ ChunkPass chunk_pass(const DiagArgs& a, Reader reader, const Tensor& q, const Te
   return p;
 }
 
-Tensor state_workspace(const DiagArgs& a, const Tensor& q) {
-  const int64_t slots = chunk_slots(int(a.N), int(a.T), a.cu.defined());
-  return new_output({slots, a.H, a.K, a.V}, q.options().dtype(acc_type(q)));
+int64_t workspace_slots(const DiagArgs& a) { return chunk_slots(int(a.N), int(a.T), a.cu.defined()); }
+
+// [slots, H, K, V] acc, or (not `needed`) empty.
+Tensor state_workspace(const DiagArgs& a, const Tensor& q, bool needed = true) {
+  return new_output({needed ? workspace_slots(a) : 0, a.H, a.K, a.V}, q.options().dtype(acc_type(q)));
 }
 
 // With the value-side decay alone, the CUDA engine runs the transposed problem (kernels/chunk.h):
@@ -46,7 +48,7 @@ Tensor state_workspace(const DiagArgs& a, const Tensor& q) {
 bool value_side_only(const Tensor& g, const Tensor& gv) { return gv.defined() && !g.defined(); }
 
 Tensor decay_workspace(const DiagArgs& a, const Tensor& hst, bool vside) {
-  return new_output({hst.size(0), a.H, vside ? a.V : a.K}, hst.options());
+  return new_output({workspace_slots(a), a.H, vside ? a.V : a.K}, hst.options());
 }
 
 // gv: a value-side log decay [B, T, H, V] like v (GLA only). CUDA runs g or gv, not both yet.
@@ -61,7 +63,7 @@ void check_gv(const DiagArgs& a, const Tensor& q, const Tensor& v, const Tensor&
 }
 
 Tensor pair_workspace(const DiagArgs& a, const Tensor& hst) {
-  return new_output({hst.size(0), a.H, kChunk, kChunk}, hst.options());
+  return new_output({workspace_slots(a), a.H, kChunk, kChunk}, hst.options());
 }
 
 // Only the CUDA engine reads kept workspaces (the CPU engine is the reference and recomputes),
@@ -81,13 +83,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   Tensor o = a.L.empty_like_with_dim(v, a.V, q.scalar_type());
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
-  Tensor hst = state_workspace(a, q), gam = decay_workspace(a, hst, value_side_only(g, gv));
+  const bool vside = value_side_only(g, gv);
+  // The CUDA key-side forward at K <= 128 forms o inside its state kernel (kernels/chunk.h): it
+  // needs the chunk-start states only when they are kept for the backward.
+  const bool fused = q.is_cuda() && !vside && chunk_fused_out(int(a.K));
+  Tensor hst = state_workspace(a, q, !fused || keep);
   // The value-side forward runs no out kernel (kernels/chunk_vdecay.cuh): no A.
-  Tensor amat = pair_workspace_for(a, q, hst, !value_side_only(g, gv));
+  Tensor amat = pair_workspace_for(a, q, hst, !vside);
   ChunkPass p = chunk_pass(a, reader, q, k, v, g, gv, uc, h0);
   p.o = a.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
-  p.hst = hst.data_ptr(), p.gam = gam.data_ptr();
+  if (hst.numel()) p.hst = hst.data_ptr();
   if (amat.numel()) p.amat = amat.data_ptr();
   run(p);
   auto none = [&] { return new_output({0}, hst.options()); };  // distinct: outputs must not alias

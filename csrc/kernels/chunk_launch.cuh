@@ -1,0 +1,118 @@
+// Launch sequences of the chunk engine (kernels/chunk.cuh, chunk_state.cuh) for the key-side
+// decay; chunk_vdecay.cuh runs the value-side decay through the same launchers.
+#pragma once
+#include "chunk_state.cuh"
+
+namespace fla {
+namespace chunk_detail {
+
+constexpr size_t kTileBytes = sizeof(float) * C * LD;
+constexpr size_t kDeltaSmem = 3 * kTileBytes + sizeof(Decays);
+constexpr size_t kIntraSmem = 3 * kTileBytes + sizeof(Decays) + sizeof(float) * (DT + 4 * NSC * DT);
+constexpr size_t kOutSmem = 3 * kTileBytes + sizeof(Decays);
+constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * 3 * DT;
+
+template <typename K>
+inline cudaError_t set_smem(K kernel, size_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
+
+// The pair matrices into amat.
+template <typename T, Reader RD>
+cudaError_t launch_pairs(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  auto intra = chunk_intra_kernel<T, RD>;
+  cudaError_t e = set_smem(intra, kIntraSmem);
+  if (e != cudaSuccess) return e;
+  if (slots > 0) intra<<<dim3(unsigned(slots), p.H), NTH, kIntraSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The sequential state kernel: NK K tiles per CTA (with OUT, all of K).
+template <typename T, Reader RD, bool OUT, int NK>
+cudaError_t launch_state(const ChunkPass& p, cudaStream_t stream) {
+  auto state = chunk_state_kernel<T, RD, OUT, NK>;
+  const size_t smem = state_smem(OUT);
+  cudaError_t e = set_smem(state, smem);
+  if (e != cudaSuccess) return e;
+  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+  const unsigned z = unsigned(ntv * ((ntk + NK - 1) / NK));
+  if (p.N > 0) state<<<dim3(unsigned(p.N), p.H, z), NTH, smem, stream>>>(p, ntv, state_vec<T>(p, OUT));
+  return cudaGetLastError();
+}
+
+// Forward state for a backward: (PAIRS) the pair matrices, then hst (and hT).
+template <typename T, Reader RD, bool PAIRS>
+cudaError_t launch_forward_state(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  cudaError_t e;
+  if (PAIRS && (e = launch_pairs<T, RD>(p, slots, stream)) != cudaSuccess) return e;
+  return launch_state<T, RD, false, 1>(p, stream);
+}
+
+// Backward: the per-chunk ΔD, then the reverse scan: dHst, zeta.
+template <typename T, Reader RD>
+cudaError_t launch_backward_state(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+  auto delta = chunk_delta_kernel<T, RD>;
+  cudaError_t e = set_smem(delta, kDeltaSmem);
+  if (e != cudaSuccess) return e;
+  if (slots > 0) delta<<<dim3(unsigned(slots), p.H, ntk * ntv), NTH, kDeltaSmem, stream>>>(p, ntv);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  const int vpad = (p.V + SV - 1) / SV * SV;
+  const int64_t elems = int64_t(p.K) * vpad;
+  chunk_scan_kernel<<<dim3(p.N, p.H, unsigned((elems + NTH - 1) / NTH)), NTH, 0, stream>>>(p, vpad);
+  return cudaGetLastError();
+}
+
+// o (DV = false) or dv (DV) from hst / dhst and amat.
+template <typename T, Reader RD, bool DV>
+cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  auto launch = [&](auto out, int nv) {
+    cudaError_t e = set_smem(out, kOutSmem);
+    if (e != cudaSuccess) return e;
+    const unsigned z = unsigned((p.V + nv * DT - 1) / (nv * DT));
+    if (slots > 0) out<<<dim3(unsigned(slots), p.H, z), NTH, kOutSmem, stream>>>(p);
+    return cudaGetLastError();
+  };
+  return p.V > DT ? launch(chunk_out_kernel<T, RD, DV, 2>, 2) : launch(chunk_out_kernel<T, RD, DV, 1>, 1);
+}
+
+// Forward: the pair matrices, then the state kernel with o when K <= 128 (its state fragments for
+// all of K stay in registers); beyond that the state kernel per K tile and the out kernel.
+template <typename T, Reader RD>
+cudaError_t launch_forward(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
+  cudaError_t e = launch_pairs<T, RD>(p, slots, stream);
+  if (e != cudaSuccess) return e;
+  static_assert(chunk_fused_out(2 * DT) && !chunk_fused_out(2 * DT + 1), "NK <= 2 below");
+  if (p.K <= DT) return launch_state<T, RD, true, 1>(p, stream);
+  if (chunk_fused_out(p.K)) return launch_state<T, RD, true, 2>(p, stream);
+  if ((e = launch_state<T, RD, false, 1>(p, stream)) != cudaSuccess) return e;
+  return launch_out<T, RD, false>(p, slots, stream);
+}
+
+template <typename T, Reader RD>
+cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
+  const int ntk = (p.K + DT - 1) / DT, nts = (p.V + SV - 1) / SV;
+  const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
+  if (!p.dout.on()) return launch_forward<T, RD>(p, slots, stream);
+  cudaError_t e;
+  // Kept workspaces come together (hst_kept implies amat_kept: ops check it).
+  if (!p.hst_kept && (e = launch_forward_state<T, RD, true>(p, slots, stream)) != cudaSuccess)
+    return e;
+  if ((e = launch_backward_state<T, RD>(p, slots, stream)) != cudaSuccess) return e;
+  if ((e = launch_out<T, RD, true>(p, slots, stream)) != cudaSuccess) return e;
+  auto dqk = chunk_grad_qk_kernel<T, RD>;
+  if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
+  if (slots > 0) dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, nts);
+  return cudaGetLastError();
+}
+
+}  // namespace chunk_detail
+
+template <typename T>
+cudaError_t launch_chunk(const ChunkPass& p, cudaStream_t stream) {
+  return p.reader == Reader::Inclusive
+             ? chunk_detail::launch_chunk_reader<T, Reader::Inclusive>(p, stream)
+             : chunk_detail::launch_chunk_reader<T, Reader::Exclusive>(p, stream);
+}
+
+}  // namespace fla

@@ -1,0 +1,255 @@
+// The forward state pass of the chunk engine (kernels/chunk.cuh) as one sequential kernel per
+// (sequence, head, V tile, group of NK K tiles): S (fp32) stays in registers across the chunks,
+// S_{c+1} = diag(γ_c) S_c + K̂_cᵀ V_c with the products as the tile products elsewhere (TF32 for
+// bf16/fp16 inputs, exact SIMT FMA for fp32). Each chunk-start state goes to hst when it is
+// wanted (a backward reads it), the final one to the slot after the last chunk and to hT.
+//
+// With OUT the group covers all of K and the kernel also forms o_c = ρ (Q̂_c S_c + A_c V_c), A
+// from amat (chunk_intra_kernel): the state never leaves the chip between the two. This replaces
+// a parallel ΔS kernel, a serial elementwise scan and an out kernel that reread S (three fp32
+// state round trips per chunk; NOTES c14). Decay exponents are added, never subtracted, as in
+// chunk.cuh: γ, K̂'s suffix factors and Q̂'s reader factors all come from chunk_decays.
+#pragma once
+#include <cstring>
+
+#include "async_copy.cuh"
+#include "chunk.cuh"
+
+namespace fla {
+namespace chunk_detail {
+
+// A 64 x 64 tile of an activation in 16-byte pieces of P elements: thread x owns the piece at row
+// x / PR + RS j (j < NP), columns P (x % PR) .. + P. Loads are held raw in registers and converted
+// at the store to shared memory, so the next chunk's loads stay in flight while the current chunk
+// computes (a conversion right after its load would wait for it there). With `vec` (the rows are
+// whole aligned pieces: rows_in_pieces) a piece is one 16-byte access, else P element accesses:
+// ncu showed the per-element loads and stores, with their 64-bit address arithmetic, as half of
+// this kernel's instructions (NOTES c14).
+template <typename T>
+struct RowPieces {
+  static constexpr int P = 16 / int(sizeof(T)), PR = DT / P, RS = NTH / PR, NP = DT / RS;
+  uint4 x[NP];
+  __device__ static int row0() { return int(threadIdx.x) / PR; }
+  __device__ static int col0() { return P * (int(threadIdx.x) % PR); }
+
+  // p: this thread's first element (row row0(), column col0() of the tile); rows from L on and
+  // columns from `cols` on (counted from col0()) read as zeros.
+  __device__ __forceinline__ void fetch(const T* p, int64_t st, int64_t sd, int L, int cols, bool vec) {
+#pragma unroll
+    for (int j = 0; j < NP; ++j, p += RS * st) {
+      const bool on = row0() + RS * j < L && cols > 0;
+      if (vec) {
+        x[j] = on ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
+      } else {
+        T e[P];
+#pragma unroll
+        for (int i = 0; i < P; ++i) e[i] = on && i < cols ? p[i * sd] : from_f<T>(0.f);
+        memcpy(&x[j], e, sizeof e);
+      }
+    }
+  }
+  __device__ __forceinline__ void store(Tile* s, float mul) const {
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+      T e[P];
+      memcpy(e, &x[j], sizeof e);
+      float* d = &s[row0() + RS * j][col0()];
+#pragma unroll
+      for (int i = 0; i < P; i += 4)
+        *reinterpret_cast<float4*>(d + i) = make_float4(to_f(e[i]) * mul, to_f(e[i + 1]) * mul,
+                                                        to_f(e[i + 2]) * mul, to_f(e[i + 3]) * mul);
+    }
+  }
+  // The other way: rows [0, L) x columns [0, cols) of a shared fp32 tile, times mul, out to p.
+  __device__ static __forceinline__ void put(const Tile* s, T* p, int64_t st, int64_t sd, int L,
+                                             int cols, bool vec, float mul) {
+#pragma unroll
+    for (int j = 0; j < NP; ++j, p += RS * st) {
+      const int r = row0() + RS * j;
+      if (r >= L || cols <= 0) continue;
+      T e[P];
+#pragma unroll
+      for (int i = 0; i < P; ++i) e[i] = from_f<T>(s[r][col0() + i] * mul);
+      if (vec) {
+        uint4 u;
+        memcpy(&u, e, sizeof e);
+        *reinterpret_cast<uint4*>(p) = u;
+      } else {
+#pragma unroll
+        for (int i = 0; i < P; ++i)
+          if (i < cols) p[i * sd] = e[i];
+      }
+    }
+  }
+};
+
+// This thread's first element of an activation's tile at chunk 0 (rows from the sequence start,
+// columns from d0), null and no columns when the argument is off.
+template <typename T>
+struct PieceSrc {
+  T* p = nullptr;
+  int64_t st = 0, sd = 1;
+  int cols = 0;
+  __device__ PieceSrc(const VecArg& a, const SeqSpan& s, int h, int d0, int D) {
+    if (!a.on()) return;
+    p = vptr<T>(a, s.b, s.bos + RowPieces<T>::row0(), h, d0 + RowPieces<T>::col0());
+    st = a.st, sd = a.sd, cols = D - d0 - RowPieces<T>::col0();
+  }
+};
+
+// A fragment into rows [0, R) x columns [0, Cn) of a row-major fp32 matrix m with row stride ld.
+// Elements (i, i + 1), i even, are adjacent columns of one row in both Frag layouts: one 8-byte
+// store where ld (and so every pair's offset) is even.
+template <class F>
+__device__ __forceinline__ void store_frag_mat(const F& f, float* m, int64_t ld, int R, int Cn) {
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    const int r = F::row(i), c = F::col(i);
+    if (r >= R) continue;
+    float* e = m + r * ld + c;
+    if (ld % 2 == 0 && c + 1 < Cn) {
+      *reinterpret_cast<float2*>(e) = make_float2(f.v[i], f.v[i + 1]);
+    } else {
+      if (c < Cn) e[0] = f.v[i];
+      if (c + 1 < Cn) e[1] = f.v[i + 1];
+    }
+  }
+}
+
+// A chunk's pair matrix (fp32 [C][C], from amat) into a shared tile by cp.async: no registers
+// and no wait until the A V product.
+__device__ __forceinline__ void copy_pairs(Tile* a, const float* src) {
+  for (int e = threadIdx.x; e < C * C / 4; e += NTH)
+    copy16(&a[e / (C / 4)][4 * (e % (C / 4))], src + 4 * e, true);
+  copy_commit();
+}
+
+// Grid (N, H, ntv x K groups), z = group * ntv + V tile. One CTA walks its sequence's chunks in
+// order; the loads of the next K tile (or chunk) are issued right after the current one is stored
+// to shared memory. At K <= 64 with o there is one CTA per (sequence, head) and V tile, few
+// enough for one per SM: no register cap (128 spilled).
+template <bool OUT, int NK>
+constexpr int kStateCtas = OUT && NK == 1 ? 1 : 2;
+template <typename T, Reader RD, bool OUT, int NK>
+__global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel(ChunkPass p, int ntv, bool vec) {
+  extern __shared__ float4 smem4[];
+  Tile* X = reinterpret_cast<Tile*>(smem4);  // v
+  Tile* Y = X + C;                            // k, then K̂ = k ⊙ exp2(Qex) after[m]
+  Tile* LS = Y + C;                           // λ, then (OUT) the chunk-start state tile
+  Tile* Q = LS + C;                           // (OUT) q, then Q̂ = q ⊙ exp2(reader) before[m]
+  Tile* AM = Q + C;                           // (OUT) A
+  Decays& d = *reinterpret_cast<Decays*>(OUT ? AM + C : Q);
+
+  const int n = blockIdx.x, h = blockIdx.y;
+  const int kt0 = int(blockIdx.z) / ntv * NK, v0 = int(blockIdx.z) % ntv * DT;
+  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+  const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
+  const int64_t nch = num_chunks(s.len), slot0 = chunk_slot(p.cu_seqlens, n, p.T, 0);
+  const int64_t KV = int64_t(p.K) * p.V;
+  float* const hst = static_cast<float*>(p.hst);
+  // This CTA's corner of slot `slot`'s state matrix, K tile kt.
+  auto state_at = [&](int64_t slot, int kt) {
+    return hst + (slot * p.H + h) * KV + int64_t(kt0 + kt) * DT * p.V + v0;
+  };
+  const int vleft = p.V - v0;
+  auto kleft = [&](int kt) { return p.K - (kt0 + kt) * DT; };
+
+  Acc<T> S[NK];
+#pragma unroll
+  for (int kt = 0; kt < NK; ++kt)
+    if (p.h0.on())
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int r = Acc<T>::row(i), c = Acc<T>::col(i);
+        if (r < kleft(kt) && c < vleft) S[kt].v[i] = *mptr(p.h0, n, h, (kt0 + kt) * DT + r, v0 + c);
+      }
+
+  using Pc = RowPieces<T>;
+  Pc fq, fk, fg, fv;
+  const PieceSrc<T> sq(p.q, s, h, kt0 * DT, p.K), sk(p.k, s, h, kt0 * DT, p.K), sg(p.g, s, h, kt0 * DT, p.K);
+  const PieceSrc<T> sv(p.v, s, h, v0, p.V), so(p.o, s, h, v0, p.V);
+  auto chunk_rows = [&](int64_t c) { return int(s.len - c * C < C ? s.len - c * C : C); };
+  auto fetch = [&](int64_t c, int kt) {
+    if (c >= nch) return;
+    const int L = chunk_rows(c);
+    auto one = [&](Pc& f, const PieceSrc<T>& a, int dk) {
+      f.fetch(a.p + c * C * a.st + dk * a.sd, a.st, a.sd, L, a.cols - dk, vec);
+    };
+    if (OUT) one(fq, sq, kt * DT);
+    one(fk, sk, kt * DT), one(fg, sg, kt * DT);
+    if (kt == 0) one(fv, sv, 0);
+  };
+  const float* const amat = static_cast<const float*>(p.amat);
+  auto pairs_of = [&](int64_t c) { return amat + ((slot0 + c) * p.H + h) * int64_t(C) * C; };
+  fetch(0, 0);
+  if (OUT && nch > 0) copy_pairs(AM, pairs_of(0));
+
+  for (int64_t c = 0; c < nch; ++c) {
+    Acc<T> o;
+#pragma unroll
+    for (int kt = 0; kt < NK; ++kt) {
+      __syncthreads();  // the previous K tile's (or chunk's) tiles are consumed
+      if (OUT) fq.store(Q, 1.f);
+      fk.store(Y, 1.f), fg.store(LS, kLog2e);
+      if (kt == 0) fv.store(X, 1.f);
+      if (kt + 1 < NK) fetch(c, kt + 1);
+      else fetch(c + 1, 0);
+      __syncthreads();
+      chunk_decays(d, LS);
+      if (OUT) scale_reader<RD>(Q, LS, m, ch, d.before[m][ch]);
+      scale_key<false>(Y, LS, m, ch, d.after[m][ch]);
+      if (hst) store_frag_mat(S[kt], state_at(slot0 + c, kt), p.V, kleft(kt), vleft);
+      __syncthreads();
+      if (OUT) {  // o += Q̂ S_c, S_c staged over λ (dead now)
+        stage(S[kt], LS, 1.f);
+        __syncthreads();
+        o.template mma<false>(Q, LS, DT);
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) S[kt].v[i] *= d.gamma[Acc<T>::row(i)];
+      S[kt].template mma<true>(Y, X, C);
+    }
+    if (OUT) {
+      copy_wait<0>();
+      __syncthreads();
+      o.template mma<false, Tri::KUpToRow>(AM, X, C);  // A is lower triangular
+      stage(o, LS, 1.f);                                // LS is free since the sync
+      __syncthreads();
+      if (c + 1 < nch) copy_pairs(AM, pairs_of(c + 1));
+      Pc::put(LS, so.p + c * C * so.st, so.st, so.sd, chunk_rows(c), so.cols, vec, float(p.scale));
+    }
+  }
+
+#pragma unroll
+  for (int kt = 0; kt < NK; ++kt) {
+    if (hst) store_frag_mat(S[kt], state_at(slot0 + nch, kt), p.V, kleft(kt), vleft);
+    if (p.hT.on())
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int r = Acc<T>::row(i), c = Acc<T>::col(i);
+        if (r < kleft(kt) && c < vleft) *mptr(p.hT, n, h, (kt0 + kt) * DT + r, v0 + c) = S[kt].v[i];
+      }
+    if (hst && p.cu_seqlens) {  // hst may be kept as an op output: its gap slots read 0
+      const int64_t next = n + 1 < p.N ? chunk_slot(p.cu_seqlens, n + 1, p.T, 0)
+                                       : chunk_slots(p.N, p.T, true);
+      const Acc<T> zero;
+      for (int64_t c = nch + 1; slot0 + c < next; ++c)
+        store_frag_mat(zero, state_at(slot0 + c, kt), p.V, kleft(kt), vleft);
+    }
+  }
+}
+
+// The `vec` argument of chunk_state_kernel: every activation it reads or writes is whole pieces.
+template <typename T>
+inline bool state_vec(const ChunkPass& p, bool out) {
+  constexpr int P = RowPieces<T>::P;
+  const bool kv = rows_in_pieces(p.k, p.K, P) && rows_in_pieces(p.g, p.K, P) && rows_in_pieces(p.v, p.V, P);
+  return kv && (!out || (rows_in_pieces(p.q, p.K, P) && rows_in_pieces(p.o, p.V, P)));
+}
+
+constexpr size_t state_smem(bool out) {
+  return (out ? 5 : 3) * sizeof(float) * C * LD + sizeof(Decays);
+}
+
+}  // namespace chunk_detail
+}  // namespace fla
