@@ -30,7 +30,7 @@ namespace chunk_detail {
 using namespace elements;
 
 constexpr int C = kChunk, SC = kSubChunk, NSC = kChunk / kSubChunk;
-using tile::DT, tile::LD, tile::NTH, tile::Tile, tile::Tri;
+using tile::DT, tile::LD, tile::NTH, tile::Tile, tile::TileB, tile::Tri, tile::tf32_if;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x with results below 2^-126 flushed to 0 (ex2.approx.ftz: exp2f's accuracy, without its
@@ -45,7 +45,9 @@ static_assert(C == DT && DT == kChunkTile && NTH == 4 * DT && NSC == 4, "tile sh
 
 // The products run on TF32 tensor cores for bf16/fp16 inputs and on exact fp32 FMA for fp32.
 template <typename T>
-using Acc = tile::Frag<!std::is_same_v<T, float>>;
+constexpr bool kTC = !std::is_same_v<T, float>;
+template <typename T>
+using Acc = tile::Frag<kTC<T>>;
 
 // Where one CTA's chunk lives.
 struct Pos {
@@ -138,10 +140,10 @@ __device__ __forceinline__ void load_mat(Tile* s, const float* m, int R, int Cn,
 // A fragment's 64 x 64 values into a shared tile, then out to a row-major fp32 matrix row by row
 // (thread x writes column x % DT of rows x / DT + 4 it): consecutive threads write consecutive
 // elements, where the fragment layout would scatter 8-byte pieces over 16 rows.
-template <class F>
-__device__ __forceinline__ void stage(const F& f, Tile* s, float mul) {
+template <class F, bool TF = false, int N>  // TF: as TF32 values (tf32_round)
+__device__ __forceinline__ void stage(const F& f, float (*s)[N], float mul) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) s[F::row(i)][F::col(i)] = mul * f.v[i];
+  for (int i = 0; i < 16; ++i) s[F::row(i)][F::col(i)] = tile::tf32_if<TF>(mul * f.v[i]);
 }
 // A fragment (rows = time, columns = channels d0..) straight into an activation, times mul: one
 // base pointer, the per-element offsets from the fragment layout's compile-time pattern.
@@ -173,7 +175,8 @@ struct Decays {
   float tau[NSC][DT], before[NSC][DT], after[NSC][DT], gap[NSC][NSC][DT], gamma[DT];
 };
 
-__device__ __forceinline__ void chunk_decays(Decays& d, const Tile* lam) {
+template <int N>
+__device__ __forceinline__ void chunk_decays(Decays& d, const float (*lam)[N]) {
   const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
   float t = 0.f;
 #pragma unroll
@@ -205,23 +208,26 @@ __device__ __forceinline__ void chunk_decays(Decays& d, const Tile* lam) {
 // In-sub-chunk walks of thread (m, ch): x[i][ch] *= exp2(reader exponent from the sub-chunk
 // start: Pin_i inclusive, Pex_i exclusive), y[j][ch] *= exp2(Qex_j = Σ_{j<s<=end(m)} λ_s).
 // y may be stored transposed (YT: y[ch][j]).
-template <Reader RD>
-__device__ __forceinline__ void scale_reader(Tile* x, const Tile* lam, int m, int ch, float mul) {
+// TF: the results rounded to TF32 values (tf32_round) for an mma with RAW operands.
+template <Reader RD, bool TF = false, int NX, int NL>
+__device__ __forceinline__ void scale_reader(float (*x)[NX], const float (*lam)[NL], int m, int ch,
+                                             float mul) {
   float e = 0.f;
 #pragma unroll
   for (int i = m * SC; i < (m + 1) * SC; ++i) {
     if (RD == Reader::Inclusive) e += lam[i][ch];
-    x[i][ch] *= mul * ex2(e);
+    x[i][ch] = tile::tf32_if<TF>(x[i][ch] * (mul * ex2(e)));
     if (RD == Reader::Exclusive) e += lam[i][ch];
   }
 }
-template <bool YT>
-__device__ __forceinline__ void scale_key(Tile* y, const Tile* lam, int m, int ch, float mul) {
+template <bool YT, bool TF = false, int NY, int NL>
+__device__ __forceinline__ void scale_key(float (*y)[NY], const float (*lam)[NL], int m, int ch,
+                                          float mul) {
   float e = 0.f;
 #pragma unroll
   for (int j = (m + 1) * SC - 1; j >= m * SC; --j) {
     float& v = YT ? y[ch][j] : y[j][ch];
-    v *= mul * ex2(e);
+    v = tile::tf32_if<TF>(v * (mul * ex2(e)));
     e += lam[j][ch];
   }
 }
@@ -499,8 +505,12 @@ __global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p) {
     if (off.col(e) / SC != off.row(e) / SC) A[off.row(e)][off.col(e)] = off.v[e];
   diag_store<RD>(A, dacc);
   __syncthreads();
-  for (int e = threadIdx.x; e < C * C / 4; e += NTH)
-    amat[e] = *reinterpret_cast<const float4*>(&A[e / (C / 4)][4 * (e % (C / 4))]);
+  // As TF32 values where its readers multiply on tensor cores (kTC): the state kernel reads
+  // them RAW; rounding again in the backward's out kernel changes nothing.
+  for (int e = threadIdx.x; e < C * C / 4; e += NTH) {
+    const float4 a = *reinterpret_cast<const float4*>(&A[e / (C / 4)][4 * (e % (C / 4))]);
+    amat[e] = make_float4(tf32_if<kTC<T>>(a.x), tf32_if<kTC<T>>(a.y), tf32_if<kTC<T>>(a.z), tf32_if<kTC<T>>(a.w));
+  }
 }
 
 // Forward (DV = false): o = ρ (Q̂ S + A V). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO. A comes from

@@ -48,20 +48,33 @@ struct RowPieces {
       }
     }
   }
-  __device__ __forceinline__ void store(Tile* s, float mul) const {
+  template <int N>
+  __device__ __forceinline__ void store(float (*s)[N], float mul) const {
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
       T e[P];
       memcpy(e, &x[j], sizeof e);
-      float* d = &s[row0() + RS * j][col0()];
+      float4 f[P / 4];
 #pragma unroll
-      for (int i = 0; i < P; i += 4)
-        *reinterpret_cast<float4*>(d + i) = make_float4(to_f(e[i]) * mul, to_f(e[i + 1]) * mul,
-                                                        to_f(e[i + 2]) * mul, to_f(e[i + 3]) * mul);
+      for (int i = 0; i < P / 4; ++i)
+        f[i] = make_float4(to_f(e[4 * i]) * mul, to_f(e[4 * i + 1]) * mul, to_f(e[4 * i + 2]) * mul,
+                           to_f(e[4 * i + 3]) * mul);
+      float4* d = reinterpret_cast<float4*>(&s[row0() + RS * j][col0()]);
+      if constexpr (P == 8) {
+        // The 8 threads of a row write 32-byte pieces: the first halves of pieces t and t + 4
+        // would share banks. Threads 4..7 write their second half first: conflict-free.
+        const bool sw = threadIdx.x % 8 >= 4;
+        d[sw] = sw ? f[1 % (P / 4)] : f[0];
+        d[!sw] = sw ? f[0] : f[1 % (P / 4)];
+      } else {
+#pragma unroll
+        for (int i = 0; i < P / 4; ++i) d[i] = f[i];
+      }
     }
   }
   // The other way: rows [0, L) x columns [0, cols) of a shared fp32 tile, times mul, out to p.
-  __device__ static __forceinline__ void put(const Tile* s, T* p, int64_t st, int64_t sd, int L,
+  template <int N>
+  __device__ static __forceinline__ void put(const float (*s)[N], T* p, int64_t st, int64_t sd, int L,
                                              int cols, bool vec, float mul) {
 #pragma unroll
     for (int j = 0; j < NP; ++j, p += RS * st) {
@@ -133,16 +146,19 @@ constexpr int kStateCtas = OUT && NK == 1 ? 1 : 2;
 template <typename T, Reader RD, bool OUT, int NK>
 __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel(ChunkPass p, int ntv, bool vec) {
   extern __shared__ float4 smem4[];
-  Tile* X = reinterpret_cast<Tile*>(smem4);  // v
-  Tile* Y = X + C;                            // k, then K̂ = k ⊙ exp2(Qex) after[m]
-  Tile* LS = Y + C;                           // λ, then (OUT) the chunk-start state tile
-  Tile* Q = LS + C;                           // (OUT) q, then Q̂ = q ⊙ exp2(reader) before[m]
-  Tile* AM = Q + C;                           // (OUT) A
+  // B operands and the transposed A operand at stride LDB, A operands [row][k] at LD (tile_mma.cuh).
+  TileB* X = reinterpret_cast<TileB*>(smem4);  // v
+  TileB* Y = X + C;                            // k, then K̂ = k ⊙ exp2(Qex) after[m]
+  TileB* LS = Y + C;                           // λ, then (OUT) the chunk-start state tile
+  Tile* Q = reinterpret_cast<Tile*>(LS + C);   // (OUT) q, then Q̂ = q ⊙ exp2(reader) before[m]
+  Tile* AM = Q + C;                            // (OUT) A
   Decays& d = *reinterpret_cast<Decays*>(OUT ? AM + C : Q);
 
   const int n = blockIdx.x, h = blockIdx.y;
   const int kt0 = int(blockIdx.z) / ntv * NK, v0 = int(blockIdx.z) % ntv * DT;
   const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+  // Every mma operand is stored as TF32 values (v and A are already: widened inputs, intra).
+  constexpr bool TC = kTC<T>;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int64_t nch = num_chunks(s.len), slot0 = chunk_slot(p.cu_seqlens, n, p.T, 0);
   const int64_t KV = int64_t(p.K) * p.V;
@@ -196,23 +212,23 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
       else fetch(c + 1, 0);
       __syncthreads();
       chunk_decays(d, LS);
-      if (OUT) scale_reader<RD>(Q, LS, m, ch, d.before[m][ch]);
-      scale_key<false>(Y, LS, m, ch, d.after[m][ch]);
+      if (OUT) scale_reader<RD, TC>(Q, LS, m, ch, d.before[m][ch]);
+      scale_key<false, TC>(Y, LS, m, ch, d.after[m][ch]);
       if (hst) store_frag_mat(S[kt], state_at(slot0 + c, kt), p.V, kleft(kt), vleft);
       __syncthreads();
       if (OUT) {  // o += Q̂ S_c, S_c staged over λ (dead now)
-        stage(S[kt], LS, 1.f);
+        stage<Acc<T>, TC>(S[kt], LS, 1.f);
         __syncthreads();
-        o.template mma<false>(Q, LS, DT);
+        o.template mma<false, Tri::Full, true>(Q, LS, DT);
       }
 #pragma unroll
       for (int i = 0; i < 16; ++i) S[kt].v[i] *= d.gamma[Acc<T>::row(i)];
-      S[kt].template mma<true>(Y, X, C);
+      S[kt].template mma<true, Tri::Full, true>(Y, X, C);
     }
     if (OUT) {
       copy_wait<0>();
       __syncthreads();
-      o.template mma<false, Tri::KUpToRow>(AM, X, C);  // A is lower triangular
+      o.template mma<false, Tri::KUpToRow, true>(AM, X, C);  // A is lower triangular
       stage(o, LS, 1.f);                                // LS is free since the sync
       __syncthreads();
       if (c + 1 < nch) copy_pairs(AM, pairs_of(c + 1));
@@ -248,7 +264,7 @@ inline bool state_vec(const ChunkPass& p, bool out) {
 }
 
 constexpr size_t state_smem(bool out) {
-  return (out ? 5 : 3) * sizeof(float) * C * LD + sizeof(Decays);
+  return sizeof(float) * C * (3 * tile::LDB + (out ? 2 * LD : 0)) + sizeof(Decays);
 }
 
 }  // namespace chunk_detail

@@ -17,6 +17,11 @@ constexpr int NTH = 256;  // threads per CTA
 constexpr int DT = 64;    // tile edge
 constexpr int LD = DT + 4;  // row stride: 16-byte aligned rows, conflict-free SIMT 4x4 reads
 using Tile = float[LD];     // a tile is Tile[64]
+// Frag<true> lanes (g, q) read a[row g][k q] of an A operand stored [row][k] (bank 4g + q at
+// stride LD: conflict-free) but b[k q][col g] of a B operand [k][col] or a transposed A [k][row]
+// (bank 4q + g at LD: two-way conflicts). Those tiles take stride LDB, bank 8q + g.
+constexpr int LDB = DT + 8;
+using TileB = float[LDB];
 
 // Triangular operands: which k a row needs (the rest of the product is known to be zero).
 enum class Tri {
@@ -34,8 +39,8 @@ struct Frag<false> {
   __device__ static int row(int i) { return 4 * (int(threadIdx.x) / 16) + i / 4; }
   __device__ static int col(int i) { return 4 * (int(threadIdx.x) % 16) + i % 4; }
 
-  template <bool TA, Tri TR = Tri::Full>
-  __device__ __forceinline__ void mma(const Tile* a, const Tile* b, int K) {
+  template <bool TA, Tri TR = Tri::Full, bool RAW = false, int NA, int NB>  // RAW: see Frag<true>
+  __device__ __forceinline__ void mma(const float (*a)[NA], const float (*b)[NB], int K) {
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const int k0 = TR == Tri::KFromRow ? 4 * ty : 0;
     const int k1 = TR == Tri::KUpToRow ? min(K, 4 * ty + 4) : K;
@@ -83,6 +88,13 @@ struct Frag<false> {
 // mma ignores the 13 low bits. cvt.rna.tf32.f32 does the same plus an inf/NaN guard (3
 // instructions per operand element instead of 1); operands here are finite.
 __device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+// The same rounding as a float that is a TF32 value (low 13 bits clear): an operand stored this
+// way once is read by an mma with RAW = true without a rounding per read (each element of a tile
+// is read by 2-4 warps). Widened bf16 and fp16 values are TF32 values already.
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(to_tf32(x) & 0xffffe000u); }
+// tf32_round where the products run on tensor cores (TC), x itself otherwise.
+template <bool TC>
+__device__ __forceinline__ float tf32_if(float x) { return TC ? tf32_round(x) : x; }
 
 #ifndef __CUDA_ARCH__
 // The host branch's warp collective (tests/cuda_emu/emu.h defines it; nothing else calls it).
@@ -131,21 +143,23 @@ struct Frag<true> {
     return 32 * (int(threadIdx.x) / 128) + 8 * (i / 4) + 2 * (int(threadIdx.x) % 4) + i % 2;
   }
 
-  template <bool TA, Tri TR = Tri::Full>
-  __device__ __forceinline__ void mma(const Tile* a, const Tile* b, int K) {
+  // RAW: both operands hold TF32 values already (tf32_round, or widened bf16 / fp16 inputs).
+  template <bool TA, Tri TR = Tri::Full, bool RAW = false, int NA, int NB>
+  __device__ __forceinline__ void mma(const float (*a)[NA], const float (*b)[NB], int K) {
     const int w = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
     const int r0 = 16 * (w % 4), c0 = 32 * (w / 4);
     const int k0 = TR == Tri::KFromRow ? r0 : 0;
     const int k1 = TR == Tri::KUpToRow ? min(K, r0 + 16) : K;
-    auto A = [&](int r, int k) { return to_tf32(TA ? a[k][r] : a[r][k]); };
+    auto cv = [](float x) { return RAW ? __float_as_uint(x) : to_tf32(x); };
+    auto A = [&](int r, int k) { return cv(TA ? a[k][r] : a[r][k]); };
 #pragma unroll 2
     for (int k = k0; k < k1; k += 8) {
       const uint32_t a0 = A(r0 + g, k + q), a1 = A(r0 + g + 8, k + q);
       const uint32_t a2 = A(r0 + g, k + q + 4), a3 = A(r0 + g + 8, k + q + 4);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t b0 = to_tf32(b[k + q][c0 + 8 * j + g]);
-        const uint32_t b1 = to_tf32(b[k + q + 4][c0 + 8 * j + g]);
+        const uint32_t b0 = cv(b[k + q][c0 + 8 * j + g]);
+        const uint32_t b1 = cv(b[k + q + 4][c0 + 8 * j + g]);
         mma_tf32(v + 4 * j, a0, a1, a2, a3, b0, b1);
       }
     }

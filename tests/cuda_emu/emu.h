@@ -28,6 +28,11 @@ inline uint32_t __float_as_uint(float f) {
   std::memcpy(&u, &f, 4);
   return u;
 }
+inline float __uint_as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 // Warp collectives: a barrier per warp and each thread's operands of the current one.
 inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
 struct EmuMmaLane { float a[4], b[2]; };
