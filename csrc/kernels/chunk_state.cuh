@@ -61,16 +61,37 @@ struct RowPieces {
                            to_f(e[4 * i + 3]) * mul);
       float4* d = reinterpret_cast<float4*>(&s[row0() + RS * j][col0()]);
       if constexpr (P == 8) {
-        // The 8 threads of a row write 32-byte pieces: the first halves of pieces t and t + 4
-        // would share banks. Threads 4..7 write their second half first: conflict-free.
-        const bool sw = threadIdx.x % 8 >= 4;
-        d[sw] = sw ? f[1 % (P / 4)] : f[0];
-        d[!sw] = sw ? f[0] : f[1 % (P / 4)];
+        const int sw = swapped();
+        sts128(d + sw, sw ? f[1] : f[0]);
+        sts128(d + (sw ^ 1), sw ? f[0] : f[1]);
       } else {
-#pragma unroll
-        for (int i = 0; i < P / 4; ++i) d[i] = f[i];
+        d[0] = f[0];
       }
     }
+  }
+  // Two-float4 pieces (P = 8): the 8 threads of a row access 32-byte pieces, and the first halves
+  // of pieces t and t + 4 share banks; threads 4..7 take their second half first (conflict-free).
+  __device__ static int swapped() { return int(threadIdx.x) % 8 / 4; }
+  // One 16-byte shared store / load as written: for a select between two addresses the compiler
+  // emitted a predicated pair of stores, each a full set of wavefronts (ncu).
+  __device__ static __forceinline__ void sts128(float4* d, float4 v) {
+#ifdef __CUDA_ARCH__
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(unsigned(__cvta_generic_to_shared(d))),
+                 "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));  // volatile: ordered against the barriers
+#else
+    *d = v;
+#endif
+  }
+  __device__ static __forceinline__ float4 lds128(const float4* s) {
+#ifdef __CUDA_ARCH__
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(unsigned(__cvta_generic_to_shared(s))) : "memory");
+    return v;
+#else
+    return *s;
+#endif
   }
   // The other way: rows [0, L) x columns [0, cols) of a shared fp32 tile, times mul, out to p.
   template <int N>
@@ -80,9 +101,20 @@ struct RowPieces {
     for (int j = 0; j < NP; ++j, p += RS * st) {
       const int r = row0() + RS * j;
       if (r >= L || cols <= 0) continue;
+      float v[P];
+      const float4* src = reinterpret_cast<const float4*>(&s[r][col0()]);
+      if constexpr (P == 8) {
+        const int sw = swapped();
+        const float4 a = lds128(src + sw), b = lds128(src + (sw ^ 1));
+        const float4 lo = sw ? b : a, hi = sw ? a : b;
+        v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+      } else {
+        const float4 a = src[0];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+      }
       T e[P];
 #pragma unroll
-      for (int i = 0; i < P; ++i) e[i] = from_f<T>(s[r][col0() + i] * mul);
+      for (int i = 0; i < P; ++i) e[i] = from_f<T>(v[i] * mul);
       if (vec) {
         uint4 u;
         memcpy(&u, e, sizeof e);
