@@ -3,10 +3,9 @@
 // Kernels (fp32 arithmetic; the tile products run on TF32 tensor cores for bf16/fp16 inputs and
 // on exact SIMT FMA for fp32 inputs, never plain TF32 there: tile_mma.cuh):
 //   intra  (chunk slot, H)  the pair matrix A (kept in a workspace, computed once whatever V).
-//   state  (N, H, tiles)  the forward state pass, sequential over chunks, with S in registers;
-//          it also forms o when K <= 128 (chunk_state.cuh).
-//   delta  (chunk slot, H, K/64 x V/64)  the backward state delta ρQ̂ᵀdO.
-//   scan   (N, H, K x V elements)  dS = γ dS + Δ over the chunks: dHst and the zeta partials.
+//   state  (N, H, tiles)  the state passes, sequential over chunks, with the state in registers:
+//          forward hst (and o when K <= 128), backward dHst and the zeta partials
+//          (chunk_state.cuh).
 //   out    (chunk slot, H, V/64)  forward o = ρ(Q̂ S + A V) (K > 128), backward
 //          dv = K̂ dS+ + ρ Aᵀ dO.
 //   grad_qk (chunk slot, H, K/64)  dA, dq, dk (inter + intra), dg by the segmented reverse
@@ -230,94 +229,6 @@ __device__ __forceinline__ void scale_key(float (*y)[NY], const float (*lam)[NL]
     v = tile::tf32_if<TF>(v * (mul * ex2(e)));
     e += lam[j][ch];
   }
-}
-
-// ------------------------------------------------------------------------------------------------
-// The backward state pass, split into a parallel and a serial part so that the serial part moves
-// bytes only (the forward's is one sequential kernel, chunk_state.cuh):
-//   delta (chunk slot, H, K/64 x V/64)  ΔD_c = ρ Q̂ᵀ dO into dHst[slot], γ_c = exp2(Σ λ) per
-//          channel into `gam`;
-//   scan (N, H, K x V elements), serial over chunks, in place: dHst[c] = D (= dS+ of chunk c),
-//          zeta partials rowsum(S+ ⊙ dS+) per 32 columns, D = γ_c D + ΔD_c, then dh0.
-template <typename T, Reader RD>
-__global__ void __launch_bounds__(NTH, 3) chunk_delta_kernel(ChunkPass p, int ntv) {
-  extern __shared__ float4 smem4[];
-  Tile* X = reinterpret_cast<Tile*>(smem4);  // q, then ρ Q̂
-  Tile* LAM = X + C;
-  Tile* Y = LAM + C;                          // dO, then the ΔD tile
-  Decays& d = *reinterpret_cast<Decays*>(Y + C);
-
-  Pos pos;
-  if (!locate(p, blockIdx.x, pos)) return;
-  const int h = blockIdx.y, k0 = blockIdx.z / ntv * DT, v0 = blockIdx.z % ntv * DT;
-  {  // all three fetches in flight before the first store: one memory latency, not three
-    RowFetch fx, fl, fy;
-    fx.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-    fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
-    fy.fetch<T>(p.dout, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
-    fx.store<false>(X), fl.store<false>(LAM), fy.store<false>(Y);
-  }
-  __syncthreads();
-  chunk_decays(d, LAM);
-  {
-    const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
-    scale_reader<RD>(X, LAM, m, ch, float(p.scale) * d.before[m][ch]);
-    if (v0 == 0 && m == 0 && k0 + ch < p.K)
-      static_cast<float*>(p.gam)[(pos.slot * p.H + h) * p.K + k0 + ch] = d.gamma[ch];
-  }
-  __syncthreads();
-  Acc<T> acc;
-  acc.template mma<true>(X, Y, C);
-  __syncthreads();
-  stage(acc, Y, 1.f);
-  __syncthreads();
-  store_mat(Y, static_cast<float*>(p.dhst) + (pos.slot * p.H + h) * int64_t(p.K) * p.V, p.K, p.V, k0, v0);
-}
-
-constexpr int SV = kStateCols;  // columns per zeta partial: one warp of the scan
-
-// static: each dtype's translation unit has its own copy (the kernel reads no activation).
-static __global__ void __launch_bounds__(NTH) chunk_scan_kernel(ChunkPass p, int vpad) {
-  const int n = blockIdx.x, h = blockIdx.y;
-  const int64_t e = int64_t(blockIdx.z) * NTH + threadIdx.x;
-  const int k = int(e / vpad), v = int(e % vpad);
-  if (k >= p.K) return;  // whole warps: vpad is a multiple of 32
-  const bool on = v < p.V;
-  const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
-  const int64_t nch = num_chunks(s.len), KV = int64_t(p.K) * p.V, kv = int64_t(k) * p.V + v;
-  float run = on && p.dht.on() ? *mptr(p.dht, n, h, k, v) : 0.f;
-  // A sequence's slots are consecutive: chunk c's matrices sit c * H * KV past its first.
-  const int64_t slot0 = chunk_slot(p.cu_seqlens, n, p.T, 0), sstep = int64_t(p.H) * KV;
-  const float* const hs = static_cast<const float*>(p.hst) + (slot0 * p.H + h) * KV + kv;
-  float* const ds = static_cast<float*>(p.dhst) + (slot0 * p.H + h) * KV + kv;
-  const float* const gs = static_cast<const float*>(p.gam) + (slot0 * p.H + h) * p.K + k;
-  const int nts = vpad / SV;
-  float* const zs = static_cast<float*>(p.zeta) + ((slot0 * p.H + h) * nts + v / SV) * p.K + k;
-  // The loads of chunk i + 1 are issued before the stores of chunk i: one memory latency per
-  // step would otherwise serialise the scan (the compiler cannot move loads past the stores).
-  struct Step { float delta, sp, g; };
-  auto fetch = [&](int64_t i) {
-    Step f{0.f, 0.f, 1.f};
-    if (i >= nch) return f;
-    const int64_t c = nch - 1 - i;
-    f.g = gs[c * p.H * p.K];
-    if (on) f.delta = ds[c * sstep], f.sp = hs[c * sstep];
-    return f;
-  };
-  Step cur = fetch(0);
-  for (int64_t i = 0; i < nch; ++i) {
-    const Step nxt = fetch(i + 1);
-    const int64_t c = nch - 1 - i;
-    if (on) ds[c * sstep] = run;
-    // gamma ⊙ rowsum(S ⊙ dS+): the part of zeta without the chunk's writes
-    float z = cur.g * cur.sp * run;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
-    if (v % 32 == 0) zs[c * p.H * nts * p.K] = z;
-    run = cur.g * run + cur.delta;
-    cur = nxt;
-  }
-  if (on && p.dh0.on()) *mptr(p.dh0, n, h, k, v) = run;
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -53,9 +53,8 @@ struct ChunkPass {
   // [slots, H, ceil(V / kStateCols), K] acc workspace (backward): per-column-tile partial sums of
   // zeta = rowsum(S+ * dS+) (ALGORITHMS.md §3); a backend may leave it unused.
   void* zeta = nullptr;
-  void* gam = nullptr;         // [slots, H, K] acc workspace: per-chunk total decay exp(Σ λ)
   // With gv on and g off the CUDA engine runs the transposed problem (chunk_vdecay.cuh): hst and
-  // dhst then hold [V, K] matrices, gam is [slots, H, V] and zeta [slots, H, ceil(K / 32), V].
+  // dhst then hold [V, K] matrices, and zeta [slots, H, ceil(K / 32), V].
 
   // amat [slots, H, C, C] acc: the CUDA engine's pair matrices A (written by its key-side
   // forward, read by its out kernels; a backend may leave it unused). Training workspaces kept

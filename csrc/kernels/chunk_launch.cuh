@@ -7,7 +7,6 @@ namespace fla {
 namespace chunk_detail {
 
 constexpr size_t kTileBytes = sizeof(float) * C * LD;
-constexpr size_t kDeltaSmem = 3 * kTileBytes + sizeof(Decays);
 constexpr size_t kIntraSmem = 3 * kTileBytes + sizeof(Decays) + sizeof(float) * (DT + 4 * NSC * DT);
 constexpr size_t kOutSmem = 3 * kTileBytes + sizeof(Decays);
 constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * 3 * DT;
@@ -28,15 +27,15 @@ cudaError_t launch_pairs(const ChunkPass& p, int64_t slots, cudaStream_t stream)
 }
 
 // The sequential state kernel: NK K tiles per CTA (with OUT, all of K).
-template <typename T, Reader RD, bool OUT, int NK>
+template <typename T, Reader RD, bool OUT, int NK, bool BWD = false>
 cudaError_t launch_state(const ChunkPass& p, cudaStream_t stream) {
-  auto state = chunk_state_kernel<T, RD, OUT, NK>;
+  auto state = chunk_state_kernel<T, RD, OUT, NK, BWD>;
   const size_t smem = state_smem(OUT);
   cudaError_t e = set_smem(state, smem);
   if (e != cudaSuccess) return e;
   const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
   const unsigned z = unsigned(ntv * ((ntk + NK - 1) / NK));
-  if (p.N > 0) state<<<dim3(unsigned(p.N), p.H, z), NTH, smem, stream>>>(p, ntv, state_vec<T>(p, OUT));
+  if (p.N > 0) state<<<dim3(unsigned(p.N), p.H, z), NTH, smem, stream>>>(p, ntv, state_vec<T>(p, OUT, BWD));
   return cudaGetLastError();
 }
 
@@ -48,19 +47,10 @@ cudaError_t launch_forward_state(const ChunkPass& p, int64_t slots, cudaStream_t
   return launch_state<T, RD, false, 1>(p, stream);
 }
 
-// Backward: the per-chunk ΔD, then the reverse scan: dHst, zeta.
+// Backward: dHst and the zeta partials (the state kernel in reverse).
 template <typename T, Reader RD>
-cudaError_t launch_backward_state(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
-  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
-  auto delta = chunk_delta_kernel<T, RD>;
-  cudaError_t e = set_smem(delta, kDeltaSmem);
-  if (e != cudaSuccess) return e;
-  if (slots > 0) delta<<<dim3(unsigned(slots), p.H, ntk * ntv), NTH, kDeltaSmem, stream>>>(p, ntv);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  const int vpad = (p.V + SV - 1) / SV * SV;
-  const int64_t elems = int64_t(p.K) * vpad;
-  chunk_scan_kernel<<<dim3(p.N, p.H, unsigned((elems + NTH - 1) / NTH)), NTH, 0, stream>>>(p, vpad);
-  return cudaGetLastError();
+cudaError_t launch_backward_state(const ChunkPass& p, cudaStream_t stream) {
+  return launch_state<T, RD, false, 1, true>(p, stream);
 }
 
 // o (DV = false) or dv (DV) from hst / dhst and amat.
@@ -91,14 +81,14 @@ cudaError_t launch_forward(const ChunkPass& p, int64_t slots, cudaStream_t strea
 
 template <typename T, Reader RD>
 cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
-  const int ntk = (p.K + DT - 1) / DT, nts = (p.V + SV - 1) / SV;
+  const int ntk = (p.K + DT - 1) / DT, nts = (p.V + kStateCols - 1) / kStateCols;
   const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
   if (!p.dout.on()) return launch_forward<T, RD>(p, slots, stream);
   cudaError_t e;
   // Kept workspaces come together (hst_kept implies amat_kept: ops check it).
   if (!p.hst_kept && (e = launch_forward_state<T, RD, true>(p, slots, stream)) != cudaSuccess)
     return e;
-  if ((e = launch_backward_state<T, RD>(p, slots, stream)) != cudaSuccess) return e;
+  if ((e = launch_backward_state<T, RD>(p, stream)) != cudaSuccess) return e;
   if ((e = launch_out<T, RD, true>(p, slots, stream)) != cudaSuccess) return e;
   auto dqk = chunk_grad_qk_kernel<T, RD>;
   if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;

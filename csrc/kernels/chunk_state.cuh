@@ -169,18 +169,64 @@ __device__ __forceinline__ void copy_pairs(Tile* a, const float* src) {
   copy_commit();
 }
 
+// zeta partials of slot `slot` (workspace [slots, H, ceil(V / 32), K]): for each state row k,
+// γ_k Σ S ⊙ D over each 32-column group. A thread's elements share one column group (Frag), and
+// the lanes that share its rows and group are the low F::kGroupLanes lane bits.
+template <class F>
+__device__ __forceinline__ void zeta_partials(const F& D, const F& S, const float* gamma,
+                                              const ChunkPass& p, int64_t slot, int h, int k0, int v0) {
+  static_assert(kStateCols == 32, "a zeta partial is one Frag column group");
+  float z[F::kRowsPer] = {};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) z[F::row_slot(i)] += S.v[i] * D.v[i];
+  const int grp = (v0 + F::col(0)) / kStateCols, nts = (p.V + kStateCols - 1) / kStateCols;
+  float* const zs = static_cast<float*>(p.zeta) + ((slot * p.H + h) * nts + grp) * p.K + k0;
+#pragma unroll
+  for (int r = 0; r < F::kRowsPer; ++r) {
+    float x = z[r];
+#pragma unroll
+    for (int off = 1; off < F::kGroupLanes; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    const int row = F::row(F::kRowsPer == 2 ? 2 * r : 4 * r);
+    if (threadIdx.x % F::kGroupLanes == 0 && grp < nts && k0 + row < p.K) zs[row] = gamma[row] * x;
+  }
+}
+
+// A fragment's elements of state rows [0, R) x columns [0, Cn) from a row-major fp32 matrix m
+// (row stride ld), zero elsewhere: the loads of store_frag_mat.
+template <class F>
+__device__ __forceinline__ void load_frag_mat(F& f, const float* m, int64_t ld, int R, int Cn) {
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    const int r = F::row(i), c = F::col(i);
+    const float* e = m + r * ld + c;
+    if (r < R && ld % 2 == 0 && c + 1 < Cn) {
+      const float2 x = *reinterpret_cast<const float2*>(e);
+      f.v[i] = x.x, f.v[i + 1] = x.y;
+    } else {
+      f.v[i] = r < R && c < Cn ? e[0] : 0.f;
+      f.v[i + 1] = r < R && c + 1 < Cn ? e[1] : 0.f;
+    }
+  }
+}
+
 // Grid (N, H, ntv x K groups), z = group * ntv + V tile. One CTA walks its sequence's chunks in
-// order; the loads of the next K tile (or chunk) are issued right after the current one is stored
-// to shared memory. At K <= 64 with o there is one CTA per (sequence, head) and V tile, few
-// enough for one per SM: no register cap (128 spilled).
+// order (reverse order for BWD); the loads of the next K tile (or chunk) are issued right after
+// the current one is stored to shared memory. At K <= 64 with o there is one CTA per (sequence,
+// head) and V tile, few enough for one per SM: no register cap (128 spilled).
+//
+// BWD runs the backward state pass of the same algebra, D = dS+ from dht backwards:
+// dHst[c] = D, the zeta partials γ_c ⊙ rowsum(S_c ⊙ D) per 32 columns (S_c from hst), then
+// D = diag(γ_c) D + ρ Q̂_cᵀ dO_c, and dh0 = D at the end. It replaced a parallel ΔD kernel and a
+// serial elementwise scan (two fp32 state round trips per chunk, NOTES c14).
 template <bool OUT, int NK>
 constexpr int kStateCtas = OUT && NK == 1 ? 1 : 2;
-template <typename T, Reader RD, bool OUT, int NK>
+template <typename T, Reader RD, bool OUT, int NK, bool BWD = false>
 __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel(ChunkPass p, int ntv, bool vec) {
+  static_assert(!(BWD && OUT) && (NK == 1 || OUT), "o is a forward output; NK > 1 only for it");
   extern __shared__ float4 smem4[];
   // B operands and the transposed A operand at stride LDB, A operands [row][k] at LD (tile_mma.cuh).
-  TileB* X = reinterpret_cast<TileB*>(smem4);  // v
-  TileB* Y = X + C;                            // k, then K̂ = k ⊙ exp2(Qex) after[m]
+  TileB* X = reinterpret_cast<TileB*>(smem4);  // v (BWD: dO)
+  TileB* Y = X + C;                            // k, then K̂ = k ⊙ exp2(Qex) after[m] (BWD: q, ρQ̂)
   TileB* LS = Y + C;                           // λ, then (OUT) the chunk-start state tile
   Tile* Q = reinterpret_cast<Tile*>(LS + C);   // (OUT) q, then Q̂ = q ⊙ exp2(reader) before[m]
   Tile* AM = Q + C;                            // (OUT) A
@@ -195,30 +241,37 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
   const int64_t nch = num_chunks(s.len), slot0 = chunk_slot(p.cu_seqlens, n, p.T, 0);
   const int64_t KV = int64_t(p.K) * p.V;
   float* const hst = static_cast<float*>(p.hst);
+  float* const out_states = BWD ? static_cast<float*>(p.dhst) : hst;
   // This CTA's corner of slot `slot`'s state matrix, K tile kt.
-  auto state_at = [&](int64_t slot, int kt) {
-    return hst + (slot * p.H + h) * KV + int64_t(kt0 + kt) * DT * p.V + v0;
+  auto corner = [&](float* base, int64_t slot, int kt) {
+    return base + (slot * p.H + h) * KV + int64_t(kt0 + kt) * DT * p.V + v0;
   };
   const int vleft = p.V - v0;
   auto kleft = [&](int kt) { return p.K - (kt0 + kt) * DT; };
+  const MatArg& init = BWD ? p.dht : p.h0;
+  const MatArg& fin = BWD ? p.dh0 : p.hT;
 
-  Acc<T> S[NK];
+  Acc<T> S[NK];  // BWD: D
 #pragma unroll
   for (int kt = 0; kt < NK; ++kt)
-    if (p.h0.on())
+    if (init.on())
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const int r = Acc<T>::row(i), c = Acc<T>::col(i);
-        if (r < kleft(kt) && c < vleft) S[kt].v[i] = *mptr(p.h0, n, h, (kt0 + kt) * DT + r, v0 + c);
+        if (r < kleft(kt) && c < vleft) S[kt].v[i] = *mptr(init, n, h, (kt0 + kt) * DT + r, v0 + c);
       }
 
   using Pc = RowPieces<T>;
   Pc fq, fk, fg, fv;
-  const PieceSrc<T> sq(p.q, s, h, kt0 * DT, p.K), sk(p.k, s, h, kt0 * DT, p.K), sg(p.g, s, h, kt0 * DT, p.K);
-  const PieceSrc<T> sv(p.v, s, h, v0, p.V), so(p.o, s, h, v0, p.V);
+  const PieceSrc<T> sq(p.q, s, h, kt0 * DT, p.K), sk(BWD ? p.q : p.k, s, h, kt0 * DT, p.K);
+  const PieceSrc<T> sg(p.g, s, h, kt0 * DT, p.K), sv(BWD ? p.dout : p.v, s, h, v0, p.V);
+  const PieceSrc<T> so(p.o, s, h, v0, p.V);
   auto chunk_rows = [&](int64_t c) { return int(s.len - c * C < C ? s.len - c * C : C); };
-  auto fetch = [&](int64_t c, int kt) {
-    if (c >= nch) return;
+  auto chunk_of = [&](int64_t i) { return BWD ? nch - 1 - i : i; };  // the i-th chunk walked
+  Acc<T> Sn;  // BWD: the next chunk's S (zeta), loaded with its pieces
+  auto fetch = [&](int64_t i, int kt) {
+    if (i >= nch) return;
+    const int64_t c = chunk_of(i);
     const int L = chunk_rows(c);
     auto one = [&](Pc& f, const PieceSrc<T>& a, int dk) {
       f.fetch(a.p + c * C * a.st + dk * a.sd, a.st, a.sd, L, a.cols - dk, vec);
@@ -226,27 +279,33 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
     if (OUT) one(fq, sq, kt * DT);
     one(fk, sk, kt * DT), one(fg, sg, kt * DT);
     if (kt == 0) one(fv, sv, 0);
+    if (BWD) load_frag_mat(Sn, corner(hst, slot0 + c, 0), p.V, kleft(0), vleft);
   };
   const float* const amat = static_cast<const float*>(p.amat);
   auto pairs_of = [&](int64_t c) { return amat + ((slot0 + c) * p.H + h) * int64_t(C) * C; };
   fetch(0, 0);
   if (OUT && nch > 0) copy_pairs(AM, pairs_of(0));
+  const float rho = float(p.scale);
 
-  for (int64_t c = 0; c < nch; ++c) {
-    Acc<T> o;
+  for (int64_t i = 0; i < nch; ++i) {
+    const int64_t c = chunk_of(i);
+    Acc<T> o, Sc;
 #pragma unroll
     for (int kt = 0; kt < NK; ++kt) {
       __syncthreads();  // the previous K tile's (or chunk's) tiles are consumed
       if (OUT) fq.store(Q, 1.f);
       fk.store(Y, 1.f), fg.store(LS, kLog2e);
       if (kt == 0) fv.store(X, 1.f);
-      if (kt + 1 < NK) fetch(c, kt + 1);
-      else fetch(c + 1, 0);
+      if (BWD) Sc = Sn;
+      if (kt + 1 < NK) fetch(i, kt + 1);
+      else fetch(i + 1, 0);
       __syncthreads();
       chunk_decays(d, LS);
       if (OUT) scale_reader<RD, TC>(Q, LS, m, ch, d.before[m][ch]);
-      scale_key<false, TC>(Y, LS, m, ch, d.after[m][ch]);
-      if (hst) store_frag_mat(S[kt], state_at(slot0 + c, kt), p.V, kleft(kt), vleft);
+      if (BWD) scale_reader<RD, TC>(Y, LS, m, ch, rho * d.before[m][ch]);
+      else scale_key<false, TC>(Y, LS, m, ch, d.after[m][ch]);
+      if (out_states) store_frag_mat(S[kt], corner(out_states, slot0 + c, kt), p.V, kleft(kt), vleft);
+      if (BWD) zeta_partials(S[kt], Sc, d.gamma, p, slot0 + c, h, kt0 * DT, v0);
       __syncthreads();
       if (OUT) {  // o += Q̂ S_c, S_c staged over λ (dead now)
         stage<Acc<T>, TC>(S[kt], LS, 1.f);
@@ -254,7 +313,7 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
         o.template mma<false, Tri::Full, true>(Q, LS, DT);
       }
 #pragma unroll
-      for (int i = 0; i < 16; ++i) S[kt].v[i] *= d.gamma[Acc<T>::row(i)];
+      for (int e = 0; e < 16; ++e) S[kt].v[e] *= d.gamma[Acc<T>::row(e)];
       S[kt].template mma<true, Tri::Full, true>(Y, X, C);
     }
     if (OUT) {
@@ -263,34 +322,35 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
       o.template mma<false, Tri::KUpToRow, true>(AM, X, C);  // A is lower triangular
       stage(o, LS, 1.f);                                // LS is free since the sync
       __syncthreads();
-      if (c + 1 < nch) copy_pairs(AM, pairs_of(c + 1));
-      Pc::put(LS, so.p + c * C * so.st, so.st, so.sd, chunk_rows(c), so.cols, vec, float(p.scale));
+      if (i + 1 < nch) copy_pairs(AM, pairs_of(c + 1));
+      Pc::put(LS, so.p + c * C * so.st, so.st, so.sd, chunk_rows(c), so.cols, vec, rho);
     }
   }
 
 #pragma unroll
   for (int kt = 0; kt < NK; ++kt) {
-    if (hst) store_frag_mat(S[kt], state_at(slot0 + nch, kt), p.V, kleft(kt), vleft);
-    if (p.hT.on())
+    if (!BWD && hst) store_frag_mat(S[kt], corner(hst, slot0 + nch, kt), p.V, kleft(kt), vleft);
+    if (fin.on())
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const int r = Acc<T>::row(i), c = Acc<T>::col(i);
-        if (r < kleft(kt) && c < vleft) *mptr(p.hT, n, h, (kt0 + kt) * DT + r, v0 + c) = S[kt].v[i];
+        if (r < kleft(kt) && c < vleft) *mptr(fin, n, h, (kt0 + kt) * DT + r, v0 + c) = S[kt].v[i];
       }
-    if (hst && p.cu_seqlens) {  // hst may be kept as an op output: its gap slots read 0
+    if (!BWD && hst && p.cu_seqlens) {  // hst may be kept as an op output: its gap slots read 0
       const int64_t next = n + 1 < p.N ? chunk_slot(p.cu_seqlens, n + 1, p.T, 0)
                                        : chunk_slots(p.N, p.T, true);
       const Acc<T> zero;
       for (int64_t c = nch + 1; slot0 + c < next; ++c)
-        store_frag_mat(zero, state_at(slot0 + c, kt), p.V, kleft(kt), vleft);
+        store_frag_mat(zero, corner(hst, slot0 + c, kt), p.V, kleft(kt), vleft);
     }
   }
 }
 
 // The `vec` argument of chunk_state_kernel: every activation it reads or writes is whole pieces.
 template <typename T>
-inline bool state_vec(const ChunkPass& p, bool out) {
+inline bool state_vec(const ChunkPass& p, bool out, bool bwd) {
   constexpr int P = RowPieces<T>::P;
+  if (bwd) return rows_in_pieces(p.q, p.K, P) && rows_in_pieces(p.g, p.K, P) && rows_in_pieces(p.dout, p.V, P);
   const bool kv = rows_in_pieces(p.k, p.K, P) && rows_in_pieces(p.g, p.K, P) && rows_in_pieces(p.v, p.V, P);
   return kv && (!out || (rows_in_pieces(p.q, p.K, P) && rows_in_pieces(p.o, p.V, P)));
 }

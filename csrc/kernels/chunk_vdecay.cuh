@@ -44,7 +44,7 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
   constexpr Reader RD = Reader::Inclusive;
   const int64_t slots = chunk_slots(p.N, p.T, p.cu_seqlens != nullptr);
   const ChunkPass r = value_side_as_key_side(p);
-  const int ntk = (r.K + DT - 1) / DT, nts = (r.V + SV - 1) / SV;
+  const int ntk = (r.K + DT - 1) / DT, nts = (r.V + kStateCols - 1) / kStateCols;
   cudaError_t e;
   // The backward runs P' with q' = dO: its pair matrices are A' (of dO and v), read by the
   // dk / dq out kernels below; the forward needs none.
@@ -61,7 +61,7 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
     if (slots > 0) dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(f, 0);
     return cudaGetLastError();
   }
-  if ((e = launch_backward_state<T, RD>(r, slots, stream)) != cudaSuccess) return e;
+  if ((e = launch_backward_state<T, RD>(r, stream)) != cudaSuccess) return e;
   ChunkPass b = r;
   b.dv = p.dk, b.o = p.dq, b.dk = p.dv, b.dg = p.dgv;  // b.dq (= o) stays off
   if (p.dk.on() && (e = launch_out<T, RD, true>(b, slots, stream)) != cudaSuccess) return e;

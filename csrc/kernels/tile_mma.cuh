@@ -38,6 +38,10 @@ struct Frag<false> {
   float v[16] = {};
   __device__ static int row(int i) { return 4 * (int(threadIdx.x) / 16) + i / 4; }
   __device__ static int col(int i) { return 4 * (int(threadIdx.x) % 16) + i % 4; }
+  // A thread's elements lie in kRowsPer rows (element i in its row_slot(i)) and one 32-column
+  // group, shared with the kGroupLanes lanes that differ in the low lane bits.
+  static constexpr int kRowsPer = 4, kGroupLanes = 8;
+  __device__ static int row_slot(int i) { return i / 4; }
 
   template <bool TA, Tri TR = Tri::Full, bool RAW = false, int NA, int NB>  // RAW: see Frag<true>
   __device__ __forceinline__ void mma(const float (*a)[NA], const float (*b)[NB], int K) {
@@ -142,6 +146,8 @@ struct Frag<true> {
   __device__ static int col(int i) {
     return 32 * (int(threadIdx.x) / 128) + 8 * (i / 4) + 2 * (int(threadIdx.x) % 4) + i % 2;
   }
+  static constexpr int kRowsPer = 2, kGroupLanes = 4;  // as Frag<false>
+  __device__ static int row_slot(int i) { return i / 2 % 2; }
 
   // RAW: both operands hold TF32 values already (tf32_round, or widened bf16 / fp16 inputs).
   template <bool TA, Tri TR = Tri::Full, bool RAW = false, int NA, int NB>

@@ -47,10 +47,6 @@ Tensor state_workspace(const DiagArgs& a, const Tensor& q, bool needed = true) {
 // its per-chunk decays and zeta partials then run over V, with K as the column dimension.
 bool value_side_only(const Tensor& g, const Tensor& gv) { return gv.defined() && !g.defined(); }
 
-Tensor decay_workspace(const DiagArgs& a, const Tensor& hst, bool vside) {
-  return new_output({workspace_slots(a), a.H, vside ? a.V : a.K}, hst.options());
-}
-
 // gv: a value-side log decay [B, T, H, V] like v (GLA only). CUDA runs g or gv, not both yet.
 void check_gv(const DiagArgs& a, const Tensor& q, const Tensor& v, const Tensor& g,
               const Tensor& gv) {
@@ -161,8 +157,6 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   p.amat_kept = amat_kept != nullptr;
   Tensor amat = amat_kept ? *amat_kept : pair_workspace_for(a, q, hst, true);
   if (amat.numel()) p.amat = amat.data_ptr();
-  Tensor gam = decay_workspace(a, hst, vside);
-  p.gam = gam.data_ptr();
   if (a.T > 0) {
     run(p);
   } else if (has(h0)) {
