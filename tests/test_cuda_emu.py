@@ -1,6 +1,6 @@
-"""The CUDA kernels of chunk_rwkv7, run on the CPU (tests/cuda_emu: a thread per CUDA thread, a
-barrier per __syncthreads, NaN-poisoned outputs and workspaces), against fla_ext's CPU
-chunk_rwkv7: forward and every gradient, fp32 and bf16. CI has no GPU; this is where it executes the
+"""The CUDA kernels of chunk_rwkv7 and of the chunk engine (chunk_gla, chunk_rwkv6), run on the
+CPU (tests/cuda_emu: a thread per CUDA thread, a barrier per __syncthreads, NaN-poisoned outputs
+and workspaces), against fla_ext's CPU ops: forward and every gradient, fp32 and bf16. CI has no GPU; this is where it executes the
 kernels' indexing, workspace layout and algebra (not their speed, nor races the barrier order
 hides on the CPU). Needs the CUDA headers (CUDA_HOME) and a C++20 compiler."""
 import os
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_close
+from families import GLA, RWKV6
 from fla_ext import chunk_rwkv7
 from rwkv7_cases import make
 
@@ -20,12 +21,21 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(CUDA_INC, "cuda_
                                 reason="no CUDA headers")
 
 
-@pytest.fixture(scope="module")
-def emu():
+def build(name):
     from torch.utils.cpp_extension import load
-    return load("fla_ext_dplr_chunk_emu", [os.path.join(HERE, "dplr_chunk_emu.cpp")],
+    return load(f"fla_ext_{name}", [os.path.join(HERE, f"{name}.cpp")],
                 extra_include_paths=[HERE, os.path.join(ROOT, "csrc", "kernels"), CUDA_INC],
                 extra_cflags=["-std=c++20", "-O2", "-w"])
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return build("dplr_chunk_emu")
+
+
+@pytest.fixture(scope="module")
+def chunk_emu():
+    return build("chunk_emu")
 
 
 @pytest.mark.parametrize("shape,w_kind,cu,lr", [
@@ -67,3 +77,50 @@ def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv"):
     eg = emu.run(*ins, h0, do, dht, 0.7, cu_e)
     for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
         assert_close(f"d{name}", x, y, 5 * tol if name == "w" else tol, 1e-6)
+
+
+# The chunk engine: K <= 64 and K = 128 take the state kernel that forms o (one or two K tiles
+# per CTA), K = 136 the state kernel per K tile plus the out kernel; partial chunks, V not a
+# multiple of 32 (zeta partials), varlen with an empty sequence; keep: the forward writes hst
+# for the backward, else the backward rebuilds it (and an inference forward keeps none).
+CHUNK_CASES = [((1, 70, 2, 32, 24), None, True), ((1, 65, 1, 128, 20), None, False),
+               ((1, 40, 1, 136, 8), None, True), ((1, 150, 1, 16, 100), [0, 70, 70, 150], False)]
+
+
+@pytest.mark.parametrize("fam", [GLA, RWKV6], ids=["gla", "rwkv6"])
+@pytest.mark.parametrize("shape,cu,keep", CHUNK_CASES, ids=["K32", "K128", "K136", "varlen"])
+def test_chunk_kernels(chunk_emu, fam, shape, cu, keep, gen):
+    check_chunk(chunk_emu, fam, shape, cu, keep, gen, torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize("fam", [GLA, RWKV6], ids=["gla", "rwkv6"])
+@pytest.mark.parametrize("shape", [(1, 70, 2, 32, 24), (1, 50, 1, 20, 12)], ids=["pieces", "K20"])
+def test_chunk_kernels_bf16(chunk_emu, fam, shape, gen):
+    """bf16 tiles in 16-byte pieces (K, V multiples of 8) or element by element (K = 20) and the
+    TF32 products; the reference gets the same bf16 values (fp32 math)."""
+    check_chunk(chunk_emu, fam, shape, None, True, gen, torch.bfloat16, 1e-2)
+
+
+def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol):
+    B, T, H, K, V = shape
+    N = len(cu) - 1 if cu else B
+    x = fam.make(B, T, H, K, V, dtype, "cpu", gen, N=N, w_kind="mixedinf")
+    names = list(fam.args)
+    xs = [x[n].clone().requires_grad_(True) for n in names] + [x["h0"].clone().requires_grad_(True)]
+    cu_t = torch.tensor(cu) if cu else None
+    o, ht = fam.modes["chunk"](*xs[:-1], scale=0.7, initial_state=xs[-1], output_final_state=True,
+                               cu_seqlens=cu_t)
+    do = torch.randn(o.shape, generator=gen).to(dtype)
+    dht = torch.randn(ht.shape, generator=gen)
+    grads = dict(zip(names + ["h0"], torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)))
+    q, k, v, g = (x[n] for n in names[:4])
+    u = x["u"] if "u" in x else torch.empty(0)
+    none, cu_e = torch.empty(0), cu_t if cu else torch.empty(0, dtype=torch.int64)
+    eo, eht = emu.run(q, k, v, g, u, x["h0"], none, none, 0.7, cu_e, keep)
+    assert_close("o", eo, o.detach(), tol, 1e-6)
+    assert_close("ht", eht, ht.detach(), tol, 1e-6)
+    eg = emu.run(q, k, v, g, u, x["h0"], do, dht, 0.7, cu_e, keep)
+    for name, e in zip(names[:4] + ["u", "h0"], eg):
+        if name in grads:
+            decay = name == fam.decay
+            assert_close(f"d{name}", e, grads[name], 5 * tol if decay else tol, 1e-6)

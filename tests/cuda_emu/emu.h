@@ -48,6 +48,11 @@ inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
   bar.arrive_and_wait();
   return r;
 }
+inline float __shfl_xor_sync(unsigned mask, float v, int lanes, int width = 32) {
+  const int lane = int(threadIdx.x) % 32;
+  return __shfl_sync(mask, v, lane ^ lanes, width);
+}
+inline float __fmul_rn(float a, float b) { return a * b; }  // g++ does not contract a lone product
 inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) {}
 // A CTA's threads never add to one element here, and CTAs run one after another.

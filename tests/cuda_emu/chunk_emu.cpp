@@ -1,0 +1,128 @@
+// The chunk engine's CUDA kernels (csrc/kernels/chunk.cuh, chunk_state.cuh) for chunk_gla and
+// chunk_rwkv6 run on the CPU by emu.h, in the launch sequences of chunk_launch.cuh, with the
+// workspaces laid out as csrc/ops/chunk.cpp does and every output and workspace NaN-poisoned
+// first. Built and compared with the CPU backend by tests/test_cuda_emu.py.
+#include <torch/extension.h>
+
+#include "emu.h"
+#include "chunk_state.cuh"
+
+namespace fla::chunk_detail {
+float4 smem4[8 * 1024];  // extern __shared__ of the kernels (the largest, grad_qk, takes 110 KB)
+}  // namespace fla::chunk_detail
+
+namespace {
+using namespace fla;
+using namespace fla::chunk_detail;
+using torch::Tensor;
+
+VecArg vec(const Tensor& t) {
+  VecArg v;
+  v.ptr = t.data_ptr(), v.sb = t.stride(0), v.st = t.stride(1), v.sh = t.stride(2), v.sd = t.stride(3);
+  return v;
+}
+MatArg mat(const Tensor& t) {
+  MatArg m;
+  m.ptr = t.data_ptr(), m.sn = t.stride(0), m.sh = t.stride(1), m.sr = t.stride(2), m.sc = t.stride(3);
+  return m;
+}
+Tensor poison(at::IntArrayRef s, at::ScalarType t = torch::kFloat) { return torch::full(s, NAN, t); }
+
+// Every CTA starts on NaN-filled shared memory: a read of an element no thread wrote shows.
+template <class F>
+void cta(const F& kernel) {
+  if (threadIdx.x == 0) std::fill(&smem4[0].x, &smem4[0].x + 4 * std::size(smem4), NAN);
+  __syncthreads();
+  kernel();
+}
+
+template <typename E, Reader RD, bool OUT, int NK, bool BWD = false>
+void state(const ChunkPass& p) {
+  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+  const bool vec = state_vec<E>(p, OUT, BWD);
+  emu::launch(dim3(unsigned(p.N), p.H, unsigned(ntv * ((ntk + NK - 1) / NK))), NTH,
+              [&] { cta([&] { chunk_state_kernel<E, RD, OUT, NK, BWD>(p, ntv, vec); }); });
+}
+
+template <typename E, Reader RD, bool DV>
+void out(const ChunkPass& p, int64_t slots) {
+  if (p.V > DT)
+    emu::launch(dim3(unsigned(slots), p.H, unsigned((p.V + 2 * DT - 1) / (2 * DT))), NTH,
+                [&] { cta([&] { chunk_out_kernel<E, RD, DV, 2>(p); }); });
+  else
+    emu::launch(dim3(unsigned(slots), p.H, 1), NTH, [&] { cta([&] { chunk_out_kernel<E, RD, DV, 1>(p); }); });
+}
+
+// The forward of chunk_launch.cuh's launch_forward; `keep`: hst is written (a training forward).
+template <typename E, Reader RD>
+void forward(const ChunkPass& p, int64_t slots) {
+  emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(p); }); });
+  if (p.K <= DT) return state<E, RD, true, 1>(p);
+  if (chunk_fused_out(p.K)) return state<E, RD, true, 2>(p);
+  state<E, RD, false, 1>(p);
+  out<E, RD, false>(p, slots);
+}
+
+// [o, hT] or, with dout, [dq, dk, dv, dg, du, dh0] (empty tensors stand for None). keep: the
+// forward keeps hst and amat and the backward reads them (else the backward rebuilds them).
+template <typename E, Reader RD>
+std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,
+                          Tensor dht, double scale, Tensor cu, bool keep) {
+  const bool varlen = cu.numel() > 0, bwd = dout.dim() == 4;
+  const int B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), V = v.size(3);
+  const int N = varlen ? int(cu.numel()) - 1 : B;
+  ChunkPass p;
+  p.dtype = std::is_same_v<E, float> ? DType::f32 : DType::bf16;
+  p.N = N, p.H = H, p.T = T, p.K = K, p.V = V, p.scale = scale, p.reader = RD;
+  p.cu_seqlens = varlen ? cu.data_ptr<int64_t>() : nullptr;
+  p.q = vec(q), p.k = vec(k), p.v = vec(v), p.g = vec(g);
+  if (u.numel()) p.u = u.data_ptr(), p.udtype = p.dtype;
+  if (h0.numel()) p.h0 = mat(h0);
+  const int64_t slots = chunk_slots(N, T, varlen);
+  Tensor amat = poison({slots, H, C, C}), hst = poison({slots, H, K, V});
+  Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V});
+  p.amat = amat.data_ptr();
+  p.o = vec(o), p.hT = mat(hT);
+  // As the op: an inference forward with o in the state kernel keeps no states.
+  if (keep || !chunk_fused_out(K)) p.hst = hst.data_ptr();
+  forward<E, RD>(p, slots);
+  if (!bwd) return {o, hT};
+
+  ChunkPass b = p;
+  b.o = VecArg{}, b.hT = MatArg{};
+  b.hst = hst.data_ptr();
+  b.hst_kept = b.amat_kept = keep;
+  if (!keep) {  // launch_forward_state<PAIRS = true>: the pair matrices and hst again
+    amat.fill_(NAN), hst.fill_(NAN);
+    emu::launch(dim3(unsigned(slots), H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(b); }); });
+    state<E, RD, false, 1>(b);
+  }
+  const int nts = (V + kStateCols - 1) / kStateCols;
+  Tensor dhst = poison({slots, H, K, V}), zeta = poison({slots, H, nts, K});
+  Tensor du = torch::zeros({slots, H, K});
+  Tensor dq = poison(q.sizes(), q.scalar_type()), dk = poison(k.sizes(), k.scalar_type()),
+         dv = poison(v.sizes(), v.scalar_type()), dg = poison(g.sizes(), g.scalar_type()),
+         dh0 = poison({N, H, K, V});
+  b.dout = vec(dout), b.dq = vec(dq), b.dk = vec(dk), b.dv = vec(dv), b.dg = vec(dg);
+  if (dht.numel()) b.dht = mat(dht);
+  if (h0.numel()) b.dh0 = mat(dh0);
+  if (u.numel()) b.du = du.data_ptr();
+  b.dhst = dhst.data_ptr(), b.zeta = zeta.data_ptr();
+  state<E, RD, false, 1, true>(b);
+  out<E, RD, true>(b, slots);
+  emu::launch(dim3(unsigned(slots), H, unsigned((K + DT - 1) / DT)), NTH,
+              [&] { cta([&] { chunk_grad_qk_kernel<E, RD>(b, nts); }); });
+  return {dq, dk, dv, dg, du.sum(0), dh0};
+}
+
+std::vector<Tensor> run(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,
+                        Tensor dht, double scale, Tensor cu, bool keep) {
+  const bool bf = q.scalar_type() == torch::kBFloat16, ex = u.numel() > 0;
+  auto f = bf ? (ex ? run_t<__nv_bfloat16, Reader::Exclusive> : run_t<__nv_bfloat16, Reader::Inclusive>)
+              : (ex ? run_t<float, Reader::Exclusive> : run_t<float, Reader::Inclusive>);
+  return f(q, k, v, g, u, h0, dout, dht, scale, cu, keep);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
