@@ -695,7 +695,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   // dg by the reverse cumsum (§3; RWKV6 reader terms strictly after t), as a segmented scan over
   // the 4 sub-chunks: where exp(λ_t) == 0 the true dg_t is exactly 0, and so is the suffix sum
   // (ζ included) it stands for, so the scan restarts from 0 there.
-  //   ζ = rowsum(S⁺ ⊙ dS⁺) = γ ⊙ rowsum(S ⊙ dS⁺) (the scan's partials) + Σ_j k_j ⊙ dk_inter_j.
+  //   ζ = rowsum(S⁺ ⊙ dS⁺) = γ ⊙ rowsum(S ⊙ dS⁺) (the state kernel's partials) + Σ_j k_j ⊙ dk_inter_j.
   // The last row's term k ⊙ dk_inter is O(1) whatever the decays and cancels against the same
   // term inside its k ⊙ dk: it goes into that row's summand instead (where the two are the same
   // fp32 product and cancel exactly), so ζ enters as γ-term + Σ_{j < L-1}; every other term then

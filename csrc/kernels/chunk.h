@@ -18,7 +18,7 @@ namespace fla {
 constexpr int kChunk = 64;     // C
 constexpr int kSubChunk = 16;  // c: the §1.2 reference points sit on sub-chunk boundaries
 constexpr int kChunkTile = 64;  // K and V tile of the CUDA kernels
-constexpr int kStateCols = 32;  // columns per zeta partial of the CUDA state scan
+constexpr int kStateCols = 32;  // columns per zeta partial of the CUDA state kernel
 
 enum class Reader : int { Inclusive = 0, Exclusive = 1 };
 
