@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_close
-from families import GLA, RWKV6
+from families import GLA, GLA_GV, RWKV6
 from fla_ext import chunk_rwkv7
 from rwkv7_cases import make
 
@@ -82,12 +82,13 @@ def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv"):
 # The chunk engine: K <= 64 and K = 128 take the state kernel that forms o (one or two K tiles
 # per CTA), K = 136 the state kernel per K tile plus the out kernel; partial chunks, V not a
 # multiple of 32 (zeta partials), varlen with an empty sequence; keep: the forward writes hst
-# for the backward, else the backward rebuilds it (and an inference forward keeps none).
+# for the backward, else the backward rebuilds it (and an inference forward keeps none). gla_gv
+# (a value-side decay: the transposed pass) keeps nothing.
 CHUNK_CASES = [((1, 70, 2, 32, 24), None, True), ((1, 65, 1, 128, 20), None, False),
                ((1, 40, 1, 136, 8), None, True), ((1, 150, 1, 16, 100), [0, 70, 70, 150], False)]
 
 
-@pytest.mark.parametrize("fam", [GLA, RWKV6], ids=["gla", "rwkv6"])
+@pytest.mark.parametrize("fam", [GLA, RWKV6, GLA_GV], ids=["gla", "rwkv6", "gla_gv"])
 @pytest.mark.parametrize("shape,cu,keep", CHUNK_CASES, ids=["K32", "K128", "K136", "varlen"])
 def test_chunk_kernels(chunk_emu, fam, shape, cu, keep, gen):
     check_chunk(chunk_emu, fam, shape, cu, keep, gen, torch.float32, 1e-5)
@@ -116,10 +117,11 @@ def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol):
     q, k, v, g = (x[n] for n in names[:4])
     u = x["u"] if "u" in x else torch.empty(0)
     none, cu_e = torch.empty(0), cu_t if cu else torch.empty(0, dtype=torch.int64)
-    eo, eht = emu.run(q, k, v, g, u, x["h0"], none, none, 0.7, cu_e, keep)
+    vside = fam is GLA_GV
+    eo, eht = emu.run(q, k, v, g, u, x["h0"], none, none, 0.7, cu_e, keep, vside)
     assert_close("o", eo, o.detach(), tol, 1e-6)
     assert_close("ht", eht, ht.detach(), tol, 1e-6)
-    eg = emu.run(q, k, v, g, u, x["h0"], do, dht, 0.7, cu_e, keep)
+    eg = emu.run(q, k, v, g, u, x["h0"], do, dht, 0.7, cu_e, keep, vside)
     for name, e in zip(names[:4] + ["u", "h0"], eg):
         if name in grads:
             decay = name == fam.decay

@@ -65,6 +65,26 @@ struct ChunkPass {
   bool hst_kept = false;
 };
 
+// The CUDA engine's value-side decay (kernels/chunk_vdecay.cuh) runs the transposed key-side pass.
+FLA_HD MatArg transposed(MatArg m) {
+  const int64_t r = m.sr;
+  m.sr = m.sc, m.sc = r;
+  return m;
+}
+
+// The transposed pass P' of a value-side-decay pass (chunk_vdecay.cuh); outputs off, set per launch.
+inline ChunkPass value_side_as_key_side(const ChunkPass& p) {
+  ChunkPass r = p;
+  r.K = p.V, r.V = p.K;
+  r.q = p.dout.on() ? p.dout : p.v;  // forward: only P''s dq is used, which does not read q'
+  r.k = p.v, r.v = p.k, r.dout = p.q;
+  r.g = p.gv, r.gv = VecArg{};
+  r.h0 = transposed(p.h0), r.hT = transposed(p.hT);
+  r.dht = transposed(p.dht), r.dh0 = transposed(p.dh0);
+  r.o = r.dq = r.dk = r.dv = r.dg = r.dgv = VecArg{};
+  return r;
+}
+
 // Whether the CUDA key-side forward forms o inside its sequential state kernel (its state
 // fragments for all of K fit in registers), so that it needs no hst workspace.
 FLA_HD constexpr bool chunk_fused_out(int K) { return K <= 2 * kChunkTile; }

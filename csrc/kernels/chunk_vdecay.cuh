@@ -20,25 +20,6 @@
 namespace fla {
 namespace chunk_detail {
 
-__host__ __device__ inline MatArg transposed(MatArg m) {
-  const int64_t r = m.sr;
-  m.sr = m.sc, m.sc = r;
-  return m;
-}
-
-// The transposed pass P' (see above) of a value-side-decay pass; outputs off, set per launch.
-inline ChunkPass value_side_as_key_side(const ChunkPass& p) {
-  ChunkPass r = p;
-  r.K = p.V, r.V = p.K;
-  r.q = p.dout.on() ? p.dout : p.v;  // forward: only P''s dq is used, which does not read q'
-  r.k = p.v, r.v = p.k, r.dout = p.q;
-  r.g = p.gv, r.gv = VecArg{};
-  r.h0 = transposed(p.h0), r.hT = transposed(p.hT);
-  r.dht = transposed(p.dht), r.dh0 = transposed(p.dh0);
-  r.o = r.dq = r.dk = r.dv = r.dg = r.dgv = VecArg{};
-  return r;
-}
-
 template <typename T>
 cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
   constexpr Reader RD = Reader::Inclusive;

@@ -1,5 +1,6 @@
-// The chunk engine's CUDA kernels (csrc/kernels/chunk.cuh, chunk_state.cuh) for chunk_gla and
-// chunk_rwkv6 run on the CPU by emu.h, in the launch sequences of chunk_launch.cuh, with the
+// The chunk engine's CUDA kernels (csrc/kernels/chunk.cuh, chunk_state.cuh) for chunk_gla (key-
+// or value-side decay) and chunk_rwkv6 run on the CPU by emu.h, in the launch sequences of
+// chunk_launch.cuh and chunk_vdecay.cuh, with the
 // workspaces laid out as csrc/ops/chunk.cpp does and every output and workspace NaN-poisoned
 // first. Built and compared with the CPU backend by tests/test_cuda_emu.py.
 #include <torch/extension.h>
@@ -63,11 +64,39 @@ void forward(const ChunkPass& p, int64_t slots) {
   out<E, RD, false>(p, slots);
 }
 
+template <typename E>
+void grad_qk(const ChunkPass& p, int64_t slots, int nts) {
+  emu::launch(dim3(unsigned(slots), p.H, unsigned((p.K + DT - 1) / DT)), NTH,
+              [&] { cta([&] { chunk_grad_qk_kernel<E, Reader::Inclusive>(p, nts); }); });
+}
+
+// A value-side decay (chunk_vdecay.cuh): the transposed key-side pass.
+template <typename E>
+void value_side(const ChunkPass& p, int64_t slots) {
+  const ChunkPass r = value_side_as_key_side(p);
+  constexpr Reader RD = Reader::Inclusive;
+  if (p.dout.on())
+    emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(r); }); });
+  state<E, RD, false, 1>(r);
+  if (!p.dout.on()) {
+    ChunkPass f = r;
+    f.dq = p.o, f.dhst = r.hst;
+    return grad_qk<E>(f, slots, 0);
+  }
+  state<E, RD, false, 1, true>(r);
+  ChunkPass b = r;
+  b.dv = p.dk, b.o = p.dq, b.dk = p.dv, b.dg = p.dgv;
+  out<E, RD, true>(b, slots);
+  out<E, RD, false>(b, slots);
+  grad_qk<E>(b, slots, (r.V + kStateCols - 1) / kStateCols);
+}
+
 // [o, hT] or, with dout, [dq, dk, dv, dg, du, dh0] (empty tensors stand for None). keep: the
 // forward keeps hst and amat and the backward reads them (else the backward rebuilds them).
+// vside: g is the value-side decay gv [B, T, H, V].
 template <typename E, Reader RD>
 std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,
-                          Tensor dht, double scale, Tensor cu, bool keep) {
+                          Tensor dht, double scale, Tensor cu, bool keep, bool vside) {
   const bool varlen = cu.numel() > 0, bwd = dout.dim() == 4;
   const int B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), V = v.size(3);
   const int N = varlen ? int(cu.numel()) - 1 : B;
@@ -75,13 +104,32 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   p.dtype = std::is_same_v<E, float> ? DType::f32 : DType::bf16;
   p.N = N, p.H = H, p.T = T, p.K = K, p.V = V, p.scale = scale, p.reader = RD;
   p.cu_seqlens = varlen ? cu.data_ptr<int64_t>() : nullptr;
-  p.q = vec(q), p.k = vec(k), p.v = vec(v), p.g = vec(g);
+  p.q = vec(q), p.k = vec(k), p.v = vec(v);
+  (vside ? p.gv : p.g) = vec(g);
   if (u.numel()) p.u = u.data_ptr(), p.udtype = p.dtype;
   if (h0.numel()) p.h0 = mat(h0);
   const int64_t slots = chunk_slots(N, T, varlen);
   Tensor amat = poison({slots, H, C, C}), hst = poison({slots, H, K, V});
   Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V});
   p.amat = amat.data_ptr();
+  if (vside) {  // no kept workspaces (the op keeps none for this pass)
+    const int nts = (K + kStateCols - 1) / kStateCols;  // the transposed state's columns
+    Tensor dhst = poison({slots, H, V, K}), zeta = poison({slots, H, nts, V});
+    p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();
+    if (!bwd) {
+      p.o = vec(o), p.hT = mat(hT);
+      value_side<E>(p, slots);
+      return {o, hT};
+    }
+    Tensor dq = poison(q.sizes(), q.scalar_type()), dk = poison(k.sizes(), k.scalar_type()),
+           dv = poison(v.sizes(), v.scalar_type()), dg = poison(g.sizes(), g.scalar_type()),
+           dh0 = poison({N, H, K, V});
+    p.dout = vec(dout), p.dq = vec(dq), p.dk = vec(dk), p.dv = vec(dv), p.dgv = vec(dg);
+    if (dht.numel()) p.dht = mat(dht);
+    if (h0.numel()) p.dh0 = mat(dh0);
+    value_side<E>(p, slots);
+    return {dq, dk, dv, dg, torch::zeros({H, K}), dh0};
+  }
   p.o = vec(o), p.hT = mat(hT);
   // As the op: an inference forward with o in the state kernel keeps no states.
   if (keep || !chunk_fused_out(K)) p.hst = hst.data_ptr();
@@ -116,11 +164,11 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
 }
 
 std::vector<Tensor> run(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,
-                        Tensor dht, double scale, Tensor cu, bool keep) {
+                        Tensor dht, double scale, Tensor cu, bool keep, bool vside) {
   const bool bf = q.scalar_type() == torch::kBFloat16, ex = u.numel() > 0;
   auto f = bf ? (ex ? run_t<__nv_bfloat16, Reader::Exclusive> : run_t<__nv_bfloat16, Reader::Inclusive>)
               : (ex ? run_t<float, Reader::Exclusive> : run_t<float, Reader::Inclusive>);
-  return f(q, k, v, g, u, h0, dout, dht, scale, cu, keep);
+  return f(q, k, v, g, u, h0, dout, dht, scale, cu, keep, vside);
 }
 
 }  // namespace
