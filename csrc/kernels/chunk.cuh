@@ -73,8 +73,8 @@ __device__ __forceinline__ bool locate(const ChunkPass& p, int64_t slot, Pos& o)
 }
 
 // Tile loads are split into fetch (every load of the tile issued back to back into registers)
-// and store (to shared memory), so a tile costs one memory latency, not sixteen, and a serial
-// kernel can keep the next chunk's fetch in flight while it computes.
+// and store (to shared memory), so a tile costs one memory latency, not sixteen. (The sequential
+// state kernel holds whole tiles one chunk ahead instead: chunk_state.cuh's RowPieces.)
 constexpr int kPer = C * DT / NTH;  // elements per thread per tile
 
 // Rows [t0, t0 + L) x channels [d0, d0 + DT) of an activation, times mul, zero outside the
@@ -161,17 +161,6 @@ __device__ __forceinline__ void store_frag(const F& f, const VecArg& a, int64_t 
     if (F::row(i) < L && d0 + F::col(i) < D) base[dr * a.st + dc * a.sd] = from_f<T>(mul * f.v[i]);
   }
 }
-__device__ __forceinline__ void store_mat(const Tile* s, float* m, int R, int Cn, int r0, int c0) {
-  const unsigned c = threadIdx.x % DT, rr = threadIdx.x / DT;
-  if (c0 + int(c) >= Cn) return;
-  float* ptr = m + int64_t(r0 + int(rr)) * Cn + c0 + c;
-  const int64_t step = int64_t(kRowStep) * Cn;
-  const int left = R - r0 - int(rr);
-#pragma unroll
-  for (int it = 0; it < kPer; ++it, ptr += step)
-    if (it * kRowStep < left) *ptr = s[rr + it * kRowStep][c];
-}
-
 // Per channel of a K tile: sub-chunk totals τ_m and, from them by addition only, the factors
 // before[m] = exp2(Σ_{l<m} τ_l), after[m] = exp2(Σ_{l>m} τ_l), gap[m'][m] = exp2(Σ_{m'<l<m} τ_l)
 // and gamma = exp2(Σ τ).

@@ -1,7 +1,7 @@
-// The forward state pass of the chunk engine (kernels/chunk.cuh) as one sequential kernel per
-// (sequence, head, V tile, group of NK K tiles): S (fp32) stays in registers across the chunks,
-// S_{c+1} = diag(γ_c) S_c + K̂_cᵀ V_c with the products as the tile products elsewhere (TF32 for
-// bf16/fp16 inputs, exact SIMT FMA for fp32). Each chunk-start state goes to hst when it is
+// The state passes of the chunk engine (kernels/chunk.cuh) as one sequential kernel per
+// (sequence, head, V tile, group of NK K tiles), forward or (BWD, below) backward. Forward: S
+// (fp32) stays in registers across the chunks, S_{c+1} = diag(γ_c) S_c + K̂_cᵀ V_c with the
+// products as the tile products elsewhere (TF32 for bf16/fp16 inputs, exact SIMT FMA for fp32). Each chunk-start state goes to hst when it is
 // wanted (a backward reads it), the final one to the slot after the last chunk and to hT.
 //
 // With OUT the group covers all of K and the kernel also forms o_c = ρ (Q̂_c S_c + A_c V_c), A
@@ -186,7 +186,7 @@ __device__ __forceinline__ void zeta_partials(const F& D, const F& S, const floa
     float x = z[r];
 #pragma unroll
     for (int off = 1; off < F::kGroupLanes; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-    const int row = F::row(F::kRowsPer == 2 ? 2 * r : 4 * r);
+    const int row = F::slot_row(r);
     if (threadIdx.x % F::kGroupLanes == 0 && grp < nts && k0 + row < p.K) zs[row] = gamma[row] * x;
   }
 }

@@ -42,6 +42,7 @@ struct Frag<false> {
   // group, shared with the kGroupLanes lanes that differ in the low lane bits.
   static constexpr int kRowsPer = 4, kGroupLanes = 8;
   __device__ static int row_slot(int i) { return i / 4; }
+  __device__ static int slot_row(int r) { return row(4 * r); }  // the row of slot r
 
   template <bool TA, Tri TR = Tri::Full, bool RAW = false, int NA, int NB>  // RAW: see Frag<true>
   __device__ __forceinline__ void mma(const float (*a)[NA], const float (*b)[NB], int K) {
@@ -148,6 +149,7 @@ struct Frag<true> {
   }
   static constexpr int kRowsPer = 2, kGroupLanes = 4;  // as Frag<false>
   __device__ static int row_slot(int i) { return i / 2 % 2; }
+  __device__ static int slot_row(int r) { return row(2 * r); }
 
   // RAW: both operands hold TF32 values already (tf32_round, or widened bf16 / fp16 inputs).
   template <bool TA, Tri TR = Tri::Full, bool RAW = false, int NA, int NB>
