@@ -5,7 +5,7 @@
 // first. Built and compared with the CPU backend by tests/test_cuda_emu.py.
 #include <torch/extension.h>
 
-#include "emu.h"
+#include "emu_args.h"
 #include "chunk_state.cuh"
 
 namespace fla::chunk_detail {
@@ -17,25 +17,28 @@ using namespace fla;
 using namespace fla::chunk_detail;
 using torch::Tensor;
 
-VecArg vec(const Tensor& t) {
-  VecArg v;
-  v.ptr = t.data_ptr(), v.sb = t.stride(0), v.st = t.stride(1), v.sh = t.stride(2), v.sd = t.stride(3);
-  return v;
-}
-MatArg mat(const Tensor& t) {
-  MatArg m;
-  m.ptr = t.data_ptr(), m.sn = t.stride(0), m.sh = t.stride(1), m.sr = t.stride(2), m.sc = t.stride(3);
-  return m;
-}
-Tensor poison(at::IntArrayRef s, at::ScalarType t = torch::kFloat) { return torch::full(s, NAN, t); }
+using emu::mat, emu::poison, emu::vec;
 
-// Every CTA starts on NaN-filled shared memory: a read of an element no thread wrote shows.
 template <class F>
 void cta(const F& kernel) {
-  if (threadIdx.x == 0) std::fill(&smem4[0].x, &smem4[0].x + 4 * std::size(smem4), NAN);
-  __syncthreads();
-  kernel();
+  emu::poisoned_cta(kernel, smem4);
 }
+
+// The gradient outputs, NaN-poisoned, and the backward's inputs, bound into a pass (dg as dgv
+// for a value-side decay).
+struct Grads {
+  Tensor dq, dk, dv, dg, dh0;
+  Grads(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, int N, int H, int K, int V)
+      : dq(poison(q.sizes(), q.scalar_type())), dk(poison(k.sizes(), k.scalar_type())),
+        dv(poison(v.sizes(), v.scalar_type())), dg(poison(g.sizes(), g.scalar_type())),
+        dh0(poison({N, H, K, V})) {}
+  void bind(ChunkPass& p, const Tensor& dout, const Tensor& dht, const Tensor& h0, bool vside) {
+    p.dout = vec(dout), p.dq = vec(dq), p.dk = vec(dk), p.dv = vec(dv);
+    (vside ? p.dgv : p.dg) = vec(dg);
+    if (dht.numel()) p.dht = mat(dht);
+    if (h0.numel()) p.dh0 = mat(dh0);
+  }
+};
 
 template <typename E, Reader RD, bool OUT, int NK, bool BWD = false>
 void state(const ChunkPass& p) {
@@ -121,14 +124,10 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
       value_side<E>(p, slots);
       return {o, hT};
     }
-    Tensor dq = poison(q.sizes(), q.scalar_type()), dk = poison(k.sizes(), k.scalar_type()),
-           dv = poison(v.sizes(), v.scalar_type()), dg = poison(g.sizes(), g.scalar_type()),
-           dh0 = poison({N, H, K, V});
-    p.dout = vec(dout), p.dq = vec(dq), p.dk = vec(dk), p.dv = vec(dv), p.dgv = vec(dg);
-    if (dht.numel()) p.dht = mat(dht);
-    if (h0.numel()) p.dh0 = mat(dh0);
+    Grads r(q, k, v, g, N, H, K, V);
+    r.bind(p, dout, dht, h0, true);
     value_side<E>(p, slots);
-    return {dq, dk, dv, dg, torch::zeros({H, K}), dh0};
+    return {r.dq, r.dk, r.dv, r.dg, torch::zeros({H, K}), r.dh0};
   }
   p.o = vec(o), p.hT = mat(hT);
   // As the op: an inference forward with o in the state kernel keeps no states.
@@ -148,19 +147,15 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   const int nts = (V + kStateCols - 1) / kStateCols;
   Tensor dhst = poison({slots, H, K, V}), zeta = poison({slots, H, nts, K});
   Tensor du = torch::zeros({slots, H, K});
-  Tensor dq = poison(q.sizes(), q.scalar_type()), dk = poison(k.sizes(), k.scalar_type()),
-         dv = poison(v.sizes(), v.scalar_type()), dg = poison(g.sizes(), g.scalar_type()),
-         dh0 = poison({N, H, K, V});
-  b.dout = vec(dout), b.dq = vec(dq), b.dk = vec(dk), b.dv = vec(dv), b.dg = vec(dg);
-  if (dht.numel()) b.dht = mat(dht);
-  if (h0.numel()) b.dh0 = mat(dh0);
+  Grads r(q, k, v, g, N, H, K, V);
+  r.bind(b, dout, dht, h0, false);
   if (u.numel()) b.du = du.data_ptr();
   b.dhst = dhst.data_ptr(), b.zeta = zeta.data_ptr();
   state<E, RD, false, 1, true>(b);
   out<E, RD, true>(b, slots);
   emu::launch(dim3(unsigned(slots), H, unsigned((K + DT - 1) / DT)), NTH,
               [&] { cta([&] { chunk_grad_qk_kernel<E, RD>(b, nts); }); });
-  return {dq, dk, dv, dg, du.sum(0), dh0};
+  return {r.dq, r.dk, r.dv, r.dg, du.sum(0), r.dh0};
 }
 
 std::vector<Tensor> run(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,

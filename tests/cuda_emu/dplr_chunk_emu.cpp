@@ -3,7 +3,7 @@
 // NaN-poisoned first. Built and compared with the CPU reference by tests/test_cuda_emu.py.
 #include <torch/extension.h>
 
-#include "emu.h"
+#include "emu_args.h"
 #include "dplr_chunk_grad.cuh"
 #include "dplr_chunk_sweep.cuh"
 
@@ -17,28 +17,11 @@ using namespace fla;
 using namespace fla::dplr_chunk_detail;
 using torch::Tensor;
 
-VecArg vec(const Tensor& t) {
-  VecArg v;
-  v.ptr = t.data_ptr(), v.sb = t.stride(0), v.st = t.stride(1), v.sh = t.stride(2), v.sd = t.stride(3);
-  return v;
-}
-MatArg mat(const Tensor& t) {
-  MatArg m;
-  m.ptr = t.data_ptr(), m.sn = t.stride(0), m.sh = t.stride(1), m.sr = t.stride(2), m.sc = t.stride(3);
-  return m;
-}
-Tensor poison(at::IntArrayRef s, at::ScalarType t = torch::kFloat) { return torch::full(s, NAN, t); }
+using emu::mat, emu::poison, emu::vec;
 
-// Every CTA starts on NaN-filled shared memory, so a read of an element no thread wrote (row or
-// channel padding included) shows in the results.
 template <class F>
 void cta(const F& kernel) {
-  if (threadIdx.x == 0) {
-    std::fill(std::begin(sm), std::end(sm), NAN);
-    std::fill(&sm4[0].x, &sm4[0].x + 4 * std::size(sm4), NAN);
-  }
-  __syncthreads();
-  kernel();
+  emu::poisoned_cta(kernel, sm, sm4);
 }
 
 // [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None. The
