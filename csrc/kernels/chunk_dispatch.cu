@@ -11,7 +11,10 @@ const char* chunk_cuda(const ChunkPass& p, void* stream) {
   // A value-side decay runs as the transposed key-side problem (chunk_vdecay.cuh); the op
   // refuses g and gv together on CUDA before anything runs.
   if (p.gv.on() && p.g.on()) return "chunk engine: g and gv together are not supported on CUDA";
-  if (!p.hst && (p.dout.on() || p.gv.on() || !chunk_fused_out(p.K)))
+  // Every pass but the fused key-side forward writes or reads hst, unless it has no state element
+  // (then the op's workspace is empty and its pointer null: an empty batch is not an error).
+  const bool states = p.N > 0 && p.H > 0 && p.K > 0 && p.V > 0;
+  if (!p.hst && states && (p.dout.on() || p.gv.on() || !chunk_fused_out(p.K)))
     return "chunk engine: this pass needs the hst workspace";
   return launch_for_dtype(p.dtype, [&](auto t) {
     return p.gv.on() ? launch_chunk_vdecay<decltype(t)>(p, s) : launch_chunk<decltype(t)>(p, s);

@@ -35,7 +35,8 @@ cudaError_t launch_state(const ChunkPass& p, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
   const unsigned z = unsigned(ntv * ((ntk + NK - 1) / NK));
-  if (p.N > 0) state<<<dim3(unsigned(p.N), p.H, z), NTH, smem, stream>>>(p, ntv, state_vec<T>(p, OUT, BWD));
+  if (p.N > 0 && p.H > 0 && z > 0)  // an empty grid is an invalid launch
+    state<<<dim3(unsigned(p.N), p.H, z), NTH, smem, stream>>>(p, ntv, state_vec<T>(p, OUT, BWD));
   return cudaGetLastError();
 }
 
