@@ -29,6 +29,10 @@ def inputs(op, B, T, H, K, V, dtype):
     if op == "chunk_gla_gv":  # the value-side decay alone (GSA pass 1)
         args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), logd(B, T, H, V))
         return args, lambda q, k, v, gv: fla_ext.chunk_gla(q, k, v, gv=gv)[0]
+    if op == "chunk_gsa":  # M = V slots, the gate logsigmoid (bench_ops' chunk_gsa)
+        g = F.logsigmoid(torch.randn(B, T, H, V, device=dev)).to(dtype)
+        args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, V), g)
+        return args, lambda *a: fla_ext.chunk_gsa(*a)[0]
     if op == "chunk_rwkv7":  # the RWKV-7 layer's inputs: a = -kk, b = kk * iclr
         kk = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1)
         iclr = torch.sigmoid(torch.randn(B, T, H, K, device=dev))

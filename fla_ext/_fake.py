@@ -62,11 +62,11 @@ def _chunk_gla_fake(q, k, v, g=None, gv=None, scale=None, initial_state=None,
     return o, q.new_empty(shape, dtype=_acc(q))
 
 
-def _chunk_train(q, v, o, ht, head_first, cu_seqlens, keep=True):
-    """The training forward's outputs: (o, ht) plus the workspaces the CUDA backend keeps (for
-    key-side passes only: `keep` is False for a value-side decay)."""
+def _chunk_train(q, v, o, ht, head_first, cu_seqlens, pairs=True):
+    """The training forward's outputs: (o, ht) plus the workspaces the CUDA backend keeps: hst,
+    and the pair matrices for key-side passes (`pairs` is False for a value-side decay)."""
     N, H = _state_rows(q, head_first, cu_seqlens)
-    if q.device.type != "cuda" or not keep:
+    if q.device.type != "cuda":
         return o, ht, q.new_empty((0,), dtype=_acc(q)), q.new_empty((0,), dtype=_acc(q))
     T = q.shape[2] if head_first else q.shape[1]
     if cu_seqlens is not None:  # kernels/chunk.h: chunk_slots
@@ -74,14 +74,14 @@ def _chunk_train(q, v, o, ht, head_first, cu_seqlens, keep=True):
     else:
         slots = N * ((T + 63) // 64 + 1)
     hst = q.new_empty((slots, H, q.shape[-1], v.shape[-1]), dtype=_acc(q))
-    return o, ht, hst, q.new_empty((slots, H, 64, 64), dtype=_acc(q))
+    return o, ht, hst, q.new_empty((slots, H, 64, 64) if pairs else (0,), dtype=_acc(q))
 
 
 @torch.library.register_fake("fla::chunk_gla_train")
 def _(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, head_first):
     o, ht = _chunk_gla_fake(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
                             head_first)
-    return _chunk_train(q, v, o, ht, head_first, cu_seqlens, keep=gv is None)
+    return _chunk_train(q, v, o, ht, head_first, cu_seqlens, pairs=gv is None)
 
 
 @torch.library.register_fake("fla::chunk_gla_bwd")

@@ -83,7 +83,8 @@ def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv"):
 # per CTA), K = 136 the state kernel per K tile plus the out kernel; partial chunks, V not a
 # multiple of 32 (zeta partials), varlen with an empty sequence; keep: the forward writes hst
 # for the backward, else the backward rebuilds it (and an inference forward keeps none). gla_gv
-# (a value-side decay: the transposed pass) keeps nothing.
+# (a value-side decay: the transposed pass; its forward forms o with grad_qk's dq-only form)
+# keeps hst alone.
 CHUNK_CASES = [((1, 70, 2, 32, 24), None, True), ((1, 65, 1, 128, 20), None, False),
                ((1, 40, 1, 136, 8), None, True), ((1, 150, 1, 16, 100), [0, 70, 70, 150], False)]
 
@@ -94,7 +95,7 @@ def test_chunk_kernels(chunk_emu, fam, shape, cu, keep, gen):
     check_chunk(chunk_emu, fam, shape, cu, keep, gen, torch.float32, 1e-5)
 
 
-@pytest.mark.parametrize("fam", [GLA, RWKV6], ids=["gla", "rwkv6"])
+@pytest.mark.parametrize("fam", [GLA, RWKV6, GLA_GV], ids=["gla", "rwkv6", "gla_gv"])
 @pytest.mark.parametrize("shape", [(1, 70, 2, 32, 24), (1, 50, 1, 20, 12)], ids=["pieces", "K20"])
 def test_chunk_kernels_bf16(chunk_emu, fam, shape, gen):
     """bf16 tiles in 16-byte pieces (K, V multiples of 8) or element by element (K = 20) and the

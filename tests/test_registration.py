@@ -210,6 +210,31 @@ def test_train_forward_keeps_workspaces(device, name):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_value_side_train_keeps_states(dtype):
+    # The value-side decay alone (GSA pass 1) keeps its chunk-start states and no pair matrices
+    # (its backward's are of dO): the backward that reads them equals the one that rebuilds them.
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    B, T, H, K, V = 2, 150, 2, 32, 48
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    q, k, v = (r(B, T, H, D).to(dtype) for D in (K, K, V))
+    gv = torch.nn.functional.logsigmoid(r(B, T, H, V)).to(dtype)
+    h0 = r(B, H, K, V)
+    fargs = (q, k, v, None, gv, 0.5, h0, True, None, False)
+    o, ht, hst, amat = torch.ops.fla.chunk_gla_train(*fargs)
+    o_ref, ht_ref = torch.ops.fla.chunk_gla(*fargs)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+    assert hst.numel() > 0 and amat.numel() == 0
+    bargs = (q, k, v, None, gv, r(B, T, H, V).to(dtype), r(B, H, K, V), 0.5, h0, None, False)
+    kept = torch.ops.fla.chunk_gla_bwd(*bargs, hst, amat)
+    fresh = torch.ops.fla.chunk_gla_bwd(*bargs, None, None)
+    for a, b in zip(kept, fresh):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(TRAIN))
 def test_backward_refuses_a_wrong_workspace(device, name):

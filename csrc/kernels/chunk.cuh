@@ -494,8 +494,8 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
 // (B4 / A4: the τ4 of the micro-blocks before / after i's in the sub-chunk; exclusive reader:
 // (j,i) and (i,j) instead.) The pairs j = i are left out for both readers: the caller adds them
 // (as the u bonus; 1 for GLA) where they cancel exactly in the dg sums. Q, Kr hold raw q, k; all
-// loops unroll.
-template <Reader RD>
+// loops unroll. Without DK only dq is formed (Q is not read).
+template <Reader RD, bool DK_TOO = true>
 __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, const Tile* Q,
                                            const Tile* Kr, const Tile* LAM, int m, int ch) {
   constexpr bool INC = RD == Reader::Inclusive;
@@ -511,12 +511,14 @@ __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, c
       f += LAM[r0 + j][ch];
     }
     t4[mu] = f;
+    if constexpr (DK_TOO) {
 #pragma unroll
-    for (int r = 0; r < MB; ++r) {
-      const int i = mu * MB + r;
-      if (INC) e += LAM[r0 + i][ch];
-      q4[i] = Q[r0 + i][ch] * ex2(e);
-      if (!INC) e += LAM[r0 + i][ch];
+      for (int r = 0; r < MB; ++r) {
+        const int i = mu * MB + r;
+        if (INC) e += LAM[r0 + i][ch];
+        q4[i] = Q[r0 + i][ch] * ex2(e);
+        if (!INC) e += LAM[r0 + i][ch];
+      }
     }
   }
 #pragma unroll
@@ -542,35 +544,38 @@ __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, c
     }
     DQ[I][ch] = x;
   }
+  if constexpr (DK_TOO) {
 #pragma unroll
-  for (int i = 0; i < SC; ++i) {  // dk
-    const int mi = i / MB, I = r0 + i;
-    float e = 0.f, w = 0.f;
+    for (int i = 0; i < SC; ++i) {  // dk
+      const int mi = i / MB, I = r0 + i;
+      float e = 0.f, w = 0.f;
 #pragma unroll
-    for (int j = i + 1; j < (mi + 1) * MB; ++j) {
-      if (INC) e += LAM[r0 + j][ch];
-      w += DA[r0 + j][I] * Q[r0 + j][ch] * ex2(e);
-      if (!INC) e += LAM[r0 + j][ch];
+      for (int j = i + 1; j < (mi + 1) * MB; ++j) {
+        if (INC) e += LAM[r0 + j][ch];
+        w += DA[r0 + j][I] * Q[r0 + j][ch] * ex2(e);
+        if (!INC) e += LAM[r0 + j][ch];
+      }
+      float after = 0.f;  // e = L_i now
+#pragma unroll
+      for (int nu = mi + 1; nu < NMB; ++nu) after += t4[nu];
+      float x = ex2(e + after) * DK[I][ch] + w, g = 0.f;
+#pragma unroll
+      for (int mj = mi + 1; mj < NMB; ++mj) {
+        float sum = 0.f;
+#pragma unroll
+        for (int r = 0; r < MB; ++r) sum += DA[r0 + mj * MB + r][I] * q4[mj * MB + r];
+        x += ex2(e + g) * sum;
+        g += t4[mj];
+      }
+      DK[I][ch] = x;
     }
-    float after = 0.f;  // e = L_i now
-#pragma unroll
-    for (int nu = mi + 1; nu < NMB; ++nu) after += t4[nu];
-    float x = ex2(e + after) * DK[I][ch] + w, g = 0.f;
-#pragma unroll
-    for (int mj = mi + 1; mj < NMB; ++mj) {
-      float sum = 0.f;
-#pragma unroll
-      for (int r = 0; r < MB; ++r) sum += DA[r0 + mj * MB + r][I] * q4[mj * MB + r];
-      x += ex2(e + g) * sum;
-      g += t4[mj];
-    }
-    DK[I][ch] = x;
   }
 }
 
 // ------------------------------------------------------------------------------------------------
-// dq, dk, dg (and du partials) for one chunk and K tile.
-template <typename T, Reader RD>
+// dq, dk, dg (and du partials) for one chunk and K tile. DQ_ONLY: dq alone (the value-side
+// forward's o, chunk_vdecay.cuh): no dS+, no q, no dk or dg work; dk, dg, du are not written.
+template <typename T, Reader RD, bool DQ_ONLY = false>
 __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int nts) {
   extern __shared__ float4 smem4[];
   Tile* DA = reinterpret_cast<Tile*>(smem4);
@@ -604,11 +609,11 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     load_rows<T, true>(QX, p.dout, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
     load_rows<T, true>(KY, p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
     load_mat<true>(LAM, S, p.K, p.V, k0, v0);
-    load_mat<true>(DQ, dS, p.K, p.V, k0, v0);
+    if (!DQ_ONLY) load_mat<true>(DQ, dS, p.K, p.V, k0, v0);
     __syncthreads();
     da.template mma<true>(QX, KY, DT);
     dqi.template mma<true>(QX, LAM, DT);
-    dki.template mma<true>(KY, DQ, DT);
+    if (!DQ_ONLY) dki.template mma<true>(KY, DQ, DT);
   }
   __syncthreads();
 #pragma unroll
@@ -616,7 +621,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     const int i = da.row(e), j = da.col(e);
     DA[i][j] = j <= i ? rho * da.v[e] : 0.f;  // tril, diagonal included (u terms)
     DQ[i][j] = rho * dqi.v[e];
-    DK[i][j] = dki.v[e];
+    if (!DQ_ONLY) DK[i][j] = dki.v[e];
   }
   if (threadIdx.x < DT) {
     float z = 0.f;
@@ -632,11 +637,36 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   __syncthreads();
 
   // Phase 2: the K tile's q, k, λ.
-  load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+  if (!DQ_ONLY) load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
   load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
   load_rows<T, false>(LAM, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
   __syncthreads();
   chunk_decays(d, LAM);
+  if (DQ_ONLY) {
+#pragma unroll
+    for (int ii = 0; ii < SC; ++ii) DQ[m * SC + ii][ch] *= d.before[m][ch];
+    scale_key<false>(KY, LAM, m, ch, 1.f);
+    __syncthreads();
+    {  // off-diagonal: DQ[i] += Σ_{j in mk<mq} dA_ij KY_j gap
+      Acc<T> aq;
+      aq.template mma_blocks<false>(
+          DA, KY, [](int) { return 0; }, [](int mr) { return mr * SC; },
+          [&](int j, int c, int mr) { return d.gap[j / SC][mr][c]; },
+          [](int, int) { return true; });
+#pragma unroll
+      for (int e = 0; e < 16; ++e) DQ[aq.row(e)][aq.col(e)] += aq.v[e];
+    }
+    __syncthreads();
+    load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);  // raw k again
+    __syncthreads();
+    diag_grads<RD, false>(DQ, DK, DA, QX, KY, LAM, m, ch);
+    const int kk = k0 + ch;
+    if (kk >= p.K) return;
+    T* const dqp = vptr<T>(p.dq, pos.b, pos.t0, h, kk);
+    for (int t = m * SC; t < (m + 1) * SC && t < pos.L; ++t)
+      dqp[t * p.dq.st] = from_f<T>(DQ[t][ch] + DA[t][t] * us[ch] * KY[t][ch]);
+    return;
+  }
 
   // Inter terms to the sub-chunk references; operands for the off-diagonal blocks. Also
   // kin = k ⊙ dk_inter (exponent Ω_i = Σ_{r>i} λ_r) for the dg scan below: summed over this

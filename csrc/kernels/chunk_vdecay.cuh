@@ -28,20 +28,20 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
   const int ntk = (r.K + DT - 1) / DT, nts = (r.V + kStateCols - 1) / kStateCols;
   cudaError_t e;
   // The backward runs P' with q' = dO: its pair matrices are A' (of dO and v), read by the
-  // dk / dq out kernels below; the forward needs none.
-  if ((e = p.dout.on() ? launch_forward_state<T, RD, true>(r, slots, stream)
-                       : launch_forward_state<T, RD, false>(r, slots, stream)) != cudaSuccess)
-    return e;
-  auto dqk = chunk_grad_qk_kernel<T, RD>;
-  if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
-  if (!p.dout.on()) {
-    // o = dq of P'. Its dk/dg are not wanted (off), nts = 0 skips the zeta read, and dS⁺ (only
-    // feeding the discarded dk) points at the states so that every read is in bounds.
+  // dk / dq out kernels below; the forward needs none. The states do not depend on q': a
+  // training forward keeps them for the backward (hst_kept).
+  if (p.dout.on() && (e = launch_pairs<T, RD>(r, slots, stream)) != cudaSuccess) return e;
+  if (!p.hst_kept && (e = launch_state<T, RD, false, 1>(r, stream)) != cudaSuccess) return e;
+  if (!p.dout.on()) {  // o = dq of P', by the grad_qk kernel's dq-only form
+    auto o = chunk_grad_qk_kernel<T, RD, true>;
+    if ((e = set_smem(o, kGradSmem)) != cudaSuccess) return e;
     ChunkPass f = r;
-    f.dq = p.o, f.dhst = r.hst;
-    if (slots > 0) dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(f, 0);
+    f.dq = p.o;
+    if (slots > 0) o<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(f, 0);
     return cudaGetLastError();
   }
+  auto dqk = chunk_grad_qk_kernel<T, RD>;
+  if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
   if ((e = launch_backward_state<T, RD>(r, stream)) != cudaSuccess) return e;
   ChunkPass b = r;
   b.dv = p.dk, b.o = p.dq, b.dk = p.dv, b.dg = p.dgv;  // b.dq (= o) stays off

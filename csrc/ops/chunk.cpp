@@ -4,7 +4,7 @@
 // (amat, fp32 [slots, H, 64, 64]) that its out kernels read. Under autograd on CUDA a key-side
 // forward keeps its chunk-start states (hst) and pair matrices for the backward (fp32,
 // [slots, H, K, V] + [slots, H, 64, 64]: for bf16 K=V=64 about 2x the bytes of q, k, v and g
-// together); otherwise the backward recomputes them. Backends: cpu/chunk.cpp (float64 exponents,
+// together), a value-side forward its states alone; otherwise the backward recomputes them. Backends: cpu/chunk.cpp (float64 exponents,
 // the algebra as written) and kernels/chunk*.cu.
 #include "chunk.h"
 
@@ -62,9 +62,10 @@ Tensor pair_workspace(const DiagArgs& a, const Tensor& hst) {
   return new_output({workspace_slots(a), a.H, kChunk, kChunk}, hst.options());
 }
 
-// Only the CUDA engine reads kept workspaces (the CPU engine is the reference and recomputes),
-// and only its key-side kernels write them (the value-side pass runs them transposed).
-bool keeps_workspaces(const Tensor& q, const Tensor& gv) { return q.is_cuda() && !gv.defined(); }
+// Only the CUDA engine reads kept workspaces (the CPU engine is the reference and recomputes).
+// A value-side pass keeps hst alone (kernels/chunk_vdecay.cuh: its backward's pair matrices are
+// of dO, and its forward forms none).
+bool keeps_workspaces(const Tensor& q) { return q.is_cuda(); }
 
 // The CUDA engine's pair matrices: its out kernels read A from here (ops never look inside).
 Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst, bool needed) {
@@ -133,10 +134,10 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
   Tensor hst = state_workspace(a, q), dhst = state_workspace(a, q);
   const bool vside = value_side_only(g, gv);
-  // Kept workspaces are only ever made by key-side passes; a value-side pass ignores them.
-  const Tensor* hst_kept = vside ? nullptr : kept(hst_in, hst, "hst");
+  // A key-side pass keeps hst and amat together, a value-side pass hst alone (its amat is of dO).
+  const Tensor* hst_kept = kept(hst_in, hst, "hst");
   const Tensor* amat_kept = vside ? nullptr : kept(amat_in, pair_workspace(a, hst), "amat");
-  TORCH_CHECK_VALUE((hst_kept == nullptr) == (amat_kept == nullptr),
+  TORCH_CHECK_VALUE(vside || (hst_kept == nullptr) == (amat_kept == nullptr),
                     "fla_ext: `hst` and `amat` come together from the _train op: pass both or neither");
   if (hst_kept) hst = *hst_kept;
   const int64_t cols = vside ? a.K : a.V, rows = vside ? a.V : a.K;  // of the (transposed) state
@@ -181,7 +182,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gla_forward(
   const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
   check_gv(a, q, v, g, gv);
   return chunk_forward(a, Reader::Inclusive, q, k, v, g, gv, Tensor(), initial_state,
-                       output_final_state, train && keeps_workspaces(q, gv), run);
+                       output_final_state, train && keeps_workspaces(q), run);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> rwkv6_forward(
@@ -192,7 +193,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rwkv6_forward(
   c10::OptionalDeviceGuard guard(r.device());
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   return chunk_forward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, initial_state,
-                       output_final_state, train && keeps_workspaces(r, Tensor()), run);
+                       output_final_state, train && keeps_workspaces(r), run);
 }
 }  // namespace
 

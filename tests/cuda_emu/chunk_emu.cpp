@@ -80,11 +80,12 @@ void value_side(const ChunkPass& p, int64_t slots) {
   constexpr Reader RD = Reader::Inclusive;
   if (p.dout.on())
     emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(r); }); });
-  state<E, RD, false, 1>(r);
+  if (!p.hst_kept) state<E, RD, false, 1>(r);
   if (!p.dout.on()) {
     ChunkPass f = r;
-    f.dq = p.o, f.dhst = r.hst;
-    return grad_qk<E>(f, slots, 0);
+    f.dq = p.o;
+    return emu::launch(dim3(unsigned(slots), p.H, unsigned((r.K + DT - 1) / DT)), NTH,
+                       [&] { cta([&] { chunk_grad_qk_kernel<E, RD, true>(f, 0); }); });
   }
   state<E, RD, false, 1, true>(r);
   ChunkPass b = r;
@@ -115,18 +116,20 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   Tensor amat = poison({slots, H, C, C}), hst = poison({slots, H, K, V});
   Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V});
   p.amat = amat.data_ptr();
-  if (vside) {  // no kept workspaces (the op keeps none for this pass)
+  if (vside) {  // keep: the backward reads the forward's (transposed) states; never amat
     const int nts = (K + kStateCols - 1) / kStateCols;  // the transposed state's columns
     Tensor dhst = poison({slots, H, V, K}), zeta = poison({slots, H, nts, V});
     p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();
-    if (!bwd) {
-      p.o = vec(o), p.hT = mat(hT);
-      value_side<E>(p, slots);
-      return {o, hT};
-    }
-    Grads r(q, k, v, g, N, H, K, V);
-    r.bind(p, dout, dht, h0, true);
+    p.o = vec(o), p.hT = mat(hT);
     value_side<E>(p, slots);
+    if (!bwd) return {o, hT};
+    ChunkPass b = p;
+    b.o = VecArg{}, b.hT = MatArg{};
+    b.hst_kept = keep;
+    if (!keep) hst.fill_(NAN);
+    Grads r(q, k, v, g, N, H, K, V);
+    r.bind(b, dout, dht, h0, true);
+    value_side<E>(b, slots);
     return {r.dq, r.dk, r.dv, r.dg, torch::zeros({H, K}), r.dh0};
   }
   p.o = vec(o), p.hT = mat(hT);
