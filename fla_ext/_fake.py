@@ -36,7 +36,8 @@ def _(r, k, v, w, u, grad_o, grad_final_state, scale, initial_state, reverse, cu
 def _(q, k, v, gk=None, gv=None, scale=None, initial_state=None, output_final_state=False,
       reverse=False, cu_seqlens=None, head_first=False):
     N, H = _state_rows(q, head_first, cu_seqlens)
-    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    # o has q's dtype (float32 for a wide q: float32 q with bf16/fp16 k, v)
+    o = torch.empty_like(v, dtype=q.dtype, memory_format=torch.contiguous_format)
     shape = (N if output_final_state else 0, H, q.shape[-1], v.shape[-1])
     return o, q.new_empty(shape, dtype=_acc(q))
 
@@ -57,7 +58,8 @@ def _(q, k, v, gk, gv, grad_o, grad_final_state, scale, initial_state, reverse, 
 def _chunk_gla_fake(q, k, v, g=None, gv=None, scale=None, initial_state=None,
                     output_final_state=False, cu_seqlens=None, head_first=False):
     N, H = _state_rows(q, head_first, cu_seqlens)
-    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    # o has q's dtype (float32 for a wide q: float32 q with bf16/fp16 k, v)
+    o = torch.empty_like(v, dtype=q.dtype, memory_format=torch.contiguous_format)
     shape = (N if output_final_state else 0, H, q.shape[-1], v.shape[-1])
     return o, q.new_empty(shape, dtype=_acc(q))
 

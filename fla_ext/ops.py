@@ -176,7 +176,12 @@ def chunk_gla(
             cu_seqlens, head_first: as in :func:`fused_recurrent_rwkv6`.
 
     Returns:
-        ``(o, final_state)``; ``o`` is ``[B, T, H, V]``.
+        ``(o, final_state)``; ``o`` is ``[B, T, H, V]`` in q's dtype.
+
+    A float32 ``q`` may come with bf16 / fp16 ``k``, ``v`` and decays (a "wide q", as GSA's
+    passes use it): the kernels then run in k's dtype with ``q`` rounded to it, and ``o`` (and
+    under autograd ``dq``) come out in float32 from the fp32 accumulators. The same holds for
+    :func:`fused_recurrent_gla`.
 
     Example::
 

@@ -59,6 +59,11 @@ struct Engine {
         for (int x = 0; x < V; ++x) S[d * V + x] = *elem<Acc>(m, n, h, d, x);
     return S;
   }
+  // An output element in the input dtype, or (acc: ChunkPass::o_acc / dq_acc) the acc type.
+  static void put(const VecArg& a, bool acc, int64_t b, int64_t t, int h, int d, double x) {
+    if (acc) *elem<Acc>(a, b, t, h, d) = static_cast<Acc>(x);
+    else *elem<T>(a, b, t, h, d) = static_cast<T>(x);
+  }
   void store_state(const MatArg& m, int n, int h, const Vec& S) const {
     if (!m.on()) return;
     for (int d = 0; d < K; ++d)
@@ -228,7 +233,7 @@ struct Engine {
       outputs(c, S, r.io, o);
       for (int i = 0; i < c.L; ++i) {
         const int64_t t = s.bos + ci * kChunk + i;
-        for (int x = 0; x < V; ++x) *elem<T>(p.o, s.b, t, h, x) = static_cast<T>(o[i * V + x]);
+        for (int x = 0; x < V; ++x) put(p.o, p.o_acc, s.b, t, h, x, o[i * V + x]);
       }
       advance(c, S);
     }
@@ -339,7 +344,7 @@ struct Engine {
       for (int i = 0; i < L; ++i) {
         const int64_t t = s.bos + ci * kChunk + i;
         for (int d = 0; d < K; ++d) {
-          if (p.dq.on()) *elem<T>(p.dq, s.b, t, h, d) = static_cast<T>(dq[i * K + d]);
+          if (p.dq.on()) put(p.dq, p.dq_acc, s.b, t, h, d, dq[i * K + d]);
           if (p.dk.on()) *elem<T>(p.dk, s.b, t, h, d) = static_cast<T>(dk[i * K + d]);
           if (p.dg.on()) *elem<T>(p.dg, s.b, t, h, d) = static_cast<T>(dg[i * K + d]);
         }

@@ -476,7 +476,8 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
     // A is lower triangular: row i of A V needs j <= i, row j of Aᵀ dO needs i >= j.
     if (DV) acc[vt].template mma<true, Tri::KFromRow>(A, W, C);
     else acc[vt].template mma<false, Tri::KUpToRow>(A, W, C);
-    store_frag<T>(acc[vt], DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, DV ? 1.f : rho);
+    if (!DV && p.o_acc) store_frag<float>(acc[vt], p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, rho);
+    else store_frag<T>(acc[vt], DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, DV ? 1.f : rho);
   }
 }
 
@@ -572,6 +573,14 @@ __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, c
   }
 }
 
+// dq in the input dtype, or in fp32 (ChunkPass::dq_acc).
+template <typename T>
+__device__ __forceinline__ void store_dq(const ChunkPass& p, int64_t b, int64_t t, int h, int d,
+                                         float x) {
+  if (p.dq_acc) *vptr<float>(p.dq, b, t, h, d) = x;
+  else *vptr<T>(p.dq, b, t, h, d) = from_f<T>(x);
+}
+
 // ------------------------------------------------------------------------------------------------
 // dq, dk, dg (and du partials) for one chunk and K tile. DQ_ONLY: dq alone (the value-side
 // forward's o, chunk_vdecay.cuh): no dS+, no q, no dk or dg work; dk, dg, du are not written.
@@ -662,9 +671,8 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     diag_grads<RD, false>(DQ, DK, DA, QX, KY, LAM, m, ch);
     const int kk = k0 + ch;
     if (kk >= p.K) return;
-    T* const dqp = vptr<T>(p.dq, pos.b, pos.t0, h, kk);
     for (int t = m * SC; t < (m + 1) * SC && t < pos.L; ++t)
-      dqp[t * p.dq.st] = from_f<T>(DQ[t][ch] + DA[t][t] * us[ch] * KY[t][ch]);
+      store_dq<T>(p, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + DA[t][t] * us[ch] * KY[t][ch]);
     return;
   }
 
@@ -732,7 +740,6 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   // some of them); row t is t time steps further.
   auto col0 = [&](const VecArg& a) { return a.on() ? vptr<T>(a, pos.b, pos.t0, h, kk) : nullptr; };
   T* const dgp = col0(p.dg);
-  T* const dqp = col0(p.dq);
   T* const dkp = col0(p.dk);
   auto step = [&](float& acc, int t, bool write) {
     const float q = QX[t][ch], k = KY[t][ch];
@@ -745,7 +752,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (write && t < pos.L && kk < p.K) {
       const float dA = DA[t][t];
       if (dgp) dgp[t * p.dg.st] = from_f<T>(dg);
-      if (dqp) dqp[t * p.dq.st] = from_f<T>(DQ[t][ch] + dA * us[ch] * k);
+      if (p.dq.on()) store_dq<T>(p, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + dA * us[ch] * k);
       if (dkp) dkp[t * p.dk.st] = from_f<T>(DK[t][ch] + dA * us[ch] * q);
       if (RD == Reader::Exclusive) dup[m * DT + ch] += dA * q * k;
     }

@@ -38,6 +38,9 @@ struct ChunkPass {
   // Forward: o (written) and hT (written when on).
   VecArg o;
   MatArg hT;
+  // o / dq written in the acc type instead of `dtype` (a float32 q with bf16/fp16 k, v: GSA's
+  // softmax input and its gradient stay unrounded).
+  bool o_acc = false, dq_acc = false;
 
   // Backward (when `dout` is on): every gradient below is written when on.
   VecArg dout;

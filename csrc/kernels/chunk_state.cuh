@@ -323,7 +323,12 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
       stage(o, LS, 1.f);                                // LS is free since the sync
       __syncthreads();
       if (i + 1 < nch) copy_pairs(AM, pairs_of(c + 1));
-      Pc::put(LS, so.p + c * C * so.st, so.st, so.sd, chunk_rows(c), so.cols, vec, rho);
+      if (p.o_acc) {  // fp32 o (ChunkPass::o_acc) in its own pieces, addressed per chunk
+        const PieceSrc<float> sf(p.o, s, h, v0, p.V);
+        RowPieces<float>::put(LS, sf.p + c * C * sf.st, sf.st, sf.sd, chunk_rows(c), sf.cols, vec, rho);
+      } else {
+        Pc::put(LS, so.p + c * C * so.st, so.st, so.sd, chunk_rows(c), so.cols, vec, rho);
+      }
     }
   }
 

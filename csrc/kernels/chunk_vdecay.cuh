@@ -36,7 +36,7 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
     auto o = chunk_grad_qk_kernel<T, RD, true>;
     if ((e = set_smem(o, kGradSmem)) != cudaSuccess) return e;
     ChunkPass f = r;
-    f.dq = p.o;
+    f.dq = p.o, f.dq_acc = p.o_acc;
     if (slots > 0) o<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(f, 0);
     return cudaGetLastError();
   }
@@ -44,7 +44,7 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
   if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
   if ((e = launch_backward_state<T, RD>(r, stream)) != cudaSuccess) return e;
   ChunkPass b = r;
-  b.dv = p.dk, b.o = p.dq, b.dk = p.dv, b.dg = p.dgv;  // b.dq (= o) stays off
+  b.dv = p.dk, b.o = p.dq, b.o_acc = p.dq_acc, b.dk = p.dv, b.dg = p.dgv;  // b.dq (= o) stays off
   if (p.dk.on() && (e = launch_out<T, RD, true>(b, slots, stream)) != cudaSuccess) return e;
   if (p.dq.on() && (e = launch_out<T, RD, false>(b, slots, stream)) != cudaSuccess) return e;
   if (slots > 0) dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(b, nts);

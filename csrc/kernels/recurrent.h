@@ -68,7 +68,8 @@ struct RecurrentPass {
   const void* ux = nullptr;  // [H, Dr] contiguous, or null (= 1)
   const void* uy = nullptr;  // [H, Dc] contiguous, or null (= 1)
   DType udtype = DType::f32;  // of ux / uy (read as is: no conversion launch per call)
-  VecArg out;                 // Dc, written (same dtype); may be off
+  VecArg out;                 // Dc, written (same dtype, or the acc type with out_acc); may be off
+  bool out_acc = false;
 
   MatArg h0;  // initial state (read), zero when off
   MatArg hT;  // final state (written) when on

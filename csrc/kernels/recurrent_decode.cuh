@@ -26,7 +26,7 @@ inline bool fits(const RecurrentPass& p) {
   const bool order = p.order == Order::ReadFirst || p.order == Order::ReadLast ||
                      p.order == Order::DecayLast;  // the exact-gradient orders: the sweep kernel
   return p.T == 1 && p.cu_seqlens == nullptr && p.gate == GateGrad::None && p.Dc % 4 == 0 &&
-         order && vec4_state(p.h0) && vec4_state(p.hT);
+         order && !p.out_acc && vec4_state(p.h0) && vec4_state(p.hT);
 }
 
 __device__ __forceinline__ float4 mload(const MatArg& m, int n, int h, int r, int c) {

@@ -23,7 +23,7 @@ ChunkPass chunk_pass(const DiagArgs& a, Reader reader, const Tensor& q, const Te
                      const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                      const std::optional<Tensor>& h0) {
   ChunkPass p;
-  p.dtype = kernel_dtype(q);
+  p.dtype = kernel_dtype(k);  // q is the kernels' q here (kernel_q)
   p.N = int(a.N), p.H = int(a.H), p.T = int(a.T), p.K = int(a.K), p.V = int(a.V);
   p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
   p.reader = reader;
@@ -77,18 +77,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
     const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& g, const Tensor& gv, const Tensor& uc, const std::optional<Tensor>& h0,
     bool output_final_state, bool keep, ChunkRunner run) {
-  Tensor o = a.L.empty_like_with_dim(v, a.V, q.scalar_type());
+  const bool vside = value_side_only(g, gv);
+  Tensor o = a.L.empty_like_with_dim(v, a.V, q.scalar_type());  // a wide q's: float32 (o_acc)
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
-  const bool vside = value_side_only(g, gv);
   // The CUDA key-side forward at K <= 128 forms o inside its state kernel (kernels/chunk.h): it
   // needs the chunk-start states only when they are kept for the backward.
   const bool fused = q.is_cuda() && !vside && chunk_fused_out(int(a.K));
   Tensor hst = state_workspace(a, q, !fused || keep);
   // The value-side forward runs no out kernel (kernels/chunk_vdecay.cuh): no A.
   Tensor amat = pair_workspace_for(a, q, hst, !vside);
-  ChunkPass p = chunk_pass(a, reader, q, k, v, g, gv, uc, h0);
-  p.o = a.L.vec(o);
+  const Tensor qk = kernel_q(a, q, k);
+  ChunkPass p = chunk_pass(a, reader, qk, k, v, g, gv, uc, h0);
+  p.o = a.L.vec(o), p.o_acc = a.wide_q;
   if (output_final_state) p.hT = mat(hT);
   if (hst.numel()) p.hst = hst.data_ptr();
   if (amat.numel()) p.amat = amat.data_ptr();
@@ -125,7 +126,8 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
                     shape_str(v), ", got ", shape_str(grad_o));
   if (has(dht)) check_state(*dht, "grad_final_state", q, a.N, a.H, a.K, a.V);
   const auto acc = q.options().dtype(acc_type(q));
-  ChunkGrads r;
+  const bool vside = value_side_only(g, gv);
+  ChunkGrads r;  // a wide q's dq: float32 (dq_acc); its grad_o (float32 like o) is rounded
   r.dq = new_output(q.sizes(), q.options()), r.dk = new_output(k.sizes(), k.options());
   r.dv = new_output(v.sizes(), v.options());
   // No decay on a side: a 0-element gradient (the autograd Function returns None for it).
@@ -133,7 +135,6 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   r.dgv = gv.defined() ? new_output(gv.sizes(), gv.options()) : new_output({0}, q.options());
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
   Tensor hst = state_workspace(a, q), dhst = state_workspace(a, q);
-  const bool vside = value_side_only(g, gv);
   // A key-side pass keeps hst and amat together, a value-side pass hst alone (its amat is of dO).
   const Tensor* hst_kept = kept(hst_in, hst, "hst");
   const Tensor* amat_kept = vside ? nullptr : kept(amat_in, pair_workspace(a, hst), "amat");
@@ -145,8 +146,9 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   // Gap slots (varlen) and final-state slots hold no chunk: their du partials must read 0.
   Tensor du_part = uc.defined() ? at::zeros({hst.size(0), a.H, a.K}, acc) : Tensor();
 
-  ChunkPass p = chunk_pass(a, reader, q, k, v, g, gv, uc, h0);
-  p.dout = a.L.vec(grad_o);
+  const Tensor qk = kernel_q(a, q, k), go = a.wide_q ? grad_o.to(k.scalar_type()) : grad_o;
+  ChunkPass p = chunk_pass(a, reader, qk, k, v, g, gv, uc, h0);
+  p.dout = a.L.vec(go), p.dq_acc = a.wide_q;
   if (has(dht)) p.dht = mat(*dht);
   p.dq = a.L.vec(r.dq), p.dk = a.L.vec(r.dk), p.dv = a.L.vec(r.dv);
   if (g.defined()) p.dg = a.L.vec(r.dg);
@@ -179,7 +181,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gla_forward(
     const std::optional<Tensor>& cu_seqlens, bool head_first, bool train, ChunkRunner run) {
   c10::OptionalDeviceGuard guard(q.device());
   const Tensor g = opt(g_), gv = opt(gv_);
-  const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
+  const auto a =
+      check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first, true);
   check_gv(a, q, v, g, gv);
   return chunk_forward(a, Reader::Inclusive, q, k, v, g, gv, Tensor(), initial_state,
                        output_final_state, train && keeps_workspaces(q), run);
@@ -225,7 +228,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
     ChunkRunner run) {
   c10::OptionalDeviceGuard guard(q.device());
   const Tensor g = opt(g_), gv = opt(gv_);
-  const auto a = check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first);
+  const auto a =
+      check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first, true);
   check_gv(a, q, v, g, gv);
   auto r = chunk_backward(a, Reader::Inclusive, q, k, v, g, gv, Tensor(), grad_o,
                           grad_final_state, initial_state, hst, amat, "q", run);
@@ -324,7 +328,8 @@ class ChunkGla : public torch::autograd::Function<ChunkGla> {
                          .typed<decltype(chunk_gla_bwd_impl<nullptr>)>();
     const auto s = ctx->get_saved_variables();
     const auto f = SweepFlags::load(ctx);
-    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
+    // o has q's dtype (float32 for a wide q)
+    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2], s[0].scalar_type());
     auto [dq, dk, dv, dg, dgv, dh0] =
         op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
                 some(s[6]), f.head_first, s[7], s[8]);

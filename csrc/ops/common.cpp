@@ -152,16 +152,24 @@ namespace fla::ops {
 DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tensor& v,
                     const Tensor& g, const char* gn, std::optional<double> scale,
                     const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
-                    bool head_first) {
+                    bool head_first, bool wide_q_ok) {
   DiagArgs a{Layout{head_first}};
   const Layout& L = a.L;
   check_activation(q, qn, q, qn);
-  check_activation(k, "k", q, qn);
-  check_activation(v, "v", q, qn);
-  if (g.defined()) check_activation(g, gn, q, qn);
+  a.wide_q = wide_q_ok && k.defined() && q.scalar_type() == at::kFloat &&
+             (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kHalf);
+  const Tensor& ref = a.wide_q ? k : q;  // the dtype every other activation has
+  const char* refn = a.wide_q ? "k" : qn;
+  check_activation(k, "k", ref, refn);
+  TORCH_CHECK(k.device() == q.device(), "fla_ext: `k` is on ", k.device(), " but `", qn,
+              "` is on ", q.device());
+  check_activation(v, "v", ref, refn);
+  if (g.defined()) check_activation(g, gn, ref, refn);
   a.B = L.B(q), a.T = L.T(q), a.H = L.H(q), a.K = L.D(q), a.V = L.D(v);
   for (auto [t, name] : {std::pair<const Tensor&, const char*>{k, "k"}, {g, gn}})
-    if (t.defined()) check_same_shape(t, name, q, qn, L);
+    TORCH_CHECK_VALUE(!t.defined() || t.sizes() == q.sizes(), "fla_ext: `", name,
+                      "` must have the shape of `", qn, "` ", shape_str(q), " (", L.dims(),
+                      "), got ", shape_str(t));
   TORCH_CHECK_VALUE(L.B(v) == a.B && L.T(v) == a.T && L.H(v) == a.H, "fla_ext: `v` must be ",
                     L.dims(), " with B, T, H of `", qn, "` ", shape_str(q), ", got ",
                     shape_str(v));
@@ -183,9 +191,13 @@ DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tens
   return a;
 }
 
-RecurrentPass base_pass(const DiagArgs& a, const Tensor& q) {
+Tensor kernel_q(const DiagArgs& a, const Tensor& q, const Tensor& k) {
+  return a.wide_q ? q.to(k.scalar_type()) : q;
+}
+
+RecurrentPass base_pass(const DiagArgs& a, const Tensor& k) {
   RecurrentPass p;
-  p.dtype = kernel_dtype(q);
+  p.dtype = kernel_dtype(k);
   p.N = int(a.N), p.H = int(a.H), p.T = int(a.T);
   p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
   return p;

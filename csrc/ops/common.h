@@ -82,12 +82,19 @@ struct DiagArgs {
   int64_t B, T, H, K, V, N;
   Tensor cu;  // int64, or undefined
   double scale;
+  // GLA's wide q: a float32 q with bf16/fp16 k, v and gates. The kernels run in k's dtype with q
+  // rounded to it; o and dq come out in float32, written from the fp32 accumulators (GSA: the
+  // slot logits before the softmax and their gradient after it stay unrounded).
+  bool wide_q = false;
 };
+// wide_q_ok: the op takes a wide q (GLA).
 DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tensor& v,
                     const Tensor& g, const char* gn, std::optional<double> scale,
                     const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
-                    bool head_first);
-// A sweep with the sizes, dtype and sequences of `a` filled in.
-RecurrentPass base_pass(const DiagArgs& a, const Tensor& q);
+                    bool head_first, bool wide_q_ok = false);
+// q as the kernels read it: a wide q rounded to k's dtype, else q itself.
+Tensor kernel_q(const DiagArgs& a, const Tensor& q, const Tensor& k);
+// A sweep with the sizes, dtype (of `k`) and sequences of `a` filled in.
+RecurrentPass base_pass(const DiagArgs& a, const Tensor& k);
 
 }  // namespace fla::ops

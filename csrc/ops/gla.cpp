@@ -28,7 +28,8 @@ DiagArgs check_gla(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
                    const Tensor& gv, std::optional<double> scale,
                    const std::optional<Tensor>& initial_state,
                    const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  DiagArgs a = check_diag(q, "q", k, v, gk, "gk", scale, initial_state, cu_seqlens, head_first);
+  DiagArgs a =
+      check_diag(q, "q", k, v, gk, "gk", scale, initial_state, cu_seqlens, head_first, true);
   if (gv.defined()) {
     check_same_shape(gv, "gv", v, "v", a.L);
     if (value_checks_enabled()) check_log_decay(gv, "gv");
@@ -49,13 +50,14 @@ std::tuple<Tensor, Tensor> fused_recurrent_gla_fwd(
   const Layout& L = a.L;
   Tensor o = L.empty_like_with_dim(v, a.V, q.scalar_type());
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V}, q.options().dtype(acc_type(q)));
-  RecurrentPass p = base_pass(a, q);
+  const Tensor qk = kernel_q(a, q, k);
+  RecurrentPass p = base_pass(a, k);
   p.Dr = int(a.K), p.Dc = int(a.V), p.reverse = reverse, p.order = Order::ReadLast;
   p.scale = a.scale;
-  p.q = L.vec(q), p.a = L.vec(k), p.b = L.vec(v);
+  p.q = L.vec(qk), p.a = L.vec(k), p.b = L.vec(v);
   if (g.defined()) p.row_decay = L.vec(g);
   if (gvt.defined()) p.col_decay = L.vec(gvt);
-  p.out = L.vec(o);
+  p.out = L.vec(o), p.out_acc = a.wide_q;  // a wide q's o is float32
   if (has(initial_state)) p.h0 = mat(*initial_state);
   if (output_final_state) p.hT = mat(hT);
   run(p);
@@ -90,7 +92,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
   Tensor ws_v = gated_v ? new_output(v.sizes(), acc) : Tensor();  // dO * o
   Tensor zeta_v = gated_v ? new_output({a.N, a.H, a.V}, acc) : Tensor();
 
-  const RecurrentPass base = base_pass(a, q);
+  // A wide q: the sweeps read q and grad_o (float32, like o) rounded to k's dtype; dq is float32.
+  const Tensor qk = kernel_q(a, q, k), go = a.wide_q ? grad_o.to(k.scalar_type()) : grad_o;
+  const RecurrentPass base = base_pass(a, k);
   // The decays of a sweep over S = h or dh [K x V], and over its transpose [V x K].
   auto decays = [&](RecurrentPass& p, bool transposed) {
     const Tensor& rows = transposed ? gvt : g;
@@ -109,12 +113,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
   RecurrentPass pa = base;  // S = h^T [V x K]
   pa.Dr = int(a.V), pa.Dc = int(a.K), pa.reverse = reverse, pa.order = Order::DecayReadWrite;
   pa.scale = a.scale;
-  pa.q = L.vec(grad_o), pa.a = L.vec(v), pa.b = L.vec(k), pa.out = L.vec(dq);
+  pa.q = L.vec(go), pa.a = L.vec(v), pa.b = L.vec(k), pa.out = L.vec(dq);
+  pa.out_acc = a.wide_q;
   self_term(pa, a.scale);
   decays(pa, true);
   if (has_h0) pa.h0 = mat(*initial_state, /*transpose=*/true);
   if (gated_k) {
-    pa.gate = GateGrad::Produce, pa.z = L.vec(q), pa.ws = L.vec(ws_k), pa.zeta = zeta_k.data_ptr();
+    pa.gate = GateGrad::Produce, pa.z = L.vec(qk), pa.ws = L.vec(ws_k), pa.zeta = zeta_k.data_ptr();
     if (has_dht) pa.zdot = mat(*grad_final_state, true);
   }
   run(pa);
@@ -123,11 +128,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
     RecurrentPass pv = base;
     pv.Dr = int(a.K), pv.Dc = int(a.V), pv.reverse = reverse, pv.order = Order::DecayReadWrite;
     pv.scale = a.scale;
-    pv.q = L.vec(q), pv.a = L.vec(k), pv.b = L.vec(v);
+    pv.q = L.vec(qk), pv.a = L.vec(k), pv.b = L.vec(v);
     self_term(pv, a.scale);
     decays(pv, false);
     if (has_h0) pv.h0 = mat(*initial_state);
-    pv.gate = GateGrad::Produce, pv.z = L.vec(grad_o), pv.ws = L.vec(ws_v);
+    pv.gate = GateGrad::Produce, pv.z = L.vec(go), pv.ws = L.vec(ws_v);
     pv.zeta = zeta_v.data_ptr();
     if (has_dht) pv.zdot = mat(*grad_final_state);
     run(pv);
@@ -136,7 +141,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
   RecurrentPass pb = base;  // S = dh [K x V]
   pb.Dr = int(a.K), pb.Dc = int(a.V), pb.reverse = !reverse, pb.order = Order::ReadWriteDecay;
   pb.a_scale = a.scale;
-  pb.q = L.vec(k), pb.a = L.vec(q), pb.b = L.vec(grad_o), pb.out = L.vec(dv);
+  pb.q = L.vec(k), pb.a = L.vec(qk), pb.b = L.vec(go), pb.out = L.vec(dv);
   self_term(pb, a.scale);
   decays(pb, false);
   if (has_dht) pb.h0 = mat(*grad_final_state);
@@ -150,7 +155,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
   RecurrentPass pc = base;  // S = dh^T [V x K]
   pc.Dr = int(a.V), pc.Dc = int(a.K), pc.reverse = !reverse, pc.order = Order::ReadWriteDecay;
   pc.b_scale = a.scale;
-  pc.q = L.vec(v), pc.a = L.vec(grad_o), pc.b = L.vec(q), pc.out = L.vec(dk);
+  pc.q = L.vec(v), pc.a = L.vec(go), pc.b = L.vec(qk), pc.out = L.vec(dk);
   self_term(pc, a.scale);
   decays(pc, true);
   if (has_dht) pc.h0 = mat(*grad_final_state, true);
@@ -194,7 +199,8 @@ class FusedRecurrentGla : public torch::autograd::Function<FusedRecurrentGla> {
                          .typed<decltype(fused_recurrent_gla_bwd_impl<nullptr>)>();
     const auto s = ctx->get_saved_variables();
     const auto f = SweepFlags::load(ctx);
-    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
+    // o has q's dtype (float32 for a wide q)
+    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2], s[0].scalar_type());
     auto [dq, dk, dv, dgk, dgv, dh0] =
         op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
                 f.reverse, some(s[6]), f.head_first);

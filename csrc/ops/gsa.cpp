@@ -1,5 +1,6 @@
 // Gated Slot Attention (ALGORITHMS.md §7): two passes of the diagonal-gate engine around a float32
-// softmax over the M slots. Pass 1 is GLA with the decay on the value (slot) side, pass 2 GLA with
+// softmax over the M slots (for bf16 / fp16 inputs through the GLA ops' wide q: ok and dp stay
+// float32). Pass 1 is GLA with the decay on the value (slot) side, pass 2 GLA with
 // it on the key side, both through the fla::chunk_gla / fla::fused_recurrent_gla ops. The GSA ops
 // are CompositeImplicitAutograd: their gradients, fake kernels and both backends are those of the
 // two passes and of softmax, so the only GSA-specific code is the argument checks, fla's g=None
@@ -103,11 +104,17 @@ std::tuple<Tensor, Tensor, Tensor> gsa(const Tensor& q, const Tensor& k_, const 
   const int64_t G = a.HQ / a.H, hd = head_first ? 1 : 2;
   const Tensor k = per_query_head(k_, G, hd), v = per_query_head(v_, G, hd);
   s = per_query_head(s, G, hd), g = per_query_head(g, G, hd);
-  auto [ok, hk] = pass(q, k, s, std::nullopt, g, scale, per_query_head(hk0, G),
+  // bf16 / fp16: both passes take a wide (float32) q, so that the slot logits ok come out of
+  // pass 1 and their gradient dp out of pass 2's backward in float32, unrounded: the softmax's
+  // p ⊙ (dp − ⟨p, dp⟩) cancels, and a logit of 100 has a bf16 spacing of 0.5.
+  const Tensor q1 = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf
+                        ? q.to(at::kFloat) : q;
+  auto [ok, hk] = pass(q1, k, s, std::nullopt, g, scale, per_query_head(hk0, G),
                        output_final_state, cu_seqlens, head_first);
-  const Tensor p = at::softmax(ok.to(acc_type(q)), -1).to(q.scalar_type());
+  const Tensor p = at::softmax(ok, -1);
   auto [o, hv] = pass(p, s, v, g, std::nullopt, 1.0, per_query_head(hv0, G), output_final_state,
                       cu_seqlens, head_first);
+  o = o.to(v.scalar_type());
   if (G > 1) {  // every query head of a group holds the same states: return one per group
     hk = hk.slice(1, 0, hk.size(1), G).contiguous();
     hv = hv.slice(1, 0, hv.size(1), G).contiguous();
