@@ -17,8 +17,9 @@ MODES = {"chunk": lambda q, k, v, g, gv, **kw: fla_ext.chunk_gla(q, k, v, g=g, g
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("side", ["g", "gv"])
 @pytest.mark.parametrize("low", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_wide_q(device, mode, side, low, gen):
-    B, T, H, K, V = 2, 100, 2, 32, 48
+@pytest.mark.parametrize("T", [100, 1], ids=["T100", "decode"])
+def test_wide_q(device, mode, side, low, T, gen):
+    B, H, K, V = 2, 2, 32, 48
     r = lambda *s: torch.randn(*s, generator=gen).to(device)  # noqa: E731
     q = r(B, T, H, K)  # full fp32 mantissas: rounding q to `low` changes it
     k, v = r(B, T, H, K).to(low), r(B, T, H, V).to(low)
@@ -55,3 +56,14 @@ def test_wide_q_is_gla_only(device, gen):
         fla_ext.chunk_gla(q.bfloat16(), k.float(), v.float(), w.float())
     with pytest.raises(ValueError, match="`v` has dtype Float but `k` has dtype BFloat16"):
         fla_ext.chunk_gla(q, k, v.float(), w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["chunk_gla", "fused_recurrent_gla"])
+def test_wide_q_opcheck(device, op, gen):
+    """The fake kernels give a wide q's o (and dq) float32."""
+    r = lambda *s: torch.randn(*s, generator=gen).to(device)  # noqa: E731
+    q, k, v = r(1, 20, 2, 8), r(1, 20, 2, 8).bfloat16(), r(1, 20, 2, 16).bfloat16()
+    g = F.logsigmoid(r(1, 20, 2, 8)).bfloat16()
+    torch.library.opcheck(getattr(torch.ops.fla, op).default, (q, k, v, g))
+
