@@ -75,6 +75,22 @@ TORCH_LIBRARY(fla, m) {
       "chunk_gsa(Tensor q, Tensor k, Tensor v, Tensor s, Tensor? g=None, float? scale=None, "
       "Tensor? hk0=None, Tensor? hv0=None, bool output_final_state=False, Tensor? cu_seqlens=None, "
       "bool head_first=False) -> (Tensor o, Tensor hk, Tensor hv)");
+  // chunk_gsa's core (ops/gsa.h): both passes and the softmax with its own backward; q has the
+  // heads of k (grouped heads are repeated by chunk_gsa), g is required (chunk_gsa forms fla's
+  // g=None gate). The training forward also returns the float32 softmax p and the workspaces.
+  m.def(
+      "chunk_gsa_core(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, float? scale, Tensor? hk0, "
+      "Tensor? hv0, bool output_final_state, Tensor? cu_seqlens, bool head_first) "
+      "-> (Tensor o, Tensor hk, Tensor hv)");
+  m.def(
+      "chunk_gsa_core_train(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, float? scale, "
+      "Tensor? hk0, Tensor? hv0, bool output_final_state, Tensor? cu_seqlens, bool head_first) "
+      "-> (Tensor o, Tensor hk, Tensor hv, Tensor p, Tensor hst1, Tensor hst2, Tensor amat2)");
+  m.def(
+      "chunk_gsa_core_bwd(Tensor q, Tensor k, Tensor v, Tensor s, Tensor g, Tensor p, "
+      "Tensor grad_o, Tensor? grad_hk, Tensor? grad_hv, float? scale, Tensor? hk0, Tensor? hv0, "
+      "Tensor? cu_seqlens, bool head_first, Tensor? hst1, Tensor? hst2, Tensor? amat2) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor ds, Tensor dg, Tensor dhk0, Tensor dhv0)");
   m.def(
       "fused_recurrent_gsa(Tensor q, Tensor k, Tensor v, Tensor s, Tensor? g=None, "
       "float? scale=None, Tensor? hk0=None, Tensor? hv0=None, bool output_final_state=False, "

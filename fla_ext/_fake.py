@@ -159,3 +159,34 @@ def _(r, w, k, v, a, b, grad_o, grad_final_state, scale, initial_state, reverse,
     dh0 = r.new_empty((N if initial_state is not None else 0, H, r.shape[-1], v.shape[-1]),
                       dtype=_acc(r))
     return like(r), like(w), like(k), like(v), like(a), like(b), dh0
+
+
+@torch.library.register_fake("fla::chunk_gsa_core")
+def _chunk_gsa_core_fake(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
+                         head_first):
+    N, H = _state_rows(q, head_first, cu_seqlens)
+    K, V, M = q.shape[-1], v.shape[-1], s.shape[-1]
+    n = N if output_final_state else 0
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    return o, q.new_empty((n, H, K, M), dtype=_acc(q)), q.new_empty((n, H, M, V), dtype=_acc(q))
+
+
+@torch.library.register_fake("fla::chunk_gsa_core_train")
+def _(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first):
+    o, hk, hv = _chunk_gsa_core_fake(q, k, v, s, g, scale, hk0, hv0, output_final_state,
+                                     cu_seqlens, head_first)
+    p = torch.empty_like(s, dtype=_acc(q), memory_format=torch.contiguous_format)
+    hst1 = _chunk_train(q, s, o, hk, head_first, cu_seqlens, pairs=False)[2]  # value-side pass
+    _, _, hst2, amat2 = _chunk_train(s, v, o, hv, head_first, cu_seqlens)
+    return o, hk, hv, p, hst1, hst2, amat2
+
+
+@torch.library.register_fake("fla::chunk_gsa_core_bwd")
+def _(q, k, v, s, g, p, grad_o, grad_hk, grad_hv, scale, hk0, hv0, cu_seqlens, head_first,
+      hst1=None, hst2=None, amat2=None):
+    N, H = _state_rows(q, head_first, cu_seqlens)
+    K, V, M = q.shape[-1], v.shape[-1], s.shape[-1]
+    like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    dhk0 = q.new_empty((N if hk0 is not None else 0, H, K, M), dtype=_acc(q))
+    dhv0 = q.new_empty((N if hv0 is not None else 0, H, M, V), dtype=_acc(q))
+    return like(q), like(k), like(v), like(s), like(g), dhk0, dhv0

@@ -302,6 +302,33 @@ def test_opcheck(device, op, with_g, gen):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_core_ops(device, dtype, gen):
+    """chunk_gsa_core's training forward and backward as dispatcher ops (opcheck), its float32
+    softmax p, the workspaces (kept on CUDA only), and the backward reading them equal to the one
+    rebuilding them."""
+    x = make(1, 70, 2, 2, 16, 8, 8, dtype, device, gen)
+    fargs = (x["q"], x["k"], x["v"], x["s"], x["g"], None, x["hk0"], x["hv0"], True, None, False)
+    train = torch.ops.fla.chunk_gsa_core_train.default
+    torch.library.opcheck(train, fargs)
+    o, hk, hv, p, hst1, hst2, amat2 = train(*fargs)
+    o_ref, hk_ref, hv_ref = torch.ops.fla.chunk_gsa_core(*fargs)
+    for a, b in ((o, o_ref), (hk, hk_ref), (hv, hv_ref)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert p.dtype == F32 and p.shape == x["s"].shape
+    torch.testing.assert_close(p.sum(-1), torch.ones_like(p[..., 0]))
+    cuda = device == "cuda"
+    assert (hst1.numel() > 0) == cuda and (hst2.numel() > 0) == cuda and (amat2.numel() > 0) == cuda
+    do = torch.randn(o.shape, generator=gen).to(o)
+    dhk, dhv = torch.randn(hk.shape, generator=gen).to(hk), torch.randn(hv.shape, generator=gen).to(hv)
+    bargs = fargs[:5] + (p, do, dhk, dhv, None, x["hk0"], x["hv0"], None, False)
+    bwd = torch.ops.fla.chunk_gsa_core_bwd.default
+    torch.library.opcheck(bwd, bargs + (hst1, hst2, amat2))
+    for a, b in zip(bwd(*bargs, hst1, hst2, amat2), bwd(*bargs, None, None, None)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["chunk", "fused"])
 def test_compile_fullgraph(device, mode, gen):
     """torch.compile(fullgraph=True) of the op, forward and backward, gives eager's values."""

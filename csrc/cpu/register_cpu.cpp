@@ -1,6 +1,7 @@
 #include <torch/library.h>
 
 #include "../ops/chunk.h"
+#include "../ops/gsa.h"
 #include "../ops/gla.h"
 #include "../ops/rwkv6.h"
 #include "../ops/rwkv7.h"
@@ -24,6 +25,9 @@ TORCH_LIBRARY_IMPL(fla, CPU, m) {
   m.impl("chunk_rwkv6", &ops::chunk_rwkv6_impl<run_chunk_cpu>);
   m.impl("chunk_rwkv6_bwd", &ops::chunk_rwkv6_bwd_impl<run_chunk_cpu>);
   m.impl("chunk_rwkv6_train", &ops::chunk_rwkv6_train_impl<run_chunk_cpu>);
+  m.impl("chunk_gsa_core", &ops::chunk_gsa_core_impl<run_chunk_cpu>);
+  m.impl("chunk_gsa_core_train", &ops::chunk_gsa_core_train_impl<run_chunk_cpu>);
+  m.impl("chunk_gsa_core_bwd", &ops::chunk_gsa_core_bwd_impl<run_chunk_cpu>);
   m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cpu>);
   m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cpu>);
   m.impl("chunk_rwkv7", &ops::chunk_rwkv7_impl<run_dplr_chunk_cpu>);

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../ops/chunk.h"
+#include "../ops/gsa.h"
 #include "../ops/gla.h"
 #include "../ops/rwkv6.h"
 #include "../ops/rwkv7.h"
@@ -39,6 +40,9 @@ TORCH_LIBRARY_IMPL(fla, CUDA, m) {
   m.impl("chunk_rwkv6", &ops::chunk_rwkv6_impl<run_chunk_cuda>);
   m.impl("chunk_rwkv6_bwd", &ops::chunk_rwkv6_bwd_impl<run_chunk_cuda>);
   m.impl("chunk_rwkv6_train", &ops::chunk_rwkv6_train_impl<run_chunk_cuda>);
+  m.impl("chunk_gsa_core", &ops::chunk_gsa_core_impl<run_chunk_cuda>);
+  m.impl("chunk_gsa_core_train", &ops::chunk_gsa_core_train_impl<run_chunk_cuda>);
+  m.impl("chunk_gsa_core_bwd", &ops::chunk_gsa_core_bwd_impl<run_chunk_cuda>);
   m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cuda>);
   m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cuda>);
   m.impl("chunk_rwkv7", &ops::chunk_rwkv7_impl<run_dplr_chunk_cuda>);

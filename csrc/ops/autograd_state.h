@@ -3,6 +3,7 @@
 #include <torch/autograd.h>
 
 #include <optional>
+#include <type_traits>
 
 namespace fla::ops {
 
@@ -11,6 +12,18 @@ inline at::Tensor opt(const std::optional<at::Tensor>& t) {
 }
 inline std::optional<at::Tensor> some(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// Whether this call records a graph: only then does a forward keep workspaces for a backward.
+template <typename... Ts>
+bool training(const Ts&... ts) {
+  auto req = [](const auto& t) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(t)>, std::optional<at::Tensor>>)
+      return t.has_value() && t->defined() && t->requires_grad();
+    else
+      return t.defined() && t.requires_grad();
+  };
+  return torch::autograd::GradMode::is_enabled() && (req(ts) || ...);
 }
 
 struct SweepFlags {

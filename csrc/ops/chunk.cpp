@@ -14,7 +14,6 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <type_traits>
 
 namespace fla::ops {
 namespace {
@@ -62,23 +61,22 @@ Tensor pair_workspace(const DiagArgs& a, const Tensor& hst) {
   return new_output({workspace_slots(a), a.H, kChunk, kChunk}, hst.options());
 }
 
-// Only the CUDA engine reads kept workspaces (the CPU engine is the reference and recomputes).
-// A value-side pass keeps hst alone (kernels/chunk_vdecay.cuh: its backward's pair matrices are
-// of dO, and its forward forms none).
-bool keeps_workspaces(const Tensor& q) { return q.is_cuda(); }
 
 // The CUDA engine's pair matrices: its out kernels read A from here (ops never look inside).
 Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst, bool needed) {
   return q.is_cuda() && needed ? pair_workspace(a, hst) : new_output({0}, hst.options());
 }
 
-// (o, final state, hst, amat): the last two are empty unless `keep`.
+}  // namespace
+
+bool keeps_workspaces(const Tensor& q) { return q.is_cuda(); }
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
     const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& g, const Tensor& gv, const Tensor& uc, const std::optional<Tensor>& h0,
-    bool output_final_state, bool keep, ChunkRunner run) {
+    bool output_final_state, bool keep, ChunkRunner run, bool o_acc) {
   const bool vside = value_side_only(g, gv);
-  Tensor o = a.L.empty_like_with_dim(v, a.V, q.scalar_type());  // a wide q's: float32 (o_acc)
+  Tensor o = a.L.empty_like_with_dim(v, a.V, o_acc ? acc_type(q) : q.scalar_type());
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
   // The CUDA key-side forward at K <= 128 forms o inside its state kernel (kernels/chunk.h): it
@@ -89,7 +87,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   Tensor amat = pair_workspace_for(a, q, hst, !vside);
   const Tensor qk = kernel_q(a, q, k);
   ChunkPass p = chunk_pass(a, reader, qk, k, v, g, gv, uc, h0);
-  p.o = a.L.vec(o), p.o_acc = a.wide_q;
+  p.o = a.L.vec(o), p.o_acc = o_acc;
   if (output_final_state) p.hT = mat(hT);
   if (hst.numel()) p.hst = hst.data_ptr();
   if (amat.numel()) p.amat = amat.data_ptr();
@@ -97,6 +95,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   auto none = [&] { return new_output({0}, hst.options()); };  // distinct: outputs must not alias
   return {o, hT, keep ? hst : none(), keep ? amat : none()};
 }
+
+namespace {
 
 // A kept workspace handed to the backward: null when absent or empty, else checked to be the
 // workspace this call would have allocated (the _bwd ops are public: a wrong one must not be
@@ -111,24 +111,23 @@ const Tensor* kept(const std::optional<Tensor>& t, const Tensor& like, const cha
   return &*t;
 }
 
-struct ChunkGrads {
-  Tensor dq, dk, dv, dg, dgv, du, dh0;
-};
+}  // namespace
 
 ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
                           const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                           const Tensor& grad_o, const std::optional<Tensor>& dht,
                           const std::optional<Tensor>& h0, const std::optional<Tensor>& hst_in,
                           const std::optional<Tensor>& amat_in, const char* qn,
-                          ChunkRunner run) {
+                          ChunkRunner run, bool dq_acc) {
   check_activation(grad_o, "grad_o", q, qn);
   TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
                     shape_str(v), ", got ", shape_str(grad_o));
   if (has(dht)) check_state(*dht, "grad_final_state", q, a.N, a.H, a.K, a.V);
   const auto acc = q.options().dtype(acc_type(q));
   const bool vside = value_side_only(g, gv);
-  ChunkGrads r;  // a wide q's dq: float32 (dq_acc); its grad_o (float32 like o) is rounded
-  r.dq = new_output(q.sizes(), q.options()), r.dk = new_output(k.sizes(), k.options());
+  ChunkGrads r;  // a wide q's grad_o (float32 like its o) is rounded to k's dtype below
+  r.dq = new_output(q.sizes(), q.options().dtype(dq_acc ? acc_type(q) : q.scalar_type()));
+  r.dk = new_output(k.sizes(), k.options());
   r.dv = new_output(v.sizes(), v.options());
   // No decay on a side: a 0-element gradient (the autograd Function returns None for it).
   r.dg = g.defined() ? new_output(g.sizes(), g.options()) : new_output({0}, q.options());
@@ -148,7 +147,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
 
   const Tensor qk = kernel_q(a, q, k), go = a.wide_q ? grad_o.to(k.scalar_type()) : grad_o;
   ChunkPass p = chunk_pass(a, reader, qk, k, v, g, gv, uc, h0);
-  p.dout = a.L.vec(go), p.dq_acc = a.wide_q;
+  p.dout = a.L.vec(go), p.dq_acc = dq_acc;
   if (has(dht)) p.dht = mat(*dht);
   p.dq = a.L.vec(r.dq), p.dk = a.L.vec(r.dk), p.dv = a.L.vec(r.dv);
   if (g.defined()) p.dg = a.L.vec(r.dg);
@@ -171,8 +170,6 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   return r;
 }
 
-}  // namespace
-
 namespace {
 std::tuple<Tensor, Tensor, Tensor, Tensor> gla_forward(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g_,
@@ -185,7 +182,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gla_forward(
       check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first, true);
   check_gv(a, q, v, g, gv);
   return chunk_forward(a, Reader::Inclusive, q, k, v, g, gv, Tensor(), initial_state,
-                       output_final_state, train && keeps_workspaces(q), run);
+                       output_final_state, train && keeps_workspaces(q), run, a.wide_q);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> rwkv6_forward(
@@ -196,7 +193,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rwkv6_forward(
   c10::OptionalDeviceGuard guard(r.device());
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   return chunk_forward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, initial_state,
-                       output_final_state, train && keeps_workspaces(r), run);
+                       output_final_state, train && keeps_workspaces(r), run, false);
 }
 }  // namespace
 
@@ -232,7 +229,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
       check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first, true);
   check_gv(a, q, v, g, gv);
   auto r = chunk_backward(a, Reader::Inclusive, q, k, v, g, gv, Tensor(), grad_o,
-                          grad_final_state, initial_state, hst, amat, "q", run);
+                          grad_final_state, initial_state, hst, amat, "q", run, a.wide_q);
   return {r.dq, r.dk, r.dv, r.dg, r.dgv, r.dh0};
 }
 
@@ -264,7 +261,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
   c10::OptionalDeviceGuard guard(r.device());
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   auto g = chunk_backward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, grad_o,
-                          grad_final_state, initial_state, hst, amat, "r", run);
+                          grad_final_state, initial_state, hst, amat, "r", run, false);
   return {g.dq, g.dk, g.dv, g.dg, g.du.to(u.scalar_type()), g.dh0};
 }
 
@@ -275,17 +272,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Whether this call records a graph: only then does the forward keep workspaces for a backward.
-template <typename... Ts>
-bool training(const Ts&... ts) {
-  auto req = [](const auto& t) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(t)>, std::optional<Tensor>>)
-      return t.has_value() && t->defined() && t->requires_grad();
-    else
-      return t.defined() && t.requires_grad();
-  };
-  return torch::autograd::GradMode::is_enabled() && (req(ts) || ...);
-}
 
 // A recording call runs the _train op (it also returns the workspaces hst and amat for the
 // backward), any other the plain op (the workspaces stay undefined).

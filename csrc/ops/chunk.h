@@ -11,6 +11,27 @@ namespace fla::ops {
 
 using ChunkRunner = void (*)(const ChunkPass&);
 
+// One chunk pass of the engine (ops/chunk.cpp), for the families built on it (GLA, RWKV6, GSA).
+// Forward: (o, final state, hst, amat), the last two empty unless `keep`; o_acc: o in the acc type
+// (float32, float64 for float64 inputs) from the accumulators. Under autograd on CUDA a forward
+// keeps its workspaces for the backward (keeps_workspaces): a key-side pass hst and amat, a
+// value-side pass hst alone (its backward's pair matrices are of dO).
+bool keeps_workspaces(const Tensor& q);
+std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
+    const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& g, const Tensor& gv, const Tensor& uc, const std::optional<Tensor>& h0,
+    bool output_final_state, bool keep, ChunkRunner run, bool o_acc);
+struct ChunkGrads {
+  Tensor dq, dk, dv, dg, dgv, du, dh0;
+};
+// Backward; dq_acc: dq in the acc type. hst_in / amat_in: the forward's kept workspaces, or none.
+ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
+                          const Tensor& grad_o, const std::optional<Tensor>& dht,
+                          const std::optional<Tensor>& h0, const std::optional<Tensor>& hst_in,
+                          const std::optional<Tensor>& amat_in, const char* qn,
+                          ChunkRunner run, bool dq_acc);
+
 std::tuple<Tensor, Tensor> chunk_gla_fwd(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,
     const std::optional<Tensor>& gv, std::optional<double> scale, const std::optional<Tensor>& initial_state,

@@ -1,14 +1,16 @@
 // Gated Slot Attention (ALGORITHMS.md §7): two passes of the diagonal-gate engine around a float32
-// softmax over the M slots (for bf16 / fp16 inputs through the GLA ops' wide q: ok and dp stay
-// float32). Pass 1 is GLA with the decay on the value (slot) side, pass 2 GLA with
-// it on the key side, both through the fla::chunk_gla / fla::fused_recurrent_gla ops. The GSA ops
-// are CompositeImplicitAutograd: their gradients, fake kernels and both backends are those of the
-// two passes and of softmax, so the only GSA-specific code is the argument checks, fla's g=None
-// gate and grouped heads.
+// softmax over the M slots. Pass 1 is GLA with the decay on the value (slot) side, pass 2 GLA with
+// it on the key side. The GSA ops are CompositeImplicitAutograd: argument checks naming GSA's
+// arguments, fla's g=None gate and grouped heads, then
+//  - chunk_gsa: the chunk_gsa_core op (ops/gsa.h: both chunk passes with their own backward, ok and
+//    dp in float32 from the engine's accumulators);
+//  - fused_recurrent_gsa: two fused_recurrent_gla ops with a float32 (wide) q, the same float32
+//    ok and dp at the price of casts (the fused mode is for short sequences and decoding).
 #include <torch/library.h>
 
 #include "../include/fla_ext/fla_ext.h"
 #include "common.h"
+#include "gsa.h"
 
 namespace fla::ops {
 namespace {
@@ -88,15 +90,16 @@ std::optional<Tensor> per_query_head(const std::optional<Tensor>& x, int64_t gro
   return has(x) ? std::optional<Tensor>(per_query_head(*x, groups, 1)) : std::nullopt;
 }
 
-// Pass(q, k, v, gk, gv, scale, h0, output_final_state, cu_seqlens, head_first) -> (o, hT).
-template <class Pass>
+// Core(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first) -> (o, hk, hv)
+// on the per-query-head inputs with the gate formed.
+template <class Core>
 std::tuple<Tensor, Tensor, Tensor> gsa(const Tensor& q, const Tensor& k_, const Tensor& v_,
                                        const Tensor& s_, const std::optional<Tensor>& g_,
                                        std::optional<double> scale,
                                        const std::optional<Tensor>& hk0,
                                        const std::optional<Tensor>& hv0, bool output_final_state,
                                        const std::optional<Tensor>& cu_seqlens, bool head_first,
-                                       Pass pass) {
+                                       Core core) {
   const Tensor g0 = has(g_) ? *g_ : Tensor();
   const GsaArgs a = check_gsa(q, k_, v_, s_, g0, scale, hk0, hv0, cu_seqlens, head_first);
   Tensor s = s_, g = g0;
@@ -104,17 +107,8 @@ std::tuple<Tensor, Tensor, Tensor> gsa(const Tensor& q, const Tensor& k_, const 
   const int64_t G = a.HQ / a.H, hd = head_first ? 1 : 2;
   const Tensor k = per_query_head(k_, G, hd), v = per_query_head(v_, G, hd);
   s = per_query_head(s, G, hd), g = per_query_head(g, G, hd);
-  // bf16 / fp16: both passes take a wide (float32) q, so that the slot logits ok come out of
-  // pass 1 and their gradient dp out of pass 2's backward in float32, unrounded: the softmax's
-  // p ⊙ (dp − ⟨p, dp⟩) cancels, and a logit of 100 has a bf16 spacing of 0.5.
-  const Tensor q1 = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf
-                        ? q.to(at::kFloat) : q;
-  auto [ok, hk] = pass(q1, k, s, std::nullopt, g, scale, per_query_head(hk0, G),
-                       output_final_state, cu_seqlens, head_first);
-  const Tensor p = at::softmax(ok, -1);
-  auto [o, hv] = pass(p, s, v, g, std::nullopt, 1.0, per_query_head(hv0, G), output_final_state,
-                      cu_seqlens, head_first);
-  o = o.to(v.scalar_type());
+  auto [o, hk, hv] = core(q, k, v, s, g, scale, per_query_head(hk0, G), per_query_head(hv0, G),
+                          output_final_state, cu_seqlens, head_first);
   if (G > 1) {  // every query head of a group holds the same states: return one per group
     hk = hk.slice(1, 0, hk.size(1), G).contiguous();
     hv = hv.slice(1, 0, hv.size(1), G).contiguous();
@@ -127,22 +121,34 @@ std::tuple<Tensor, Tensor, Tensor> chunk_gsa(
     const std::optional<Tensor>& g, std::optional<double> scale, const std::optional<Tensor>& hk0,
     const std::optional<Tensor>& hv0, bool output_final_state,
     const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fla::chunk_gsa_core", "")
+                       .typed<decltype(chunk_gsa_core_impl<nullptr>)>();
   return gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first,
-             [](auto&&... x) { return fla_ext::chunk_gla(x...); });
+             [](auto&&... x) { return op.call(x...); });
 }
 
+// The fused mode: the two fused_recurrent_gla passes around a float32 softmax. bf16 / fp16 pass a
+// wide (float32) q to both, so that ok comes out of pass 1 and dp out of pass 2's backward in
+// float32, unrounded: the softmax's p ⊙ (dp − ⟨p, dp⟩) cancels, and a logit of 100 has a bf16
+// spacing of 0.5.
 std::tuple<Tensor, Tensor, Tensor> fused_recurrent_gsa(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& s,
     const std::optional<Tensor>& g, std::optional<double> scale, const std::optional<Tensor>& hk0,
     const std::optional<Tensor>& hv0, bool output_final_state, bool reverse,
     const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  auto pass = [reverse](const Tensor& q, const Tensor& k, const Tensor& v,
-                        const std::optional<Tensor>& gk, const std::optional<Tensor>& gv,
-                        std::optional<double> sc, const std::optional<Tensor>& h0, bool ofs,
-                        const std::optional<Tensor>& cu, bool hf) {
-    return fla_ext::fused_recurrent_gla(q, k, v, gk, gv, sc, h0, ofs, reverse, cu, hf);
+  auto core = [reverse](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& s,
+                        const Tensor& g, std::optional<double> scale,
+                        const std::optional<Tensor>& hk0, const std::optional<Tensor>& hv0,
+                        bool ofs, const std::optional<Tensor>& cu, bool hf) {
+    const bool low = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+    auto [ok, hk] = fla_ext::fused_recurrent_gla(low ? q.to(at::kFloat) : q, k, s, std::nullopt, g,
+                                                 scale, hk0, ofs, reverse, cu, hf);
+    auto [o, hv] = fla_ext::fused_recurrent_gla(at::softmax(ok, -1), s, v, g, std::nullopt, 1.0,
+                                                hv0, ofs, reverse, cu, hf);
+    return std::tuple<Tensor, Tensor, Tensor>{o.to(v.scalar_type()), hk, hv};
   };
-  return gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first, pass);
+  return gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first, core);
 }
 
 }  // namespace
