@@ -64,11 +64,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
   const DiagArgs a2 = pass2_args(pq, s, v, g, hv0, cu_seqlens, head_first);
   ChunkGrads r2 = chunk_backward(a2, Reader::Inclusive, pq, s, v, g, Tensor(), Tensor(), grad_o,
                                  grad_hv, hv0, hst2, amat2, "p", run, true);
-  // dok in float32, rounded once to the inputs' dtype (fused on CUDA; the CPU softmax backward
-  // has no half-to-float form).
-  const bool fused = q.is_cuda() || q.scalar_type() == p.scalar_type();
-  const Tensor dok = fused ? at::_softmax_backward_data(r2.dq, p, -1, q.scalar_type())
-                           : at::_softmax_backward_data(r2.dq, p, -1, p.scalar_type()).to(q.scalar_type());
+  // dok in float32, rounded once to the inputs' dtype (ATen's fused half-to-float softmax
+  // backward takes fp16 on CUDA only, not bf16: one cast).
+  const Tensor dok = at::_softmax_backward_data(r2.dq, p, -1, p.scalar_type()).to(q.scalar_type());
   ChunkGrads r1 = chunk_backward(a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(), dok,
                                  grad_hk, hk0, hst1, std::nullopt, "q", run, false);
   return {r1.dq, r1.dk, r2.dv, r1.dv + r2.dk, r1.dgv + r2.dg, r1.dh0, r2.dh0};
