@@ -410,6 +410,10 @@ def chunk_gsa(
               p_t = \mathrm{softmax}(\text{scale}\, {H^k_t}^\top q_t),\quad
               H^v_t = \mathrm{diag}(e^{g_t}) H^v_{t-1} + s_t v_t^\top,\quad o_t = {H^v_t}^\top p_t
 
+    The slot logits and their gradient stay float32 between the passes for bf16 / fp16 inputs
+    (fla rounds both to the input dtype, an error that grows with the logits); p enters the
+    second pass in the inputs' dtype, as in fla.
+
     Args:
         q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; s (slot keys) and g (log
             decay over the slots, <= 0): ``[B, T, H, M]`` (``[B, H, T, *]`` if ``head_first``).
@@ -420,7 +424,8 @@ def chunk_gsa(
         initial_state: None or ``(hk0, hv0)``, float32 ``[N, H, K, M]`` and ``[N, H, M, V]``.
         output_final_state, cu_seqlens, head_first: as in :func:`chunk_gla`.
         kwargs: fla's ``checkpoint_level``, ``cu_seqlens_cpu`` and ``chunk_size`` are accepted
-            for drop-in use and have no effect (what the backward keeps is the GLA passes' choice).
+            for drop-in use and have no effect (a training forward keeps the float32 softmax and,
+            on CUDA, the passes' chunk-start states and pair matrices).
 
     Returns:
         ``(o, (hk, hv))``: ``o`` ``[B, T, HQ, V]``; the final states, or ``(None, None)``.
