@@ -4,8 +4,8 @@
 // (amat, fp32 [slots, H, 64, 64]) that its out kernels read. Under autograd on CUDA a key-side
 // forward keeps its chunk-start states (hst) and pair matrices for the backward (fp32,
 // [slots, H, K, V] + [slots, H, 64, 64]: for bf16 K=V=64 about 2x the bytes of q, k, v and g
-// together), a value-side forward its states alone; otherwise the backward recomputes them. Backends: cpu/chunk.cpp (float64 exponents,
-// the algebra as written) and kernels/chunk*.cu.
+// together), a value-side forward its states alone; otherwise the backward recomputes them.
+// Backends: cpu/chunk.cpp (float64 exponents, the algebra as written) and kernels/chunk*.cu.
 #include "chunk.h"
 
 #include "autograd_state.h"
@@ -13,7 +13,6 @@
 
 #include <torch/autograd.h>
 #include <torch/library.h>
-
 
 namespace fla::ops {
 namespace {
@@ -60,7 +59,6 @@ void check_gv(const DiagArgs& a, const Tensor& q, const Tensor& v, const Tensor&
 Tensor pair_workspace(const DiagArgs& a, const Tensor& hst) {
   return new_output({workspace_slots(a), a.H, kChunk, kChunk}, hst.options());
 }
-
 
 // The CUDA engine's pair matrices: its out kernels read A from here (ops never look inside).
 Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst, bool needed) {
@@ -126,7 +124,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   const auto acc = q.options().dtype(acc_type(q));
   const bool vside = value_side_only(g, gv);
   ChunkGrads r;  // a wide q's grad_o (float32 like its o) is rounded to k's dtype below
-  r.dq = new_output(q.sizes(), q.options().dtype(dq_acc ? acc_type(q) : q.scalar_type()));
+  r.dq = new_output(q.sizes(), dq_acc ? q.options().dtype(acc_type(q)) : q.options());
   r.dk = new_output(k.sizes(), k.options());
   r.dv = new_output(v.sizes(), v.options());
   // No decay on a side: a 0-element gradient (the autograd Function returns None for it).
