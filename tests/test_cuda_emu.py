@@ -103,12 +103,23 @@ def test_chunk_kernels_bf16(chunk_emu, fam, shape, gen):
     check_chunk(chunk_emu, fam, shape, None, True, gen, torch.bfloat16, 1e-2)
 
 
-def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol):
+@pytest.mark.parametrize("fam", [GLA, GLA_GV], ids=["gla", "gla_gv"])
+@pytest.mark.parametrize("shape", [(1, 70, 2, 32, 24), (1, 40, 1, 136, 8)], ids=["K32", "K136"])
+def test_chunk_kernels_acc_outputs(chunk_emu, fam, shape, gen):
+    """o and dq written in float32 (ChunkPass o_acc / dq_acc: GSA's ok and dp) by every kernel
+    that forms them (state kernel, out kernel at K > 128, grad_qk, the value-side transposed
+    pass); the reference is the CPU backend with a wide (float32) q, same bf16 values."""
+    check_chunk(chunk_emu, fam, shape, None, True, gen, torch.bfloat16, 1e-2, acc=True)
+
+
+def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol, acc=False):
     B, T, H, K, V = shape
     N = len(cu) - 1 if cu else B
     x = fam.make(B, T, H, K, V, dtype, "cpu", gen, N=N, w_kind="mixedinf")
     names = list(fam.args)
     xs = [x[n].clone().requires_grad_(True) for n in names] + [x["h0"].clone().requires_grad_(True)]
+    if acc:  # a wide q: o and dq in float32
+        xs[0] = x[names[0]].float().requires_grad_(True)
     cu_t = torch.tensor(cu) if cu else None
     o, ht = fam.modes["chunk"](*xs[:-1], scale=0.7, initial_state=xs[-1], output_final_state=True,
                                cu_seqlens=cu_t)
@@ -119,10 +130,12 @@ def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol):
     u = x["u"] if "u" in x else torch.empty(0)
     none, cu_e = torch.empty(0), cu_t if cu else torch.empty(0, dtype=torch.int64)
     vside = fam is GLA_GV
-    eo, eht = emu.run(q, k, v, g, u, x["h0"], none, none, 0.7, cu_e, keep, vside)
+    eo, eht = emu.run(q, k, v, g, u, x["h0"], none, none, 0.7, cu_e, keep, vside, acc)
+    assert eo.dtype == (torch.float32 if acc else dtype)
     assert_close("o", eo, o.detach(), tol, 1e-6)
     assert_close("ht", eht, ht.detach(), tol, 1e-6)
-    eg = emu.run(q, k, v, g, u, x["h0"], do, dht, 0.7, cu_e, keep, vside)
+    eg = emu.run(q, k, v, g, u, x["h0"], do, dht, 0.7, cu_e, keep, vside, acc)
+    assert eg[0].dtype == (torch.float32 if acc else dtype)
     for name, e in zip(names[:4] + ["u", "h0"], eg):
         if name in grads:
             decay = name == fam.decay

@@ -83,13 +83,13 @@ void value_side(const ChunkPass& p, int64_t slots) {
   if (!p.hst_kept) state<E, RD, false, 1>(r);
   if (!p.dout.on()) {
     ChunkPass f = r;
-    f.dq = p.o;
+    f.dq = p.o, f.dq_acc = p.o_acc;
     return emu::launch(dim3(unsigned(slots), p.H, unsigned((r.K + DT - 1) / DT)), NTH,
                        [&] { cta([&] { chunk_grad_qk_kernel<E, RD, true>(f, 0); }); });
   }
   state<E, RD, false, 1, true>(r);
   ChunkPass b = r;
-  b.dv = p.dk, b.o = p.dq, b.dk = p.dv, b.dg = p.dgv;
+  b.dv = p.dk, b.o = p.dq, b.o_acc = p.dq_acc, b.dk = p.dv, b.dg = p.dgv;
   out<E, RD, true>(b, slots);
   out<E, RD, false>(b, slots);
   grad_qk<E>(b, slots, (r.V + kStateCols - 1) / kStateCols);
@@ -97,10 +97,10 @@ void value_side(const ChunkPass& p, int64_t slots) {
 
 // [o, hT] or, with dout, [dq, dk, dv, dg, du, dh0] (empty tensors stand for None). keep: the
 // forward keeps hst and amat and the backward reads them (else the backward rebuilds them).
-// vside: g is the value-side decay gv [B, T, H, V].
+// vside: g is the value-side decay gv [B, T, H, V]. acc: o and dq in float32 (o_acc, dq_acc).
 template <typename E, Reader RD>
 std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,
-                          Tensor dht, double scale, Tensor cu, bool keep, bool vside) {
+                          Tensor dht, double scale, Tensor cu, bool keep, bool vside, bool acc) {
   const bool varlen = cu.numel() > 0, bwd = dout.dim() == 4;
   const int B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), V = v.size(3);
   const int N = varlen ? int(cu.numel()) - 1 : B;
@@ -114,8 +114,14 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   if (h0.numel()) p.h0 = mat(h0);
   const int64_t slots = chunk_slots(N, T, varlen);
   Tensor amat = poison({slots, H, C, C}), hst = poison({slots, H, K, V});
-  Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V});
+  Tensor o = poison(v.sizes(), acc ? torch::kFloat : v.scalar_type()), hT = poison({N, H, K, V});
   p.amat = amat.data_ptr();
+  p.o_acc = acc;
+  auto grads = [&] {
+    Grads r(q, k, v, g, N, H, K, V);
+    if (acc) r.dq = poison(q.sizes(), torch::kFloat);
+    return r;
+  };
   if (vside) {  // keep: the backward reads the forward's (transposed) states; never amat
     const int nts = (K + kStateCols - 1) / kStateCols;  // the transposed state's columns
     Tensor dhst = poison({slots, H, V, K}), zeta = poison({slots, H, nts, V});
@@ -125,9 +131,9 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
     if (!bwd) return {o, hT};
     ChunkPass b = p;
     b.o = VecArg{}, b.hT = MatArg{};
-    b.hst_kept = keep;
+    b.hst_kept = keep, b.o_acc = false, b.dq_acc = acc;
     if (!keep) hst.fill_(NAN);
-    Grads r(q, k, v, g, N, H, K, V);
+    Grads r = grads();
     r.bind(b, dout, dht, h0, true);
     value_side<E>(b, slots);
     return {r.dq, r.dk, r.dv, r.dg, torch::zeros({H, K}), r.dh0};
@@ -142,6 +148,7 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   b.o = VecArg{}, b.hT = MatArg{};
   b.hst = hst.data_ptr();
   b.hst_kept = b.amat_kept = keep;
+  b.o_acc = false, b.dq_acc = acc;
   if (!keep) {  // launch_forward_state<PAIRS = true>: the pair matrices and hst again
     amat.fill_(NAN), hst.fill_(NAN);
     emu::launch(dim3(unsigned(slots), H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(b); }); });
@@ -150,7 +157,7 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   const int nts = (V + kStateCols - 1) / kStateCols;
   Tensor dhst = poison({slots, H, K, V}), zeta = poison({slots, H, nts, K});
   Tensor du = torch::zeros({slots, H, K});
-  Grads r(q, k, v, g, N, H, K, V);
+  Grads r = grads();
   r.bind(b, dout, dht, h0, false);
   if (u.numel()) b.du = du.data_ptr();
   b.dhst = dhst.data_ptr(), b.zeta = zeta.data_ptr();
@@ -162,11 +169,11 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
 }
 
 std::vector<Tensor> run(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,
-                        Tensor dht, double scale, Tensor cu, bool keep, bool vside) {
+                        Tensor dht, double scale, Tensor cu, bool keep, bool vside, bool acc) {
   const bool bf = q.scalar_type() == torch::kBFloat16, ex = u.numel() > 0;
   auto f = bf ? (ex ? run_t<__nv_bfloat16, Reader::Exclusive> : run_t<__nv_bfloat16, Reader::Inclusive>)
               : (ex ? run_t<float, Reader::Exclusive> : run_t<float, Reader::Inclusive>);
-  return f(q, k, v, g, u, h0, dout, dht, scale, cu, keep, vside);
+  return f(q, k, v, g, u, h0, dout, dht, scale, cu, keep, vside, acc);
 }
 
 }  // namespace
