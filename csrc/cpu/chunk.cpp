@@ -22,6 +22,7 @@ namespace fla {
 namespace {
 
 using cpu::elem;
+using cpu::put;
 using Vec = std::vector<double>;
 
 // One chunk of one (sequence, head): its rows ([L, K] or [L, V], row-major) and the decay
@@ -58,11 +59,6 @@ struct Engine {
       for (int d = 0; d < K; ++d)
         for (int x = 0; x < V; ++x) S[d * V + x] = *elem<Acc>(m, n, h, d, x);
     return S;
-  }
-  // An output element in the input dtype, or (acc: ChunkPass::o_acc / dq_acc) the acc type.
-  static void put(const VecArg& a, bool acc, int64_t b, int64_t t, int h, int d, double x) {
-    if (acc) *elem<Acc>(a, b, t, h, d) = static_cast<Acc>(x);
-    else *elem<T>(a, b, t, h, d) = static_cast<T>(x);
   }
   void store_state(const MatArg& m, int n, int h, const Vec& S) const {
     if (!m.on()) return;
@@ -233,7 +229,7 @@ struct Engine {
       outputs(c, S, r.io, o);
       for (int i = 0; i < c.L; ++i) {
         const int64_t t = s.bos + ci * kChunk + i;
-        for (int x = 0; x < V; ++x) put(p.o, p.o_acc, s.b, t, h, x, o[i * V + x]);
+        for (int x = 0; x < V; ++x) put<T>(p.o, p.o_acc, s.b, t, h, x, Acc(o[i * V + x]));
       }
       advance(c, S);
     }
@@ -344,7 +340,7 @@ struct Engine {
       for (int i = 0; i < L; ++i) {
         const int64_t t = s.bos + ci * kChunk + i;
         for (int d = 0; d < K; ++d) {
-          if (p.dq.on()) put(p.dq, p.dq_acc, s.b, t, h, d, dq[i * K + d]);
+          if (p.dq.on()) put<T>(p.dq, p.dq_acc, s.b, t, h, d, Acc(dq[i * K + d]));
           if (p.dk.on()) *elem<T>(p.dk, s.b, t, h, d) = static_cast<T>(dk[i * K + d]);
           if (p.dg.on()) *elem<T>(p.dg, s.b, t, h, d) = static_cast<T>(dg[i * K + d]);
         }

@@ -22,6 +22,14 @@ inline T* elem(const MatArg& m, int n, int h, int r, int c) {
   return static_cast<T*>(m.ptr) + n * m.sn + h * m.sh + r * m.sr + c * m.sc;
 }
 
+// An output element in the storage type T, or in the acc type A where `acc` (an o / dq written
+// from the accumulators: ChunkPass::o_acc / dq_acc, RecurrentPass::out_acc).
+template <typename T, typename A>
+inline void put(const VecArg& v, bool acc, int64_t b, int64_t t, int h, int d, A x) {
+  if (acc) *elem<A>(v, b, t, h, d) = x;
+  else *elem<T>(v, b, t, h, d) = static_cast<T>(x);
+}
+
 template <typename A, typename T>
 inline A load(const VecArg& v, int64_t b, int64_t t, int h, int d) {
   return static_cast<A>(*elem<T>(v, b, t, h, d));

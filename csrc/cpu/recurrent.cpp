@@ -13,6 +13,7 @@ namespace fla {
 namespace {
 
 using cpu::elem;
+using cpu::put;
 
 template <typename T, typename A>
 struct Sweep {
@@ -93,10 +94,7 @@ struct Sweep {
           yb = A(p.bonus_scale) * bonus * ld(p.y, s.b, t, h, c);
           o += yb * (p.uy ? uval(p.uy, h * Dc + c) : A(1));
         }
-        if (p.out.on()) {
-          if (p.out_acc) *elem<A>(p.out, s.b, t, h, c) = o;
-          else *elem<T>(p.out, s.b, t, h, c) = static_cast<T>(o);
-        }
+        if (p.out.on()) put<T>(p.out, p.out_acc, s.b, t, h, c, o);
         if (p.gate == GateGrad::Produce) {
           *elem<A>(p.ws, s.b, t, h, c) = ld(p.z, s.b, t, h, c) * pc[c];
         } else if (p.gate == GateGrad::Consume) {

@@ -573,14 +573,6 @@ __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, c
   }
 }
 
-// dq in the input dtype, or in fp32 (ChunkPass::dq_acc).
-template <typename T>
-__device__ __forceinline__ void store_dq(const ChunkPass& p, int64_t b, int64_t t, int h, int d,
-                                         float x) {
-  if (p.dq_acc) *vptr<float>(p.dq, b, t, h, d) = x;
-  else *vptr<T>(p.dq, b, t, h, d) = from_f<T>(x);
-}
-
 // ------------------------------------------------------------------------------------------------
 // dq, dk, dg (and du partials) for one chunk and K tile. DQ_ONLY: dq alone (the value-side
 // forward's o, chunk_vdecay.cuh): no dS+, no q, no dk or dg work; dk, dg, du are not written.
@@ -700,7 +692,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     const int kk = k0 + ch;
     if (kk < p.K)
       for (int t = m * SC; t < (m + 1) * SC && t < pos.L; ++t)
-        store_dq<T>(p, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + DA[t][t] * us[ch] * KY[t][ch]);
+        put<T>(p.dq, p.dq_acc, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + DA[t][t] * us[ch] * KY[t][ch]);
     return;
   }
 
@@ -737,7 +729,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (write && t < pos.L && kk < p.K) {
       const float dA = DA[t][t];
       if (dgp) dgp[t * p.dg.st] = from_f<T>(dg);
-      if (p.dq.on()) store_dq<T>(p, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + dA * us[ch] * k);
+      if (p.dq.on()) put<T>(p.dq, p.dq_acc, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + dA * us[ch] * k);
       if (dkp) dkp[t * p.dk.st] = from_f<T>(DK[t][ch] + dA * us[ch] * q);
       if (RD == Reader::Exclusive) dup[m * DT + ch] += dA * q * k;
     }

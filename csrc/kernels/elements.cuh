@@ -26,6 +26,14 @@ template <typename T>
 __device__ __forceinline__ float ld(const VecArg& v, int64_t b, int64_t t, int h, int d) {
   return to_f(*vptr<T>(v, b, t, h, d));
 }
+// An output element in the output dtype, or in fp32 where `acc` (an o / dq written from the
+// accumulators: ChunkPass::o_acc / dq_acc, RecurrentPass::out_acc).
+template <typename T>
+__device__ __forceinline__ void put(const VecArg& v, bool acc, int64_t b, int64_t t, int h, int d,
+                                    float x) {
+  if (acc) *vptr<float>(v, b, t, h, d) = x;
+  else *vptr<T>(v, b, t, h, d) = from_f<T>(x);
+}
 __device__ __forceinline__ float* fptr(const void* p, int64_t i) {
   return const_cast<float*>(static_cast<const float*>(p)) + i;
 }

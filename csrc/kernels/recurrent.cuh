@@ -248,10 +248,7 @@ __global__ void __launch_bounds__(Shape<RPT, RG, TCN>::NT, (TCN == 1 || (RPT <= 
         const int64_t step = base + tau;
         const int64_t t = s.bos + (p.reverse ? s.len - 1 - step : step);
         const float yb = bonus ? sbt[tau] * sy[tau * BC + cl] : 0.f;
-        if (p.out.on()) {
-          if (p.out_acc) *vptr<float>(p.out, s.b, t, h, c) = pc + yb * uy;
-          else *vptr<T>(p.out, s.b, t, h, c) = from_f<T>(pc + yb * uy);
-        }
+        if (p.out.on()) put<T>(p.out, p.out_acc, s.b, t, h, c, pc + yb * uy);
         if (p.gate == GateGrad::Produce) {
           *vptr<float>(p.ws, s.b, t, h, c) = sz[tau * BC + cl] * pc;
         } else if (consume) {

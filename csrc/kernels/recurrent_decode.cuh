@@ -12,6 +12,7 @@ using recurrent_detail::ld;
 using recurrent_detail::ldu;
 using recurrent_detail::vptr;
 using recurrent_detail::from_f;
+using recurrent_detail::put;
 
 constexpr int NT = 256, CQ = 16, COLS = 4 * CQ, RGS = NT / CQ;  // 16 quads x 16 row groups
 
@@ -129,8 +130,7 @@ __global__ void __launch_bounds__(NT) decode_kernel(const __grid_constant__ Recu
 #pragma unroll
     for (int w = 0; w < NT / 32; ++w) sum += sred[w][tid], bsum += sbon[w];
     const float o = sum * float(p.scale) + float(p.bonus_scale) * bsum * sy[tid];
-    if (p.out_acc) *vptr<float>(p.out, b, t, h, ct * COLS + tid) = o;
-    else *vptr<T>(p.out, b, t, h, ct * COLS + tid) = from_f<T>(o);
+    put<T>(p.out, p.out_acc, b, t, h, ct * COLS + tid, o);
   }
 }
 
