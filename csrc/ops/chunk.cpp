@@ -21,7 +21,7 @@ ChunkPass chunk_pass(const DiagArgs& a, Reader reader, const Tensor& q, const Te
                      const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                      const std::optional<Tensor>& h0) {
   ChunkPass p;
-  p.dtype = kernel_dtype(k);  // q is the kernels' q here (kernel_q)
+  p.dtype = kernel_dtype(k);  // q is the kernels' q here (kernel_input)
   p.N = int(a.N), p.H = int(a.H), p.T = int(a.T), p.K = int(a.K), p.V = int(a.V);
   p.cu_seqlens = a.cu.defined() ? a.cu.data_ptr<int64_t>() : nullptr;
   p.reader = reader;
@@ -83,7 +83,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   Tensor hst = state_workspace(a, q, !fused || keep);
   // The value-side forward runs no out kernel (kernels/chunk_vdecay.cuh): no A.
   Tensor amat = pair_workspace_for(a, q, hst, !vside);
-  const Tensor qk = kernel_q(a, q, k);
+  const Tensor qk = kernel_input(a, q, k);
   ChunkPass p = chunk_pass(a, reader, qk, k, v, g, gv, uc, h0);
   p.o = a.L.vec(o), p.o_acc = o_acc;
   if (output_final_state) p.hT = mat(hT);
@@ -143,7 +143,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   // Gap slots (varlen) and final-state slots hold no chunk: their du partials must read 0.
   Tensor du_part = uc.defined() ? at::zeros({hst.size(0), a.H, a.K}, acc) : Tensor();
 
-  const Tensor qk = kernel_q(a, q, k), go = a.wide_q ? grad_o.to(k.scalar_type()) : grad_o;
+  const Tensor qk = kernel_input(a, q, k), go = kernel_input(a, grad_o, k);
   ChunkPass p = chunk_pass(a, reader, qk, k, v, g, gv, uc, h0);
   p.dout = a.L.vec(go), p.dq_acc = dq_acc;
   if (has(dht)) p.dht = mat(*dht);

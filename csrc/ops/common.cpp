@@ -191,8 +191,8 @@ DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tens
   return a;
 }
 
-Tensor kernel_q(const DiagArgs& a, const Tensor& q, const Tensor& k) {
-  return a.wide_q ? q.to(k.scalar_type()) : q;
+Tensor kernel_input(const DiagArgs& a, const Tensor& x, const Tensor& k) {
+  return a.wide_q ? x.to(k.scalar_type()) : x;
 }
 
 RecurrentPass base_pass(const DiagArgs& a, const Tensor& k) {

@@ -92,8 +92,9 @@ DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tens
                     const Tensor& g, const char* gn, std::optional<double> scale,
                     const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
                     bool head_first, bool wide_q_ok = false);
-// q as the kernels read it: a wide q rounded to k's dtype, else q itself.
-Tensor kernel_q(const DiagArgs& a, const Tensor& q, const Tensor& k);
+// q, or grad_o (float32 like a wide q's o), as the kernels read it: rounded to k's dtype for a
+// wide q, else itself.
+Tensor kernel_input(const DiagArgs& a, const Tensor& x, const Tensor& k);
 // A sweep with the sizes, dtype (of `k`) and sequences of `a` filled in.
 RecurrentPass base_pass(const DiagArgs& a, const Tensor& k);
 

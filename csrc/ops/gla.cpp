@@ -50,7 +50,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_gla_fwd(
   const Layout& L = a.L;
   Tensor o = L.empty_like_with_dim(v, a.V, q.scalar_type());
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V}, q.options().dtype(acc_type(q)));
-  const Tensor qk = kernel_q(a, q, k);
+  const Tensor qk = kernel_input(a, q, k);
   RecurrentPass p = base_pass(a, k);
   p.Dr = int(a.K), p.Dc = int(a.V), p.reverse = reverse, p.order = Order::ReadLast;
   p.scale = a.scale;
@@ -93,7 +93,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
   Tensor zeta_v = gated_v ? new_output({a.N, a.H, a.V}, acc) : Tensor();
 
   // A wide q: the sweeps read q and grad_o (float32, like o) rounded to k's dtype; dq is float32.
-  const Tensor qk = kernel_q(a, q, k), go = a.wide_q ? grad_o.to(k.scalar_type()) : grad_o;
+  const Tensor qk = kernel_input(a, q, k), go = kernel_input(a, grad_o, k);
   const RecurrentPass base = base_pass(a, k);
   // The decays of a sweep over S = h or dh [K x V], and over its transpose [V x K].
   auto decays = [&](RecurrentPass& p, bool transposed) {
