@@ -141,10 +141,8 @@ std::tuple<Tensor, Tensor, Tensor> fused_recurrent_gsa(
                         const Tensor& g, std::optional<double> scale,
                         const std::optional<Tensor>& hk0, const std::optional<Tensor>& hv0,
                         bool ofs, const std::optional<Tensor>& cu, bool hf) {
-    const bool low = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
-    const Tensor q1 = low ? q.to(at::kFloat) : q;
-    auto [ok, hk] =
-        fla_ext::fused_recurrent_gla(q1, k, s, std::nullopt, g, scale, hk0, ofs, reverse, cu, hf);
+    auto [ok, hk] = fla_ext::fused_recurrent_gla(q.to(acc_type(q)), k, s, std::nullopt, g, scale,
+                                                 hk0, ofs, reverse, cu, hf);
     auto [o, hv] = fla_ext::fused_recurrent_gla(at::softmax(ok, -1), s, v, g, std::nullopt, 1.0,
                                                 hv0, ofs, reverse, cu, hf);
     return std::tuple<Tensor, Tensor, Tensor>{o.to(v.scalar_type()), hk, hv};
