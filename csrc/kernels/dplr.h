@@ -61,9 +61,12 @@ struct DplrArgs {
   VecArg dout;
   MatArg dht, dh0;
   VecArg dv;
+  // kg_pair = 0 (the CUDA chunk engine, V in one tile): no partial sums; grad g goes straight to
+  // kgd[g], in the input dtype (kg unused).
   VecArg kg;
   int64_t kg_tile = 0, kg_grad = 0;
   int kg_pair = 1;
+  VecArg kgd[kNumKGrads];
 
   FLA_HD bool backward() const { return dout.on(); }
 };

@@ -58,10 +58,12 @@ constexpr int kPairRows = 7, kPairWs = kPairRows * C * PSP + 5 * PSP;
 // Shared memory of one CTA, in floats. K-rows [C][KP] (KP: 16-byte aligned rows with 4 floats of
 // padding, 0, so rows read as float4 and 16 rows' same channel spread over 8 banks), tile rows
 // [C][BP], 16 x 16 matrices [C][CP], states [K][BP]; every array starts 16-byte aligned. The
-// prep kernel (bwd = false) has no state and no P; the backward kernel has everything.
+// prep kernel (bwd = false) has no state; the backward kernel has no exp(G) / exp(Omega) rows
+// (it multiplies them up from exp(w) where it needs them) and keeps M + P in M, so that at K = 64
+// its 64-column tiles fit two CTAs per SM (109 KB).
 struct Smem {
   int K, KP, cols, lc, BP;  // lc = log2(cols); BP: row stride of tile rows and states
-  int r, w, k, a, b, eG, eO, S, v, U, M, P, Ark, Arb, Aak, Aab, X;
+  int r, w, k, a, b, eG, eO, S, v, U, M, Ark, Arb, Aak, Aab, X;
   // Backward. dA: the four pair-matrix gradients interleaved, [C][C][4] = (dA_rk, dA_rb, dA_ak,
   // dA_ab) per pair, so that the K-vector gradients' pair walks read one float4 per pair.
   int dS, dO, dU, dM, gr, gk, ga, gb, dA, dX, Y, zeta;
@@ -69,9 +71,12 @@ struct Smem {
   int stage;  // raw rows of the asynchronous loads: over pw (prep) or from gk on (backward)
   int total;
 
+  // Prep's column tiles stay at 32 (K <= 128): its U0 / O0 loop gains nothing from wider ones,
+  // and 64 would cost it its third CTA per SM.
   __host__ __device__ Smem(int K_, bool bwd)
-      : K(K_), KP((K_ + 3) / 4 * 4 + 4), cols(dplr_chunk_cols(K_)) {
-    lc = cols == 32 ? 5 : 3;
+      : K(K_), KP((K_ + 3) / 4 * 4 + 4), cols(bwd ? dplr_chunk_cols(K_) : K_ <= 128 ? 32 : 8) {
+    lc = 0;
+    while ((1 << lc) < cols) ++lc;
     // cols + 4: 16-byte aligned rows (a thread's walk along a row reads float4), and the
     // K-vector gradients' float4 reads down a state column (lanes on channels) put the 8 lanes
     // of a 16-byte phase on different banks (cols apart: 32-way conflicts).
@@ -79,8 +84,8 @@ struct Smem {
     int o = 0;
     auto take = [&](int n) { const int at = o; o += (n + 3) / 4 * 4; return at; };
     r = take(C * KP), w = take(C * KP), k = take(C * KP), a = take(C * KP), b = take(C * KP);
-    eG = take(C * KP), eO = take(C * KP), S = bwd ? take(K * BP) : 0;
-    v = take(C * BP), U = take(C * BP), M = take(C * BP), P = bwd ? take(C * BP) : 0;
+    eG = bwd ? -1 : take(C * KP), eO = bwd ? -1 : take(C * KP), S = bwd ? take(K * BP) : 0;
+    v = take(C * BP), U = take(C * BP), M = take(C * BP);
     Ark = take(C * CP), Arb = take(C * CP), Aak = take(C * CP), Aab = take(C * CP);
     X = take(C * CP);  // the five are consecutive (C * CP is a multiple of 4): mat_at
     dS = dO = dU = dM = gr = gk = ga = gb = dA = dX = Y = zeta = 0;
@@ -91,10 +96,8 @@ struct Smem {
       dA = take(4 * C * C);
       dX = take(C * CP), Y = take(C * CP);
     }
-    // Only prepare() uses the pair workspace, before the backward writes its gradient rows
-    // (from gr on): it overlays them there (small K: it may reach past them).
-    pw = bwd ? gr : take(kPairWs);
-    total = o > pw + kPairWs ? o : pw + kPairWs;
+    pw = bwd ? -1 : take(kPairWs);  // only prepare() (prep) uses the pair workspace
+    total = o;
     stage = bwd ? gk : pw;
   }
   __host__ __device__ size_t bytes() const { return size_t(total) * sizeof(float); }
@@ -349,12 +352,13 @@ __device__ inline void pair_matrices(float* sm, const Smem& L, float& rk, float&
   }
 }
 
-// exp(G) and exp(Omega) of a loaded chunk and, at `ah` when >= 0, Â = a exp(E) (rows [C][KP]).
+// exp(G) at `eg` and exp(Omega) at `eo` (rows [C][KP]; eg < 0: not stored) of a loaded chunk and,
+// at `ah` when >= 0, Â = a exp(E).
 // Four threads per channel, four rows each (all 256 threads: one thread per channel walking all
 // 16 rows kept three warps in four at the next barrier, ~10 % of grad's stall samples). Every
 // exponent is a sum of w's (the other rows' totals through shuffles), never a difference. Not
 // synchronised.
-__device__ inline void chunk_decays(float* sm, const Smem& L, int ah = -1) {
+__device__ inline void chunk_decays(float* sm, const Smem& L, int eg, int eo, int ah = -1) {
   static_assert(C == 16, "four rows per thread, four threads per channel");
   const int K = L.K, KP = L.KP, part = threadIdx.x % 4, r0 = 4 * part;
   for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane: shuffles below
@@ -377,12 +381,13 @@ __device__ inline void chunk_decays(float* sm, const Smem& L, int ah = -1) {
     for (int r = 0; r < 4; ++r) {
       const int i = r0 + r;
       if (ah >= 0) sm[ah + i * KP + d] = sm[L.a + i * KP + d] * prev;
-      sm[L.eG + i * KP + d] = prev = expf(run += wl[r]);
+      prev = expf(run += wl[r]);
+      if (eg >= 0) sm[eg + i * KP + d] = prev;
     }
     run = after;
 #pragma unroll
     for (int r = 3; r >= 0; --r) {
-      sm[L.eO + (r0 + r) * KP + d] = expf(run);
+      sm[eo + (r0 + r) * KP + d] = expf(run);
       run += wl[r];
     }
   }
@@ -420,7 +425,7 @@ __device__ __forceinline__ void rows_dot_state(const float* sm, const Smem& L, i
 // Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
 // matrices and X. Ends synchronised.
 __device__ inline void prepare(float* sm, const Smem& L) {
-  chunk_decays(sm, L);
+  chunk_decays(sm, L, L.eG, L.eO);
   // X = (I - N)^-1 for the strictly lower N = A_ab by 4 x 4 blocks (ALGORITHMS.md §6.2): each
   // diagonal block by forward substitution down its columns, then the blocks 1, 2, 3 below the
   // diagonal, X_IJ = X_II sum_{L=J..I-1} N_IL X_LJ (blocks nearer the diagonal are done by
@@ -468,9 +473,9 @@ __device__ inline void prepare(float* sm, const Smem& L) {
   }
 }
 
-// P = Â S, M = A_ak V, then U = X (M + P) (Â at `ah`, the 16 x 16 matrices zero-filled: fixed
-// 16-term sums). Thread: column x, rows i and i + 8, so each state or tile element read serves
-// two rows. Ends synchronised.
+// M + P into M (M = A_ak V, P = Â S: the backward needs only their sum), then U = X (M + P) (Â at
+// `ah`, the 16 x 16 matrices zero-filled: fixed 16-term sums). Thread: column x, rows i and
+// i + 8, so each state or tile element read serves two rows. Ends synchronised.
 __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
   const int BP = L.BP;
   for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
@@ -483,8 +488,7 @@ __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
       const float v = sm[L.v + jj * BP + x];
       m0 += k0[jj] * v, m1 += k1[jj] * v;
     }
-    sm[L.P + i * BP + x] = p0, sm[L.M + i * BP + x] = m0;
-    sm[L.P + (i + C / 2) * BP + x] = p1, sm[L.M + (i + C / 2) * BP + x] = m1;
+    sm[L.M + i * BP + x] = m0 + p0, sm[L.M + (i + C / 2) * BP + x] = m1 + p1;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
@@ -493,7 +497,7 @@ __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
     float u0 = 0.f, u1 = 0.f;
 #pragma unroll
     for (int l = 0; l < C; ++l) {
-      const float mp = sm[L.M + l * BP + x] + sm[L.P + l * BP + x];
+      const float mp = sm[L.M + l * BP + x];
       u0 += x0[l] * mp, u1 += x1[l] * mp;
     }
     sm[L.U + i * BP + x] = u0, sm[L.U + (i + C / 2) * BP + x] = u1;

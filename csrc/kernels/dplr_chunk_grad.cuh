@@ -102,44 +102,45 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       for (int q = 0; q < cols / 4; ++q) z += sm[L.gr + d * (cols / 4) + q];
       sm[L.zeta + d] = z;
     }
-    chunk_decays(sm, L, L.ga);  // Â in the gradient rows' space (written after P is made)
+    // Â and exp(Omega) in the gradient rows ga, gk (the raw stage there is spent), which the
+    // K-vector gradients write last; exp(G) is not stored (see there).
+    chunk_decays(sm, L, -1, L.gk, L.ga);
     __syncthreads();
     // exp(w) in place of w: the pair parts of the K-vector gradients multiply the factors up
     // (products of <= 15 factors <= 1, a few ulp) instead of exponentiating sums per pair. K^ =
-    // k exp(Omega) and B^ = b exp(Omega) in the gradient rows gk, gb (free until the K-vector
-    // gradients write them), 0 on the channel padding where exp(Omega) is not set.
+    // k exp(Omega) and B^ = b exp(Omega) in gk (over exp(Omega): same element, same thread) and
+    // gb, 0 on the channel padding where exp(Omega) is not set.
     for (int e = threadIdx.x; e < C * KP; e += NT) {
       const bool on = e % KP < K;
+      const float eo = on ? sm[L.gk + e] : 0.f;
       sm[L.w + e] = on ? expf(sm[L.w + e]) : 0.f;
-      sm[L.gk + e] = on ? sm[L.k + e] * sm[L.eO + e] : 0.f;
-      sm[L.gb + e] = on ? sm[L.b + e] * sm[L.eO + e] : 0.f;
+      sm[L.gk + e] = sm[L.k + e] * eo, sm[L.gb + e] = sm[L.b + e] * eo;
     }
     pseudo_values(sm, L, L.ga);
 
-    // Thread (column x, rows j and j + 8) in the loops over tile rows, so that each state or
-    // tile element read serves two rows; 4 channels per K-row read.
-    const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc;
-    const bool rows2 = j0 < C / 2;  // all 256 threads when cols = 32
+    // Thread (column x, rows j and j + 8 for j = j0, j0 + NT / cols, ..) in the loops over tile
+    // rows, so that each state or tile element read serves two rows; 4 channels per K-row read.
+    const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc, jstep = NT >> L.lc;
 
     // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU (the 16 x 16 matrices are zero-filled
     // outside their triangles: fixed 16-term sums).
-    if (rows2) {
+    for (int j = j0; j < C / 2; j += jstep) {
       float u0 = 0.f, u1 = 0.f;
       for (int i = 0; i < C; ++i) {
         const float o = rho * sm[L.dO + i * BP + x];
-        u0 += sm[L.Arb + i * CP + j0] * o, u1 += sm[L.Arb + i * CP + j0 + C / 2] * o;
+        u0 += sm[L.Arb + i * CP + j] * o, u1 += sm[L.Arb + i * CP + j + C / 2] * o;
       }
-      rows_dot_state(sm, L, L.gb, L.dS, j0, x, u0, u1);
-      sm[L.dU + j0 * BP + x] = u0, sm[L.dU + (j0 + C / 2) * BP + x] = u1;
+      rows_dot_state(sm, L, L.gb, L.dS, j, x, u0, u1);
+      sm[L.dU + j * BP + x] = u0, sm[L.dU + (j + C / 2) * BP + x] = u1;
     }
     __syncthreads();
-    if (rows2) {
+    for (int j = j0; j < C / 2; j += jstep) {
       float m0 = 0.f, m1 = 0.f;
       for (int i = 0; i < C; ++i) {
         const float du = sm[L.dU + i * BP + x];
-        m0 += sm[L.X + i * CP + j0] * du, m1 += sm[L.X + i * CP + j0 + C / 2] * du;
+        m0 += sm[L.X + i * CP + j] * du, m1 += sm[L.X + i * CP + j + C / 2] * du;
       }
-      sm[L.dM + j0 * BP + x] = m0, sm[L.dM + (j0 + C / 2) * BP + x] = m1;
+      sm[L.dM + j * BP + x] = m0, sm[L.dM + (j + C / 2) * BP + x] = m1;
     }
     __syncthreads();
     {  // pair-matrix gradients; dX only below the diagonal (the rest cannot reach dA_ab)
@@ -150,10 +151,8 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
           const float4 o = ld4(sm + L.dO + i * BP + q), vj = ld4(sm + L.v + j * BP + q);
           rk = dot4(o, vj, rk), rb = dot4(o, ld4(sm + L.U + j * BP + q), rb);
           if (j < i) {
-            const float4 m = ld4(sm + L.M + j * BP + q), pp = ld4(sm + L.P + j * BP + q);
             ak = dot4(ld4(sm + L.dM + i * BP + q), vj, ak);
-            dx = dot4(ld4(sm + L.dU + i * BP + q),
-                      make_float4(m.x + pp.x, m.y + pp.y, m.z + pp.z, m.w + pp.w), dx);
+            dx = dot4(ld4(sm + L.dU + i * BP + q), ld4(sm + L.M + j * BP + q), dx);  // M + P
           }
         }
       *reinterpret_cast<float4*>(sm + L.dA + 4 * (i * C + j)) = make_float4(rho * rk, rho * rb, ak, 0.f);
@@ -176,18 +175,18 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
     }
 
     // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+ (this tile's columns: final).
-    if (rows2) {
+    for (int j = j0; j < C / 2; j += jstep) {
       float v0 = 0.f, v1 = 0.f;
       for (int i = 0; i < C; ++i) {
         const float o = rho * sm[L.dO + i * BP + x], m = sm[L.dM + i * BP + x];
-        v0 += sm[L.Ark + i * CP + j0] * o + sm[L.Aak + i * CP + j0] * m;
-        v1 += sm[L.Ark + i * CP + j0 + C / 2] * o + sm[L.Aak + i * CP + j0 + C / 2] * m;
+        v0 += sm[L.Ark + i * CP + j] * o + sm[L.Aak + i * CP + j] * m;
+        v1 += sm[L.Ark + i * CP + j + C / 2] * o + sm[L.Aak + i * CP + j + C / 2] * m;
       }
-      rows_dot_state(sm, L, L.gk, L.dS, j0, x, v0, v1);
+      rows_dot_state(sm, L, L.gk, L.dS, j, x, v0, v1);
       if (x < c.nc) {
-        if (j0 < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j0, c.h, c.x0 + x) = from_f<T>(v0);
-        if (j0 + C / 2 < nrow)
-          *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j0 + C / 2, c.h, c.x0 + x) = from_f<T>(v1);
+        if (j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + x) = from_f<T>(v0);
+        if (j + C / 2 < nrow)
+          *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j + C / 2, c.h, c.x0 + x) = from_f<T>(v1);
       }
     }
     __syncthreads();  // dA_ab complete; K^, B^ read: the gradient rows are written below
@@ -238,15 +237,15 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
 #pragma unroll 1
       for (int h2 = 0; h2 < 2; ++h2) {
         const int i = i0 + h2 * (C / 2);
-        float dr = h2 ? g[1][0] : g[0][0], da = h2 ? g[1][1] : g[0][1];  // selects: no local memory
-        float dk = h2 ? g[1][2] : g[0][2], db = h2 ? g[1][3] : g[0][3];
-        const float eo = sm[L.eO + i * KP + d];
-        dr *= rho * sm[L.eG + i * KP + d], da *= eE(sm, L, i, d), dk *= eo, db *= eo;
+        // The state parts (selects: no local memory) take their row factors last: exp(E_i)
+        // and exp(Omega_i) are the products the pair walks end with (no exp(G) rows stored).
+        const float sr = h2 ? g[1][0] : g[0][0], sa = h2 ? g[1][1] : g[0][1];
+        const float sk = h2 ? g[1][2] : g[0][2], sb = h2 ? g[1][3] : g[0][3];
         const float* ew = sm + L.w + d;  // exp(w)
         const float4 di = ld4(sm + L.dA + 4 * (i * C + i));
-        dr += di.x * sm[L.k + i * KP + d] + di.y * sm[L.b + i * KP + d];
+        float dr = di.x * sm[L.k + i * KP + d] + di.y * sm[L.b + i * KP + d], da = 0.f;
         const float ewi = ew[i * KP];
-        float fex = 1.f;  // exp(sum of w_s over j < s < i)
+        float fex = 1.f;  // exp(sum of w_s over j < s < i); after the walk exp(E_i)
         for (int j = i - 1; j >= 0; --j) {
           const float fin = fex * ewi;
           const float kj = sm[L.k + j * KP + d], bj = sm[L.b + j * KP + d];
@@ -255,11 +254,11 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
           da += (a.z * kj + a.w * bj) * fex;
           fex *= ew[j * KP];
         }
+        dr += sr * (rho * (fex * ewi)), da += sa * fex;  // exp(G_i) = exp(E_i) exp(w_i)
         const int j = i;  // this row as the key
         const float4 dj = ld4(sm + L.dA + 4 * (j * C + j));
-        dk += dj.x * sm[L.r + j * KP + d];
-        db += dj.y * sm[L.r + j * KP + d];
-        fex = 1.f;  // exp(sum of w_s over j < s < i')
+        float dk = dj.x * sm[L.r + j * KP + d], db = dj.y * sm[L.r + j * KP + d];
+        fex = 1.f;  // exp(sum of w_s over j < s < i'); after the walk exp(Omega_j)
         for (int i2 = j + 1; i2 < C; ++i2) {
           const float fin = fex * ew[i2 * KP];
           const float ri = sm[L.r + i2 * KP + d], ai = sm[L.a + i2 * KP + d];
@@ -268,16 +267,25 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
           db += a.y * ri * fin + a.w * ai * fex;
           fex = fin;
         }
+        dk += sk * fex, db += sb * fex;
         sm[L.gr + i * KP + d] = dr, sm[L.ga + i * KP + d] = da;
         sm[L.gk + i * KP + d] = dk, sm[L.gb + i * KP + d] = db;
       }
     }
     __syncthreads();
 
-    auto kg_at = [&](int g, int64_t t, int d) {
-      VecArg v = p.kg;
-      v.ptr = static_cast<const float*>(p.kg.ptr) + c.tile / p.kg_pair * p.kg_tile + g * p.kg_grad;
-      return vptr<float>(v, c.s.b, t, c.h, d);
+    // Grad g of row t, channel d: straight into its output (kg_pair = 0, one tile), stored into
+    // this tile's slab (1), or added onto a zero-filled slab shared by two tiles (2).
+    auto put_kg = [&](int g, int64_t t, int d, float v) {
+      if (p.kg_pair == 0) {
+        *vptr<T>(p.kgd[g], c.s.b, t, c.h, d) = from_f<T>(v);
+        return;
+      }
+      VecArg s = p.kg;
+      s.ptr = static_cast<const float*>(p.kg.ptr) + c.tile / p.kg_pair * p.kg_tile + g * p.kg_grad;
+      float* const at = vptr<float>(s, c.s.b, t, c.h, d);
+      if (p.kg_pair == 1) *at = v;
+      else atomicAdd(at, v);
     };
     // dw = reverse cumsum + zeta (§6.4), exactly 0 where exp(w) == 0: per row t (reverse)
     // acc += x_t; acc = 0 where exp(w_t) == 0; dw_t = acc; acc += y_t. Four threads per channel,
@@ -313,21 +321,17 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         for (int r = 3; r >= 0; --r) {
           acc += x[r];
           if (z[r]) acc = 0.f;
-          if (on && r0 + r < nrow) atomicAdd(kg_at(kGradW, c.s.bos + t0 + r0 + r, d), acc);
+          if (on && r0 + r < nrow) put_kg(kGradW, c.s.bos + t0 + r0 + r, d, acc);
           acc += y[r];
         }
       }
     }
-    // One slab pointer per row; the four gradients sit kg_grad apart.
     for (int i = threadIdx.x / 64; i < nrow; i += NT / 64) {
-      float* const row = kg_at(kGradR, c.s.bos + t0 + i, 0);
-      const int64_t gk = (kGradK - kGradR) * p.kg_grad, ga = (kGradA - kGradR) * p.kg_grad;
-      const int64_t gb = (kGradB - kGradR) * p.kg_grad;
+      const int64_t t = c.s.bos + t0 + i;
       for (int d = threadIdx.x % 64; d < K; d += 64) {
-        float* const g = row + d * p.kg.sd;
         const int at = i * KP + d;
-        atomicAdd(g, sm[L.gr + at]), atomicAdd(g + gk, sm[L.gk + at]);
-        atomicAdd(g + ga, sm[L.ga + at]), atomicAdd(g + gb, sm[L.gb + at]);
+        put_kg(kGradR, t, d, sm[L.gr + at]), put_kg(kGradK, t, d, sm[L.gk + at]);
+        put_kg(kGradA, t, d, sm[L.ga + at]), put_kg(kGradB, t, d, sm[L.gb + at]);
       }
     }
   }

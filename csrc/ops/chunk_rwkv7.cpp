@@ -5,6 +5,8 @@
 // tile partial gradients.
 #include <torch/library.h>
 
+#include <array>
+
 #include "rwkv7_autograd.h"
 
 namespace fla::ops {
@@ -59,12 +61,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   if (has_dht) check_state(*grad_final_state, "grad_final_state", r, d.N, d.H, d.K, d.V);
 
   const auto acc = r.options().dtype(acc_type(r));
-  // [slabs, grad, <r's shape>]: per-tile partial sums, two tiles per zero-filled slab on CUDA
-  // (DplrArgs::kg_pair), one per tile on the CPU.
-  const int tiles = dplr_chunk_tiles(int(d.K), int(d.V)), pair = r.is_cuda() ? 2 : 1;
+  // The K-vector gradients: on CUDA with V in one column tile, straight into the outputs
+  // (DplrArgs::kg_pair = 0); else per-tile partial sums [slabs, grad, <r's shape>], two tiles per
+  // zero-filled slab on CUDA, one per tile on the CPU, added here.
+  const int tiles = dplr_chunk_tiles(int(d.K), int(d.V));
+  const int pair = r.is_cuda() ? (tiles == 1 ? 0 : 2) : 1;
   auto kg_sizes = r.sizes().vec();
-  kg_sizes.insert(kg_sizes.begin(), {int64_t((tiles + pair - 1) / pair), int64_t(kNumKGrads)});
+  kg_sizes.insert(kg_sizes.begin(), {int64_t(pair ? (tiles + pair - 1) / pair : 0), int64_t(kNumKGrads)});
   Tensor kg = pair == 2 ? at::zeros(kg_sizes, acc) : new_output(kg_sizes, acc);
+  std::array<Tensor, kNumKGrads> kgd;
+  if (pair == 0)
+    for (auto& t : kgd) t = new_output(r.sizes(), r.options());
   Tensor dv = new_output(v.sizes(), v.options());
   Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
   const int64_t slots = chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
@@ -77,7 +84,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);
-    p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1), p.kg_pair = pair;
+    p.kg_pair = pair;
+    if (pair) p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
+    else
+      for (int g = 0; g < kNumKGrads; ++g) p.kgd[g] = d.L.vec(kgd[g]);
     p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr();
     run(p);
   } else if (has_h0) {
@@ -85,7 +95,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     // sequence is empty and the state gradient passes through.
     has_dht ? dh0.copy_(*grad_final_state) : dh0.zero_();
   }
-  auto grad = [&](int g) { return kgrad_sum(kg, g, r); };
+  auto grad = [&](int g) { return pair ? kgrad_sum(kg, g, r) : kgd[g]; };
   return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
 }
 

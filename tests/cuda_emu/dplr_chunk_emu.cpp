@@ -44,9 +44,11 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   p.ws = wsb.data_ptr();
   Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V}), dhst = poison({slots, H, K, V});
   // As the CUDA op lays them out (csrc/ops/chunk_rwkv7.cpp): two column tiles add into one
-  // zero-filled slab.
-  const int tiles = dplr_chunk_tiles(K, V), pair = 2;
-  Tensor kg = torch::zeros({(tiles + pair - 1) / pair, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
+  // zero-filled slab; a single tile stores straight into the (poisoned) gradients.
+  const int tiles = dplr_chunk_tiles(K, V), pair = tiles > 1 ? 2 : 0;
+  std::vector<Tensor> kgd;
+  for (int g = 0; g < kNumKGrads; ++g) kgd.push_back(poison(r.sizes(), r.scalar_type()));
+  Tensor kg = torch::zeros({(tiles + 1) / 2, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
          dh0 = poison({N, H, K, V});
   if (!bwd) {
     p.o = vec(o), p.hT = mat(hT);
@@ -54,7 +56,9 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     p.dout = vec(dout), p.dv = vec(dv), p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr();
     if (dht.numel()) p.dht = mat(dht);
     if (h0.numel()) p.dh0 = mat(dh0);
-    p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1), p.kg_pair = pair;
+    p.kg_pair = pair;
+    if (pair) p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
+    for (int g = 0; g < kNumKGrads && !pair; ++g) p.kgd[g] = vec(kgd[g]);
   }
   p.rows16 = rows16<E>(p);  // as the launch decides: asynchronous row copies where they apply
   emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(p); }); });
@@ -66,7 +70,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   if (!bwd) return {o, hT};
   emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true>(p); }); });
   emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { cta([&] { grad_kernel<E>(p); }); });
-  auto g = [&](int i) { return kg.select(1, i).sum(0).to(r.scalar_type()); };
+  auto g = [&](int i) { return pair ? kg.select(1, i).sum(0).to(r.scalar_type()) : kgd[i]; };
   return {g(kGradR), g(kGradW), g(kGradK), dv, g(kGradA), g(kGradB), dh0};
 }
 
