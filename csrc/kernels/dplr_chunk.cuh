@@ -473,22 +473,49 @@ __device__ inline void prepare(float* sm, const Smem& L) {
   }
 }
 
+// acc (this lane's m16n8 tile, columns n0..n0 + 8 of a tile) += R St on TF32 tensor cores: R a
+// K-row array [C][KP] at offset `rows`, St a state array [K][BP] at offset `st` (channels past K
+// masked: the row padding may be unset). bf16 / fp16 inputs only, as warp_mma.
+__device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, int rows, int st,
+                                               int n0, float (&acc)[4]) {
+  const int K = L.K, KP = L.KP, BP = L.BP;
+  warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? sm[rows + r * KP + k] : 0.f; },
+           [&](int k, int n) { return k < K ? sm[st + k * BP + n0 + n] : 0.f; });
+}
+
 // M + P into M (M = A_ak V, P = Â S: the backward needs only their sum), then U = X (M + P) (Â at
-// `ah`, the 16 x 16 matrices zero-filled: fixed 16-term sums). Thread: column x, rows i and
-// i + 8, so each state or tile element read serves two rows. Ends synchronised.
+// `ah`, the 16 x 16 matrices zero-filled: fixed 16-term sums). P on TF32 tensor cores (TC: a
+// warp per 8 columns, M added in its epilogue), else exact SIMT with thread (column x, rows i
+// and i + 8), so that each state or tile element read serves two rows. Ends synchronised.
+template <bool TC>
 __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
   const int BP = L.BP;
-  for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
-    const int i = e >> L.lc, x = e & (L.cols - 1);
-    const float *k0 = sm + L.Aak + i * CP, *k1 = k0 + (C / 2) * CP;
-    float p0 = 0.f, p1 = 0.f, m0 = 0.f, m1 = 0.f;
-    rows_dot_state(sm, L, ah, L.S, i, x, p0, p1);
+  if (TC) {
+    for (int n0 = 8 * (threadIdx.x / 32); n0 < L.cols; n0 += NT / 4) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      rows_state_mma(sm, L, ah, L.S, n0, acc);
 #pragma unroll
-    for (int jj = 0; jj < C; ++jj) {
-      const float v = sm[L.v + jj * BP + x];
-      m0 += k0[jj] * v, m1 += k1[jj] * v;
+      for (int e = 0; e < 4; ++e) {
+        const int i = acc_row(0, e), x = acc_col(n0, e);
+        float m = 0.f;
+#pragma unroll
+        for (int j = 0; j < C; ++j) m += sm[L.Aak + i * CP + j] * sm[L.v + j * BP + x];
+        sm[L.M + i * BP + x] = m + acc[e];
+      }
     }
-    sm[L.M + i * BP + x] = m0 + p0, sm[L.M + (i + C / 2) * BP + x] = m1 + p1;
+  } else {
+    for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
+      const int i = e >> L.lc, x = e & (L.cols - 1);
+      const float *k0 = sm + L.Aak + i * CP, *k1 = k0 + (C / 2) * CP;
+      float p0 = 0.f, p1 = 0.f, m0 = 0.f, m1 = 0.f;
+      rows_dot_state(sm, L, ah, L.S, i, x, p0, p1);
+#pragma unroll
+      for (int jj = 0; jj < C; ++jj) {
+        const float v = sm[L.v + jj * BP + x];
+        m0 += k0[jj] * v, m1 += k1[jj] * v;
+      }
+      sm[L.M + i * BP + x] = m0 + p0, sm[L.M + (i + C / 2) * BP + x] = m1 + p1;
+    }
   }
   __syncthreads();
   for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {

@@ -10,7 +10,7 @@ namespace dplr_chunk_detail {
 // columns): with S (hst), S+ and dS+ (dhst, from the reverse sweep) known, every chunk's
 // gradients are independent. The pair matrices and X come from the prep workspace.
 template <typename T>
-__global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
+__global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
@@ -116,15 +116,30 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       sm[L.w + e] = on ? expf(sm[L.w + e]) : 0.f;
       sm[L.gk + e] = sm[L.k + e] * eo, sm[L.gb + e] = sm[L.b + e] * eo;
     }
-    pseudo_values(sm, L, L.ga);
+    pseudo_values<TC>(sm, L, L.ga);
 
     // Thread (column x, rows j and j + 8 for j = j0, j0 + NT / cols, ..) in the loops over tile
     // rows, so that each state or tile element read serves two rows; 4 channels per K-row read.
     const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc, jstep = NT >> L.lc;
 
     // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU (the 16 x 16 matrices are zero-filled
-    // outside their triangles: fixed 16-term sums).
-    for (int j = j0; j < C / 2; j += jstep) {
+    // outside their triangles: fixed 16-term sums). TC: B^ dS+ on tensor cores, a warp per 8
+    // columns, the pair part in its epilogue.
+    if (TC) {
+      for (int n0 = 8 * (threadIdx.x / 32); n0 < cols; n0 += NT / 4) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        rows_state_mma(sm, L, L.gb, L.dS, n0, acc);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = acc_row(0, e), xx = acc_col(n0, e);
+          float u = 0.f;
+#pragma unroll
+          for (int i = 0; i < C; ++i) u += sm[L.Arb + i * CP + j] * (rho * sm[L.dO + i * BP + xx]);
+          sm[L.dU + j * BP + xx] = u + acc[e];
+        }
+      }
+    }
+    for (int j = j0; j < (TC ? 0 : C / 2); j += jstep) {
       float u0 = 0.f, u1 = 0.f;
       for (int i = 0; i < C; ++i) {
         const float o = rho * sm[L.dO + i * BP + x];
@@ -174,8 +189,26 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
       sm[L.dA + 4 * (i * C + j) + 3] = z;
     }
 
-    // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+ (this tile's columns: final).
-    for (int j = j0; j < C / 2; j += jstep) {
+    // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+ (this tile's columns: final); TC as dU.
+    auto put_dv = [&](int j, int xx, float v) {
+      if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
+    };
+    if (TC) {
+      for (int n0 = 8 * (threadIdx.x / 32); n0 < cols; n0 += NT / 4) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        rows_state_mma(sm, L, L.gk, L.dS, n0, acc);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = acc_row(0, e), xx = acc_col(n0, e);
+          float v = 0.f;
+#pragma unroll
+          for (int i = 0; i < C; ++i)
+            v += sm[L.Ark + i * CP + j] * (rho * sm[L.dO + i * BP + xx]) + sm[L.Aak + i * CP + j] * sm[L.dM + i * BP + xx];
+          put_dv(j, xx, v + acc[e]);
+        }
+      }
+    }
+    for (int j = j0; j < (TC ? 0 : C / 2); j += jstep) {
       float v0 = 0.f, v1 = 0.f;
       for (int i = 0; i < C; ++i) {
         const float o = rho * sm[L.dO + i * BP + x], m = sm[L.dM + i * BP + x];
@@ -183,11 +216,7 @@ __global__ void __launch_bounds__(NT) grad_kernel(const DplrChunkPass p) {
         v1 += sm[L.Ark + i * CP + j + C / 2] * o + sm[L.Aak + i * CP + j + C / 2] * m;
       }
       rows_dot_state(sm, L, L.gk, L.dS, j, x, v0, v1);
-      if (x < c.nc) {
-        if (j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + x) = from_f<T>(v0);
-        if (j + C / 2 < nrow)
-          *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j + C / 2, c.h, c.x0 + x) = from_f<T>(v1);
-      }
+      put_dv(j, x, v0), put_dv(j + C / 2, x, v1);
     }
     __syncthreads();  // dA_ab complete; K^, B^ read: the gradient rows are written below
     // bf16 / fp16: the state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T
