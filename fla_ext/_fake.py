@@ -67,16 +67,23 @@ def _chunk_gla_fake(q, k, v, g=None, gv=None, scale=None, initial_state=None,
 def _chunk_train(q, v, o, ht, head_first, cu_seqlens, pairs=True):
     """The training forward's outputs: (o, ht) plus the workspaces the CUDA backend keeps: hst,
     and the pair matrices for key-side passes (`pairs` is False for a value-side decay)."""
-    N, H = _state_rows(q, head_first, cu_seqlens)
     if q.device.type != "cuda":
         return o, ht, q.new_empty((0,), dtype=_acc(q)), q.new_empty((0,), dtype=_acc(q))
+    hst = _states(q, v, head_first, cu_seqlens, 64)
+    return o, ht, hst, q.new_empty((hst.shape[0], hst.shape[1], 64, 64) if pairs else (0,),
+                                   dtype=_acc(q))
+
+
+def _states(q, v, head_first, cu_seqlens, C):
+    """The chunk-start states workspace of C-row chunks, [slots, H, K, V] (kernels/chunk.h
+    chunk_slots)."""
+    N, H = _state_rows(q, head_first, cu_seqlens)
     T = q.shape[2] if head_first else q.shape[1]
-    if cu_seqlens is not None:  # kernels/chunk.h: chunk_slots
-        slots = (q.shape[0] * T) // 64 + 2 * N + 1
+    if cu_seqlens is not None:
+        slots = (q.shape[0] * T) // C + 2 * N + 1
     else:
-        slots = N * ((T + 63) // 64 + 1)
-    hst = q.new_empty((slots, H, q.shape[-1], v.shape[-1]), dtype=_acc(q))
-    return o, ht, hst, q.new_empty((slots, H, 64, 64) if pairs else (0,), dtype=_acc(q))
+        slots = N * ((T + C - 1) // C + 1)
+    return q.new_empty((slots, H, q.shape[-1], v.shape[-1]), dtype=_acc(q))
 
 
 @torch.library.register_fake("fla::chunk_gla_train")
@@ -134,16 +141,28 @@ def _(r, w, k, v, a, b, scale=None, initial_state=None, output_final_state=True,
 
 
 @torch.library.register_fake("fla::chunk_rwkv7")
-def _(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-      head_first=False):
+def _chunk_rwkv7_fake(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
+                      cu_seqlens=None, head_first=False):
     N, H = _state_rows(r, head_first, cu_seqlens)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     shape = (N if output_final_state else 0, H, r.shape[-1], v.shape[-1])
     return o, r.new_empty(shape, dtype=_acc(r))
 
 
+@torch.library.register_fake("fla::chunk_rwkv7_train")
+def _(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, head_first):
+    """(o, ht) and the chunk-start states (16-row chunks) the CUDA backend keeps, empty
+    elsewhere."""
+    o, ht = _chunk_rwkv7_fake(r, w, k, v, a, b, scale, initial_state, output_final_state,
+                              cu_seqlens, head_first)
+    if r.device.type != "cuda":
+        return o, ht, r.new_empty((0,), dtype=_acc(r))
+    return o, ht, _states(r, v, head_first, cu_seqlens, 16)
+
+
 @torch.library.register_fake("fla::chunk_rwkv7_bwd")
-def _(r, w, k, v, a, b, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first):
+def _(r, w, k, v, a, b, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first,
+      hst=None):
     N, H = _state_rows(r, head_first, cu_seqlens)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     dh0 = r.new_empty((N if initial_state is not None else 0, H, r.shape[-1], v.shape[-1]),

@@ -116,6 +116,60 @@ def test_row_copy_paths_agree(dtype, tol, gen):
 
 
 # ---------------------------------------------------------------------------------------------
+# The training forward (chunk_rwkv7_train): on CUDA it keeps the chunk-start states, and the
+# backward that reads them skips its forward sweep.
+
+def _same(xs, ys):
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_train_forward_keeps_states(device):
+    train, bwd = torch.ops.fla.chunk_rwkv7_train.default, torch.ops.fla.chunk_rwkv7_bwd.default
+    for s in samples(CHUNK, device, requires_grad=False):
+        torch.library.opcheck(train, s)
+        o, ht, hst = train(*s)
+        _same((o, ht), torch.ops.fla.chunk_rwkv7(*s))
+        assert (hst.numel() > 0) == (device == "cuda")
+        bargs = bwd_args(CHUNK, s, device)
+        torch.library.opcheck(bwd, bargs + (hst,))
+        _same(bwd(*bargs, hst), bwd(*bargs))  # same kernels and arithmetic: bitwise equal
+        if device == "cuda":
+            with pytest.raises(ValueError, match="`hst` must be the"):
+                bwd(*bargs, torch.zeros(3, 2, 2, 2, device=device))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_autograd_uses_kept_states(dtype, gen):
+    """A recording call holds the states until backward (an inference call holds nothing more
+    than its outputs), and its gradients equal the rebuilt-state backward's bitwise."""
+    B, T, H, K, V = 2, 100, 2, 64, 64
+    r, w, k, v, a, b, h0 = make(B, T, H, K, V, dtype, "cuda", gen)
+    xs = [t.requires_grad_(True) for t in (r, w, k, v, a, b, h0)]
+    states = B * (T // 16 + 2) * H * K * V * 4
+
+    def held(grad):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.set_grad_enabled(grad):
+            out = chunk_rwkv7(*xs[:6], scale=0.5, initial_state=xs[6], output_final_state=True)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before, out
+
+    inference, _ = held(False)
+    training, (o, ht) = held(True)
+    assert inference < states <= training
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
+    raw = torch.ops.fla.chunk_rwkv7_bwd(*[x.detach() for x in xs[:6]], do, dht, 0.5,
+                                         xs[6].detach(), None, False)
+    _same(grads, raw)
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA graph capture of the raw ops (opcheck and torch.compile: test_rwkv7.py).
 
 @pytest.mark.cuda

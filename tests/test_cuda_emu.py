@@ -71,12 +71,15 @@ def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv"):
     dht = torch.randn(ht.shape, generator=gen)
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
     none, cu_e = torch.empty(0), cu_t if cu else torch.empty(0, dtype=torch.int64)
-    eo, eht = emu.run(*ins, h0, none, none, 0.7, cu_e)
+    eo, eht = emu.run(*ins, h0, none, none, 0.7, cu_e, False)
     assert_close("o", eo, o.detach(), tol, 1e-6)
     assert_close("ht", eht, ht.detach(), tol, 1e-6)
-    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e)
+    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, False)
     for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
         assert_close(f"d{name}", x, y, 5 * tol if name == "w" else tol, 1e-6)
+    # The training forward's kept states (chunk_rwkv7_train): the same gradients, bitwise.
+    for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, True), eg):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
 # The chunk engine: K <= 64 and K = 128 take the state kernel that forms o (one or two K tiles

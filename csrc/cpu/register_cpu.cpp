@@ -31,6 +31,7 @@ TORCH_LIBRARY_IMPL(fla, CPU, m) {
   m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cpu>);
   m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cpu>);
   m.impl("chunk_rwkv7", &ops::chunk_rwkv7_impl<run_dplr_chunk_cpu>);
+  m.impl("chunk_rwkv7_train", &ops::chunk_rwkv7_train_impl<run_dplr_chunk_cpu>);
   m.impl("chunk_rwkv7_bwd", &ops::chunk_rwkv7_bwd_impl<run_dplr_chunk_cpu>);
 }
 

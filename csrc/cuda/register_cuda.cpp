@@ -46,6 +46,7 @@ TORCH_LIBRARY_IMPL(fla, CUDA, m) {
   m.impl("fused_recurrent_rwkv7", &ops::fused_recurrent_rwkv7_impl<run_dplr_cuda>);
   m.impl("fused_recurrent_rwkv7_bwd", &ops::fused_recurrent_rwkv7_bwd_impl<run_dplr_cuda>);
   m.impl("chunk_rwkv7", &ops::chunk_rwkv7_impl<run_dplr_chunk_cuda>);
+  m.impl("chunk_rwkv7_train", &ops::chunk_rwkv7_train_impl<run_dplr_chunk_cuda>);
   m.impl("chunk_rwkv7_bwd", &ops::chunk_rwkv7_bwd_impl<run_dplr_chunk_cuda>);
 }
 

@@ -583,9 +583,12 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   }
   __syncthreads();
   prepare(sm, L);
+  // U0 (and O0) serve the forward sweep alone: a backward with the forward's states kept skips
+  // them.
+  const bool cols_wanted = !(p.backward() && p.hst_kept);
   // All of v at once into the stage (over the pair workspace, free now), in flight during the
   // K-wide rows below; every column tile reads it.
-  if (p.rows16) {
+  if (p.rows16 && cols_wanted) {
     copy_cols_async<T>(sm, L, p.v, 0, s, h, t0, nrow, 0, p.V, p.V);
     copy_commit();
   }
@@ -633,7 +636,7 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   // (A_rk V + A_rb U0) (forward only); columns in [V, VP4) are written (0: v reads 0 there).
   const float rho = float(p.scale);
   const int x = threadIdx.x % cols, G = NT / cols, g = threadIdx.x / cols;
-  for (int x0 = 0; x0 < p.V; x0 += cols) {
+  for (int x0 = 0; x0 < (cols_wanted ? p.V : 0); x0 += cols) {
     if (p.rows16) {
       if (x0 == 0) {
         copy_wait<0>();

@@ -70,8 +70,12 @@ struct DplrWs {
 
 struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients
   // Backward workspace (acc, contiguous [chunk_slots<kDplrChunk>(N, T, varlen), H, K, V]): the
-  // chunk-start states and, in the slot after a sequence's last chunk, its final state.
+  // chunk-start states and, in the slot after a sequence's last chunk, its final state. A CUDA
+  // forward stores them when set (the training forward keeps them for its backward).
   void* hst = nullptr;
+  // CUDA backward: hst holds the forward's states already; no forward sweep runs, and prep skips
+  // U0 (only that sweep reads it).
+  bool hst_kept = false;
   // CUDA workspaces (CPU: unused): [chunk_slots<kDplrChunk>(N, T, varlen), H, DplrWs::per()]
   // fp32, and for the backward dS at every chunk end, laid out as hst.
   void* ws = nullptr;

@@ -33,9 +33,12 @@ cudaError_t launch(const DplrChunkPass& p_in, cudaStream_t stream) {
   const size_t sweep_bytes = StateSmem(DplrWs(p.K, p.V), p.K).bytes();
   const dim3 sweeps(unsigned(int64_t(p.N) * p.H * state_tiles(p.V)));
   if (!p.backward()) return launch_with_smem(sweep_kernel<T, false>, sweeps, NTS, sweep_bytes, p, stream);
-  // The forward sweep of a backward call writes only hst (its o and hT are off).
-  e = launch_with_smem(sweep_kernel<T, false, false>, sweeps, NTS, sweep_bytes, p, stream);
-  if (e != cudaSuccess) return e;
+  // The forward sweep of a backward call writes only hst (its o and hT are off), unless the
+  // training forward kept them.
+  if (!p.hst_kept) {
+    e = launch_with_smem(sweep_kernel<T, false, false>, sweeps, NTS, sweep_bytes, p, stream);
+    if (e != cudaSuccess) return e;
+  }
   e = launch_with_smem(sweep_kernel<T, true>, sweeps, NTS, sweep_bytes, p, stream);
   if (e != cudaSuccess) return e;
   return launch_with_smem(grad_kernel<T>, dim3(unsigned(slots), p.H, dplr_chunk_tiles(p.K, p.V)), NT,

@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const float* wsb = static_cast<const float*>(p.ws);
   const float rho = float(p.scale);
   auto slot_of = [&](int64_t ci) { return chunk_slot<C>(p.cu_seqlens, n, p.T, ci); };
+  auto slot_of_seq = [&](int m) { return chunk_slot<C>(p.cu_seqlens, m, p.T, 0); };
   auto chunk_of = [&](int64_t step) { return REV ? nch - 1 - step : step; };
 
   const bool want_o = OUT && p.o.on();
@@ -89,11 +90,12 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       x[it] = on ? *vptr<T>(REV ? p.dout : p.v, s.b, s.bos + t, h, x0 + c) : from_f<T>(0.f);
     }
   };
-  auto store_state_at = [&](void* dst_base, int64_t ci) {
-    float* dst = static_cast<float*>(dst_base) + (slot_of(ci) * p.H + h) * int64_t(K) * p.V + x0;
+  auto store_slot = [&](void* dst_base, int64_t slot, bool zero) {
+    float* dst = static_cast<float*>(dst_base) + (slot * p.H + h) * int64_t(K) * p.V + x0;
     for (int e = threadIdx.x; e < K * SX; e += NTS)
-      if (e % SX < nc) dst[int64_t(e / SX) * p.V + e % SX] = S[e / SX * SXP + e % SX];
+      if (e % SX < nc) dst[int64_t(e / SX) * p.V + e % SX] = zero ? 0.f : S[e / SX * SXP + e % SX];
   };
+  auto store_state_at = [&](void* dst_base, int64_t ci) { store_slot(dst_base, slot_of(ci), false); };
   auto store_o = [&](int64_t ci, int i, int x, float v) {
     const int64_t t = ci * C + i;
     if (t < s.len && x < nc) *vptr<T>(p.o, s.b, s.bos + t, h, x0 + x) = from_f<T>(v);
@@ -229,7 +231,13 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     __syncthreads();
   }
   const MatArg& fin = REV ? p.dh0 : p.hT;
-  if (!REV && p.hst) store_state_at(p.hst, nch);
+  if (!REV && p.hst) {
+    store_state_at(p.hst, nch);
+    if (p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
+      const int64_t next = n + 1 < p.N ? slot_of_seq(n + 1) : chunk_slots<C>(p.N, p.T, true);
+      for (int64_t slot = slot_of(nch) + 1; slot < next; ++slot) store_slot(p.hst, slot, true);
+    }
+  }
   if (fin.on())
     for (int e = threadIdx.x; e < K * SX; e += NTS)
       if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = S[e / SX * SXP + e % SX];

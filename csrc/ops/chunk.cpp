@@ -96,18 +96,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
 
 namespace {
 
-// A kept workspace handed to the backward: null when absent or empty, else checked to be the
-// workspace this call would have allocated (the _bwd ops are public: a wrong one must not be
-// read out of bounds).
-const Tensor* kept(const std::optional<Tensor>& t, const Tensor& like, const char* name) {
-  if (!has(t) || t->numel() == 0) return nullptr;
-  TORCH_CHECK_VALUE(t->sizes() == like.sizes() && t->scalar_type() == like.scalar_type() &&
-                        t->device() == like.device() && t->is_contiguous(),
-                    "fla_ext: `", name, "` must be the ", like.scalar_type(), " workspace ",
-                    shape_str(like), " on ", like.device(), " returned by the _train op, got ",
-                    t->scalar_type(), " ", shape_str(*t), " on ", t->device());
-  return &*t;
-}
 
 }  // namespace
 
@@ -133,8 +121,8 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
   Tensor hst = state_workspace(a, q), dhst = state_workspace(a, q);
   // A key-side pass keeps hst and amat together, a value-side pass hst alone (its amat is of dO).
-  const Tensor* hst_kept = kept(hst_in, hst, "hst");
-  const Tensor* amat_kept = vside ? nullptr : kept(amat_in, pair_workspace(a, hst), "amat");
+  const Tensor* hst_kept = kept_workspace(hst_in, hst, "hst");
+  const Tensor* amat_kept = vside ? nullptr : kept_workspace(amat_in, pair_workspace(a, hst), "amat");
   TORCH_CHECK_VALUE(vside || (hst_kept == nullptr) == (amat_kept == nullptr),
                     "fla_ext: `hst` and `amat` come together from the _train op: pass both or neither");
   if (hst_kept) hst = *hst_kept;

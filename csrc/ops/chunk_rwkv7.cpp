@@ -1,8 +1,8 @@
 // Chunked RWKV7 (ALGORITHMS.md §6, WY/UT form): the same map as fused_recurrent_rwkv7 computed
-// chunk-parallel by the engine of kernels/dplr_chunk.h. The forward saves nothing but its
-// inputs; the backward recomputes the chunk-start states, then runs the reverse chunk pass. This
-// file checks the arguments (the rwkv7 checks), lays out the workspace and adds the per-column-
-// tile partial gradients.
+// chunk-parallel by the engine of kernels/dplr_chunk.h. A recording forward on CUDA
+// (chunk_rwkv7_train) keeps the chunk-start states for the backward, as chunk_gla / chunk_rwkv6
+// do (keeps_workspaces); otherwise the backward recomputes them. This file checks the arguments
+// (the rwkv7 checks), lays out the workspaces and adds the per-column-tile partial gradients.
 #include <torch/library.h>
 
 #include <array>
@@ -29,10 +29,19 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
 
 }  // namespace
 
-std::tuple<Tensor, Tensor> chunk_rwkv7_fwd(
+// The chunk-start states [slots, H, K, V] (slot after a sequence's last chunk: its final state;
+// varlen gap slots are never written, hence new_output: poisoned under FLA_EXT_POISON), or [0]
+// when not needed.
+Tensor dplr_states(const DiagArgs& d, const Tensor& r, bool needed) {
+  const auto acc = r.options().dtype(acc_type(r));
+  if (!needed) return new_output({0}, acc);
+  return new_output({chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined()), d.H, d.K, d.V}, acc);
+}
+
+std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
+    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first, bool keep,
     DplrChunkRunner run) {
   c10::OptionalDeviceGuard guard(r.device());
   const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
@@ -43,15 +52,18 @@ std::tuple<Tensor, Tensor> chunk_rwkv7_fwd(
   DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws);
   p.o = d.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
+  Tensor hst = dplr_states(d, r, keep);
+  if (keep) p.hst = hst.data_ptr();  // the forward sweep stores them
   run(p);
-  return {o, hT};
+  return {o, hT, hst};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_bwd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    const std::optional<Tensor>& cu_seqlens, bool head_first, DplrChunkRunner run) {
+    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& hst_in,
+    DplrChunkRunner run) {
   c10::OptionalDeviceGuard guard(r.device());
   const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
   check_activation(grad_o, "grad_o", r, "r");
@@ -74,9 +86,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     for (auto& t : kgd) t = new_output(r.sizes(), r.options());
   Tensor dv = new_output(v.sizes(), v.options());
   Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
-  const int64_t slots = chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
-  Tensor hst = at::empty({d.T > 0 ? slots : 0, d.H, d.K, d.V}, acc);
-  Tensor dhst = at::empty({d.T > 0 && r.is_cuda() ? slots : 0, d.H, d.K, d.V}, acc);
+  Tensor hst = dplr_states(d, r, d.T > 0), dhst = dplr_states(d, r, d.T > 0 && r.is_cuda());
+  // Only CUDA keeps them (chunk_rwkv7_train); the CPU engine makes its own.
+  const Tensor* kept = r.is_cuda() && d.T > 0 ? kept_workspace(hst_in, hst, "hst") : nullptr;
+  if (kept) hst = *kept;
 
   if (d.T > 0) {
     Tensor ws;
@@ -88,7 +101,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     if (pair) p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
     else
       for (int g = 0; g < kNumKGrads; ++g) p.kgd[g] = d.L.vec(kgd[g]);
-    p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr();
+    p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.hst_kept = kept != nullptr;
     run(p);
   } else if (has_h0) {
     // No rows (every activation pointer null, so the pass would read as a forward): every
@@ -104,24 +117,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
 namespace {
 
 struct ChunkOps {  // fused_recurrent's argument lists; `reverse` is always false here
-  static auto fwd(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
-                  const Tensor& a, const Tensor& b, std::optional<double> scale,
-                  const std::optional<Tensor>& h0, bool output_final_state, bool /*reverse*/,
-                  const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  // A recording call runs the _train op (it also returns hst), any other the plain op.
+  static std::tuple<Tensor, Tensor, Tensor> fwd(
+      bool train, const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
+      const Tensor& a, const Tensor& b, std::optional<double> scale,
+      const std::optional<Tensor>& h0, bool output_final_state, bool /*reverse*/,
+      const std::optional<Tensor>& cu_seqlens, bool head_first) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::chunk_rwkv7", "")
                          .typed<decltype(chunk_rwkv7_impl<nullptr>)>();
-    return op.call(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, head_first);
+    static auto op_train = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fla::chunk_rwkv7_train", "")
+                               .typed<decltype(chunk_rwkv7_train_impl<nullptr>)>();
+    if (train) return op_train.call(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, head_first);
+    auto [o, hT] = op.call(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, head_first);
+    return {o, hT, Tensor()};
   }
   static auto bwd(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
                   const Tensor& a, const Tensor& b, const Tensor& grad_o,
                   const std::optional<Tensor>& dht, std::optional<double> scale,
                   const std::optional<Tensor>& h0, bool /*reverse*/,
-                  const std::optional<Tensor>& cu_seqlens, bool head_first) {
+                  const std::optional<Tensor>& cu_seqlens, bool head_first, const Tensor& hst) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::chunk_rwkv7_bwd", "")
                          .typed<decltype(chunk_rwkv7_bwd_impl<nullptr>)>();
-    return op.call(r, w, k, v, a, b, grad_o, dht, scale, h0, cu_seqlens, head_first);
+    return op.call(r, w, k, v, a, b, grad_o, dht, scale, h0, cu_seqlens, head_first, some(hst));
   }
 };
 
@@ -130,7 +150,8 @@ std::tuple<Tensor, Tensor> chunk_rwkv7_autograd(
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
   auto out = Rwkv7Function<ChunkOps>::apply(r, w, k, v, a, b, scale, initial_state,
-                                            output_final_state, false, cu_seqlens, head_first);
+                                            output_final_state, false, cu_seqlens, head_first,
+                                            training(r, w, k, v, a, b, initial_state));
   return {out[0], out[1]};
 }
 

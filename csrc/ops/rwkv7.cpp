@@ -117,20 +117,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
 // Autograd (rwkv7_autograd.h): the backward is the fla::fused_recurrent_rwkv7_bwd op.
 namespace {
 
-struct FusedOps {
+struct FusedOps {  // keeps no workspace: the backward reruns the forward sweep (checkpoints)
   template <class... A>
-  static auto fwd(A&&... args) {
+  static std::tuple<Tensor, Tensor, Tensor> fwd(bool /*train*/, A&&... args) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::fused_recurrent_rwkv7", "")
                          .typed<decltype(fused_recurrent_rwkv7_impl<nullptr>)>();
-    return op.call(std::forward<A>(args)...);
+    auto [o, hT] = op.call(std::forward<A>(args)...);
+    return {o, hT, Tensor()};
   }
-  template <class... A>
-  static auto bwd(A&&... args) {
+  static auto bwd(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
+                  const Tensor& a, const Tensor& b, const Tensor& grad_o,
+                  const std::optional<Tensor>& dht, std::optional<double> scale,
+                  const std::optional<Tensor>& h0, bool reverse,
+                  const std::optional<Tensor>& cu_seqlens, bool head_first, const Tensor& /*ws*/) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::fused_recurrent_rwkv7_bwd", "")
                          .typed<decltype(fused_recurrent_rwkv7_bwd_impl<nullptr>)>();
-    return op.call(std::forward<A>(args)...);
+    return op.call(r, w, k, v, a, b, grad_o, dht, scale, h0, reverse, cu_seqlens, head_first);
   }
 };
 
@@ -140,7 +144,8 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv7_autograd(
     bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
     bool head_first) {
   auto out = Rwkv7Function<FusedOps>::apply(r, w, k, v, a, b, scale, initial_state,
-                                            output_final_state, reverse, cu_seqlens, head_first);
+                                            output_final_state, reverse, cu_seqlens, head_first,
+                                            false);
   return {out[0], out[1]};
 }
 

@@ -1,7 +1,9 @@
 // The autograd Function of both RWKV7 ops (fused recurrent and chunked): forward and backward are
 // dispatcher calls of the op pair that `Ops` names, so that torch.compile traces them like any
 // other op. Ops::fwd / Ops::bwd take fused_recurrent_rwkv7's arguments (the chunked op has no
-// `reverse` and drops it).
+// `reverse` and drops it); Ops::fwd(train, ..) returns (o, final state, workspace): what a
+// recording forward keeps for the backward (chunked on CUDA: the chunk-start states; undefined
+// otherwise), handed to Ops::bwd.
 #pragma once
 #include <torch/autograd.h>
 
@@ -20,11 +22,11 @@ class Rwkv7Function : public torch::autograd::Function<Rwkv7Function<Ops>> {
                       const Tensor& v, const Tensor& a, const Tensor& b,
                       std::optional<double> scale, const std::optional<Tensor>& initial_state,
                       bool output_final_state, bool reverse,
-                      const std::optional<Tensor>& cu_seqlens, bool head_first) {
+                      const std::optional<Tensor>& cu_seqlens, bool head_first, bool train) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [o, hT] = Ops::fwd(r, w, k, v, a, b, scale, initial_state, output_final_state, reverse,
-                            cu_seqlens, head_first);
-    ctx->save_for_backward({r, w, k, v, a, b, opt(initial_state), opt(cu_seqlens)});
+    auto [o, hT, ws] = Ops::fwd(train, r, w, k, v, a, b, scale, initial_state, output_final_state,
+                                reverse, cu_seqlens, head_first);
+    ctx->save_for_backward({r, w, k, v, a, b, opt(initial_state), opt(cu_seqlens), ws});
     SweepFlags{scale, reverse, head_first, output_final_state}.save(ctx);
     if (!output_final_state) ctx->mark_non_differentiable({hT});
     return {o, hT};
@@ -36,11 +38,11 @@ class Rwkv7Function : public torch::autograd::Function<Rwkv7Function<Ops>> {
     Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
     auto [dr, dw, dk, dv, da, db, dh0] = Ops::bwd(s[0], s[1], s[2], s[3], s[4], s[5], go,
                                                   f.dht(grads), f.scale, some(s[6]), f.reverse,
-                                                  some(s[7]), f.head_first);
+                                                  some(s[7]), f.head_first, s[8]);
     // One entry per forward argument: r .. b, scale, initial_state, output_final_state, reverse,
-    // cu_seqlens, head_first.
+    // cu_seqlens, head_first, train.
     return {dr, dw, dk, dv, da, db, Tensor(), s[6].defined() ? dh0 : Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 

@@ -25,10 +25,12 @@ void cta(const F& kernel) {
 }
 
 // [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None. The
-// activations are float32 or bfloat16 (the kernels' T, E here); states and gradients of K-vectors fp32.
+// activations are float32 or bfloat16 (the kernels' T, E here); states and gradients of K-vectors
+// fp32. keep (backward): a training forward stores hst first, and the backward reads it
+// (DplrChunkPass::hst_kept: no forward sweep, prep without U0), as chunk_rwkv7_train does.
 template <typename E>
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
-                        Tensor dout, Tensor dht, double scale, Tensor cu) {
+                        Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
   const bool varlen = cu.numel() > 0, bwd = dout.dim() == 4;
   const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
   const int N = varlen ? int(cu.numel()) - 1 : B;
@@ -50,6 +52,15 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   for (int g = 0; g < kNumKGrads; ++g) kgd.push_back(poison(r.sizes(), r.scalar_type()));
   Tensor kg = torch::zeros({(tiles + 1) / 2, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
          dh0 = poison({N, H, K, V});
+  const dim3 sweeps(unsigned(N * H * state_tiles(V)));
+  if (bwd && keep) {
+    DplrChunkPass f = p;
+    f.o = vec(o), f.hst = hst.data_ptr();
+    f.rows16 = rows16<E>(f);
+    emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(f); }); });
+    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false>(f); }); });
+    p.hst_kept = true;
+  }
   if (!bwd) {
     p.o = vec(o), p.hT = mat(hT);
   } else {
@@ -62,8 +73,8 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   }
   p.rows16 = rows16<E>(p);  // as the launch decides: asynchronous row copies where they apply
   emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(p); }); });
-  const dim3 sweeps(unsigned(N * H * state_tiles(V)));
-  if (bwd)  // as the launch does: the backward's forward sweep makes hst alone
+  if (p.hst_kept) {
+  } else if (bwd)  // as the launch does: the backward's forward sweep makes hst alone
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false>(p); }); });
   else
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false>(p); }); });
@@ -75,9 +86,9 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
 }
 
 std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
-                        Tensor dout, Tensor dht, double scale, Tensor cu) {
+                        Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
   auto f = r.scalar_type() == torch::kBFloat16 ? run_t<__nv_bfloat16> : run_t<float>;
-  return f(r, w, k, v, a, b, h0, dout, dht, scale, cu);
+  return f(r, w, k, v, a, b, h0, dout, dht, scale, cu, keep);
 }
 
 }  // namespace
