@@ -87,7 +87,7 @@ struct Smem {
     eG = bwd ? -1 : take(C * KP), eO = bwd ? -1 : take(C * KP), S = bwd ? take(K * BP) : 0;
     v = take(C * BP), U = take(C * BP), M = take(C * BP);
     Ark = take(C * CP), Arb = take(C * CP), Aak = take(C * CP), Aab = take(C * CP);
-    X = take(C * CP);  // the five are consecutive (C * CP is a multiple of 4): mat_at
+    X = take(C * CP);  // the five are consecutive (C * CP is a multiple of 4): DplrWs::mats()
     dS = dO = dU = dM = gr = gk = ga = gb = dA = dX = Y = zeta = 0;
     if (bwd) {
       dS = take(K * BP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
@@ -393,12 +393,6 @@ __device__ inline void chunk_decays(float* sm, const Smem& L, int eg, int eo, in
   }
 }
 
-// The matrices of prepare() in shared memory, in the order of DplrWs::mats().
-__device__ __forceinline__ int mat_at(const Smem& L, int m) { return L.Ark + m * C * CP; }
-// Shared offset of element e of the five matrices as the workspace holds them ([5][C][C]).
-__device__ __forceinline__ int mat_elem(const Smem& L, int e) {
-  return mat_at(L, e / (C * C)) + e % (C * C) / C * CP + e % C;
-}
 
 // 16-byte shared reads: rows of K-vectors and tiles and the state rows start 16-byte aligned
 // (Smem), so a reduction along a row reads 4 terms per load instead of 1.
@@ -593,8 +587,8 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
     copy_commit();
   }
   float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
-  for (int e = threadIdx.x; e < 5 * C * C; e += NT)
-    out[ws.mats() + e] = sm[mat_elem(L, e)];
+  for (int e = threadIdx.x; e < 5 * C * CP / 4; e += NT)  // as DplrWs::mats() holds them
+    *reinterpret_cast<float4*>(out + ws.mats() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
   // K-wide rows: thread (channel d, row group g) holds channel d of all 16 rows of an operand in
   // registers and makes rows g, g + 4, ..; the triangular matrices are zero-filled, so every
   // product is a fixed 16-term sum. W = X Â goes through the w rows (w is not read again).

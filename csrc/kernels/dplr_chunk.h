@@ -63,9 +63,11 @@ struct DplrWs {
   FLA_HD int64_t kpart() const { return gam() + KP4; }  // floats of W .. gamma
   FLA_HD int64_t U0() const { return kpart(); }
   FLA_HD int64_t O0() const { return U0() + int64_t(kDplrChunk) * VP4; }
-  // The four pair matrices and X [C][C] each (A_rk, A_rb, A_ak, A_ab, X), for the backward.
+  // The four pair matrices and X, for the backward: [5][C][C + 1] (A_rk, A_rb, A_ak, A_ab, X),
+  // rows padded by one as the CUDA kernels hold them in shared memory (column walks without bank
+  // conflicts), so that they move as one contiguous block of 16-byte pieces.
   FLA_HD int64_t mats() const { return O0() + int64_t(kDplrChunk) * VP4; }
-  FLA_HD int64_t per() const { return mats() + 5 * kDplrChunk * kDplrChunk; }
+  FLA_HD int64_t per() const { return mats() + 5 * kDplrChunk * (kDplrChunk + 1); }
 };
 
 struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients

@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       copy_rows_async<T>(sm, L, p, c.s, c.h, t0, nrow);
       copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
-      for (int e = threadIdx.x; e < 5 * C * C; e += NT)
-        copy4(sm + mat_elem(L, e), mats + e);
+      for (int e = threadIdx.x; e < 5 * C * CP / 4; e += NT)  // stored in the shared layout
+        copy16(sm + L.Ark + 4 * e, mats + 4 * e, true);
       float4 sp[kSp];
 #pragma unroll
       for (int it = 0; it < kSp; ++it) {
@@ -93,8 +93,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
       }
       load_chunk<T>(sm, L, p, c, t0, nrow, true);
-      for (int e = threadIdx.x; e < 5 * C * C; e += NT)
-        sm[mat_elem(L, e)] = mats[e];
+      for (int e = threadIdx.x; e < 5 * C * CP; e += NT) sm[L.Ark + e] = mats[e];
     }
     __syncthreads();
     for (int d = threadIdx.x; d < K; d += NT) {
