@@ -42,6 +42,7 @@ using elements::vptr;
 using tile::acc_col;
 using tile::acc_row;
 using tile::warp_mma;
+using tile::warp_mma_ld;
 
 constexpr int C = kDplrChunk, CP = C + 1, NT = 256;
 static_assert(NT == C * C, "one thread per pair (i, j) of a chunk");

@@ -138,8 +138,11 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         const int n0 = 8 * (warp % NN);
         const float* A = cur + (REV ? L.sBh : warp < NN ? L.sW : L.sQ);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        warp_mma(acc, K, [&](int r, int k) { return k < K ? A[r * KS + k] : 0.f; },
-                 [&](int k, int c) { return k < K ? S[k * SXP + n0 + c] : 0.f; });
+        if (K % 8 == 0)
+          warp_mma_ld(acc, K, A, KS, S + n0, SXP);
+        else
+          warp_mma(acc, K, [&](int r, int k) { return k < K ? A[r * KS + k] : 0.f; },
+                   [&](int k, int c) { return k < K ? S[k * SXP + n0 + c] : 0.f; });
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = acc_row(0, e), x = acc_col(n0, e);
@@ -189,10 +192,15 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
           const int d = acc_row(m0, e);
           acc[e] = d < K ? gam[d] * S[d * SXP + acc_col(n0, e)] : 0.f;
         }
-        warp_mma(acc, C, [&](int r, int j) { return m0 + r < K ? x1[j * KS + m0 + r] : 0.f; },
-                 [&](int j, int c) { return Vt[j * SXP + n0 + c]; });
-        warp_mma(acc, C, [&](int r, int j) { return m0 + r < K ? x2[j * KS + m0 + r] : 0.f; },
-                 [&](int j, int c) { return U[j * SXP + n0 + c]; });
+        if (m0 + 16 <= K) {  // A(r, j) = X[j][m0 + r]: the workspace rows, transposed
+          warp_mma_ld<true>(acc, C, x1 + m0, KS, Vt + n0, SXP);
+          warp_mma_ld<true>(acc, C, x2 + m0, KS, U + n0, SXP);
+        } else {
+          warp_mma(acc, C, [&](int r, int j) { return m0 + r < K ? x1[j * KS + m0 + r] : 0.f; },
+                   [&](int j, int c) { return Vt[j * SXP + n0 + c]; });
+          warp_mma(acc, C, [&](int r, int j) { return m0 + r < K ? x2[j * KS + m0 + r] : 0.f; },
+                   [&](int j, int c) { return U[j * SXP + n0 + c]; });
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int d = acc_row(m0, e);

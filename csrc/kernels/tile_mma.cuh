@@ -134,6 +134,24 @@ __device__ __forceinline__ void warp_mma(float* acc, int kn, A a, B b) {
     mma_tf32(acc, to_tf32(a(g, k + q)), to_tf32(a(g + 8, k + q)), to_tf32(a(g, k + q + 4)),
              to_tf32(a(g + 8, k + q + 4)), to_tf32(b(k + q, g)), to_tf32(b(k + q + 4, g)));
 }
+// warp_mma for operands in memory with row strides and nothing to mask: A(r, k) = a[r * lda + k]
+// (TA: a[k * lda + r]), B(k, n) = b[k * ldb + n] (TB: b[n * ldb + k]), every element with k < kn
+// (a multiple of 8) readable. The lane's addresses are formed once and stepped: the per-element
+// index arithmetic and bounds selects of the functor form were most of the RWKV7 sweep's
+// instructions (ncu: integer multiply-adds 25-39 % of its issue slots).
+template <bool TA = false, bool TB = false>
+__device__ __forceinline__ void warp_mma_ld(float* acc, int kn, const float* a, int lda,
+                                            const float* b, int ldb) {
+  const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  const float* pa = TA ? a + q * lda + g : a + g * lda + q;
+  const float* pb = TB ? b + g * ldb + q : b + q * ldb + g;
+  const int a8 = TA ? 8 : 8 * lda, ak4 = TA ? 4 * lda : 4, ak8 = TA ? 8 * lda : 8;  // a8: row + 8
+  const int bk4 = TB ? 4 : 4 * ldb, bk8 = TB ? 8 : 8 * ldb;
+  for (int k = 0; k < kn; k += 8, pa += ak8, pb += bk8)
+    mma_tf32(acc, to_tf32(pa[0]), to_tf32(pa[a8]), to_tf32(pa[ak4]), to_tf32(pa[a8 + ak4]),
+             to_tf32(pb[0]), to_tf32(pb[bk4]));
+}
+
 // Row and column of this lane's accumulator element e (0..3) in an m16n8 tile at (m0, n0).
 __device__ __forceinline__ int acc_row(int m0, int e) { return m0 + threadIdx.x % 32 / 4 + 8 * (e / 2); }
 __device__ __forceinline__ int acc_col(int n0, int e) { return n0 + 2 * (threadIdx.x % 4) + e % 2; }
