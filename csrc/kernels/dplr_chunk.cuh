@@ -277,7 +277,25 @@ __device__ void load_chunk(float* sm, const Smem& L, const DplrChunkPass& p, con
   load_cols<T>(sm, L, p, c.s, c.h, c.x0, c.nc, t0, nrow, with_dout);
 }
 
-// The four pair-matrix entries of thread (i, j) over all channels (0 for j > i): A_rk, A_rb with
+// The pair (i, j) of this thread: the 136 pairs j <= i on threads 0..135 (packed, so that warps 5..7
+// hold only pairs above the diagonal, whose entries are 0 and skip the channel loop: a thread per
+// (i, j) in row order left ~47 % of every warp's lanes multiplying by zeros), the 120 pairs j > i
+// on the rest.
+__device__ __forceinline__ void pair_of_thread(int& i, int& j) {
+  constexpr int kLower = C * (C + 1) / 2;
+  const int t = threadIdx.x;
+  const int e = t < kLower ? t : t - kLower;  // index among the pairs j <= i, or j < i
+  const int off = t < kLower ? 1 : -1;        // row r of index e: r (r + off) / 2 <= e
+  int r = int((sqrtf(8.f * float(e) + 1.f) - float(off)) * 0.5f);
+  while (r * (r + off) / 2 > e) --r;
+  while ((r + 1) * (r + 1 + off) / 2 <= e) ++r;
+  const int c = e - r * (r + off) / 2;
+  if (t < kLower) i = r, j = c;
+  else i = c, j = r;  // the strictly lower pair (r, c) mirrored
+}
+
+// The four pair-matrix entries of thread (i, j) = pair_of_thread() over all channels (0 for
+// j > i): A_rk, A_rb with
 // exp(sum_{j<s<=i} w_s), A_ak, A_ab (j < i) with exp(sum_{j<s<i} w_s), as
 //   rk = sum_c (R F_in)(K), rb = sum_c (R F_in)(B), ak = sum_c (A F_ex)(K), ab = sum_c (A F_ex)(B)
 // with rows picked per pair so that every thread runs the same instructions: different
@@ -285,13 +303,13 @@ __device__ void load_chunk(float* sm, const Smem& L, const DplrChunkPass& p, con
 // micro-block the raw rows and the products P of at most three exp(w) (each <= 1; a few ulp);
 // the diagonal raw rows, F_in = 1, F_ex = 0. The per-pair exponent walk this replaced put
 // ~15 x K additions on the thread of pair (15, 0), and divergent paths serialised the warps.
-__device__ inline void pair_matrices(float* sm, const Smem& L, float& rk, float& rb, float& ak,
-                                     float& ab) {
+__device__ inline void pair_matrices(float* sm, const Smem& L, int i, int j, float& rk, float& rb,
+                                     float& ak, float& ab) {
   float* const pw = sm + L.pw;
   auto row = [&](int q, int i) { return pw + (q * C + i) * PSP; };  // q: 0 r~ 1 a~ 2 k~ 3 b~ 4.. P
   float* const gap = pw + kPairRows * C * PSP;
   float *const ones = gap + 3 * PSP, *const zeros = ones + PSP;
-  const int K = L.K, KP = L.KP, i = threadIdx.x / C, j = threadIdx.x % C;
+  const int K = L.K, KP = L.KP;
   const int mi = i / MB, mj = j / MB, dl = i - j;
   rk = rb = ak = ab = 0.f;
   for (int d0 = 0; d0 < K; d0 += PS) {
@@ -339,7 +357,8 @@ __device__ inline void pair_matrices(float* sm, const Smem& L, float& rk, float&
       Fin = dl == 0 ? ones : dl > 0 ? row(3 + dl, i) : zeros;
       Fex = dl <= 0 ? zeros : dl == 1 ? ones : row(2 + dl, i - 1);
     }
-    const int n4 = mi != mj ? PS : (nd + 3) / 4 * 4;  // raw rows: no reads past the row's padding
+    // Raw rows: no reads past the row's padding. Above the diagonal: nothing to add.
+    const int n4 = j > i ? 0 : mi != mj ? PS : (nd + 3) / 4 * 4;
     for (int c = 0; c < n4; c += 4) {
       const float4 r4 = *reinterpret_cast<const float4*>(R + c), a4 = *reinterpret_cast<const float4*>(A + c);
       const float4 k4 = *reinterpret_cast<const float4*>(Kr + c), b4 = *reinterpret_cast<const float4*>(Br + c);
@@ -434,9 +453,12 @@ __device__ inline void prepare(float* sm, const Smem& L) {
   const float* const N = sm + L.Aab;
   float* const X = sm + L.X;
   {
+    int pi, pj;
+    pair_of_thread(pi, pj);
     float rk, rb, ak, ab;
-    pair_matrices(sm, L, rk, rb, ak, ab);
-    sm[L.Ark + at] = rk, sm[L.Arb + at] = rb, sm[L.Aak + at] = ak, sm[L.Aab + at] = ab;
+    pair_matrices(sm, L, pi, pj, rk, rb, ak, ab);
+    const int pat = pi * CP + pj;
+    sm[L.Ark + pat] = rk, sm[L.Arb + pat] = rb, sm[L.Aak + pat] = ak, sm[L.Aab + pat] = ab;
   }
   __syncthreads();
   if (I == J) {  // column j of the diagonal block, rows from its start (x = 0 above row j)

@@ -54,7 +54,8 @@ inline float __shfl_xor_sync(unsigned mask, float v, int lanes, int width = 32) 
 }
 inline float __fmul_rn(float a, float b) { return a * b; }  // g++ does not contract a lone product
 inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) {}
+// A barrier of the thread's warp (every lane must call it, as the kernels do: full mask).
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warps[int(threadIdx.x) / 32]->arrive_and_wait(); }
 // A CTA's threads never add to one element here, and CTAs run one after another.
 inline float atomicAdd(float* p, float v) {
   const float old = *p;
