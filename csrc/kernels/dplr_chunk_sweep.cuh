@@ -90,8 +90,17 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       x[it] = on ? *vptr<T>(REV ? p.dout : p.v, s.b, s.bos + t, h, x0 + c) : from_f<T>(0.f);
     }
   };
+  const bool quads = nc == SX && p.V % 4 == 0;  // whole tile, 16-byte aligned rows
   auto store_slot = [&](void* dst_base, int64_t slot, bool zero) {
     float* dst = static_cast<float*>(dst_base) + (slot * p.H + h) * int64_t(K) * p.V + x0;
+    if (quads) {
+      for (int e = threadIdx.x; e < K * SX / 4; e += NTS) {
+        const int d = e / (SX / 4), x = 4 * (e % (SX / 4));
+        *reinterpret_cast<float4*>(dst + int64_t(d) * p.V + x) =
+            zero ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(S + d * SXP + x);
+      }
+      return;
+    }
     for (int e = threadIdx.x; e < K * SX; e += NTS)
       if (e % SX < nc) dst[int64_t(e / SX) * p.V + e % SX] = zero ? 0.f : S[e / SX * SXP + e % SX];
   };
