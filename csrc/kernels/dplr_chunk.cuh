@@ -600,7 +600,7 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   }
   __syncthreads();
   prepare(sm, L);
-  // U0 (and O0) serve the forward sweep alone: a backward with the forward's states kept skips
+  // U0, O0 and K^ serve the forward sweep alone: a backward with the forward's states kept skips
   // them.
   const bool cols_wanted = !(p.backward() && p.hst_kept);
   // All of v at once into the stage (over the pair workspace, free now), in flight during the
@@ -610,7 +610,9 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
     copy_commit();
   }
   float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
-  for (int e = threadIdx.x; e < 5 * C * CP / 4; e += NT)  // as DplrWs::mats() holds them
+  // The pair matrices and X serve the backward's grad kernel alone (a backward reruns prep, kept
+  // states or not), as K^ serves the forward sweep alone.
+  for (int e = threadIdx.x; e < (p.backward() ? 5 * C * CP / 4 : 0); e += NT)  // as DplrWs::mats()
     *reinterpret_cast<float4*>(out + ws.mats() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
   // K-wide rows: thread (channel d, row group g) holds channel d of all 16 rows of an operand in
   // registers and makes rows g, g + 4, ..; the triangular matrices are zero-filled, so every
@@ -641,7 +643,7 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
         if (d < ws.KP4) {
           const float eo = on ? sm[L.eO + i * KP + d] : 0.f;
           out[ws.Q() + i * ws.KP4 + d] = q;
-          out[ws.Kh() + i * ws.KP4 + d] = eo * sm[L.k + i * KP + d];
+          if (cols_wanted) out[ws.Kh() + i * ws.KP4 + d] = eo * sm[L.k + i * KP + d];
           out[ws.Bh() + i * ws.KP4 + d] = eo * sm[L.b + i * KP + d];
         }
       }
