@@ -500,6 +500,19 @@ __device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, i
            [&](int k, int n) { return k < K ? sm[st + k * BP + n0 + n] : 0.f; });
 }
 
+// For each 8-column tile of the CTA's columns (a warp per tile): acc = R St (rows_state_mma),
+// then epi(row, column, value) for each of the lane's accumulator elements.
+template <class Epi>
+__device__ __forceinline__ void rows_state_tiles(const float* sm, const Smem& L, int rows, int st,
+                                                 const Epi& epi) {
+  for (int n0 = 8 * (threadIdx.x / 32); n0 < L.cols; n0 += NT / 4) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    rows_state_mma(sm, L, rows, st, n0, acc);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) epi(acc_row(0, e), acc_col(n0, e), acc[e]);
+  }
+}
+
 // M + P into M (M = A_ak V, P = Â S: the backward needs only their sum), then U = X (M + P) (Â at
 // `ah`, the 16 x 16 matrices zero-filled: fixed 16-term sums). P on TF32 tensor cores (TC: a
 // warp per 8 columns, M added in its epilogue), else exact SIMT with thread (column x, rows i
@@ -508,18 +521,12 @@ template <bool TC>
 __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
   const int BP = L.BP;
   if (TC) {
-    for (int n0 = 8 * (threadIdx.x / 32); n0 < L.cols; n0 += NT / 4) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      rows_state_mma(sm, L, ah, L.S, n0, acc);
+    rows_state_tiles(sm, L, ah, L.S, [&](int i, int x, float p) {
+      float m = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = acc_row(0, e), x = acc_col(n0, e);
-        float m = 0.f;
-#pragma unroll
-        for (int j = 0; j < C; ++j) m += sm[L.Aak + i * CP + j] * sm[L.v + j * BP + x];
-        sm[L.M + i * BP + x] = m + acc[e];
-      }
-    }
+      for (int j = 0; j < C; ++j) m += sm[L.Aak + i * CP + j] * sm[L.v + j * BP + x];
+      sm[L.M + i * BP + x] = m + p;
+    });
   } else {
     for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
       const int i = e >> L.lc, x = e & (L.cols - 1);

@@ -124,20 +124,13 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
     // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU (the 16 x 16 matrices are zero-filled
     // outside their triangles: fixed 16-term sums). TC: B^ dS+ on tensor cores, a warp per 8
     // columns, the pair part in its epilogue.
-    if (TC) {
-      for (int n0 = 8 * (threadIdx.x / 32); n0 < cols; n0 += NT / 4) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        rows_state_mma(sm, L, L.gb, L.dS, n0, acc);
+    if (TC)
+      rows_state_tiles(sm, L, L.gb, L.dS, [&](int j, int xx, float bd) {
+        float u = 0.f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = acc_row(0, e), xx = acc_col(n0, e);
-          float u = 0.f;
-#pragma unroll
-          for (int i = 0; i < C; ++i) u += sm[L.Arb + i * CP + j] * (rho * sm[L.dO + i * BP + xx]);
-          sm[L.dU + j * BP + xx] = u + acc[e];
-        }
-      }
-    }
+        for (int i = 0; i < C; ++i) u += sm[L.Arb + i * CP + j] * (rho * sm[L.dO + i * BP + xx]);
+        sm[L.dU + j * BP + xx] = u + bd;
+      });
     for (int j = j0; j < (TC ? 0 : C / 2); j += jstep) {
       float u0 = 0.f, u1 = 0.f;
       for (int i = 0; i < C; ++i) {
@@ -192,21 +185,14 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
     auto put_dv = [&](int j, int xx, float v) {
       if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
     };
-    if (TC) {
-      for (int n0 = 8 * (threadIdx.x / 32); n0 < cols; n0 += NT / 4) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        rows_state_mma(sm, L, L.gk, L.dS, n0, acc);
+    if (TC)
+      rows_state_tiles(sm, L, L.gk, L.dS, [&](int j, int xx, float kd) {
+        float v = 0.f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = acc_row(0, e), xx = acc_col(n0, e);
-          float v = 0.f;
-#pragma unroll
-          for (int i = 0; i < C; ++i)
-            v += sm[L.Ark + i * CP + j] * (rho * sm[L.dO + i * BP + xx]) + sm[L.Aak + i * CP + j] * sm[L.dM + i * BP + xx];
-          put_dv(j, xx, v + acc[e]);
-        }
-      }
-    }
+        for (int i = 0; i < C; ++i)
+          v += sm[L.Ark + i * CP + j] * (rho * sm[L.dO + i * BP + xx]) + sm[L.Aak + i * CP + j] * sm[L.dM + i * BP + xx];
+        put_dv(j, xx, v + kd);
+      });
     for (int j = j0; j < (TC ? 0 : C / 2); j += jstep) {
       float v0 = 0.f, v1 = 0.f;
       for (int i = 0; i < C; ++i) {
