@@ -47,7 +47,10 @@ def chunk_emu():
     ((1, 48, 1, 16, 8), "zero", None, "repeated"),
     # K = 128: grad's S+ quads fill all kSp registers per thread (the asynchronous path's limit)
     ((1, 20, 1, 128, 32), "rwkv", None, "rwkv"),
-], ids=["rwkv7", "mixed", "K70V33", "varlen", "repeated_keys", "K128"])
+    # K <= 64 with V > 64: two 64-column grad tiles add into one zero-filled slab (the second
+    # one partial), the sweeps' last 32-column tile partial
+    ((1, 40, 1, 32, 80), "rwkv", None, "rwkv"),
+], ids=["rwkv7", "mixed", "K70V33", "varlen", "repeated_keys", "K128", "K32V80"])
 def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, lr, gen):
     check(emu, shape, w_kind, cu, gen, torch.float32, 1e-5, lr=lr)
 

@@ -200,8 +200,8 @@ def test_inputs_unchanged(mode, device, gen):
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_deterministic(mode, device, gen):
     """Bitwise the same gradients on every call: the CUDA chunk backward adds two column tiles'
-    K-vector partials into one slab atomically, in whichever order their CTAs finish (V = 100:
-    four tiles, two slabs)."""
+    K-vector partials into one slab atomically, in whichever order their CTAs finish (K = 64,
+    V = 100: two 64-column tiles, one slab)."""
     ins = [t.requires_grad_(True) for t in make(2, 50, 2, 64, 100, torch.float32, device, gen)]
     do = torch.randn(2, 50, 2, 100, generator=gen).to(device)
 
