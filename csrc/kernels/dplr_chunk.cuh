@@ -14,13 +14,14 @@
 //          memory: U = U0 + W S, o = O0 + scale Q~ S, S+ = gamma S + K^^T V + B^^T U. The next
 //          chunk's workspace block is copied asynchronously while this one is used, so a step
 //          costs its arithmetic, not a memory latency. Writes the chunk-start states (`hst`)
-//          when the backward asks for them.
+//          when asked (the training forward keeps them for its backward).
 // (prep here; the sweeps in dplr_chunk_sweep.cuh, the grad kernel in dplr_chunk_grad.cuh.)
-// Backward: prep and the forward sweep (for hst), the reverse sweep (dS+ at every chunk end),
-// then one CTA of 256 threads per (chunk slot, head, tile of dplr_chunk_cols(K) columns) makes
-// that chunk's gradients with the rows, pair matrices and the K x cols state and its gradient in
-// shared memory; its K-vector gradients are per-tile partial sums, added into zero-filled slabs
-// two tiles per slab (DplrArgs::kg_pair). No host synchronisation: CUDA-graph safe.
+// Backward: prep and, unless the forward kept hst, the forward sweep for it; the reverse sweep
+// (dS+ at every chunk end); then one CTA of 256 threads per (chunk slot, head, tile of
+// dplr_chunk_cols(K) columns) makes that chunk's gradients with the rows, pair matrices and the
+// K x cols state and its gradient in shared memory. With V in one tile its K-vector gradients go
+// straight to the outputs; else they are per-tile partial sums, added into zero-filled slabs two
+// tiles per slab (DplrArgs::kg_pair). No host synchronisation: CUDA-graph safe.
 #pragma once
 #include <cstring>
 #include <type_traits>

@@ -26,7 +26,8 @@
 //   later) + zeta, reset to exactly 0 where exp(w) == 0 (there the true dw is 0).
 // Every step is linear in the state's columns, so both backends split V into tiles of
 // dplr_chunk_cols(K) columns and run each (n, h, tile) on its own; the K-vector gradients are
-// per-tile partial sums (layout of DplrPass::kg) that the op layer adds.
+// per-tile partial sums (layout of DplrPass::kg) that the op layer adds, or, on CUDA with V in
+// one tile, written straight into the outputs (DplrArgs::kg_pair = 0).
 #pragma once
 #include <cstdint>
 
