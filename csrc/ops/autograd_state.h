@@ -3,7 +3,9 @@
 #include <torch/autograd.h>
 
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 namespace fla::ops {
 
@@ -24,6 +26,21 @@ bool training(const Ts&... ts) {
       return t.defined() && t.requires_grad();
   };
   return torch::autograd::GradMode::is_enabled() && (req(ts) || ...);
+}
+
+// The forward of an op with a training twin: a recording call runs the _train op (the plain op's
+// outputs, then the workspaces its backward reuses), any other the plain op, the workspaces left
+// undefined. Returns the _train op's tuple either way.
+template <class Plain, class Train, class... Args>
+auto forward_op(bool train, const Plain& op, const Train& op_train, const Args&... args) {
+  using Out = decltype(op_train.call(args...));
+  if (train) return op_train.call(args...);
+  Out out;
+  const auto plain = op.call(args...);
+  [&]<size_t... I>(std::index_sequence<I...>) {
+    ((std::get<I>(out) = std::get<I>(plain)), ...);
+  }(std::make_index_sequence<std::tuple_size_v<std::decay_t<decltype(plain)>>>{});
+  return out;
 }
 
 struct SweepFlags {

@@ -37,8 +37,11 @@ ChunkPass chunk_pass(const DiagArgs& a, Reader reader, const Tensor& q, const Te
 int64_t workspace_slots(const DiagArgs& a) { return chunk_slots(int(a.N), int(a.T), a.cu.defined()); }
 
 // [slots, H, K, V] acc, or (not `needed`) empty.
+std::vector<int64_t> state_sizes(const DiagArgs& a, bool needed = true) {
+  return {needed ? workspace_slots(a) : 0, a.H, a.K, a.V};
+}
 Tensor state_workspace(const DiagArgs& a, const Tensor& q, bool needed = true) {
-  return new_output({needed ? workspace_slots(a) : 0, a.H, a.K, a.V}, q.options().dtype(acc_type(q)));
+  return new_output(state_sizes(a, needed), q.options().dtype(acc_type(q)));
 }
 
 // With the value-side decay alone, the CUDA engine runs the transposed problem (kernels/chunk.h):
@@ -56,8 +59,9 @@ void check_gv(const DiagArgs& a, const Tensor& q, const Tensor& v, const Tensor&
   if (value_checks_enabled()) check_log_decay(gv, "gv");
 }
 
+std::vector<int64_t> pair_sizes(const DiagArgs& a) { return {workspace_slots(a), a.H, kChunk, kChunk}; }
 Tensor pair_workspace(const DiagArgs& a, const Tensor& hst) {
-  return new_output({workspace_slots(a), a.H, kChunk, kChunk}, hst.options());
+  return new_output(pair_sizes(a), hst.options());
 }
 
 // The CUDA engine's pair matrices: its out kernels read A from here (ops never look inside).
@@ -119,13 +123,12 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   r.dg = g.defined() ? new_output(g.sizes(), g.options()) : new_output({0}, q.options());
   r.dgv = gv.defined() ? new_output(gv.sizes(), gv.options()) : new_output({0}, q.options());
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
-  Tensor hst = state_workspace(a, q), dhst = state_workspace(a, q);
   // A key-side pass keeps hst and amat together, a value-side pass hst alone (its amat is of dO).
-  const Tensor* hst_kept = kept_workspace(hst_in, hst, "hst");
-  const Tensor* amat_kept = vside ? nullptr : kept_workspace(amat_in, pair_workspace(a, hst), "amat");
+  const Tensor* hst_kept = kept_workspace(hst_in, state_sizes(a), acc, "hst");
+  const Tensor* amat_kept = vside ? nullptr : kept_workspace(amat_in, pair_sizes(a), acc, "amat");
   TORCH_CHECK_VALUE(vside || (hst_kept == nullptr) == (amat_kept == nullptr),
                     "fla_ext: `hst` and `amat` come together from the _train op: pass both or neither");
-  if (hst_kept) hst = *hst_kept;
+  Tensor hst = hst_kept ? *hst_kept : state_workspace(a, q), dhst = state_workspace(a, q);
   const int64_t cols = vside ? a.K : a.V, rows = vside ? a.V : a.K;  // of the (transposed) state
   Tensor zeta = new_output({hst.size(0), a.H, (cols + kStateCols - 1) / kStateCols, rows}, acc);
   // Gap slots (varlen) and final-state slots hold no chunk: their du partials must read 0.
@@ -258,16 +261,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-
-// A recording call runs the _train op (it also returns the workspaces hst and amat for the
-// backward), any other the plain op (the workspaces stay undefined).
-template <class Plain, class Train, class... Args>
-std::tuple<Tensor, Tensor, Tensor, Tensor> forward_op(bool train, const Plain& op,
-                                                      const Train& op_train, const Args&... args) {
-  if (train) return op_train.call(args...);
-  auto [o, hT] = op.call(args...);
-  return {o, hT, Tensor(), Tensor()};
-}
 
 class ChunkGla : public torch::autograd::Function<ChunkGla> {
  public:

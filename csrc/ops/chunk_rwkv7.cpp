@@ -32,10 +32,12 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
 // The chunk-start states [slots, H, K, V] (slot after a sequence's last chunk: its final state;
 // varlen gap slots are never written, hence new_output: poisoned under FLA_EXT_POISON), or [0]
 // when not needed.
+std::vector<int64_t> dplr_state_sizes(const DiagArgs& d) {
+  return {chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined()), d.H, d.K, d.V};
+}
 Tensor dplr_states(const DiagArgs& d, const Tensor& r, bool needed) {
   const auto acc = r.options().dtype(acc_type(r));
-  if (!needed) return new_output({0}, acc);
-  return new_output({chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined()), d.H, d.K, d.V}, acc);
+  return new_output(needed ? dplr_state_sizes(d) : std::vector<int64_t>{0}, acc);
 }
 
 std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
@@ -86,10 +88,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     for (auto& t : kgd) t = new_output(r.sizes(), r.options());
   Tensor dv = new_output(v.sizes(), v.options());
   Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
-  Tensor hst = dplr_states(d, r, d.T > 0), dhst = dplr_states(d, r, d.T > 0 && r.is_cuda());
   // Only CUDA keeps them (chunk_rwkv7_train); the CPU engine makes its own.
-  const Tensor* kept = r.is_cuda() && d.T > 0 ? kept_workspace(hst_in, hst, "hst") : nullptr;
-  if (kept) hst = *kept;
+  const Tensor* kept =
+      r.is_cuda() && d.T > 0 ? kept_workspace(hst_in, dplr_state_sizes(d), acc, "hst") : nullptr;
+  Tensor hst = kept ? *kept : dplr_states(d, r, d.T > 0);
+  Tensor dhst = dplr_states(d, r, d.T > 0 && r.is_cuda());
 
   if (d.T > 0) {
     Tensor ws;
@@ -117,7 +120,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
 namespace {
 
 struct ChunkOps {  // fused_recurrent's argument lists; `reverse` is always false here
-  // A recording call runs the _train op (it also returns hst), any other the plain op.
+  // forward_op: the _train op (it also returns hst) when recording.
   static std::tuple<Tensor, Tensor, Tensor> fwd(
       bool train, const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
       const Tensor& a, const Tensor& b, std::optional<double> scale,
@@ -129,9 +132,8 @@ struct ChunkOps {  // fused_recurrent's argument lists; `reverse` is always fals
     static auto op_train = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("fla::chunk_rwkv7_train", "")
                                .typed<decltype(chunk_rwkv7_train_impl<nullptr>)>();
-    if (train) return op_train.call(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, head_first);
-    auto [o, hT] = op.call(r, w, k, v, a, b, scale, h0, output_final_state, cu_seqlens, head_first);
-    return {o, hT, Tensor()};
+    return forward_op(train, op, op_train, r, w, k, v, a, b, scale, h0, output_final_state,
+                      cu_seqlens, head_first);
   }
   static auto bwd(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
                   const Tensor& a, const Tensor& b, const Tensor& grad_o,

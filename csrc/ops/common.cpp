@@ -203,13 +203,15 @@ RecurrentPass base_pass(const DiagArgs& a, const Tensor& k) {
   return p;
 }
 
-const Tensor* kept_workspace(const std::optional<Tensor>& t, const Tensor& like, const char* name) {
+const Tensor* kept_workspace(const std::optional<Tensor>& t, at::IntArrayRef sizes,
+                             const at::TensorOptions& opts, const char* name) {
   if (!has(t) || t->numel() == 0) return nullptr;
-  TORCH_CHECK_VALUE(t->sizes() == like.sizes() && t->scalar_type() == like.scalar_type() &&
-                        t->device() == like.device() && t->is_contiguous(),
-                    "fla_ext: `", name, "` must be the ", like.scalar_type(), " workspace ",
-                    shape_str(like), " on ", like.device(), " returned by the _train op, got ",
-                    t->scalar_type(), " ", shape_str(*t), " on ", t->device());
+  const auto dtype = c10::typeMetaToScalarType(opts.dtype());
+  TORCH_CHECK_VALUE(t->sizes() == sizes && t->scalar_type() == dtype &&
+                        t->device() == opts.device() && t->is_contiguous(),
+                    "fla_ext: `", name, "` must be the ", dtype, " workspace ", sizes, " on ",
+                    opts.device(), " returned by the _train op, got ", t->scalar_type(), " ",
+                    shape_str(*t), " on ", t->device());
   return &*t;
 }
 

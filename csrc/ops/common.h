@@ -22,9 +22,10 @@ bool value_checks_enabled();
 // Uninitialised outputs; NaN-filled when FLA_EXT_POISON=1 (tests), so unwritten elements show.
 Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& opts);
 // A kept workspace handed to a backward: null when absent or empty, else checked to be the
-// workspace `like` this call would have allocated (the _bwd ops are public: a wrong one must not
-// be read out of bounds).
-const Tensor* kept_workspace(const std::optional<Tensor>& t, const Tensor& like, const char* name);
+// workspace (sizes, dtype, device) this call would otherwise allocate (the _bwd ops are public: a
+// wrong one must not be read out of bounds). The caller allocates its own only when none is kept.
+const Tensor* kept_workspace(const std::optional<Tensor>& t, at::IntArrayRef sizes,
+                             const at::TensorOptions& opts, const char* name);
 
 // The [B, T, H, D] view of an activation given in either layout.
 struct Layout {

@@ -93,13 +93,8 @@ class ChunkGsaCore : public torch::autograd::Function<ChunkGsaCore> {
     static auto op_train = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("fla::chunk_gsa_core_train", "")
                                .typed<decltype(chunk_gsa_core_train_impl<nullptr>)>();
-    Tensor o, hk, hv, p, hst1, hst2, amat2;
-    if (train)
-      std::tie(o, hk, hv, p, hst1, hst2, amat2) =
-          op_train.call(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first);
-    else
-      std::tie(o, hk, hv) =
-          op.call(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first);
+    auto [o, hk, hv, p, hst1, hst2, amat2] = forward_op(
+        train, op, op_train, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first);
     ctx->save_for_backward({q, k, v, s, g, opt(hk0), opt(hv0), opt(cu_seqlens), p, hst1, hst2, amat2});
     SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
     if (!output_final_state) ctx->mark_non_differentiable({hk, hv});
