@@ -77,7 +77,7 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // forward stores them when set (the training forward keeps them for its backward).
   void* hst = nullptr;
   // CUDA backward: hst holds the forward's states already; no forward sweep runs, and prep skips
-  // U0 (only that sweep reads it).
+  // U0 and K^ (only that sweep reads them).
   bool hst_kept = false;
   // CUDA workspaces (CPU: unused): [chunk_slots<kDplrChunk>(N, T, varlen), H, DplrWs::per()]
   // fp32, and for the backward dS at every chunk end, laid out as hst.

@@ -54,7 +54,6 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const float* wsb = static_cast<const float*>(p.ws);
   const float rho = float(p.scale);
   auto slot_of = [&](int64_t ci) { return chunk_slot<C>(p.cu_seqlens, n, p.T, ci); };
-  auto slot_of_seq = [&](int m) { return chunk_slot<C>(p.cu_seqlens, m, p.T, 0); };
   auto chunk_of = [&](int64_t step) { return REV ? nch - 1 - step : step; };
 
   const bool want_o = OUT && p.o.on();
@@ -251,7 +250,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   if (!REV && p.hst) {
     store_state_at(p.hst, nch);
     if (p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
-      const int64_t next = n + 1 < p.N ? slot_of_seq(n + 1) : chunk_slots<C>(p.N, p.T, true);
+      const int64_t next =
+          n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
       for (int64_t slot = slot_of(nch) + 1; slot < next; ++slot) store_slot(p.hst, slot, true);
     }
   }

@@ -12,6 +12,11 @@
 namespace fla::ops {
 namespace {
 
+// Chunk slots of the workspaces (kernels/chunk.h chunk_slots, 16-row chunks).
+int64_t dplr_chunk_slots(const DiagArgs& d) {
+  return chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
+}
+
 // `ws` receives the CUDA engine's per-chunk workspace (kept alive by the caller until the pass
 // has run; the CPU engine needs none).
 DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
@@ -20,25 +25,25 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   DplrChunkPass p;
   set_dplr_args(p, d, r, w, k, v, a, b, h0);
   if (r.is_cuda()) {
-    const int64_t slots = chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
-    ws = at::empty({slots * d.H * DplrWs(int(d.K), int(d.V)).per()}, r.options().dtype(at::kFloat));
+    ws = at::empty({dplr_chunk_slots(d) * d.H * DplrWs(int(d.K), int(d.V)).per()},
+                   r.options().dtype(at::kFloat));
     p.ws = ws.data_ptr();
   }
   return p;
 }
 
-}  // namespace
-
 // The chunk-start states [slots, H, K, V] (slot after a sequence's last chunk: its final state;
 // varlen gap slots are never written, hence new_output: poisoned under FLA_EXT_POISON), or [0]
 // when not needed.
 std::vector<int64_t> dplr_state_sizes(const DiagArgs& d) {
-  return {chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined()), d.H, d.K, d.V};
+  return {dplr_chunk_slots(d), d.H, d.K, d.V};
 }
 Tensor dplr_states(const DiagArgs& d, const Tensor& r, bool needed) {
   const auto acc = r.options().dtype(acc_type(r));
   return new_output(needed ? dplr_state_sizes(d) : std::vector<int64_t>{0}, acc);
 }
+
+}  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,

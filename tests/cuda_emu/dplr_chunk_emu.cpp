@@ -27,7 +27,7 @@ void cta(const F& kernel) {
 // [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None. The
 // activations are float32 or bfloat16 (the kernels' T, E here); states and gradients of K-vectors
 // fp32. keep (backward): a training forward stores hst first, and the backward reads it
-// (DplrChunkPass::hst_kept: no forward sweep, prep without U0), as chunk_rwkv7_train does.
+// (DplrChunkPass::hst_kept: no forward sweep, prep without U0 and K^), as chunk_rwkv7_train does.
 template <typename E>
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
@@ -73,12 +73,12 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   }
   p.rows16 = rows16<E>(p);  // as the launch decides: asynchronous row copies where they apply
   emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(p); }); });
-  if (p.hst_kept) {
-  } else if (bwd)  // as the launch does: the backward's forward sweep makes hst alone
-    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false>(p); }); });
-  else
+  if (!bwd) {
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false>(p); }); });
-  if (!bwd) return {o, hT};
+    return {o, hT};
+  }
+  if (!p.hst_kept)  // as the launch does: the backward's forward sweep makes hst alone
+    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false>(p); }); });
   emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true>(p); }); });
   emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { cta([&] { grad_kernel<E>(p); }); });
   auto g = [&](int i) { return pair ? kg.select(1, i).sum(0).to(r.scalar_type()) : kgd[i]; };
