@@ -55,10 +55,12 @@ def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, lr, gen):
     check(emu, shape, w_kind, cu, gen, torch.float32, 1e-5, lr=lr)
 
 
-@pytest.mark.parametrize("shape", [(1, 45, 2, 32, 24), (1, 30, 1, 20, 12)], ids=["rows16", "K20"])
+@pytest.mark.parametrize("shape", [(1, 45, 2, 32, 24), (1, 30, 1, 20, 12), (1, 20, 1, 72, 80)],
+                         ids=["rows16", "K20", "K72V80"])
 def test_chunk_rwkv7_kernels_bf16(emu, shape, gen):
     """The bf16 loads and stores (K, V multiples of 8: the asynchronous row copies; K = 20: the
-    element-wise loads), TF32 sweeps; the reference gets the same bf16 values (fp32 math)."""
+    element-wise loads), TF32 sweeps and prep products; the reference gets the same bf16 values
+    (fp32 math). K72V80: prep's warps take a second 8-channel / 8-column slab (64 + 8)."""
     check(emu, shape, "rwkv", None, gen, torch.bfloat16, 1e-2)
 
 

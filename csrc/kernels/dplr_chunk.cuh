@@ -501,46 +501,23 @@ __device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, i
            [&](int k, int n) { return k < K ? sm[st + k * BP + n0 + n] : 0.f; });
 }
 
-// For each 8-column tile of the CTA's columns (a warp per tile): acc = R St (rows_state_mma),
-// then epi(row, column, value) for each of the lane's accumulator elements.
-template <class Epi>
-__device__ __forceinline__ void rows_state_tiles(const float* sm, const Smem& L, int rows, int st,
-                                                 const Epi& epi) {
-  for (int n0 = 8 * (threadIdx.x / 32); n0 < L.cols; n0 += NT / 4) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    rows_state_mma(sm, L, rows, st, n0, acc);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) epi(acc_row(0, e), acc_col(n0, e), acc[e]);
-  }
-}
-
 // M + P into M (M = A_ak V, P = Â S: the backward needs only their sum), then U = X (M + P) (Â at
-// `ah`, the 16 x 16 matrices zero-filled: fixed 16-term sums). P on TF32 tensor cores (TC: a
-// warp per 8 columns, M added in its epilogue), else exact SIMT with thread (column x, rows i
-// and i + 8), so that each state or tile element read serves two rows. Ends synchronised.
-template <bool TC>
+// `ah`, the 16 x 16 matrices zero-filled: fixed 16-term sums), exact SIMT (fp32 inputs; the
+// tensor-core path is grad's column chain): thread (column x, rows i and i + 8), so that each
+// state or tile element read serves two rows. Ends synchronised.
 __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
   const int BP = L.BP;
-  if (TC) {
-    rows_state_tiles(sm, L, ah, L.S, [&](int i, int x, float p) {
-      float m = 0.f;
+  for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
+    const int i = e >> L.lc, x = e & (L.cols - 1);
+    const float *k0 = sm + L.Aak + i * CP, *k1 = k0 + (C / 2) * CP;
+    float p0 = 0.f, p1 = 0.f, m0 = 0.f, m1 = 0.f;
+    rows_dot_state(sm, L, ah, L.S, i, x, p0, p1);
 #pragma unroll
-      for (int j = 0; j < C; ++j) m += sm[L.Aak + i * CP + j] * sm[L.v + j * BP + x];
-      sm[L.M + i * BP + x] = m + p;
-    });
-  } else {
-    for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
-      const int i = e >> L.lc, x = e & (L.cols - 1);
-      const float *k0 = sm + L.Aak + i * CP, *k1 = k0 + (C / 2) * CP;
-      float p0 = 0.f, p1 = 0.f, m0 = 0.f, m1 = 0.f;
-      rows_dot_state(sm, L, ah, L.S, i, x, p0, p1);
-#pragma unroll
-      for (int jj = 0; jj < C; ++jj) {
-        const float v = sm[L.v + jj * BP + x];
-        m0 += k0[jj] * v, m1 += k1[jj] * v;
-      }
-      sm[L.M + i * BP + x] = m0 + p0, sm[L.M + (i + C / 2) * BP + x] = m1 + p1;
+    for (int jj = 0; jj < C; ++jj) {
+      const float v = sm[L.v + jj * BP + x];
+      m0 += k0[jj] * v, m1 += k1[jj] * v;
     }
+    sm[L.M + i * BP + x] = m0 + p0, sm[L.M + (i + C / 2) * BP + x] = m1 + p1;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < (C / 2) * L.cols; e += NT) {
@@ -574,6 +551,130 @@ __device__ __forceinline__ float* hst_at(const DplrChunkPass& p, const Cta& c, i
                                          int d, int x) {
   const int64_t slot = chunk_slot<kDplrChunk>(p.cu_seqlens, c.n, p.T, ci);
   return static_cast<float*>(p.hst) + ((slot * p.H + c.h) * p.K + d) * int64_t(p.V) + c.x0 + x;
+}
+
+// A fragments (tile_mma.cuh's mma_tf32 layout) of a 16 x 16 matrix M [C][CP] at offset m, or
+// of its transpose (tr), both k-steps: f[ks] = (A(g, k + q), A(g + 8, k + q), A(g, k + q + 4),
+// A(g + 8, k + q + 4)), k = 8 ks, A = M or M^T.
+struct MatFrag {
+  uint32_t f[2][4];
+  __device__ __forceinline__ MatFrag(const float* sm, int m, bool tr = false) {
+    const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+    const int r8 = tr ? 8 : 8 * CP, k4 = tr ? 4 * CP : 4, k8 = tr ? 8 * CP : 8;  // row + 8, k + 4, k + 8
+    const float* a = sm + m + (tr ? q * CP + g : g * CP + q);
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks)
+      f[ks][0] = tile::to_tf32(a[ks * k8]), f[ks][1] = tile::to_tf32(a[ks * k8 + r8]),
+      f[ks][2] = tile::to_tf32(a[ks * k8 + k4]), f[ks][3] = tile::to_tf32(a[ks * k8 + r8 + k4]);
+  }
+  // acc += this (16 x 16) B (16 x 8) with B(k, n) = b(k, n) (lane (g, q) asks for (q, g),
+  // (q + 4, g), (q + 8, g), (q + 12, g)).
+  template <class B>
+  __device__ __forceinline__ void mma(float (&acc)[4], B b) const {
+    const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks)
+      tile::mma_tf32(acc, f[ks][0], f[ks][1], f[ks][2], f[ks][3], tile::to_tf32(b(8 * ks + q, g)),
+                     tile::to_tf32(b(8 * ks + q + 4, g)));
+  }
+};
+
+// Prep's products with the 16 x 16 matrices on TF32 tensor cores (bf16 / fp16 inputs; the
+// matrices themselves stay exact fp32 SIMT, as do all exponents). A warp owns 8 channels (or
+// columns) at a time and chains its products through a warp-private 16 x 8 scratch with
+// __syncwarp only: the SIMT forms (a thread per channel and row group) needed a CTA barrier
+// between each product and the next (NOTES c13: these products were ~36 % of prep's samples).
+// K-wide rows: W = X Â, Q~ = R^ + A_rb W, K^ (when `kh`) and B^ into shared memory over the
+// w, r, k, b rows (each lane overwrites only elements it has read), for store_kwide_rows; gamma
+// straight to the workspace. Not synchronised.
+__device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws, float* out, bool kh) {
+  const int K = L.K, KP = L.KP, warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+  const MatFrag X(sm, L.X), Arb(sm, L.Arb);
+  for (int n0 = 8 * warp; n0 < ws.KP4; n0 += NT / 4) {
+    const int d = n0 + g;  // the B fragments' channel
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    X.mma(acc, [&](int l, int) { return d < K ? sm[L.a + l * KP + d] * eE(sm, L, l, d) : 0.f; });
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sm[L.w + acc_row(0, e) * KP + acc_col(n0, e)] = acc[e];
+    __syncwarp();
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = acc_row(0, e), x = acc_col(n0, e);
+      acc[e] = x < K ? sm[L.r + i * KP + x] * sm[L.eG + i * KP + x] : 0.f;
+    }
+    Arb.mma(acc, [&](int j, int) { return sm[L.w + j * KP + d]; });
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int at = acc_row(0, e) * KP + acc_col(n0, e);
+      const float eo = acc_col(n0, e) < K ? sm[L.eO + at] : 0.f;
+      sm[L.r + at] = acc[e];
+      if (kh) sm[L.k + at] *= eo;
+      sm[L.b + at] *= eo;
+    }
+    if (threadIdx.x % 32 < 8 && n0 + threadIdx.x % 32 < ws.KP4) {
+      const int x = n0 + threadIdx.x % 32;
+      out[ws.gam() + x] = x < K ? sm[L.eG + (C - 1) * KP + x] : 0.f;
+    }
+  }
+}
+// kwide_rows_tc's rows to the workspace as 16-byte pieces (after a barrier): the lanes of its
+// fragments hold 8-byte pairs on 8 rows, and stored from there, prep's backward was 5 % slower
+// than with the SIMT rows (1.23 against 1.16 ms).
+__device__ inline void store_kwide_rows(const float* sm, const Smem& L, const DplrWs& ws, float* out, bool kh) {
+  const Split q4(ws.KP4 / 4);
+  for (int e = threadIdx.x; e < 4 * C * q4.n; e += NT) {
+    const int row = q4.quot(e), c = 4 * (e - row * q4.n), m = row / C, i = row % C;
+    if (m == 2 && !kh) continue;
+    const int src = m == 0 ? L.w : m == 1 ? L.r : m == 2 ? L.k : L.b;  // W, Q~, K^, B^ in ws order
+    *reinterpret_cast<float4*>(out + ws.W() + row * ws.KP4 + c) =
+        *reinterpret_cast<const float4*>(sm + src + i * L.KP + c);
+  }
+}
+
+// Column tiles: U0 = X A_ak V and, forward, O0 = scale (A_rk V + A_rb U0), with v raw in the
+// stage ([C][V] of T, copy_cols_async; landed and synchronised, exp(G), exp(Omega) no longer
+// read). Columns [V, VP4) are written (0). Not synchronised.
+template <typename T>
+__device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, float* out, int V,
+                                    float rho, bool o0) {
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  const T* const vs = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K);
+  // [C][8] per warp over exp(G), exp(Omega), v, U, M (contiguous, unused here: 2 C KP + 3 C BP
+  // floats, >= 1728 for K <= 128 (BP = 36), >= 4352 beyond (KP >= 136); the 8 warps take 1024).
+  float* const scr = sm + L.eG + warp * C * 8;
+  const MatFrag Aak(sm, L.Aak), X(sm, L.X);
+  auto put = [&](float (&acc)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) scr[acc_row(0, e) * 8 + acc_col(0, e)] = acc[e];
+  };
+  auto from_scr = [&](int k, int n) { return scr[k * 8 + n]; };
+  for (int x0 = 8 * warp; x0 < ws.VP4; x0 += NT / 4) {
+    const int xb = x0 + g;
+    auto vb = [&](int k, int) { return xb < V ? to_f(vs[k * V + xb]) : 0.f; };
+    float m[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
+    Aak.mma(m, vb);
+    __syncwarp();  // the previous column slab's last scratch reads
+    put(m);
+    __syncwarp();
+    X.mma(u, from_scr);
+    const int c = x0 + 2 * q;
+    if (c < ws.VP4)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(out + ws.U0() + (g + 8 * h) * ws.VP4 + c) = make_float2(u[2 * h], u[2 * h + 1]);
+    if (!o0) continue;
+    __syncwarp();
+    put(u);
+    __syncwarp();
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+    MatFrag(sm, L.Ark).mma(o, vb);
+    MatFrag(sm, L.Arb).mma(o, from_scr);
+    if (c < ws.VP4)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(out + ws.O0() + (g + 8 * h) * ws.VP4 + c) =
+            make_float2(rho * o[2 * h], rho * o[2 * h + 1]);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -622,10 +723,16 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   // states or not), as K^ serves the forward sweep alone.
   for (int e = threadIdx.x; e < (p.backward() ? 5 * C * CP / 4 : 0); e += NT)  // as DplrWs::mats()
     *reinterpret_cast<float4*>(out + ws.mats() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
-  // K-wide rows: thread (channel d, row group g) holds channel d of all 16 rows of an operand in
-  // registers and makes rows g, g + 4, ..; the triangular matrices are zero-filled, so every
-  // product is a fixed 16-term sum. W = X Â goes through the w rows (w is not read again).
-  {
+  // K-wide rows, then the column tiles: on tensor cores for bf16 / fp16 (kwide_rows_tc,
+  // col_tiles_tc; the column tiles when v is in the stage), else exact SIMT below.
+  constexpr bool TC = !std::is_same<T, float>::value;
+  const float rho = float(p.scale);
+  if (TC) {
+    kwide_rows_tc(sm, L, ws, out, cols_wanted);
+  } else {
+    // Thread (channel d, row group g) holds channel d of all 16 rows of an operand in registers
+    // and makes rows g, g + 4, ..; the triangular matrices are zero-filled, so every product is
+    // a fixed 16-term sum. W = X Â goes through the w rows (w is not read again).
     const int g = threadIdx.x / 64;
     for (int d0 = 0; d0 < ws.KP4; d0 += 64) {
       const int d = d0 + threadIdx.x % 64;
@@ -659,9 +766,17 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
       __syncthreads();
     }
   }
+  if (TC) {
+    if (p.rows16 && cols_wanted) copy_wait<0>();
+    __syncthreads();
+    store_kwide_rows(sm, L, ws, out, cols_wanted);
+    if (p.rows16) {
+      if (cols_wanted) col_tiles_tc<T>(sm, L, ws, out, p.V, rho, !p.backward());
+      return;
+    }
+  }
   // V columns in tiles of `cols`: thread (column x, row group g). U0 = X A_ak V, O0 = scale
   // (A_rk V + A_rb U0) (forward only); columns in [V, VP4) are written (0: v reads 0 there).
-  const float rho = float(p.scale);
   const int x = threadIdx.x % cols, G = NT / cols, g = threadIdx.x / cols;
   for (int x0 = 0; x0 < (cols_wanted ? p.V : 0); x0 += cols) {
     if (p.rows16) {

@@ -115,42 +115,12 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       sm[L.w + e] = on ? expf(sm[L.w + e]) : 0.f;
       sm[L.gk + e] = sm[L.k + e] * eo, sm[L.gb + e] = sm[L.b + e] * eo;
     }
-    pseudo_values<TC>(sm, L, L.ga);
-
-    // Thread (column x, rows j and j + 8 for j = j0, j0 + NT / cols, ..) in the loops over tile
-    // rows, so that each state or tile element read serves two rows; 4 channels per K-row read.
-    const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc, jstep = NT >> L.lc;
-
-    // dU = scale A_rb^T dO + B^ dS+, then dM = X^T dU (the 16 x 16 matrices are zero-filled
-    // outside their triangles: fixed 16-term sums). TC: B^ dS+ on tensor cores, a warp per 8
-    // columns, the pair part in its epilogue.
-    if (TC)
-      rows_state_tiles(sm, L, L.gb, L.dS, [&](int j, int xx, float bd) {
-        float u = 0.f;
-#pragma unroll
-        for (int i = 0; i < C; ++i) u += sm[L.Arb + i * CP + j] * (rho * sm[L.dO + i * BP + xx]);
-        sm[L.dU + j * BP + xx] = u + bd;
-      });
-    for (int j = j0; j < (TC ? 0 : C / 2); j += jstep) {
-      float u0 = 0.f, u1 = 0.f;
-      for (int i = 0; i < C; ++i) {
-        const float o = rho * sm[L.dO + i * BP + x];
-        u0 += sm[L.Arb + i * CP + j] * o, u1 += sm[L.Arb + i * CP + j + C / 2] * o;
-      }
-      rows_dot_state(sm, L, L.gb, L.dS, j, x, u0, u1);
-      sm[L.dU + j * BP + x] = u0, sm[L.dU + (j + C / 2) * BP + x] = u1;
-    }
-    __syncthreads();
-    for (int j = j0; j < C / 2; j += jstep) {
-      float m0 = 0.f, m1 = 0.f;
-      for (int i = 0; i < C; ++i) {
-        const float du = sm[L.dU + i * BP + x];
-        m0 += sm[L.X + i * CP + j] * du, m1 += sm[L.X + i * CP + j + C / 2] * du;
-      }
-      sm[L.dM + j * BP + x] = m0, sm[L.dM + (j + C / 2) * BP + x] = m1;
-    }
-    __syncthreads();
-    {  // pair-matrix gradients; dX only below the diagonal (the rest cannot reach dA_ab)
+    auto put_dv = [&](int j, int xx, float v) {
+      if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
+    };
+    // The pair-matrix gradients (thread (i, j); dX only below the diagonal: the rest cannot
+    // reach dA_ab), from complete dO, v, U, dM, dU, M + P rows.
+    auto pair_grads = [&]() {
       const int i = threadIdx.x / C, j = threadIdx.x % C, at = i * CP + j;
       float rk = 0.f, rb = 0.f, ak = 0.f, dx = 0.f;
       if (j <= i)
@@ -164,50 +134,58 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         }
       *reinterpret_cast<float4*>(sm + L.dA + 4 * (i * C + j)) = make_float4(rho * rk, rho * rb, ak, 0.f);
       sm[L.dX + at] = j < i ? dx : 0.f;
-    }
-    __syncthreads();
-    {  // Y = X^T dX, then dA_ab = stril(Y X^T)
-      const int i = threadIdx.x / C, q = threadIdx.x % C;
-      float y = 0.f;
-      for (int pp = 0; pp < C; ++pp) y += sm[L.X + pp * CP + i] * sm[L.dX + pp * CP + q];
-      sm[L.Y + i * CP + q] = y;
-    }
-    __syncthreads();
-    {
+    };
+    // Y = X^T dX, then dA_ab = stril(Y X^T). Ends synchronised.
+    auto solve_grads = [&]() {
       const int i = threadIdx.x / C, j = threadIdx.x % C;
+      float y = 0.f;
+      for (int pp = 0; pp < C; ++pp) y += sm[L.X + pp * CP + i] * sm[L.dX + pp * CP + j];
+      sm[L.Y + i * CP + j] = y;
+      __syncthreads();
       float z = 0.f;
       if (j < i)
         for (int q = 0; q < C; ++q) z += sm[L.Y + i * CP + q] * sm[L.X + j * CP + q];
       sm[L.dA + 4 * (i * C + j) + 3] = z;
-    }
-
-    // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+ (this tile's columns: final); TC as dU.
-    auto put_dv = [&](int j, int xx, float v) {
-      if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
+      __syncthreads();
     };
-    if (TC)
-      rows_state_tiles(sm, L, L.gk, L.dS, [&](int j, int xx, float kd) {
-        float v = 0.f;
-#pragma unroll
-        for (int i = 0; i < C; ++i)
-          v += sm[L.Ark + i * CP + j] * (rho * sm[L.dO + i * BP + xx]) + sm[L.Aak + i * CP + j] * sm[L.dM + i * BP + xx];
-        put_dv(j, xx, v + kd);
-      });
-    for (int j = j0; j < (TC ? 0 : C / 2); j += jstep) {
-      float v0 = 0.f, v1 = 0.f;
-      for (int i = 0; i < C; ++i) {
-        const float o = rho * sm[L.dO + i * BP + x], m = sm[L.dM + i * BP + x];
-        v0 += sm[L.Ark + i * CP + j] * o + sm[L.Aak + i * CP + j] * m;
-        v1 += sm[L.Ark + i * CP + j + C / 2] * o + sm[L.Aak + i * CP + j + C / 2] * m;
-      }
-      rows_dot_state(sm, L, L.gk, L.dS, j, x, v0, v1);
-      put_dv(j, x, v0), put_dv(j + C / 2, x, v1);
-    }
-    __syncthreads();  // dA_ab complete; K^, B^ read: the gradient rows are written below
-    // bf16 / fp16: the state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T
-    // ([C][K] over this tile's columns), on TF32 tensor cores into the gradient rows (the SIMT
-    // sums below were a quarter of grad's instructions); fp32 keeps the exact sums below.
     if (TC) {
+      // A warp per 8 columns chains every 16-row product of its columns on tensor cores, with
+      // __syncwarp between them (the SIMT forms below need a CTA barrier after each):
+      //   M + P = A_ak V + Â S,  U = X (M + P),  dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU,
+      //   dV = scale A_rk^T dO + A_ak^T dM + K^ dS+.
+      for (int x0 = 8 * (threadIdx.x / 32); x0 < cols; x0 += NT / 4) {
+        auto col = [&](int arr, float f) {
+          return [=](int k, int n) { return f * sm[arr + k * BP + x0 + n]; };
+        };
+        auto put = [&](int arr, const float(&acc)[4]) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sm[arr + acc_row(0, e) * BP + acc_col(x0, e)] = acc[e];
+        };
+        float mp[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
+        rows_state_mma(sm, L, L.ga, L.S, x0, mp);
+        MatFrag(sm, L.Aak).mma(mp, col(L.v, 1.f));
+        put(L.M, mp);
+        __syncwarp();
+        MatFrag(sm, L.X).mma(u, col(L.M, 1.f));
+        put(L.U, u);
+        float du[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f}, dv[4] = {0.f, 0.f, 0.f, 0.f};
+        rows_state_mma(sm, L, L.gb, L.dS, x0, du);
+        MatFrag(sm, L.Arb, true).mma(du, col(L.dO, rho));
+        put(L.dU, du);
+        __syncwarp();
+        MatFrag(sm, L.X, true).mma(dm, col(L.dU, 1.f));
+        put(L.dM, dm);
+        __syncwarp();
+        rows_state_mma(sm, L, L.gk, L.dS, x0, dv);
+        MatFrag(sm, L.Ark, true).mma(dv, col(L.dO, rho));
+        MatFrag(sm, L.Aak, true).mma(dv, col(L.dM, 1.f));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) put_dv(acc_row(0, e), acc_col(x0, e), dv[e]);
+      }
+      __syncthreads();
+      pair_grads();
+      // The state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T ([C][K] over
+      // this tile's columns), into the gradient rows (Â, K^, B^ there are spent).
       const int ntile = (K + 7) / 8;
       for (int task = threadIdx.x / 32; task < 4 * ntile; task += NT / 32) {
         const int m = task / ntile, n0 = 8 * (task % ntile);
@@ -224,6 +202,46 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         }
       }
       __syncthreads();
+      solve_grads();
+    } else {
+      pseudo_values(sm, L, L.ga);
+      // Thread (column x, rows j and j + 8 for j = j0, j0 + NT / cols, ..), so that each state
+      // or tile element read serves two rows; 4 channels per K-row read. The 16 x 16 matrices
+      // are zero-filled outside their triangles: fixed 16-term sums.
+      const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc, jstep = NT >> L.lc;
+      for (int j = j0; j < C / 2; j += jstep) {  // dU = scale A_rb^T dO + B^ dS+
+        float u0 = 0.f, u1 = 0.f;
+        for (int i = 0; i < C; ++i) {
+          const float o = rho * sm[L.dO + i * BP + x];
+          u0 += sm[L.Arb + i * CP + j] * o, u1 += sm[L.Arb + i * CP + j + C / 2] * o;
+        }
+        rows_dot_state(sm, L, L.gb, L.dS, j, x, u0, u1);
+        sm[L.dU + j * BP + x] = u0, sm[L.dU + (j + C / 2) * BP + x] = u1;
+      }
+      __syncthreads();
+      for (int j = j0; j < C / 2; j += jstep) {  // dM = X^T dU
+        float m0 = 0.f, m1 = 0.f;
+        for (int i = 0; i < C; ++i) {
+          const float du = sm[L.dU + i * BP + x];
+          m0 += sm[L.X + i * CP + j] * du, m1 += sm[L.X + i * CP + j + C / 2] * du;
+        }
+        sm[L.dM + j * BP + x] = m0, sm[L.dM + (j + C / 2) * BP + x] = m1;
+      }
+      __syncthreads();
+      pair_grads();
+      __syncthreads();
+      solve_grads();
+      for (int j = j0; j < C / 2; j += jstep) {  // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+
+        float v0 = 0.f, v1 = 0.f;
+        for (int i = 0; i < C; ++i) {
+          const float o = rho * sm[L.dO + i * BP + x], m = sm[L.dM + i * BP + x];
+          v0 += sm[L.Ark + i * CP + j] * o + sm[L.Aak + i * CP + j] * m;
+          v1 += sm[L.Ark + i * CP + j + C / 2] * o + sm[L.Aak + i * CP + j + C / 2] * m;
+        }
+        rows_dot_state(sm, L, L.gk, L.dS, j, x, v0, v1);
+        put_dv(j, x, v0), put_dv(j + C / 2, x, v1);
+      }
+      __syncthreads();  // K^, B^ read: the gradient rows are written below
     }
     // K-vector gradients of rows i and i + 8 (one read of S and dS serves both), channel d:
     // state parts, then the pair parts (query-type rows r, a over j <= i; key-type rows k, b
