@@ -67,14 +67,14 @@ TORCH_LIBRARY(fla, m) {
   m.def(
       "chunk_rwkv7_bwd(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, "
       "Tensor grad_o, Tensor? grad_final_state, float? scale, Tensor? initial_state, "
-      "Tensor? cu_seqlens, bool head_first, Tensor? hst=None) "
+      "Tensor? cu_seqlens, bool head_first, Tensor? saved=None) "
       "-> (Tensor dr, Tensor dw, Tensor dk, Tensor dv, Tensor da, Tensor db, Tensor dh0)");
-  // chunk_rwkv7's training forward: also the chunk-start states its backward can reuse (CUDA;
-  // empty on the CPU).
+  // chunk_rwkv7's training forward: also what its backward can reuse, `saved` (CUDA: the
+  // chunk-start states and the per-chunk workspace, fp32, flat; empty on the CPU).
   m.def(
       "chunk_rwkv7_train(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, "
       "float? scale, Tensor? initial_state, bool output_final_state, Tensor? cu_seqlens, "
-      "bool head_first) -> (Tensor o, Tensor final_state, Tensor hst)");
+      "bool head_first) -> (Tensor o, Tensor final_state, Tensor saved)");
   // Gated Slot Attention: composites of the two GLA passes (ops/gsa.cpp). States: hk [N, H, K, M],
   // hv [N, H, M, V], per key head.
   m.def(

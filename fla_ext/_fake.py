@@ -151,18 +151,23 @@ def _chunk_rwkv7_fake(r, w, k, v, a, b, scale=1.0, initial_state=None, output_fi
 
 @torch.library.register_fake("fla::chunk_rwkv7_train")
 def _(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, head_first):
-    """(o, ht) and the chunk-start states (16-row chunks) the CUDA backend keeps, empty
-    elsewhere."""
+    """(o, ht) and what the CUDA backend keeps, `saved` (fp32, flat; empty elsewhere): the
+    chunk-start states of 16-row chunks, padded to a multiple of 4 floats, then the per-chunk
+    workspace (ops/chunk_rwkv7.cpp saved_floats, kernels/dplr_chunk.h DplrWs)."""
     o, ht = _chunk_rwkv7_fake(r, w, k, v, a, b, scale, initial_state, output_final_state,
                               cu_seqlens, head_first)
     if r.device.type != "cuda":
-        return o, ht, r.new_empty((0,), dtype=_acc(r))
-    return o, ht, _states(r, v, head_first, cu_seqlens, 16)
+        return o, ht, r.new_empty((0,), dtype=torch.float32)
+    slots, H, K, V = _states(r, v, head_first, cu_seqlens, 16).shape
+    kp4, vp4 = (K + 3) // 4 * 4, (V + 3) // 4 * 4
+    per = 4 * 16 * kp4 + kp4 + 2 * 16 * vp4 + 5 * 16 * 17  # W, Q~, K^, B^, gamma, U0, O0, mats
+    states = (slots * H * K * V + 3) // 4 * 4
+    return o, ht, r.new_empty((states + slots * H * per,), dtype=torch.float32)
 
 
 @torch.library.register_fake("fla::chunk_rwkv7_bwd")
 def _(r, w, k, v, a, b, grad_o, grad_final_state, scale, initial_state, cu_seqlens, head_first,
-      hst=None):
+      saved=None):
     N, H = _state_rows(r, head_first, cu_seqlens)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     dh0 = r.new_empty((N if initial_state is not None else 0, H, r.shape[-1], v.shape[-1]),

@@ -116,8 +116,8 @@ def test_row_copy_paths_agree(dtype, tol, gen):
 
 
 # ---------------------------------------------------------------------------------------------
-# The training forward (chunk_rwkv7_train): on CUDA it keeps the chunk-start states, and the
-# backward that reads them skips its forward sweep.
+# The training forward (chunk_rwkv7_train): on CUDA it keeps the chunk-start states and its
+# per-chunk workspace (`saved`), and the backward that reads them skips prep and its forward sweep.
 
 def _same(xs, ys):
     for x, y in zip(xs, ys):
@@ -129,14 +129,14 @@ def test_train_forward_keeps_states(device):
     train, bwd = torch.ops.fla.chunk_rwkv7_train.default, torch.ops.fla.chunk_rwkv7_bwd.default
     for s in samples(CHUNK, device, requires_grad=False):
         torch.library.opcheck(train, s)
-        o, ht, hst = train(*s)
+        o, ht, saved = train(*s)
         _same((o, ht), torch.ops.fla.chunk_rwkv7(*s))
-        assert (hst.numel() > 0) == (device == "cuda")
+        assert (saved.numel() > 0) == (device == "cuda")
         bargs = bwd_args(CHUNK, s, device)
-        torch.library.opcheck(bwd, bargs + (hst,))
-        _same(bwd(*bargs, hst), bwd(*bargs))  # same kernels and arithmetic: bitwise equal
+        torch.library.opcheck(bwd, bargs + (saved,))
+        _same(bwd(*bargs, saved), bwd(*bargs))  # same kernels and arithmetic: bitwise equal
         if device == "cuda":
-            with pytest.raises(ValueError, match="`hst` must be the"):
+            with pytest.raises(ValueError, match="`saved` must be the"):
                 bwd(*bargs, torch.zeros(3, 2, 2, 2, device=device))
 
 

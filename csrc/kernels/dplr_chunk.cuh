@@ -493,10 +493,12 @@ __device__ inline void prepare(float* sm, const Smem& L) {
 
 // acc (this lane's m16n8 tile, columns n0..n0 + 8 of a tile) += R St on TF32 tensor cores: R a
 // K-row array [C][KP] at offset `rows`, St a state array [K][BP] at offset `st` (channels past K
-// masked: the row padding may be unset). bf16 / fp16 inputs only, as warp_mma.
+// masked: the row padding may be unset). bf16 / fp16 inputs only, as warp_mma. With K a multiple
+// of 8 nothing needs masking: the stepped pointers of warp_mma_ld (grad 2.93 -> 2.88 ms).
 __device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, int rows, int st,
                                                int n0, float (&acc)[4]) {
   const int K = L.K, KP = L.KP, BP = L.BP;
+  if (K % 8 == 0) return warp_mma_ld(acc, K, sm + rows, KP, sm + st + n0, BP);
   warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? sm[rows + r * KP + k] : 0.f; },
            [&](int k, int n) { return k < K ? sm[st + k * BP + n0 + n] : 0.f; });
 }
@@ -584,10 +586,10 @@ struct MatFrag {
 // columns) at a time and chains its products through a warp-private 16 x 8 scratch with
 // __syncwarp only: the SIMT forms (a thread per channel and row group) needed a CTA barrier
 // between each product and the next (NOTES c13: these products were ~36 % of prep's samples).
-// K-wide rows: W = X Â, Q~ = R^ + A_rb W, K^ (when `kh`) and B^ into shared memory over the
+// K-wide rows: W = X Â, Q~ = R^ + A_rb W, K^ and B^ into shared memory over the
 // w, r, k, b rows (each lane overwrites only elements it has read), for store_kwide_rows; gamma
 // straight to the workspace. Not synchronised.
-__device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws, float* out, bool kh) {
+__device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws, float* out) {
   const int K = L.K, KP = L.KP, warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   const MatFrag X(sm, L.X), Arb(sm, L.Arb);
   for (int n0 = 8 * warp; n0 < ws.KP4; n0 += NT / 4) {
@@ -608,7 +610,7 @@ __device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws,
       const int at = acc_row(0, e) * KP + acc_col(n0, e);
       const float eo = acc_col(n0, e) < K ? sm[L.eO + at] : 0.f;
       sm[L.r + at] = acc[e];
-      if (kh) sm[L.k + at] *= eo;
+      sm[L.k + at] *= eo;
       sm[L.b + at] *= eo;
     }
     if (threadIdx.x % 32 < 8 && n0 + threadIdx.x % 32 < ws.KP4) {
@@ -620,11 +622,10 @@ __device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws,
 // kwide_rows_tc's rows to the workspace as 16-byte pieces (after a barrier): the lanes of its
 // fragments hold 8-byte pairs on 8 rows, and stored from there, prep's backward was 5 % slower
 // than with the SIMT rows (1.23 against 1.16 ms).
-__device__ inline void store_kwide_rows(const float* sm, const Smem& L, const DplrWs& ws, float* out, bool kh) {
+__device__ inline void store_kwide_rows(const float* sm, const Smem& L, const DplrWs& ws, float* out) {
   const Split q4(ws.KP4 / 4);
   for (int e = threadIdx.x; e < 4 * C * q4.n; e += NT) {
     const int row = q4.quot(e), c = 4 * (e - row * q4.n), m = row / C, i = row % C;
-    if (m == 2 && !kh) continue;
     const int src = m == 0 ? L.w : m == 1 ? L.r : m == 2 ? L.k : L.b;  // W, Q~, K^, B^ in ws order
     *reinterpret_cast<float4*>(out + ws.W() + row * ws.KP4 + c) =
         *reinterpret_cast<const float4*>(sm + src + i * L.KP + c);
@@ -695,7 +696,15 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   const int h = blockIdx.y, n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0), t0 = ci * C;
-  if (ci < 0 || t0 >= s.len) return;
+  float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
+  // The training forward (hst set) keeps the workspace for its backward, an op output: the slots
+  // without a chunk (final-state and varlen gap slots) read 0 there, not garbage.
+  const bool train = !p.backward() && p.hst;
+  if (ci < 0 || t0 >= s.len) {
+    for (int e = threadIdx.x; e < (train ? ws.per() / 4 : 0); e += NT)  // per() is a multiple of 4
+      reinterpret_cast<float4*>(out)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+    return;
+  }
   const int nrow = int(s.len - t0 < C ? s.len - t0 : C);
   const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
   if (p.rows16) {
@@ -709,26 +718,22 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   }
   __syncthreads();
   prepare(sm, L);
-  // U0, O0 and K^ serve the forward sweep alone: a backward with the forward's states kept skips
-  // them.
-  const bool cols_wanted = !(p.backward() && p.hst_kept);
   // All of v at once into the stage (over the pair workspace, free now), in flight during the
   // K-wide rows below; every column tile reads it.
-  if (p.rows16 && cols_wanted) {
+  if (p.rows16) {
     copy_cols_async<T>(sm, L, p.v, 0, s, h, t0, nrow, 0, p.V, p.V);
     copy_commit();
   }
-  float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
-  // The pair matrices and X serve the backward's grad kernel alone (a backward reruns prep, kept
-  // states or not), as K^ serves the forward sweep alone.
-  for (int e = threadIdx.x; e < (p.backward() ? 5 * C * CP / 4 : 0); e += NT)  // as DplrWs::mats()
+  // The pair matrices and X serve the backward's grad kernel alone: stored by a backward's prep
+  // or a training forward's.
+  for (int e = threadIdx.x; e < (p.backward() || train ? 5 * C * CP / 4 : 0); e += NT)  // as DplrWs::mats()
     *reinterpret_cast<float4*>(out + ws.mats() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
   // K-wide rows, then the column tiles: on tensor cores for bf16 / fp16 (kwide_rows_tc,
   // col_tiles_tc; the column tiles when v is in the stage), else exact SIMT below.
   constexpr bool TC = !std::is_same<T, float>::value;
   const float rho = float(p.scale);
   if (TC) {
-    kwide_rows_tc(sm, L, ws, out, cols_wanted);
+    kwide_rows_tc(sm, L, ws, out);
   } else {
     // Thread (channel d, row group g) holds channel d of all 16 rows of an operand in registers
     // and makes rows g, g + 4, ..; the triangular matrices are zero-filled, so every product is
@@ -758,7 +763,7 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
         if (d < ws.KP4) {
           const float eo = on ? sm[L.eO + i * KP + d] : 0.f;
           out[ws.Q() + i * ws.KP4 + d] = q;
-          if (cols_wanted) out[ws.Kh() + i * ws.KP4 + d] = eo * sm[L.k + i * KP + d];
+          out[ws.Kh() + i * ws.KP4 + d] = eo * sm[L.k + i * KP + d];
           out[ws.Bh() + i * ws.KP4 + d] = eo * sm[L.b + i * KP + d];
         }
       }
@@ -767,18 +772,18 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
     }
   }
   if (TC) {
-    if (p.rows16 && cols_wanted) copy_wait<0>();
+    if (p.rows16) copy_wait<0>();
     __syncthreads();
-    store_kwide_rows(sm, L, ws, out, cols_wanted);
+    store_kwide_rows(sm, L, ws, out);
     if (p.rows16) {
-      if (cols_wanted) col_tiles_tc<T>(sm, L, ws, out, p.V, rho, !p.backward());
+      col_tiles_tc<T>(sm, L, ws, out, p.V, rho, !p.backward());
       return;
     }
   }
   // V columns in tiles of `cols`: thread (column x, row group g). U0 = X A_ak V, O0 = scale
   // (A_rk V + A_rb U0) (forward only); columns in [V, VP4) are written (0: v reads 0 there).
   const int x = threadIdx.x % cols, G = NT / cols, g = threadIdx.x / cols;
-  for (int x0 = 0; x0 < (cols_wanted ? p.V : 0); x0 += cols) {
+  for (int x0 = 0; x0 < p.V; x0 += cols) {
     if (p.rows16) {
       if (x0 == 0) {
         copy_wait<0>();

@@ -76,9 +76,10 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // chunk-start states and, in the slot after a sequence's last chunk, its final state. A CUDA
   // forward stores them when set (the training forward keeps them for its backward).
   void* hst = nullptr;
-  // CUDA backward: hst holds the forward's states already; no forward sweep runs, and prep skips
-  // U0 and K^ (only that sweep reads them).
-  bool hst_kept = false;
+  // CUDA backward: hst and ws hold the training forward's chunk-start states and workspace (its
+  // prep also stored the pair matrices and X when hst was set): neither prep nor the forward
+  // sweep runs.
+  bool kept = false;
   // CUDA workspaces (CPU: unused): [chunk_slots<kDplrChunk>(N, T, varlen), H, DplrWs::per()]
   // fp32, and for the backward dS at every chunk end, laid out as hst.
   void* ws = nullptr;

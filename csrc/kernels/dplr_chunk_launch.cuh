@@ -27,15 +27,16 @@ cudaError_t launch(const DplrChunkPass& p_in, cudaStream_t stream) {
   DplrChunkPass p = p_in;
   p.rows16 = rows16<T>(p);
   const int64_t slots = chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
-  cudaError_t e = launch_with_smem(prep_kernel<T>, dim3(unsigned(slots), p.H), NT,
-                                   Smem(p.K, false).bytes(), p, stream);
+  cudaError_t e = cudaSuccess;
+  if (!(p.backward() && p.kept))
+    e = launch_with_smem(prep_kernel<T>, dim3(unsigned(slots), p.H), NT, Smem(p.K, false).bytes(), p, stream);
   if (e != cudaSuccess) return e;
   const size_t sweep_bytes = StateSmem(DplrWs(p.K, p.V), p.K).bytes();
   const dim3 sweeps(unsigned(int64_t(p.N) * p.H * state_tiles(p.V)));
   if (!p.backward()) return launch_with_smem(sweep_kernel<T, false>, sweeps, NTS, sweep_bytes, p, stream);
   // The forward sweep of a backward call writes only hst (its o and hT are off), unless the
   // training forward kept them.
-  if (!p.hst_kept) {
+  if (!p.kept) {
     e = launch_with_smem(sweep_kernel<T, false, false>, sweeps, NTS, sweep_bytes, p, stream);
     if (e != cudaSuccess) return e;
   }

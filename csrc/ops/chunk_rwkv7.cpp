@@ -1,8 +1,9 @@
 // Chunked RWKV7 (ALGORITHMS.md §6, WY/UT form): the same map as fused_recurrent_rwkv7 computed
 // chunk-parallel by the engine of kernels/dplr_chunk.h. A recording forward on CUDA
-// (chunk_rwkv7_train) keeps the chunk-start states for the backward, as chunk_gla / chunk_rwkv6
-// do (keeps_workspaces); otherwise the backward recomputes them. This file checks the arguments
-// (the rwkv7 checks), lays out the workspaces and adds the per-column-tile partial gradients.
+// (chunk_rwkv7_train) keeps the chunk-start states and its per-chunk workspace for the backward
+// (`saved`), as chunk_gla / chunk_rwkv6 keep theirs; otherwise the backward recomputes them. This
+// file checks the arguments (the rwkv7 checks), lays out the workspaces and adds the
+// per-column-tile partial gradients.
 #include <torch/library.h>
 
 #include <array>
@@ -17,27 +18,40 @@ int64_t dplr_chunk_slots(const DiagArgs& d) {
   return chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
 }
 
+// The CUDA engine's per-chunk workspace, fp32 (DplrWs), and the chunk-start states [slots, H,
+// K, V] (acc type; the slot after a sequence's last chunk: its final state), in floats.
+int64_t dplr_ws_floats(const DiagArgs& d) {
+  return dplr_chunk_slots(d) * d.H * DplrWs(int(d.K), int(d.V)).per();
+}
+std::vector<int64_t> dplr_state_sizes(const DiagArgs& d) {
+  return {dplr_chunk_slots(d), d.H, d.K, d.V};
+}
+// What a CUDA training forward keeps (`saved`, fp32, flat): the chunk-start states, padded to a
+// multiple of 4 floats (16-byte aligned workspace rows), then the workspace.
+int64_t saved_states_floats(const DiagArgs& d) {
+  return (dplr_chunk_slots(d) * d.H * d.K * d.V + 3) / 4 * 4;
+}
+int64_t saved_floats(const DiagArgs& d) { return saved_states_floats(d) + dplr_ws_floats(d); }
+
 // `ws` receives the CUDA engine's per-chunk workspace (kept alive by the caller until the pass
-// has run; the CPU engine needs none).
+// has run; the CPU engine needs none), unless `saved` holds it.
 DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
                          const Tensor& v, const Tensor& a, const Tensor& b,
-                         const std::optional<Tensor>& h0, Tensor& ws) {
+                         const std::optional<Tensor>& h0, Tensor& ws, const Tensor* saved = nullptr) {
   DplrChunkPass p;
   set_dplr_args(p, d, r, w, k, v, a, b, h0);
-  if (r.is_cuda()) {
-    ws = at::empty({dplr_chunk_slots(d) * d.H * DplrWs(int(d.K), int(d.V)).per()},
-                   r.options().dtype(at::kFloat));
+  if (saved) {
+    p.hst = saved->data_ptr();
+    p.ws = saved->data_ptr<float>() + saved_states_floats(d);
+  } else if (r.is_cuda()) {
+    ws = at::empty({dplr_ws_floats(d)}, r.options().dtype(at::kFloat));
     p.ws = ws.data_ptr();
   }
   return p;
 }
 
-// The chunk-start states [slots, H, K, V] (slot after a sequence's last chunk: its final state;
-// varlen gap slots are never written, hence new_output: poisoned under FLA_EXT_POISON), or [0]
-// when not needed.
-std::vector<int64_t> dplr_state_sizes(const DiagArgs& d) {
-  return {dplr_chunk_slots(d), d.H, d.K, d.V};
-}
+// The chunk-start states (varlen gap slots are never written, hence new_output: poisoned under
+// FLA_EXT_POISON), or [0] when not needed.
 Tensor dplr_states(const DiagArgs& d, const Tensor& r, bool needed) {
   const auto acc = r.options().dtype(acc_type(r));
   return new_output(needed ? dplr_state_sizes(d) : std::vector<int64_t>{0}, acc);
@@ -55,21 +69,24 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
   Tensor o = d.L.empty_like_with_dim(v, d.V, r.scalar_type());
   Tensor hT = new_output({output_final_state ? d.N : 0, d.H, d.K, d.V},
                          r.options().dtype(acc_type(r)));
-  Tensor ws;
-  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws);
+  // The forward sweep stores the states, prep its workspace with the pair matrices (kernels'
+  // DplrChunkPass::kept); every float is written (gap slots 0: an op output).
+  Tensor ws, saved = new_output({keep ? saved_floats(d) : 0}, r.options().dtype(at::kFloat));
+  const int64_t states = dplr_chunk_slots(d) * d.H * d.K * d.V;
+  if (keep && saved_states_floats(d) > states)  // the padding: no kernel writes it
+    saved.narrow(0, states, saved_states_floats(d) - states).zero_();
+  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, keep ? &saved : nullptr);
   p.o = d.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
-  Tensor hst = dplr_states(d, r, keep);
-  if (keep) p.hst = hst.data_ptr();  // the forward sweep stores them
   run(p);
-  return {o, hT, hst};
+  return {o, hT, saved};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_bwd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& hst_in,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& saved_in,
     DplrChunkRunner run) {
   c10::OptionalDeviceGuard guard(r.device());
   const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
@@ -94,14 +111,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   Tensor dv = new_output(v.sizes(), v.options());
   Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
   // Only CUDA keeps them (chunk_rwkv7_train); the CPU engine makes its own.
-  const Tensor* kept =
-      r.is_cuda() && d.T > 0 ? kept_workspace(hst_in, dplr_state_sizes(d), acc, "hst") : nullptr;
-  Tensor hst = kept ? *kept : dplr_states(d, r, d.T > 0);
+  const Tensor* kept = r.is_cuda() && d.T > 0
+                           ? kept_workspace(saved_in, {saved_floats(d)}, r.options().dtype(at::kFloat), "saved")
+                           : nullptr;
+  Tensor hst = kept ? Tensor() : dplr_states(d, r, d.T > 0);
   Tensor dhst = dplr_states(d, r, d.T > 0 && r.is_cuda());
 
   if (d.T > 0) {
     Tensor ws;
-    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws);
+    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, kept);
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);
@@ -109,7 +127,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     if (pair) p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
     else
       for (int g = 0; g < kNumKGrads; ++g) p.kgd[g] = d.L.vec(kgd[g]);
-    p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.hst_kept = kept != nullptr;
+    if (!kept) p.hst = hst.data_ptr();
+    p.dhst = dhst.data_ptr(), p.kept = kept != nullptr;
     run(p);
   } else if (has_h0) {
     // No rows (every activation pointer null, so the pass would read as a forward): every
@@ -125,7 +144,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
 namespace {
 
 struct ChunkOps {  // fused_recurrent's argument lists; `reverse` is always false here
-  // forward_op: the _train op (it also returns hst) when recording.
+  // forward_op: the _train op (it also returns `saved`) when recording.
   static std::tuple<Tensor, Tensor, Tensor> fwd(
       bool train, const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
       const Tensor& a, const Tensor& b, std::optional<double> scale,
@@ -144,11 +163,11 @@ struct ChunkOps {  // fused_recurrent's argument lists; `reverse` is always fals
                   const Tensor& a, const Tensor& b, const Tensor& grad_o,
                   const std::optional<Tensor>& dht, std::optional<double> scale,
                   const std::optional<Tensor>& h0, bool /*reverse*/,
-                  const std::optional<Tensor>& cu_seqlens, bool head_first, const Tensor& hst) {
+                  const std::optional<Tensor>& cu_seqlens, bool head_first, const Tensor& saved) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fla::chunk_rwkv7_bwd", "")
                          .typed<decltype(chunk_rwkv7_bwd_impl<nullptr>)>();
-    return op.call(r, w, k, v, a, b, grad_o, dht, scale, h0, cu_seqlens, head_first, some(hst));
+    return op.call(r, w, k, v, a, b, grad_o, dht, scale, h0, cu_seqlens, head_first, some(saved));
   }
 };
 

@@ -59,21 +59,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
                                    initial_state, reverse, cu_seqlens, head_first, R);
 }
 
-// The chunked forward; `keep` (the training forward on CUDA) also returns the chunk-start states
-// hst [chunk_slots<kDplrChunk>, H, K, V] (acc type) for the backward, else an empty tensor.
+// The chunked forward; `keep` (the training forward on CUDA) also returns what its backward
+// reuses, `saved` (fp32, flat): the chunk-start states [chunk_slots<kDplrChunk>, H, K, V], then
+// the engine's per-chunk workspace (DplrWs, the pair matrices included); else an empty tensor.
 std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first, bool keep,
     DplrChunkRunner run);
 
-// hst: the training forward's chunk-start states (the backward then runs no forward sweep), or
+// saved: the training forward's (the backward then runs neither prep nor the forward sweep), or
 // none / empty.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_bwd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& hst,
+    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& saved,
     DplrChunkRunner run);
 
 template <DplrChunkRunner R>
@@ -81,7 +82,7 @@ std::tuple<Tensor, Tensor> chunk_rwkv7_impl(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  auto [o, hT, hst] = chunk_rwkv7_fwd(r, w, k, v, a, b, scale, initial_state, output_final_state,
+  auto [o, hT, saved] = chunk_rwkv7_fwd(r, w, k, v, a, b, scale, initial_state, output_final_state,
                                       cu_seqlens, head_first, false, R);
   return {o, hT};
 }
@@ -100,9 +101,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& hst) {
+    const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& saved) {
   return chunk_rwkv7_bwd(r, w, k, v, a, b, grad_o, grad_final_state, scale, initial_state,
-                         cu_seqlens, head_first, hst, R);
+                         cu_seqlens, head_first, saved, R);
 }
 
 }  // namespace fla::ops

@@ -26,8 +26,9 @@ void cta(const F& kernel) {
 
 // [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None. The
 // activations are float32 or bfloat16 (the kernels' T, E here); states and gradients of K-vectors
-// fp32. keep (backward): a training forward stores hst first, and the backward reads it
-// (DplrChunkPass::hst_kept: no forward sweep, prep without U0 and K^), as chunk_rwkv7_train does.
+// fp32. keep (backward): a training forward stores hst and its workspace (with the pair
+// matrices) first, and the backward reads them (DplrChunkPass::kept: no prep, no forward sweep),
+// as chunk_rwkv7_train does.
 template <typename E>
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
@@ -59,7 +60,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     f.rows16 = rows16<E>(f);
     emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(f); }); });
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false>(f); }); });
-    p.hst_kept = true;
+    p.kept = true;
   }
   if (!bwd) {
     p.o = vec(o), p.hT = mat(hT);
@@ -72,12 +73,12 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     for (int g = 0; g < kNumKGrads && !pair; ++g) p.kgd[g] = vec(kgd[g]);
   }
   p.rows16 = rows16<E>(p);  // as the launch decides: asynchronous row copies where they apply
-  emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(p); }); });
+  if (!p.kept) emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(p); }); });
   if (!bwd) {
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false>(p); }); });
     return {o, hT};
   }
-  if (!p.hst_kept)  // as the launch does: the backward's forward sweep makes hst alone
+  if (!p.kept)  // as the launch does: the backward's forward sweep makes hst alone
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false>(p); }); });
   emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true>(p); }); });
   emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { cta([&] { grad_kernel<E>(p); }); });
