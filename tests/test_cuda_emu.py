@@ -50,13 +50,15 @@ def chunk_emu():
     # K <= 64 with V > 64: two 64-column grad tiles add into one zero-filled slab (the second
     # one partial), the sweeps' last 32-column tile partial
     ((1, 40, 1, 32, 80), "rwkv", None, "rwkv"),
-], ids=["rwkv7", "mixed", "K70V33", "varlen", "repeated_keys", "K128", "K32V80"])
+    # K = 64: the kernels with K a compile-time constant (the launch's launch_k<T, 64>)
+    ((1, 40, 1, 64, 48), "mixedinf", [0, 17, 40], "rwkv"),
+], ids=["rwkv7", "mixed", "K70V33", "varlen", "repeated_keys", "K128", "K32V80", "K64"])
 def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, lr, gen):
     check(emu, shape, w_kind, cu, gen, torch.float32, 1e-5, lr=lr)
 
 
-@pytest.mark.parametrize("shape", [(1, 45, 2, 32, 24), (1, 30, 1, 20, 12), (1, 20, 1, 72, 80)],
-                         ids=["rows16", "K20", "K72V80"])
+@pytest.mark.parametrize("shape", [(1, 45, 2, 32, 24), (1, 30, 1, 20, 12), (1, 20, 1, 72, 80),
+                                   (1, 40, 1, 64, 64)], ids=["rows16", "K20", "K72V80", "K64"])
 def test_chunk_rwkv7_kernels_bf16(emu, shape, gen):
     """The bf16 loads and stores (K, V multiples of 8: the asynchronous row copies; K = 20: the
     element-wise loads), TF32 sweeps and prep products; the reference gets the same bf16 values

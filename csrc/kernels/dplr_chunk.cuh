@@ -687,11 +687,13 @@ __device__ __forceinline__ float* dhst_at(const DplrChunkPass& p, const Cta& c, 
   return static_cast<float*>(p.dhst) + ((slot * p.H + c.h) * p.K + d) * int64_t(p.V) + c.x0 + x;
 }
 
-template <typename T>
+// KC: K as a compile-time constant (64; 0: p.K), so that the shared-memory layout and every index
+// derived from K fold into immediates (launch_k).
+template <typename T, int KC = 0>
 __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   extern __shared__ float sm[];
-  const Smem L(p.K, false);
-  const DplrWs ws(p.K, p.V);
+  const Smem L(KC ? KC : p.K, false);
+  const DplrWs ws(L.K, p.V);
   const int64_t slot = blockIdx.x;
   const int h = blockIdx.y, n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);

@@ -9,13 +9,13 @@ namespace dplr_chunk_detail {
 // The backward's gradients, parallel over (chunk slot, head, tile of dplr_chunk_cols(K)
 // columns): with S (hst), S+ and dS+ (dhst, from the reverse sweep) known, every chunk's
 // gradients are independent. The pair matrices and X come from the prep workspace.
-template <typename T>
+template <typename T, int KC = 0>  // KC: as prep_kernel's
 __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
-  const Smem L(p.K, true);
-  const DplrWs ws(p.K, p.V);
+  const Smem L(KC ? KC : p.K, true);
+  const DplrWs ws(L.K, p.V);
   const int64_t slot = blockIdx.x;
   const int n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
   Cta c;
@@ -149,6 +149,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       __syncthreads();
     };
     if (TC) {
+      __syncthreads();  // K^, B^ and exp(w) (the loop above is elementwise over all threads)
       // A warp per 8 columns chains every 16-row product of its columns on tensor cores, with
       // __syncwarp between them (the SIMT forms below need a CTA barrier after each):
       //   M + P = A_ak V + Â S,  U = X (M + P),  dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU,

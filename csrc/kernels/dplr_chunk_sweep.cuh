@@ -38,14 +38,16 @@ struct StateSmem {
 // 35 % slower at K = 128), three workspace stages instead of two (SIMT: 8 % slower).
 // OUT: the forward computes o (false in the forward sweep of a backward call, which only makes
 // hst: no O0 copies, no Q~ S).
-template <typename T, bool REV, bool OUT = !REV>  // two CTAs per SM: at most 128 registers
+// KC: as prep_kernel's.
+template <typename T, bool REV, bool OUT = !REV, int KC = 0>  // two CTAs per SM: at most 128 registers
 __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
-  const DplrWs ws(p.K, p.V);
-  const StateSmem L(ws, p.K);
-  const int K = p.K, KS = L.KS, tiles = state_tiles(p.V);
+  const int K = KC ? KC : p.K;
+  const DplrWs ws(K, p.V);
+  const StateSmem L(ws, K);
+  const int KS = L.KS, tiles = state_tiles(p.V);
   const int tile = blockIdx.x % tiles, nh = blockIdx.x / tiles, h = nh % p.H, n = nh / p.H;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int x0 = tile * SX, nc = min(SX, p.V - x0);

@@ -29,7 +29,7 @@ void cta(const F& kernel) {
 // fp32. keep (backward): a training forward stores hst and its workspace (with the pair
 // matrices) first, and the backward reads them (DplrChunkPass::kept: no prep, no forward sweep),
 // as chunk_rwkv7_train does.
-template <typename E>
+template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
   const bool varlen = cu.numel() > 0, bwd = dout.dim() == 4;
@@ -58,8 +58,8 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     DplrChunkPass f = p;
     f.o = vec(o), f.hst = hst.data_ptr();
     f.rows16 = rows16<E>(f);
-    emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(f); }); });
-    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false>(f); }); });
+    emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
+    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
     p.kept = true;
   }
   if (!bwd) {
@@ -73,22 +73,24 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     for (int g = 0; g < kNumKGrads && !pair; ++g) p.kgd[g] = vec(kgd[g]);
   }
   p.rows16 = rows16<E>(p);  // as the launch decides: asynchronous row copies where they apply
-  if (!p.kept) emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E>(p); }); });
+  if (!p.kept) emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
   if (!bwd) {
-    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false>(p); }); });
+    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(p); }); });
     return {o, hT};
   }
   if (!p.kept)  // as the launch does: the backward's forward sweep makes hst alone
-    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false>(p); }); });
-  emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true>(p); }); });
-  emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { cta([&] { grad_kernel<E>(p); }); });
+    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false, KC>(p); }); });
+  emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
+  emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
   auto g = [&](int i) { return pair ? kg.select(1, i).sum(0).to(r.scalar_type()) : kgd[i]; };
   return {g(kGradR), g(kGradW), g(kGradK), dv, g(kGradA), g(kGradB), dh0};
 }
 
 std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
-  auto f = r.scalar_type() == torch::kBFloat16 ? run_t<__nv_bfloat16> : run_t<float>;
+  const bool bf = r.scalar_type() == torch::kBFloat16, k64 = r.size(3) == 64;
+  auto f = bf ? (k64 ? run_t<__nv_bfloat16, 64> : run_t<__nv_bfloat16, 0>)
+              : (k64 ? run_t<float, 64> : run_t<float, 0>);
   return f(r, w, k, v, a, b, h0, dout, dht, scale, cu, keep);
 }
 
