@@ -66,6 +66,24 @@ def test_chunk_rwkv7_kernels_bf16(emu, shape, gen):
     check(emu, shape, "rwkv", None, gen, torch.bfloat16, 1e-2)
 
 
+@pytest.fixture
+def descending(request):
+    """The emulator's warps in descending order between barriers for one test (the others run
+    ascending: emu.h), so that an unsynchronised read of a later warp's write shows too."""
+    mod = request.getfixturevalue(request.param)
+    mod.set_warp_order(-1)
+    yield mod
+    mod.set_warp_order(1)
+
+
+@pytest.mark.parametrize("descending", ["emu"], indirect=True)
+@pytest.mark.parametrize("shape,dtype,tol", [((1, 40, 1, 64, 64), torch.bfloat16, 1e-2),
+                                             ((1, 37, 2, 32, 40), torch.float32, 1e-5)],
+                         ids=["bf16K64", "fp32"])
+def test_chunk_rwkv7_kernels_descending_warps(descending, shape, dtype, tol, gen):
+    check(descending, shape, "mixedinf", None, gen, dtype, tol)
+
+
 def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv"):
     B = shape[0]
     N = len(cu) - 1 if cu else B
@@ -120,6 +138,12 @@ def test_chunk_kernels_acc_outputs(chunk_emu, fam, shape, gen):
     that forms them (state kernel, out kernel at K > 128, grad_qk, the value-side transposed
     pass); the reference is the CPU backend with a wide (float32) q, same bf16 values."""
     check_chunk(chunk_emu, fam, shape, None, True, gen, torch.bfloat16, 1e-2, acc=True)
+
+
+@pytest.mark.parametrize("descending", ["chunk_emu"], indirect=True)
+@pytest.mark.parametrize("fam", [GLA, GLA_GV], ids=["gla", "gla_gv"])
+def test_chunk_kernels_descending_warps(descending, fam, gen):
+    check_chunk(descending, fam, (1, 70, 2, 32, 24), None, True, gen, torch.bfloat16, 1e-2)
 
 
 def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol, acc=False):

@@ -96,4 +96,7 @@ std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("run", &run);
+  m.def("set_warp_order", [](int order) { emu::warp_order = order; });
+}

@@ -2,8 +2,10 @@
 // is at hand: every CTA thread is a std::thread, __syncthreads a std::barrier, shared memory a
 // host array, and the CTAs of a grid run one after another. Include this before the kernel
 // header, then launch with emu::launch. Host branches (#ifndef __CUDA_ARCH__) of the kernels
-// replace their inline PTX. Not a timing tool, and a race that the barrier order hides on the
-// CPU may still show on a GPU.
+// replace their inline PTX. Not a timing tool. Between two barriers the warps of a CTA run one
+// at a time, in ascending or descending order (emu::warp_order), so that a read of another
+// warp's write that no barrier separates from it sees the stale or poisoned value every time,
+// not by the chance of thread scheduling; 0 lets all threads run at once.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -12,8 +14,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -22,7 +26,44 @@ using std::min;
 using std::max;
 
 inline thread_local uint3 threadIdx, blockIdx;
-inline std::barrier<>* emu_barrier = nullptr;
+
+// A CTA's barrier with the warp-serial schedule: a warp waits for its turn after each barrier
+// (and at the start), and the last of its threads to arrive at the next one passes the turn on.
+struct EmuCta {
+  struct Reset {
+    EmuCta* c;
+    void operator()() noexcept {  // every thread is at the barrier: none reads these now
+      c->turn = 0;
+      for (int w = 0; w < c->nwarps; ++w) c->pending[w] = c->size(w);
+    }
+  };
+  int threads, nwarps, order, turn = 0;
+  std::vector<int> pending;
+  std::mutex m;
+  std::condition_variable cv;
+  std::barrier<Reset> bar;
+  EmuCta(int threads_, int order_)
+      : threads(threads_), nwarps((threads_ + 31) / 32), order(order_), pending(nwarps), bar(threads_, Reset{this}) {
+    Reset{this}();
+  }
+  int size(int w) const { return std::min(32, threads - 32 * w); }
+  int slot(int w) const { return order > 0 ? w : nwarps - 1 - w; }
+  void begin() {
+    if (!order) return;
+    std::unique_lock<std::mutex> lk(m);
+    cv.wait(lk, [&] { return turn == slot(int(threadIdx.x) / 32); });
+  }
+  // more = false: the thread's last arrival (it takes no further turn).
+  void arrive_and_wait(bool more = true) {
+    if (order) {
+      std::lock_guard<std::mutex> lk(m);
+      if (--pending[int(threadIdx.x) / 32] == 0) ++turn, cv.notify_all();
+    }
+    bar.arrive_and_wait();
+    if (more) begin();
+  }
+};
+inline EmuCta* emu_cta = nullptr;
 inline uint32_t __float_as_uint(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -53,7 +94,7 @@ inline float __shfl_xor_sync(unsigned mask, float v, int lanes, int width = 32) 
   return __shfl_sync(mask, v, lane ^ lanes, width);
 }
 inline float __fmul_rn(float a, float b) { return a * b; }  // g++ does not contract a lone product
-inline void __syncthreads() { emu_barrier->arrive_and_wait(); }
+inline void __syncthreads() { emu_cta->arrive_and_wait(); }
 // A barrier of the thread's warp (every lane must call it, as the kernels do: full mask).
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warps[int(threadIdx.x) / 32]->arrive_and_wait(); }
 // A CTA's threads never add to one element here, and CTAs run one after another.
@@ -94,10 +135,14 @@ inline void emu_mma_tf32(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32
 
 namespace emu {
 
+// The schedule of the warps between barriers (see the top): 1 ascending, -1 descending, 0 all at
+// once.
+inline int warp_order = 1;
+
 // kernel() once per thread of every CTA of `grid` (x fastest), `threads` threads per CTA.
 inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) {
-  std::barrier<> bar(threads);
-  emu_barrier = &bar;
+  EmuCta cta(threads, warp_order);
+  emu_cta = &cta;
   emu_warps.clear();
   for (int w = 0; w < (threads + 31) / 32; ++w) emu_warps.push_back(std::make_unique<std::barrier<>>(32));
   emu_lanes.assign(size_t(threads), {});
@@ -106,16 +151,18 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
   for (int t = 0; t < threads; ++t)
     pool.emplace_back([&, t] {
       threadIdx = {unsigned(t), 0, 0};
+      cta.begin();
       for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
           for (unsigned x = 0; x < grid.x; ++x) {
             blockIdx = {x, y, z};
             kernel();
-            bar.arrive_and_wait();  // the CTA's end: its shared memory is reused
+            // The CTA's end: its shared memory is reused.
+            cta.arrive_and_wait(x + 1 < grid.x || y + 1 < grid.y || z + 1 < grid.z);
           }
     });
   for (auto& th : pool) th.join();
-  emu_barrier = nullptr;
+  emu_cta = nullptr;
 }
 
 }  // namespace emu
