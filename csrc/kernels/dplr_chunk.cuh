@@ -43,6 +43,8 @@ using elements::vptr;
 using tile::acc_col;
 using tile::acc_row;
 using tile::warp_mma;
+using tile::tf32_if;
+using tile::tf32_round;
 using tile::warp_mma_ld;
 
 constexpr int C = kDplrChunk, CP = C + 1, NT = 256;
@@ -621,14 +623,16 @@ __device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws,
 }
 // kwide_rows_tc's rows to the workspace as 16-byte pieces (after a barrier): the lanes of its
 // fragments hold 8-byte pairs on 8 rows, and stored from there, prep's backward was 5 % slower
-// than with the SIMT rows (1.23 against 1.16 ms).
+// than with the SIMT rows (1.23 against 1.16 ms). Rounded to TF32 (tf32_round): the sweeps read
+// them only as tensor-core operands, now without a rounding add per read (the same values).
 __device__ inline void store_kwide_rows(const float* sm, const Smem& L, const DplrWs& ws, float* out) {
   const Split q4(ws.KP4 / 4);
   for (int e = threadIdx.x; e < 4 * C * q4.n; e += NT) {
     const int row = q4.quot(e), c = 4 * (e - row * q4.n), m = row / C, i = row % C;
     const int src = m == 0 ? L.w : m == 1 ? L.r : m == 2 ? L.k : L.b;  // W, Q~, K^, B^ in ws order
+    const float4 x = *reinterpret_cast<const float4*>(sm + src + i * L.KP + c);
     *reinterpret_cast<float4*>(out + ws.W() + row * ws.KP4 + c) =
-        *reinterpret_cast<const float4*>(sm + src + i * L.KP + c);
+        make_float4(tile::tf32_round(x.x), tile::tf32_round(x.y), tile::tf32_round(x.z), tile::tf32_round(x.w));
   }
 }
 

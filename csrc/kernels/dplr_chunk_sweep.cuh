@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   float *S = sm + L.S, *U = sm + L.U, *Vt = sm + L.Vt;  // S: the state or D; U: U or T
   const float* wsb = static_cast<const float*>(p.ws);
   const float rho = float(p.scale);
-  auto slot_of = [&](int64_t ci) { return chunk_slot<C>(p.cu_seqlens, n, p.T, ci); };
+  const int64_t slot0 = chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
+  auto slot_of = [&](int64_t ci) { return slot0 + ci; };
   auto chunk_of = [&](int64_t step) { return REV ? nch - 1 - step : step; };
 
   const bool want_o = OUT && p.o.on();
@@ -81,14 +82,23 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   // Step `step`'s rows of v (forward) or dO (backward) at this tile's columns, two per thread (0
   // outside), kept in T until the next step stores them: converting right after the load made
   // every step wait for it (ncu: 18 % of the sweep's stall samples on that conversion).
+  // Row pointers at the sequence's first chunk, stepped by whole chunks (no per-element index
+  // arithmetic in the loop).
+  const VecArg& src_rows = REV ? p.dout : p.v;
+  const int64_t chunk_stride = int64_t(C) * src_rows.st;
+  const T* row_at[C * SX / NTS];
+#pragma unroll
+  for (int it = 0; it < C * SX / NTS; ++it) {
+    const int e = threadIdx.x + it * NTS;
+    row_at[it] = vptr<T>(src_rows, s.b, s.bos + e / SX, h, x0 + e % SX);
+  }
   auto fetch_rows = [&](int64_t step, T* x) {
     const int64_t ci = chunk_of(step);
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
       const int e = threadIdx.x + it * NTS, i = e / SX, c = e % SX;
-      const int64_t t = ci * C + i;
-      const bool on = step < nch && t < s.len && c < nc;
-      x[it] = on ? *vptr<T>(REV ? p.dout : p.v, s.b, s.bos + t, h, x0 + c) : from_f<T>(0.f);
+      const bool on = step < nch && ci * C + i < s.len && c < nc;
+      x[it] = on ? row_at[it][ci * chunk_stride] : from_f<T>(0.f);
     }
   };
   const bool quads = nc == SX && p.V % 4 == 0;  // whole tile, 16-byte aligned rows
@@ -106,9 +116,10 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       if (e % SX < nc) dst[int64_t(e / SX) * p.V + e % SX] = zero ? 0.f : S[e / SX * SXP + e % SX];
   };
   auto store_state_at = [&](void* dst_base, int64_t ci) { store_slot(dst_base, slot_of(ci), false); };
+  T* const o_at = OUT ? vptr<T>(p.o, s.b, s.bos, h, x0) : nullptr;  // row 0 of the sequence
   auto store_o = [&](int64_t ci, int i, int x, float v) {
     const int64_t t = ci * C + i;
-    if (t < s.len && x < nc) *vptr<T>(p.o, s.b, s.bos + t, h, x0 + x) = from_f<T>(v);
+    if (t < s.len && x < nc) o_at[t * p.o.st + x * p.o.sd] = from_f<T>(v);
   };
 
   const MatArg& init = REV ? p.dht : p.h0;
@@ -133,7 +144,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
       const int e = threadIdx.x + it * NTS;
-      Vt[e / SX * SXP + e % SX] = REV ? rho * to_f(vx[it]) : to_f(vx[it]);
+      Vt[e / SX * SXP + e % SX] = REV ? tf32_if<TC>(rho * to_f(vx[it])) : to_f(vx[it]);  // mma operands
     }
     fetch_rows(step + 1, vx);
     __syncthreads();
@@ -148,16 +159,17 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         const int n0 = 8 * (warp % NN);
         const float* A = cur + (REV ? L.sBh : warp < NN ? L.sW : L.sQ);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if (K % 8 == 0)
-          warp_mma_ld(acc, K, A, KS, S + n0, SXP);
+        if (K % 8 == 0)  // the workspace rows hold TF32 values (prep's store_kwide_rows)
+          warp_mma_ld<false, false, true>(acc, K, A, KS, S + n0, SXP);
         else
           warp_mma(acc, K, [&](int r, int k) { return k < K ? A[r * KS + k] : 0.f; },
                    [&](int k, int c) { return k < K ? S[k * SXP + n0 + c] : 0.f; });
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = acc_row(0, e), x = acc_col(n0, e);
-          if (REV) U[r * SXP + x] = acc[e];
-          else if (warp < NN) U[r * SXP + x] = cur[L.sU0 + r * SXP + x] + acc[e];
+          // U is read only as an mma operand: rounded once here, not per read
+          if (REV) U[r * SXP + x] = tf32_round(acc[e]);
+          else if (warp < NN) U[r * SXP + x] = tf32_round(cur[L.sU0 + r * SXP + x] + acc[e]);
           else if (want_o) store_o(ci, r, x, cur[L.sO0 + r * SXP + x] + rho * acc[e]);
         }
       }
@@ -203,8 +215,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
           acc[e] = d < K ? gam[d] * S[d * SXP + acc_col(n0, e)] : 0.f;
         }
         if (m0 + 16 <= K) {  // A(r, j) = X[j][m0 + r]: the workspace rows, transposed
-          warp_mma_ld<true>(acc, C, x1 + m0, KS, Vt + n0, SXP);
-          warp_mma_ld<true>(acc, C, x2 + m0, KS, U + n0, SXP);
+          warp_mma_ld<true, false, true, true>(acc, C, x1 + m0, KS, Vt + n0, SXP);
+          warp_mma_ld<true, false, true, true>(acc, C, x2 + m0, KS, U + n0, SXP);
         } else {
           warp_mma(acc, C, [&](int r, int j) { return m0 + r < K ? x1[j * KS + m0 + r] : 0.f; },
                    [&](int j, int c) { return Vt[j * SXP + n0 + c]; });

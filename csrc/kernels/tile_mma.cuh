@@ -139,7 +139,9 @@ __device__ __forceinline__ void warp_mma(float* acc, int kn, A a, B b) {
 // (a multiple of 8) readable. The lane's addresses are formed once and stepped: the per-element
 // index arithmetic and bounds selects of the functor form were most of the RWKV7 sweep's
 // instructions (ncu: integer multiply-adds 25-39 % of its issue slots).
-template <bool TA = false, bool TB = false>
+// RA / RB: that operand holds TF32 values already (tf32_round, or widened bf16 / fp16), read
+// without the rounding add.
+template <bool TA = false, bool TB = false, bool RA = false, bool RB = false>
 __device__ __forceinline__ void warp_mma_ld(float* acc, int kn, const float* a, int lda,
                                             const float* b, int ldb) {
   const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
@@ -147,9 +149,10 @@ __device__ __forceinline__ void warp_mma_ld(float* acc, int kn, const float* a, 
   const float* pb = TB ? b + g * ldb + q : b + q * ldb + g;
   const int a8 = TA ? 8 : 8 * lda, ak4 = TA ? 4 * lda : 4, ak8 = TA ? 8 * lda : 8;  // a8: row + 8
   const int bk4 = TB ? 4 : 4 * ldb, bk8 = TB ? 8 : 8 * ldb;
+  auto ca = [](float x) { return RA ? __float_as_uint(x) : to_tf32(x); };
+  auto cb = [](float x) { return RB ? __float_as_uint(x) : to_tf32(x); };
   for (int k = 0; k < kn; k += 8, pa += ak8, pb += bk8)
-    mma_tf32(acc, to_tf32(pa[0]), to_tf32(pa[a8]), to_tf32(pa[ak4]), to_tf32(pa[a8 + ak4]),
-             to_tf32(pb[0]), to_tf32(pb[bk4]));
+    mma_tf32(acc, ca(pa[0]), ca(pa[a8]), ca(pa[ak4]), ca(pa[a8 + ak4]), cb(pb[0]), cb(pb[bk4]));
 }
 
 // Row and column of this lane's accumulator element e (0..3) in an m16n8 tile at (m0, n0).
