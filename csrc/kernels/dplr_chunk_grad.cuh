@@ -119,7 +119,8 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
     };
     // The pair-matrix gradients (thread (i, j); dX only below the diagonal: the rest cannot
-    // reach dA_ab), from complete dO, v, U, dM, dU, M + P rows.
+    // reach dA_ab), from complete dO, v, U, dM, dU, M + P rows (exact SIMT; the TC path's are
+    // products on tensor cores).
     auto pair_grads = [&]() {
       const int i = threadIdx.x / C, j = threadIdx.x % C, at = i * CP + j;
       float rk = 0.f, rb = 0.f, ak = 0.f, dx = 0.f;
@@ -184,7 +185,21 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         for (int e = 0; e < 4; ++e) put_dv(acc_row(0, e), acc_col(x0, e), dv[e]);
       }
       __syncthreads();
-      pair_grads();
+      {  // the pair-matrix gradients as 16 x 16 products over the columns, a warp per 8 of j
+         // (the SIMT pair_grads here: grad 2.15 -> 2.33 ms)
+        static_assert(NT / 32 == 8, "4 products x 2 column tiles");
+        const int w = threadIdx.x / 32, m = w / 2, j0 = 8 * (w % 2);  // m: rk, rb, ak, dX
+        const int A = m < 2 ? L.dO : m == 2 ? L.dM : L.dU, B = m == 1 ? L.U : m == 3 ? L.M : L.v;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        warp_mma_ld<false, true>(acc, cols, sm + A, BP, sm + B + j0 * BP, BP);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = acc_row(0, e), j = acc_col(j0, e);
+          const bool on = m < 2 ? j <= i : j < i;
+          if (m == 3) sm[L.dX + i * CP + j] = on ? acc[e] : 0.f;
+          else sm[L.dA + 4 * (i * C + j) + m] = on ? (m < 2 ? rho : 1.f) * acc[e] : 0.f;
+        }
+      }
       // The state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T ([C][K] over
       // this tile's columns), into the gradient rows (Â, K^, B^ there are spent).
       const int ntile = (K + 7) / 8;
