@@ -144,12 +144,15 @@ def test_train_forward_keeps_states(device):
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_autograd_uses_kept_states(dtype, gen):
-    """A recording call holds the states until backward (an inference call holds nothing more
-    than its outputs), and its gradients equal the rebuilt-state backward's bitwise."""
+    """A recording call holds the states and prep's workspace until backward (an inference call
+    holds nothing more than its outputs), and its gradients equal the rebuilt backward's
+    bitwise."""
     B, T, H, K, V = 2, 100, 2, 64, 64
     r, w, k, v, a, b, h0 = make(B, T, H, K, V, dtype, "cuda", gen)
     xs = [t.requires_grad_(True) for t in (r, w, k, v, a, b, h0)]
-    states = B * (T // 16 + 2) * H * K * V * 4
+    slots = B * (T // 16 + 2)
+    per = 4 * 16 * K + K + 2 * 16 * V + 5 * 16 * 17  # kernels/dplr_chunk.h DplrWs::per()
+    states = slots * H * (K * V + per) * 4
 
     def held(grad):
         torch.cuda.synchronize()
