@@ -1,8 +1,8 @@
 // CUDA engine for the chunked RWKV7 algebra of kernels/dplr_chunk.h (the steps of
 // cpu/dplr_chunk.cpp in fp32). Exact SIMT FMA everywhere for fp32 inputs; for bf16 / fp16 inputs
-// the sweeps' state products and the grad kernel's state parts of the K-vector gradients run on
-// TF32 tensor cores (fp32 accumulators and states; the pair matrices, X and every exponent stay
-// SIMT fp32).
+// every product with a state, a 16 x 16 matrix or across the columns runs on TF32 tensor cores
+// (fp32 accumulators and states; the pair matrices, X and every exponent stay SIMT fp32). The
+// launch compiles K = 64 as a constant (launch_k).
 //
 // Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
@@ -14,10 +14,11 @@
 //          memory: U = U0 + W S, o = O0 + scale Q~ S, S+ = gamma S + K^^T V + B^^T U. The next
 //          chunk's workspace block is copied asynchronously while this one is used, so a step
 //          costs its arithmetic, not a memory latency. Writes the chunk-start states (`hst`)
-//          when asked (the training forward keeps them for its backward).
+//          when asked: the training forward keeps them, and its workspace with the pair
+//          matrices and X, for its backward (DplrChunkPass::kept).
 // (prep here; the sweeps in dplr_chunk_sweep.cuh, the grad kernel in dplr_chunk_grad.cuh.)
-// Backward: prep and, unless the forward kept hst, the forward sweep for it; the reverse sweep
-// (dS+ at every chunk end); then one CTA of 256 threads per (chunk slot, head, tile of
+// Backward: unless the training forward kept its states and workspace, prep and the forward
+// sweep for them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per (chunk slot, head, tile of
 // dplr_chunk_cols(K) columns) makes that chunk's gradients with the rows, pair matrices and the
 // K x cols state and its gradient in shared memory. With V in one tile its K-vector gradients go
 // straight to the outputs; else they are per-tile partial sums, added into zero-filled slabs two
