@@ -18,9 +18,9 @@
 //          matrices and X, for its backward (DplrChunkPass::kept).
 // (prep here; the sweeps in dplr_chunk_sweep.cuh, the grad kernel in dplr_chunk_grad.cuh.)
 // Backward: unless the training forward kept its states and workspace, prep and the forward
-// sweep for them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per (chunk slot, head, tile of
-// dplr_chunk_cols(K) columns) makes that chunk's gradients with the rows, pair matrices and the
-// K x cols state and its gradient in shared memory. With V in one tile its K-vector gradients go
+// sweep for them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per
+// (chunk slot, head, tile of dplr_chunk_cols(K) columns) makes that chunk's gradients with the
+// rows, pair matrices and the K x cols state and its gradient in shared memory. With V in one tile its K-vector gradients go
 // straight to the outputs; else they are per-tile partial sums, added into zero-filled slabs two
 // tiles per slab (DplrArgs::kg_pair). No host synchronisation: CUDA-graph safe.
 #pragma once
@@ -417,7 +417,6 @@ __device__ inline void chunk_decays(float* sm, const Smem& L, int eg, int eo, in
   }
 }
 
-
 // 16-byte shared reads: rows of K-vectors and tiles and the state rows start 16-byte aligned
 // (Smem), so a reduction along a row reads 4 terms per load instead of 1.
 __device__ __forceinline__ float4 ld4(const float* q) { return *reinterpret_cast<const float4*>(q); }
@@ -551,11 +550,12 @@ __device__ __forceinline__ float4 load4(const float* q, int n, bool vec) {
   return v;
 }
 
-// The chunk-start state slice in the hst workspace [slots, H, K, V].
-__device__ __forceinline__ float* hst_at(const DplrChunkPass& p, const Cta& c, int64_t ci,
-                                         int d, int x) {
+// The CTA's column tile of chunk ci's slot in a state workspace laid out as hst [slots, H, K, V]
+// (hst, or dhst), at row 0.
+__device__ __forceinline__ float* slot_state(const DplrChunkPass& p, void* base, const Cta& c,
+                                             int64_t ci) {
   const int64_t slot = chunk_slot<kDplrChunk>(p.cu_seqlens, c.n, p.T, ci);
-  return static_cast<float*>(p.hst) + ((slot * p.H + c.h) * p.K + d) * int64_t(p.V) + c.x0 + x;
+  return static_cast<float*>(base) + (slot * p.H + c.h) * p.K * int64_t(p.V) + c.x0;
 }
 
 // A fragments (tile_mma.cuh's mma_tf32 layout) of a 16 x 16 matrix M [C][CP] at offset m, or
@@ -685,13 +685,8 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
 
 // ---------------------------------------------------------------------------------------------
 // Forward, parallel part: one CTA per (chunk slot, head). Slots without a chunk (final-state and
-// gap slots) are never read and are left unwritten.
-__device__ __forceinline__ float* dhst_at(const DplrChunkPass& p, const Cta& c, int64_t ci,
-                                          int d, int x) {
-  const int64_t slot = chunk_slot<kDplrChunk>(p.cu_seqlens, c.n, p.T, ci);
-  return static_cast<float*>(p.dhst) + ((slot * p.H + c.h) * p.K + d) * int64_t(p.V) + c.x0 + x;
-}
-
+// gap slots) are never read; a training forward writes zeros there (its workspace is kept as an
+// op output), any other call leaves them unwritten.
 // KC: K as a compile-time constant (64; 0: p.K), so that the shared-memory layout and every index
 // derived from K fold into immediates (launch_k).
 template <typename T, int KC = 0>
@@ -704,8 +699,6 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0), t0 = ci * C;
   float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
-  // The training forward (hst set) keeps the workspace for its backward, an op output: the slots
-  // without a chunk (final-state and varlen gap slots) read 0 there, not garbage.
   const bool train = !p.backward() && p.hst;
   if (ci < 0 || t0 >= s.len) {
     for (int e = threadIdx.x; e < (train ? ws.per() / 4 : 0); e += NT)  // per() is a multiple of 4

@@ -33,8 +33,8 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
     // dS+ at this tile's columns, 4 per thread. zeta = rowsum(S+ * dS+) with S+ from registers
     // (it is not kept): partial sums per 4 columns in the gradient rows' space, which is written
     // only after zeta is summed.
-    const float *s0 = hst_at(p, c, ci, 0, 0), *s1 = hst_at(p, c, ci + 1, 0, 0);
-    const float* d1 = dhst_at(p, c, ci, 0, 0);
+    const float *s0 = slot_state(p, p.hst, c, ci), *s1 = slot_state(p, p.hst, c, ci + 1);
+    const float* d1 = slot_state(p, p.dhst, c, ci);
     const int lq = L.lc - 2;  // log2(column quads per row)
     auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
     if (p.rows16) {

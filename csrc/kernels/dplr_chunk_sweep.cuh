@@ -35,7 +35,8 @@ struct StateSmem {
 // dU = scale A_rb^T dO + B^ dS+, and Q~ = R^ + A_rb W.) The forward stores the chunk-start
 // states in hst (when asked) and the final one after them; the backward stores every D in dhst.
 // Tried (NOTES c9, c13): 16 columns on 128 threads (SIMT: 15 % slower; TF32: equal at K = 64,
-// 35 % slower at K = 128), three workspace stages instead of two (SIMT: 8 % slower).
+// 35 % slower at K = 128), three workspace stages instead of two (SIMT: 8 % slower;
+// TF32: equal, NOTES c17).
 // OUT: the forward computes o (false in the forward sweep of a backward call, which only makes
 // hst: no O0 copies, no Q~ S).
 // KC: as prep_kernel's.

@@ -98,11 +98,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   return {o, hT, keep ? hst : none(), keep ? amat : none()};
 }
 
-namespace {
-
-
-}  // namespace
-
 ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
                           const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                           const Tensor& grad_o, const std::optional<Tensor>& dht,

@@ -26,11 +26,10 @@ int64_t dplr_ws_floats(const DiagArgs& d) {
 std::vector<int64_t> dplr_state_sizes(const DiagArgs& d) {
   return {dplr_chunk_slots(d), d.H, d.K, d.V};
 }
+int64_t dplr_state_floats(const DiagArgs& d) { return dplr_chunk_slots(d) * d.H * d.K * d.V; }
 // What a CUDA training forward keeps (`saved`, fp32, flat): the chunk-start states, padded to a
 // multiple of 4 floats (16-byte aligned workspace rows), then the workspace.
-int64_t saved_states_floats(const DiagArgs& d) {
-  return (dplr_chunk_slots(d) * d.H * d.K * d.V + 3) / 4 * 4;
-}
+int64_t saved_states_floats(const DiagArgs& d) { return (dplr_state_floats(d) + 3) / 4 * 4; }
 int64_t saved_floats(const DiagArgs& d) { return saved_states_floats(d) + dplr_ws_floats(d); }
 
 // `ws` receives the CUDA engine's per-chunk workspace (kept alive by the caller until the pass
@@ -50,8 +49,8 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   return p;
 }
 
-// The chunk-start states (varlen gap slots are never written, hence new_output: poisoned under
-// FLA_EXT_POISON), or [0] when not needed.
+// The chunk-start states (new_output: poisoned under FLA_EXT_POISON, so that a slot no pass
+// writes shows), or [0] when not needed.
 Tensor dplr_states(const DiagArgs& d, const Tensor& r, bool needed) {
   const auto acc = r.options().dtype(acc_type(r));
   return new_output(needed ? dplr_state_sizes(d) : std::vector<int64_t>{0}, acc);
@@ -72,9 +71,8 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
   // The forward sweep stores the states, prep its workspace with the pair matrices (kernels'
   // DplrChunkPass::kept); every float is written (gap slots 0: an op output).
   Tensor ws, saved = new_output({keep ? saved_floats(d) : 0}, r.options().dtype(at::kFloat));
-  const int64_t states = dplr_chunk_slots(d) * d.H * d.K * d.V;
-  if (keep && saved_states_floats(d) > states)  // the padding: no kernel writes it
-    saved.narrow(0, states, saved_states_floats(d) - states).zero_();
+  const int64_t states = dplr_state_floats(d), pad = saved_states_floats(d) - states;
+  if (keep && pad > 0) saved.narrow(0, states, pad).zero_();  // no kernel writes the padding
   DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, keep ? &saved : nullptr);
   p.o = d.L.vec(o);
   if (output_final_state) p.hT = mat(hT);

@@ -2,8 +2,8 @@
 // dispatcher calls of the op pair that `Ops` names, so that torch.compile traces them like any
 // other op. Ops::fwd / Ops::bwd take fused_recurrent_rwkv7's arguments (the chunked op has no
 // `reverse` and drops it); Ops::fwd(train, ..) returns (o, final state, workspace): what a
-// recording forward keeps for the backward (chunked on CUDA: the chunk-start states; undefined
-// otherwise), handed to Ops::bwd.
+// recording forward keeps for the backward (chunked on CUDA: `saved`, the chunk-start states and
+// prep's workspace; undefined otherwise), handed to Ops::bwd.
 #pragma once
 #include <torch/autograd.h>
 
