@@ -18,6 +18,8 @@ def log_decay(kind: str, shape, gen) -> torch.Tensor:
         return -5 * torch.rand(shape, generator=gen)
     if kind == "u30":
         return -30 * torch.rand(shape, generator=gen)
+    if kind == "rwkv7":  # RWKV-7's own parametrisation: -exp(-0.5) * sigmoid(x)
+        return -math.exp(-0.5) * torch.sigmoid(torch.randn(shape, generator=gen))
     if kind == "rwkv":  # -exp(N(0, 2^2)), as RWKV6 layers produce
         return -torch.exp(2 * torch.randn(shape, generator=gen))
     if kind == "neg1e4":

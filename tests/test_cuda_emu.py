@@ -61,9 +61,20 @@ def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, lr, gen):
                                    (1, 40, 1, 64, 64)], ids=["rows16", "K20", "K72V80", "K64"])
 def test_chunk_rwkv7_kernels_bf16(emu, shape, gen):
     """The bf16 loads and stores (K, V multiples of 8: the asynchronous row copies; K = 20: the
-    element-wise loads), TF32 sweeps and prep products; the reference gets the same bf16 values
-    (fp32 math). K72V80: prep's warps take a second 8-channel / 8-column slab (64 + 8)."""
-    check(emu, shape, "rwkv", None, gen, torch.bfloat16, 1e-2)
+    element-wise loads), TF32 sweeps and prep products (RWKV-7's own decays: the pair matrices
+    on tensor cores); the reference gets the same bf16 values (fp32 math). K72V80: prep's warps
+    take a second 8-channel / 8-column slab (64 + 8)."""
+    check(emu, shape, "rwkv7", None, gen, torch.bfloat16, 1e-2)
+
+
+@pytest.mark.parametrize("w_kind,lr", [("u30", "rwkv"), ("u5", "rwkv"), ("rwkv", "rwkv"),
+                                       ("zero", "repeated")], ids=["u30", "u5", "rwkv6", "repeated"])
+def test_chunk_rwkv7_kernels_bf16_decays(emu, w_kind, lr, gen):
+    """Prep's two ways to the pair matrices in one call. A chunk with a channel's total decay
+    below -60 takes the exact pair walks (u30: every chunk; u5, rwkv6's -exp(N(0, 4)): some),
+    the others the factored tensor-core products (1 / exp(G) would be inf past the bound: NaN).
+    repeated: X's solve amplifies the products' errors (3xTF32 keeps them at fp32's)."""
+    check(emu, (1, 40, 2, 64, 32), w_kind, None, gen, torch.bfloat16, 1e-2, lr=lr)
 
 
 @pytest.fixture

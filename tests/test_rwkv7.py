@@ -12,7 +12,7 @@ import fla_ext
 from conftest import DEVICES, assert_compiles_same
 from inputs import STRESS
 from rwkv7_cases import (CHUNK, ERRORS, FUSED, MODES, NAMES, _good, bwd_args, check_bad_input,
-                         make, relayout, run_and_check, samples)
+                         make, run_and_check, samples)
 
 # ---------------------------------------------------------------------------------------------
 # The grid: T = 1, odd sizes, K != V both ways, V over several column tiles, K > 128, both
@@ -116,12 +116,7 @@ def test_varlen_int32_head_first(mode, device, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("w_kind", STRESS + ["rwkv7"])
 def test_stress_gates(mode, states, device, dtype, w_kind, gen):
-    if w_kind == "rwkv7":  # RWKV-7's own parametrisation: w = -exp(-0.5) * sigmoid(x)
-        ins = list(make(2, 70, 2, 64, 32, dtype, device, gen, h0=states))
-        x = torch.randn(ins[1].shape, generator=gen)
-        ins[1] = relayout(-math.exp(-0.5) * torch.sigmoid(x), ins[0])
-    else:
-        ins = make(2, 70, 2, 64, 32, dtype, device, gen, w_kind=w_kind, h0=states)
+    ins = make(2, 70, 2, 64, 32, dtype, device, gen, w_kind=w_kind, h0=states)
     run_and_check(mode, *ins, scale=mode.scale, dht_on=states, gen=gen)
 
 

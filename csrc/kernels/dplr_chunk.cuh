@@ -381,10 +381,13 @@ __device__ inline void pair_matrices(float* sm, const Smem& L, int i, int j, flo
 // Four threads per channel, four rows each (all 256 threads: one thread per channel walking all
 // 16 rows kept three warps in four at the next barrier, ~10 % of grad's stall samples). Every
 // exponent is a sum of w's (the other rows' totals through shuffles), never a difference. Not
-// synchronised.
-__device__ inline void chunk_decays(float* sm, const Smem& L, int eg, int eo, int ah = -1) {
+// synchronised. Returns whether every channel this thread saw has a chunk total Gamma >=
+// -kFactorBound (pair_matrices_tc; NaN: false).
+constexpr float kFactorBound = 60.f;
+__device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, int ah = -1) {
   static_assert(C == 16, "four rows per thread, four threads per channel");
   const int K = L.K, KP = L.KP, part = threadIdx.x % 4, r0 = 4 * part;
+  bool bounded = true;
   for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane: shuffles below
     const int d = d0 + threadIdx.x / 4;
     const bool on = d < K;
@@ -400,6 +403,7 @@ __device__ inline void chunk_decays(float* sm, const Smem& L, int eg, int eo, in
       if (q > part) after += t;
     }
     if (!on) continue;
+    bounded = bounded && before + tot + after >= -kFactorBound;
     float run = before, prev = part ? expf(before) : 1.f;  // prev = exp(E_i) = exp(G_{i-1})
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -414,6 +418,52 @@ __device__ inline void chunk_decays(float* sm, const Smem& L, int eg, int eo, in
       sm[eo + (r0 + r) * KP + d] = expf(run);
       run += wl[r];
     }
+  }
+  return bounded;
+}
+
+// The four pair matrices on tensor cores, for a chunk with every channel's total decay Gamma >=
+// -kFactorBound (checked by chunk_decays: a bound relied on, never assumed). Then exp(G_i - G_j)
+// = exp(G_i) exp(-G_j) with both factors in [e^-60, e^60] (normal floats: nothing overflows or
+// underflows; ALGORITHMS.md §2.2 scheme 2 at C = 16), and each matrix is one 16 x 16 x K
+// product of rows R^ = r exp(G_i) or Â = a exp(E_i) with rows k exp(-G_j) or b exp(-G_j),
+// masked to j <= i (rk, rb) or j < i (ak, ab); exp(-G_j) = exp(Omega_j) / gamma. R^ and Â
+// replace the r and a rows (kwide_rows_tc reads them scaled: `factored`); the key rows go to
+// the pair workspace. 3xTF32: fp32-accurate, since X = (I - A_ab)^-1 amplifies the errors of
+// A_ab. The exponent is a prefix difference, its error ~2^-24 * 60 relative: far below bf16 /
+// fp16 input rounding (fp32 inputs keep the exact pair_matrices). After the flag's barrier;
+// not synchronised at the end.
+__device__ __forceinline__ bool factorable(const Smem& L) { return 2 * C * L.KP <= kPairWs; }
+__device__ inline void pair_matrices_tc(float* sm, const Smem& L) {
+  const int K = L.K, KP = L.KP, kn = (K + 7) / 8 * 8;
+  float *const kf = sm + L.pw, *const bf = kf + C * KP;  // k exp(-G), b exp(-G): [C][KP]
+  for (int e = threadIdx.x; e < C * kn; e += NT) {
+    const int i = e / kn, c = e - i * kn, at = i * KP + c;
+    if (c >= K) {  // read by the products' last k-step: exp(G) is unset there
+      kf[at] = bf[at] = 0.f;
+      continue;
+    }
+    const float eg = sm[L.eG + at], f = __fdividef(sm[L.eO + at], sm[L.eG + (C - 1) * KP + c]);
+    sm[L.a + at] *= eE(sm, L, i, c);
+    sm[L.r + at] *= eg;
+    kf[at] = sm[L.k + at] * f, bf[at] = sm[L.b + at] * f;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  const int m = warp / 2, j0 = 8 * (warp % 2);
+  const bool inc = m < 2;  // A_rk, A_rb: j <= i; A_ak, A_ab: j < i
+  const float* pa = sm + (inc ? L.r : L.a) + g * KP + q;
+  const float* pb = (m % 2 ? bf : kf) + (j0 + g) * KP + q;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int c0 = 0; c0 < kn; c0 += 8, pa += 8, pb += 8) {
+    const float av[4] = {pa[0], pa[8 * KP], pa[4], pa[8 * KP + 4]}, bv[2] = {pb[0], pb[4]};
+    tile::mma_tf32x3(acc, av, bv);
+  }
+  float* const M = sm + L.Ark + m * C * CP;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int i = acc_row(0, e), j = acc_col(j0, e);
+    M[i * CP + j] = (inc ? j <= i : j < i) ? acc[e] : 0.f;
   }
 }
 
@@ -440,9 +490,12 @@ __device__ __forceinline__ void rows_dot_state(const float* sm, const Smem& L, i
 }
 
 // Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
-// matrices and X. Ends synchronised.
-__device__ inline void prepare(float* sm, const Smem& L) {
-  chunk_decays(sm, L, L.eG, L.eO);
+// matrices (TC: on tensor cores where the chunk's decays allow, pair_matrices_tc) and X. Ends
+// synchronised. Returns whether the pair matrices were factored (then the r and a rows hold R^
+// and Â).
+template <bool TC>
+__device__ inline bool prepare(float* sm, const Smem& L) {
+  const bool bounded = chunk_decays(sm, L, L.eG, L.eO);
   // X = (I - N)^-1 for the strictly lower N = A_ab by 4 x 4 blocks (ALGORITHMS.md §6.2): each
   // diagonal block by forward substitution down its columns, then the blocks 1, 2, 3 below the
   // diagonal, X_IJ = X_II sum_{L=J..I-1} N_IL X_LJ (blocks nearer the diagonal are done by
@@ -455,7 +508,10 @@ __device__ inline void prepare(float* sm, const Smem& L) {
   const int I = i / 4, J = j / 4;
   const float* const N = sm + L.Aab;
   float* const X = sm + L.X;
-  {
+  const bool factored = __syncthreads_and(TC && bounded && factorable(L));  // CTA-uniform
+  if (factored) {
+    pair_matrices_tc(sm, L);
+  } else {
     int pi, pj;
     pair_of_thread(pi, pj);
     float rk, rb, ak, ab;
@@ -491,6 +547,7 @@ __device__ inline void prepare(float* sm, const Smem& L) {
     }
     __syncthreads();
   }
+  return factored;
 }
 
 // acc (this lane's m16n8 tile, columns n0..n0 + 8 of a tile) += R St on TF32 tensor cores: R a
@@ -591,21 +648,24 @@ struct MatFrag {
 // between each product and the next (NOTES c13: these products were ~36 % of prep's samples).
 // K-wide rows: W = X Â, Q~ = R^ + A_rb W, K^ and B^ into shared memory over the
 // w, r, k, b rows (each lane overwrites only elements it has read), for store_kwide_rows; gamma
-// straight to the workspace. Not synchronised.
-__device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws, float* out) {
+// straight to the workspace. `factored`: the a and r rows hold Â and R^ already (prepare).
+// Not synchronised.
+__device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws, float* out, bool factored) {
   const int K = L.K, KP = L.KP, warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   const MatFrag X(sm, L.X), Arb(sm, L.Arb);
   for (int n0 = 8 * warp; n0 < ws.KP4; n0 += NT / 4) {
     const int d = n0 + g;  // the B fragments' channel
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    X.mma(acc, [&](int l, int) { return d < K ? sm[L.a + l * KP + d] * eE(sm, L, l, d) : 0.f; });
+    X.mma(acc, [&](int l, int) {
+      return d >= K ? 0.f : factored ? sm[L.a + l * KP + d] : sm[L.a + l * KP + d] * eE(sm, L, l, d);
+    });
 #pragma unroll
     for (int e = 0; e < 4; ++e) sm[L.w + acc_row(0, e) * KP + acc_col(n0, e)] = acc[e];
     __syncwarp();
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = acc_row(0, e), x = acc_col(n0, e);
-      acc[e] = x < K ? sm[L.r + i * KP + x] * sm[L.eG + i * KP + x] : 0.f;
+      acc[e] = x >= K ? 0.f : factored ? sm[L.r + i * KP + x] : sm[L.r + i * KP + x] * sm[L.eG + i * KP + x];
     }
     Arb.mma(acc, [&](int j, int) { return sm[L.w + j * KP + d]; });
 #pragma unroll
@@ -717,7 +777,8 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
     load_rows<T>(sm, L, p, s, h, t0, nrow);
   }
   __syncthreads();
-  prepare(sm, L);
+  constexpr bool TC = !std::is_same<T, float>::value;
+  const bool factored = prepare<TC>(sm, L);
   // All of v at once into the stage (over the pair workspace, free now), in flight during the
   // K-wide rows below; every column tile reads it.
   if (p.rows16) {
@@ -730,10 +791,9 @@ __global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
     *reinterpret_cast<float4*>(out + ws.mats() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
   // K-wide rows, then the column tiles: on tensor cores for bf16 / fp16 (kwide_rows_tc,
   // col_tiles_tc; the column tiles when v is in the stage), else exact SIMT below.
-  constexpr bool TC = !std::is_same<T, float>::value;
   const float rho = float(p.scale);
   if (TC) {
-    kwide_rows_tc(sm, L, ws, out);
+    kwide_rows_tc(sm, L, ws, out, factored);
   } else {
     // Thread (channel d, row group g) holds channel d of all 16 rows of an operand in registers
     // and makes rows g, g + 4, ..; the triangular matrices are zero-filled, so every product is

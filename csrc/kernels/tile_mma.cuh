@@ -123,6 +123,26 @@ __device__ __forceinline__ void mma_tf32(float* d, uint32_t a0, uint32_t a1, uin
 #endif
 }
 
+// mma_tf32 with fp32-accurate products (3xTF32): each operand split into its TF32 value and the
+// TF32-rounded remainder, and the three products but lo * lo (~2^-22 relative) accumulated,
+// small ones first. a and b as mma_tf32's lane operands, in fp32.
+__device__ __forceinline__ void mma_tf32x3(float* d, const float (&a)[4], const float (&b)[2]) {
+  uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float h = tf32_round(a[e]);
+    ah[e] = __float_as_uint(h), al[e] = to_tf32(a[e] - h);
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float h = tf32_round(b[e]);
+    bh[e] = __float_as_uint(h), bl[e] = to_tf32(b[e] - h);
+  }
+  mma_tf32(d, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+  mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+  mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
+}
+
 // One warp's m16n8 product on TF32 tensor cores, for kernels whose tiles are not 64 x 64 (the
 // RWKV7 chunk engine's 16-row chunks): acc (this lane's four m16n8 elements) += A[0..16, 0..kn)
 // B[0..kn, 0..8) with A(r, k) and B(k, n) given as functions (the caller masks rows and k past the

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -94,7 +95,20 @@ inline float __shfl_xor_sync(unsigned mask, float v, int lanes, int width = 32) 
   return __shfl_sync(mask, v, lane ^ lanes, width);
 }
 inline float __fmul_rn(float a, float b) { return a * b; }  // g++ does not contract a lone product
+inline float __fdividef(float x, float y) { return x / y; }
 inline void __syncthreads() { emu_cta->arrive_and_wait(); }
+// __syncthreads_and: a barrier, then every thread reads the AND of the predicates; a third
+// barrier keeps the reset of the shared flag after every read.
+inline std::atomic<bool> emu_and_fail{false};
+inline int __syncthreads_and(int pred) {
+  if (!pred) emu_and_fail = true;
+  emu_cta->arrive_and_wait();
+  const bool all = !emu_and_fail;
+  emu_cta->arrive_and_wait();
+  if (threadIdx.x == 0) emu_and_fail = false;
+  emu_cta->arrive_and_wait();
+  return all;
+}
 // A barrier of the thread's warp (every lane must call it, as the kernels do: full mask).
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warps[int(threadIdx.x) / 32]->arrive_and_wait(); }
 // A CTA's threads never add to one element here, and CTAs run one after another.
