@@ -45,7 +45,7 @@ def chunk_emu():
     ((1, 90, 2, 24, 20), "mixedinf", [0, 7, 7, 40, 90], "rwkv"),  # varlen with an empty sequence
     # X's entries come out of cancelling binomial-size terms unless it is solved by substitution
     ((1, 48, 1, 16, 8), "zero", None, "repeated"),
-    # K = 128: grad's S+ quads fill all kSp registers per thread (the asynchronous path's limit)
+    # K = 128: the constant-K build (launch_k<T, 128>)
     ((1, 20, 1, 128, 32), "rwkv", None, "rwkv"),
     # K <= 64 with V > 64: two 64-column grad tiles add into one zero-filled slab (the second
     # one partial), the sweeps' last 32-column tile partial
@@ -58,7 +58,8 @@ def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, lr, gen):
 
 
 @pytest.mark.parametrize("shape", [(1, 45, 2, 32, 24), (1, 30, 1, 20, 12), (1, 20, 1, 72, 80),
-                                   (1, 40, 1, 64, 64)], ids=["rows16", "K20", "K72V80", "K64"])
+                                   (1, 40, 1, 64, 64), (1, 20, 1, 128, 80)],
+                         ids=["rows16", "K20", "K72V80", "K64", "K128V80"])
 def test_chunk_rwkv7_kernels_bf16(emu, shape, gen):
     """The bf16 loads and stores (K, V multiples of 8: the asynchronous row copies; K = 20: the
     element-wise loads), TF32 sweeps and prep products (RWKV-7's own decays: the pair matrices

@@ -96,7 +96,8 @@ struct Smem {
     dS = dO = dU = dM = gr = gk = ga = gb = dA = dX = Y = zeta = 0;
     if (bwd) {
       dS = take(K * BP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
-      zeta = take(K);  // before the rows the pair workspace overlays
+      // zeta: rowsum(S * dS+), gamma, then zeta's state-part sums ([2][K] TC, [8][K] SIMT)
+      zeta = take(10 * K);
       gr = take(C * KP), gk = take(C * KP), ga = take(C * KP), gb = take(C * KP);
       dA = take(4 * C * C);
       dX = take(C * CP), Y = take(C * CP);
@@ -153,7 +154,6 @@ FLA_HD size_t stage_bytes(int K, int ncol, int ncolmats) {
 // DplrChunkPass::rows16 for these inputs: every activation row in whole 16-byte pieces at 16-byte
 // aligned addresses, and the stages of prep (raw K-rows, then all of v, over the pair workspace)
 // and of grad (raw K-rows, v and dO tile rows, from gk on) within the space they overlay.
-constexpr int kSp = 4;  // S+ quads a grad thread holds in registers while its copies fly
 
 template <typename T>
 inline bool rows16(const DplrChunkPass& p) {
@@ -165,7 +165,7 @@ inline bool rows16(const DplrChunkPass& p) {
   if (!p.backward()) return true;
   const Smem g(p.K, true);
   return ok(p.dout, p.V) && stage_bytes<T>(p.K, g.cols, 2) <= size_t(g.total - g.stage) * sizeof(float) &&
-         elements::aligned16(p.hst) && elements::aligned16(p.dhst) && (p.K << (g.lc - 2)) <= kSp * NT;
+         elements::aligned16(p.hst) && elements::aligned16(p.dhst);
 }
 
 // Issues the copies of rows [t0, t0 + nrow) of r, w, k, a, b (rows past nrow zero-filled).
@@ -382,9 +382,9 @@ __device__ inline void pair_matrices(float* sm, const Smem& L, int i, int j, flo
 // 16 rows kept three warps in four at the next barrier, ~10 % of grad's stall samples). Every
 // exponent is a sum of w's (the other rows' totals through shuffles), never a difference. Not
 // synchronised. Returns whether every channel this thread saw has a chunk total Gamma >=
-// -kFactorBound (pair_matrices_tc; NaN: false).
+// -kFactorBound (pair_matrices_tc; NaN: false). gm >= 0: gamma = exp(Gamma) [K] there.
 constexpr float kFactorBound = 60.f;
-__device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, int ah = -1) {
+__device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, int ah = -1, int gm = -1) {
   static_assert(C == 16, "four rows per thread, four threads per channel");
   const int K = L.K, KP = L.KP, part = threadIdx.x % 4, r0 = 4 * part;
   bool bounded = true;
@@ -404,6 +404,7 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
     }
     if (!on) continue;
     bounded = bounded && before + tot + after >= -kFactorBound;
+    if (gm >= 0 && part == 0) sm[gm + d] = expf(tot + after);
     float run = before, prev = part ? expf(before) : 1.f;  // prev = exp(E_i) = exp(G_{i-1})
 #pragma unroll
     for (int r = 0; r < 4; ++r) {

@@ -38,12 +38,12 @@ namespace fla {
 
 constexpr int kDplrChunk = 16;
 
-// State columns per backward tile: 64 for K <= 64 (V <= 64 is then one tile: a chunk's K-vector
+// State columns per backward tile: 64 up to K = 128 (V <= 64 is then one tile: a chunk's K-vector
 // gradients are whole in one CTA, stored without partial sums or atomics, and its chunk-wide work
-// is not repeated per tile), 32 for K <= 128, 8 beyond, so that the CUDA backward's shared memory
-// (rows, pair matrices, K x cols state and its gradient) holds two CTAs per SM up to K = 64 and
-// fits in 227 KB up to K = 256.
-FLA_HD int dplr_chunk_cols(int K) { return K <= 64 ? 64 : K <= 128 ? 32 : 8; }
+// is not repeated per tile; 32-column tiles at K = 128 repeated it four times at V = 128: grad
+// 25.5 ms), 8 beyond, so that the CUDA backward's shared memory (rows, pair matrices, K x cols
+// state and its gradient) holds two CTAs per SM up to K = 64 and fits in 227 KB up to K = 256.
+FLA_HD int dplr_chunk_cols(int K) { return K <= 128 ? 64 : 8; }
 FLA_HD int dplr_chunk_tiles(int K, int V) {
   const int c = dplr_chunk_cols(K);
   return (V + c - 1) / c;

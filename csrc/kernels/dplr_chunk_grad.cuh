@@ -29,56 +29,33 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
     const int64_t t0 = ci * C;
     const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
     const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.per() + ws.mats();
-    // S (hst at this chunk), S+ (the next slot: the next chunk's start or the final state) and
-    // dS+ at this tile's columns, 4 per thread. zeta = rowsum(S+ * dS+) with S+ from registers
-    // (it is not kept): partial sums per 4 columns in the gradient rows' space, which is written
-    // only after zeta is summed.
-    const float *s0 = slot_state(p, p.hst, c, ci), *s1 = slot_state(p, p.hst, c, ci + 1);
-    const float* d1 = slot_state(p, p.dhst, c, ci);
+    // S (hst at this chunk) and dS+ at this tile's columns. zeta = rowsum(S+ * dS+) is formed
+    // without S+ (S+ = gamma S + K^^T V + B^^T U): gamma rowsum(S * dS+) here, the rest from the
+    // state parts v dS+^T and U dS+^T below, so no S+ is read.
+    const float *s0 = slot_state(p, p.hst, c, ci), *d1 = slot_state(p, p.dhst, c, ci);
     const int lq = L.lc - 2;  // log2(column quads per row)
     auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
     if (p.rows16) {
-      // Everything in flight before any wait: rows, v, dO, the matrices, S and dS+ by cp.async,
-      // S+ into registers (at most kSp quads per thread: DplrChunkPass::rows16), consumed after.
+      // Everything in flight before any wait: rows, v, dO, the matrices, S and dS+ by cp.async.
       copy_rows_async<T>(sm, L, p, c.s, c.h, t0, nrow);
       copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       for (int e = threadIdx.x; e < 5 * C * CP / 4; e += NT)  // stored in the shared layout
         copy16(sm + L.Ark + 4 * e, mats + 4 * e, true);
-      float4 sp[kSp];
-#pragma unroll
-      for (int it = 0; it < kSp; ++it) {
+      for (int e = threadIdx.x; e < K << lq; e += NT) {
         int d, x;
-        quad(threadIdx.x + it * NT, d, x);
-        if (d < K) {
-          const int64_t at = int64_t(d) * p.V + x;
-          copy16(sm + L.S + d * BP + x, s0 + at, x < c.nc);
-          copy16(sm + L.dS + d * BP + x, d1 + at, x < c.nc);
-        }
+        quad(e, d, x);
+        const int64_t at = int64_t(d) * p.V + x;
+        copy16(sm + L.S + d * BP + x, s0 + at, x < c.nc);
+        copy16(sm + L.dS + d * BP + x, d1 + at, x < c.nc);
       }
       copy_commit();
-#pragma unroll
-      for (int it = 0; it < kSp; ++it) {
-        int d, x;
-        quad(threadIdx.x + it * NT, d, x);
-        if (d < K) sp[it] = load4(s1 + int64_t(d) * p.V + x, c.nc - x, true);
-      }
       if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only
       copy_wait<0>();
       __syncthreads();
       if (kRawRows<T>) widen_rows<T>(sm, L);
       widen_cols<T>(sm, L, 0, cols, 0, L.v);
       widen_cols<T>(sm, L, 1, cols, 0, L.dO);
-#pragma unroll
-      for (int it = 0; it < kSp; ++it) {
-        int d, x;
-        const int e = threadIdx.x + it * NT;
-        quad(e, d, x);
-        if (d < K) {
-          const float4 g = ld4(sm + L.dS + d * BP + x), b = sp[it];
-          sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
-        }
-      }
     } else {
       const bool vec = p.V % 4 == 0 && aligned16(p.hst) && aligned16(p.dhst);
 #pragma unroll 2
@@ -86,24 +63,25 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         int d, x;
         quad(e, d, x);
         const int64_t at = int64_t(d) * p.V + x;
-        const float4 a = load4(s0 + at, c.nc - x, vec), b = load4(s1 + at, c.nc - x, vec);
-        const float4 g = load4(d1 + at, c.nc - x, vec);
-        *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = a;
-        *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = g;
-        sm[L.gr + e] = b.x * g.x + b.y * g.y + b.z * g.z + b.w * g.w;
+        *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = load4(s0 + at, c.nc - x, vec);
+        *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = load4(d1 + at, c.nc - x, vec);
       }
       load_chunk<T>(sm, L, p, c, t0, nrow, true);
       for (int e = threadIdx.x; e < 5 * C * CP; e += NT) sm[L.Ark + e] = mats[e];
     }
     __syncthreads();
-    for (int d = threadIdx.x; d < K; d += NT) {
+    for (int d0 = 0; d0 < K; d0 += NT / 4) {  // rowsum(S * dS+): four threads per channel
+      const int d = d0 + threadIdx.x / 4, part = threadIdx.x % 4;
       float z = 0.f;
-      for (int q = 0; q < cols / 4; ++q) z += sm[L.gr + d * (cols / 4) + q];
-      sm[L.zeta + d] = z;
+      if (d < K)
+        for (int x = 4 * part; x < cols; x += 16) z = dot4(ld4(sm + L.S + d * BP + x), ld4(sm + L.dS + d * BP + x), z);
+      z += __shfl_xor_sync(0xffffffffu, z, 1);
+      z += __shfl_xor_sync(0xffffffffu, z, 2);
+      if (d < K && part == 0) sm[L.zeta + d] = z;
     }
     // Â and exp(Omega) in the gradient rows ga, gk (the raw stage there is spent), which the
     // K-vector gradients write last; exp(G) is not stored (see there).
-    chunk_decays(sm, L, -1, L.gk, L.ga);
+    chunk_decays(sm, L, -1, L.gk, L.ga, L.zeta + K);  // gamma after zeta
     __syncthreads();
     // exp(w) in place of w: the pair parts of the K-vector gradients multiply the factors up
     // (products of <= 15 factors <= 1, a few ulp) instead of exponentiating sums per pair. K^ =
@@ -211,10 +189,21 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         // (warp_mma_ld here: grad 3.57 -> 3.99 ms in c16, 2.88 -> 2.96 now; kept the functors)
         warp_mma(acc, cols, [&](int r, int k) { return sm[A + r * BP + k]; },
                  [&](int k, int n) { return n0 + n < K ? sm[B + (n0 + n) * BP + k] : 0.f; });
+        float z[2] = {0.f, 0.f};  // zeta's parts sum_j K^_j (v_j dS+^T), sum_j B^_j (U_j dS+^T)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int d = acc_col(n0, e);
-          if (d < K) sm[D + acc_row(0, e) * KP + d] = acc[e];
+          const int d = acc_col(n0, e), at = acc_row(0, e) * KP + d;
+          if (d >= K) continue;
+          if (m >= 2) z[e % 2] += sm[D + at] * acc[e];  // K^, B^ there until this write
+          sm[D + at] = acc[e];
+        }
+        if (m >= 2) {  // warp-uniform: summed over the 16 rows (lanes g)
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            for (int lanes = 4; lanes < 32; lanes *= 2) z[h2] += __shfl_xor_sync(0xffffffffu, z[h2], lanes);
+            const int d = acc_col(n0, h2);
+            if (threadIdx.x % 32 < 4 && d < K) sm[L.zeta + m * K + d] = z[h2];
+          }
         }
       }
       __syncthreads();
@@ -283,6 +272,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
           g[h2][3] = dot4(ld4(sm + L.U + i * BP + q), ds, g[h2][3]);
         }
       }
+      float zp = 0.f;  // SIMT: this thread's rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
 #pragma unroll 1
       for (int h2 = 0; h2 < 2; ++h2) {
         const int i = i0 + h2 * (C / 2);
@@ -317,9 +307,11 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
           fex = fin;
         }
         dk += sk * fex, db += sb * fex;
+        if (!TC) zp += (sm[L.k + j * KP + d] * sk + sm[L.b + j * KP + d] * sb) * fex;
         sm[L.gr + i * KP + d] = dr, sm[L.ga + i * KP + d] = da;
         sm[L.gk + i * KP + d] = dk, sm[L.gb + i * KP + d] = db;
       }
+      if (!TC) sm[L.zeta + (2 + i0) * K + d] = zp;
     }
     __syncthreads();
 
@@ -359,7 +351,12 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         }
 #pragma unroll
         for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
-        float acc = on ? sm[L.zeta + d] : 0.f;
+        float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its state-part sums (TC: 2, SIMT: 8)
+        if (on) {
+          acc = sm[L.zeta + K + d] * sm[L.zeta + d];
+#pragma unroll
+          for (int q = 0; q < (TC ? 2 : C / 2); ++q) acc += sm[L.zeta + (2 + q) * K + d];
+        }
 #pragma unroll
         for (int q = 3; q >= 0; --q) {
           const float cq = __shfl_sync(0xffffffffu, cg, q, 4);

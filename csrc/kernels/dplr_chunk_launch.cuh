@@ -45,12 +45,12 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
                           Smem(p.K, true).bytes(), p, stream);
 }
 
-// K = 64 (RWKV-7's head size) with every index derived from K a compile-time constant: ncu had
-// integer multiply-adds at 22-35 % of the sweep's and prep's instructions.
+// K = 64 (RWKV-7's head size) and 128 with every index derived from K a compile-time constant:
+// ncu had integer multiply-adds at 22-35 % of the sweep's and prep's instructions.
 template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
-  return p.K == 64 ? launch_k<T, 64>(p, stream) : launch_k<T, 0>(p, stream);
+  return p.K == 64 ? launch_k<T, 64>(p, stream) : p.K == 128 ? launch_k<T, 128>(p, stream) : launch_k<T, 0>(p, stream);
 }
 
 }  // namespace dplr_chunk_detail

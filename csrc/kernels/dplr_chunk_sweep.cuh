@@ -62,29 +62,33 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 
   const bool want_o = OUT && p.o.on();
   const Split q4(ws.KP4 / 4);  // 16-byte pieces per workspace K-row
-  // Step `step`'s workspace block (W .. gamma whole, rows re-strided to KS; forward: U0 and, for
-  // o, O0 at this tile's columns).
+  // Step `step`'s workspace block: W .. gamma whole (contiguous there; rows re-strided to KS
+  // here), and forward U0 and, for o, O0 at this tile's columns (at most one piece per thread).
+  // Every index is formed once, outside the step loop: the block of step s is the first one
+  // plus s slots (REV: minus), and a thread's copies keep their offsets (ncu: the per-copy
+  // 64-bit index arithmetic was a third of the sweep's instructions).
+  const int64_t block_step = int64_t(p.H) * ws.per();
+  const float* const block0 = wsb + (slot_of(chunk_of(0)) * p.H + h) * ws.per();
+  const int nrowp = (4 * C + 1) * q4.n;  // row 4C is gamma
+  static_assert(2 * C * (SX / 4) <= NTS, "one U0 / O0 piece per thread");
+  const int urow = threadIdx.x / (SX / 4), ucol = x0 + 4 * (threadIdx.x % (SX / 4));
+  const bool ucopy = !REV && threadIdx.x < (want_o ? 2 : 1) * C * (SX / 4), uon = ucol < ws.VP4;
+  const int udst = L.sU0 + urow * SXP + 4 * (threadIdx.x % (SX / 4));
+  const int64_t usrc = ws.U0() + int64_t(urow) * ws.VP4 + (uon ? ucol : 0);
   auto fetch = [&](int64_t step) {
-    float* dst = sm + L.buf + (step & 1) * L.stage;
-    const float* src = wsb + (slot_of(chunk_of(step)) * p.H + h) * ws.per();
-    for (int e = threadIdx.x; e < (4 * C + 1) * q4.n; e += NTS) {  // row 4C is gamma
-      const int row = q4.quot(e), c = 4 * (e - row * q4.n);
-      copy16(dst + row * KS + c, src + row * ws.KP4 + c, true);
+    float* const dst = sm + L.buf + (step & 1) * L.stage;
+    const float* const src = block0 + (REV ? -step : step) * block_step;
+    for (int e = threadIdx.x; e < nrowp; e += NTS) {
+      const int row = q4.quot(e);
+      copy16(dst + row * KS + 4 * (e - row * q4.n), src + 4 * e, true);
     }
-    if (!REV)
-      for (int e = threadIdx.x; e < (want_o ? 2 : 1) * C * (SX / 4); e += NTS) {
-        const int mtx = e / (C * SX / 4), i = e / (SX / 4) % C, q = e % (SX / 4), col = x0 + 4 * q;
-        const bool on = col < ws.VP4;
-        copy16(dst + L.sU0 + (mtx * C + i) * SXP + 4 * q,
-               src + ws.U0() + (mtx * C + i) * ws.VP4 + (on ? col : 0), on);
-      }
+    if (ucopy) copy16(dst + udst, src + usrc, uon);
     copy_commit();
   };
   // Step `step`'s rows of v (forward) or dO (backward) at this tile's columns, two per thread (0
   // outside), kept in T until the next step stores them: converting right after the load made
   // every step wait for it (ncu: 18 % of the sweep's stall samples on that conversion).
-  // Row pointers at the sequence's first chunk, stepped by whole chunks (no per-element index
-  // arithmetic in the loop).
+  // Row pointers at the sequence's first chunk, a chunk's offset once per step.
   const VecArg& src_rows = REV ? p.dout : p.v;
   const int64_t chunk_stride = int64_t(C) * src_rows.st;
   const T* row_at[C * SX / NTS];
@@ -94,12 +98,12 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     row_at[it] = vptr<T>(src_rows, s.b, s.bos + e / SX, h, x0 + e % SX);
   }
   auto fetch_rows = [&](int64_t step, T* x) {
-    const int64_t ci = chunk_of(step);
+    const int64_t ci = chunk_of(step), off = ci * chunk_stride;
+    const int64_t rem = step < nch ? s.len - ci * C : 0;  // rows of the chunk
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
       const int e = threadIdx.x + it * NTS, i = e / SX, c = e % SX;
-      const bool on = step < nch && ci * C + i < s.len && c < nc;
-      x[it] = on ? row_at[it][ci * chunk_stride] : from_f<T>(0.f);
+      x[it] = i < rem && c < nc ? row_at[it][off] : from_f<T>(0.f);
     }
   };
   const bool quads = nc == SX && p.V % 4 == 0;  // whole tile, 16-byte aligned rows
@@ -118,7 +122,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   };
   auto store_state_at = [&](void* dst_base, int64_t ci) { store_slot(dst_base, slot_of(ci), false); };
   T* const o_at = OUT ? vptr<T>(p.o, s.b, s.bos, h, x0) : nullptr;  // row 0 of the sequence
-  auto store_o = [&](int64_t ci, int i, int x, float v) {
+  auto store_o = [&](int64_t ci, int i, int x, float v) {  // the SIMT path's
     const int64_t t = ci * C + i;
     if (t < s.len && x < nc) o_at[t * p.o.st + x * p.o.sd] = from_f<T>(v);
   };
@@ -133,6 +137,11 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   fetch_rows(0, vx);
   const int i = threadIdx.x / (SX / 2), xp = 2 * (threadIdx.x % (SX / 2));  // phase A: row i, columns xp, xp + 1
   const int warp = threadIdx.x / 32;
+  // Tensor-core o: this lane's accumulator elements (rows g, g + 8; columns oc, oc + 1 of its
+  // warp's 8), addressed from the sequence's row 0 (a chunk's offset once per step).
+  const int og = threadIdx.x % 32 / 4, oc = 8 * (warp % (SX / 8)) + 2 * (threadIdx.x % 4);
+  T* const o_lane = want_o ? o_at + og * p.o.st + oc * p.o.sd : nullptr;
+  const int64_t o_row8 = 8 * p.o.st;
   for (int64_t step = 0; step < nch; ++step) {
     const int64_t ci = chunk_of(step);
     const float* cur = sm + L.buf + (step & 1) * L.stage;
@@ -165,13 +174,21 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         else
           warp_mma(acc, K, [&](int r, int k) { return k < K ? A[r * KS + k] : 0.f; },
                    [&](int k, int c) { return k < K ? S[k * SXP + n0 + c] : 0.f; });
+        if (REV || warp < NN) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = acc_row(0, e), x = acc_col(n0, e);
-          // U is read only as an mma operand: rounded once here, not per read
-          if (REV) U[r * SXP + x] = tf32_round(acc[e]);
-          else if (warp < NN) U[r * SXP + x] = tf32_round(cur[L.sU0 + r * SXP + x] + acc[e]);
-          else if (want_o) store_o(ci, r, x, cur[L.sO0 + r * SXP + x] + rho * acc[e]);
+          for (int e = 0; e < 4; ++e) {
+            const int r = acc_row(0, e), x = acc_col(n0, e);
+            // U is read only as an mma operand: rounded once here, not per read
+            U[r * SXP + x] = tf32_round(REV ? acc[e] : cur[L.sU0 + r * SXP + x] + acc[e]);
+          }
+        } else if (want_o) {
+          T* const ob = o_lane + ci * C * p.o.st;
+          const int64_t rem = s.len - ci * C;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = acc_row(0, e), x = acc_col(n0, e);
+            if (r < rem && x < nc) ob[(e / 2) * o_row8 + (e % 2) * p.o.sd] = from_f<T>(cur[L.sO0 + r * SXP + x] + rho * acc[e]);
+          }
         }
       }
     } else if (REV) {  // T = B^ D

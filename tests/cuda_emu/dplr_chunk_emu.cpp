@@ -88,9 +88,12 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
 
 std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
-  const bool bf = r.scalar_type() == torch::kBFloat16, k64 = r.size(3) == 64;
-  auto f = bf ? (k64 ? run_t<__nv_bfloat16, 64> : run_t<__nv_bfloat16, 0>)
-              : (k64 ? run_t<float, 64> : run_t<float, 0>);
+  const int64_t K = r.size(3);  // the launch's constant-K builds (dplr_chunk_launch.cuh)
+  auto pick = [K](auto tag) {
+    using E = decltype(tag);
+    return K == 64 ? run_t<E, 64> : K == 128 ? run_t<E, 128> : run_t<E, 0>;
+  };
+  auto f = r.scalar_type() == torch::kBFloat16 ? pick(__nv_bfloat16()) : pick(float());
   return f(r, w, k, v, a, b, h0, dout, dht, scale, cu, keep);
 }
 
