@@ -168,6 +168,20 @@ inline bool rows16(const DplrChunkPass& p) {
          elements::aligned16(p.hst) && elements::aligned16(p.dhst);
 }
 
+// DplrChunkPass::kg16 for these outputs.
+template <typename T>
+inline bool kg16(const DplrChunkPass& p) {
+  bool ok = p.backward() && p.kg_pair == 0;
+  for (int g = 0; g < kNumKGrads; ++g) ok = ok && elements::rows_in_pieces(p.kgd[g], p.K, kPiece<T>);
+  return ok;
+}
+// The launch's choices of load and store paths for these arguments (the CUDA emulator's too).
+template <typename T>
+inline void pick_paths(DplrChunkPass& p) {
+  p.rows16 = rows16<T>(p);
+  p.kg16 = kg16<T>(p);
+}
+
 // Issues the copies of rows [t0, t0 + nrow) of r, w, k, a, b (rows past nrow zero-filled).
 template <typename T>
 __device__ void copy_rows_async(float* sm, const Smem& L, const DplrChunkPass& p, const SeqSpan& s,

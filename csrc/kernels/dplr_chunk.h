@@ -88,6 +88,9 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // time (last dim contiguous, row starts 16-byte aligned, K and V whole 16-byte pieces) and the
   // raw rows fit the kernels' stage; else the kernels load element by element.
   bool rows16 = false;
+  // CUDA: set by the launch when the K-vector gradients go straight to their outputs (kg_pair =
+  // 0) and each output's rows are whole 16-byte pieces at 16-byte aligned addresses.
+  bool kg16 = false;
 };
 
 void dplr_chunk_cpu(const DplrChunkPass& p);

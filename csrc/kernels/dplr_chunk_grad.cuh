@@ -367,10 +367,33 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         for (int r = 3; r >= 0; --r) {
           acc += x[r];
           if (z[r]) acc = 0.f;
-          if (on && r0 + r < nrow) put_kg(kGradW, c.s.bos + t0 + r0 + r, d, acc);
+          if (!on || r0 + r >= nrow) {
+          } else if (p.kg16) {
+            sm[L.w + (r0 + r) * KP + d] = acc;  // in place of exp(w), read above by this thread only
+          } else {
+            put_kg(kGradW, c.s.bos + t0 + r0 + r, d, acc);
+          }
           acc += y[r];
         }
       }
+    }
+    if (p.kg16) {  // all five from shared memory as 16-byte pieces (dw in the w rows)
+      constexpr int E = kPiece<T>;
+      const int pk = K / E;
+      __syncthreads();
+      for (int e = threadIdx.x; e < kNumKGrads * C * pk; e += NT) {
+        const int gi = e / (C * pk), i = e / pk % C, ch = (e % pk) * E;
+        if (i >= nrow) continue;
+        const int src = gi == kGradR ? L.gr : gi == kGradW ? L.w : gi == kGradK ? L.gk : gi == kGradA ? L.ga : L.gb;
+        const float* f = sm + src + i * KP + ch;
+        T v[E];
+#pragma unroll
+        for (int q = 0; q < E; ++q) v[q] = from_f<T>(f[q]);
+        uint4 raw;
+        memcpy(&raw, v, sizeof(raw));
+        *reinterpret_cast<uint4*>(vptr<T>(p.kgd[gi], c.s.b, c.s.bos + t0 + i, c.h, ch)) = raw;
+      }
+      return;
     }
     for (int i = threadIdx.x / 64; i < nrow; i += NT / 64) {
       const int64_t t = c.s.bos + t0 + i;

@@ -24,7 +24,7 @@ cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, con
 template <typename T, int KC>
 cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   DplrChunkPass p = p_in;
-  p.rows16 = rows16<T>(p);
+  pick_paths<T>(p);
   const int64_t slots = chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
   cudaError_t e = cudaSuccess;
   if (!(p.backward() && p.kept))

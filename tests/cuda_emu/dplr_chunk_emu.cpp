@@ -57,7 +57,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   if (bwd && keep) {
     DplrChunkPass f = p;
     f.o = vec(o), f.hst = hst.data_ptr();
-    f.rows16 = rows16<E>(f);
+    pick_paths<E>(f);
     emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
     p.kept = true;
@@ -72,7 +72,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     if (pair) p.kg = vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
     for (int g = 0; g < kNumKGrads && !pair; ++g) p.kgd[g] = vec(kgd[g]);
   }
-  p.rows16 = rows16<E>(p);  // as the launch decides: asynchronous row copies where they apply
+  pick_paths<E>(p);  // as the launch decides: 16-byte loads and stores where they apply
   if (!p.kept) emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
   if (!bwd) {
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(p); }); });
