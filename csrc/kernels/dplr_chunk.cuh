@@ -57,7 +57,7 @@ static_assert(NT == C * C, "one thread per pair (i, j) of a chunk");
 // end), and P1, P2, P3: the products of the last 1, 2, 3 exp(w) of the micro-block up to the row;
 // then rows [PSP]: the gap factors of micro-block pairs (2,0), (3,1), (3,0) (exp of the totals
 // strictly between), ones and zeros. Every exponent is a sum of w's, never a difference.
-constexpr int MB = 4, PS = 64, PSP = PS + 4;  // PSP: conflict-free 16-byte row reads
+constexpr int MB = 4, PS = 24, PSP = PS + 4;  // PSP: 16-byte aligned rows
 constexpr int kPairRows = 7, kPairWs = kPairRows * C * PSP + 5 * PSP;
 
 // Shared memory of one CTA, in floats. K-rows [C][KP] (KP: 16-byte aligned rows with 4 floats of
@@ -72,7 +72,7 @@ struct Smem {
   // Backward. dA: the four pair-matrix gradients interleaved, [C][C][4] = (dA_rk, dA_rb, dA_ak,
   // dA_ab) per pair, so that the K-vector gradients' pair walks read one float4 per pair.
   int dS, dO, dU, dM, gr, gk, ga, gb, dA, dX, Y, zeta;
-  int pw;  // pair workspace (PairWs), 16-byte aligned; the backward's gr.. block when backward
+  int pw, pwn;  // pair workspace (pwn floats), 16-byte aligned; -1 (0) in the backward
   int stage;  // raw rows of the asynchronous loads: over pw (prep) or from gk on (backward)
   int total;
 
@@ -102,7 +102,10 @@ struct Smem {
       dA = take(4 * C * C);
       dX = take(C * CP), Y = take(C * CP);
     }
-    pw = bwd ? -1 : take(kPairWs);  // only prepare() (prep) uses the pair workspace
+    // only prepare() (prep) uses the pair workspace: the pair walks' rows, or pair_matrices_tc's
+    // two K-row arrays, and the stage (raw rows and v: 16-bit rows with V <= K + 8 fit)
+    pwn = bwd ? 0 : kPairWs > 3 * C * KP ? kPairWs : 3 * C * KP;
+    pw = bwd ? -1 : take(pwn);
     total = o;
     stage = bwd ? gk : pw;
   }
@@ -161,7 +164,7 @@ inline bool rows16(const DplrChunkPass& p) {
   auto ok = [](const VecArg& v, int n) { return elements::rows_in_pieces(v, n, E); };
   if (!(ok(p.r, p.K) && ok(p.w, p.K) && ok(p.k, p.K) && ok(p.a, p.K) && ok(p.b, p.K) && ok(p.v, p.V)))
     return false;
-  if (stage_bytes<T>(p.K, p.V, 1) > size_t(kPairWs) * sizeof(float)) return false;
+  if (stage_bytes<T>(p.K, p.V, 1) > size_t(Smem(p.K, false).pwn) * sizeof(float)) return false;
   if (!p.backward()) return true;
   const Smem g(p.K, true);
   return ok(p.dout, p.V) && stage_bytes<T>(p.K, g.cols, 2) <= size_t(g.total - g.stage) * sizeof(float) &&
@@ -333,7 +336,8 @@ __device__ inline void pair_matrices(float* sm, const Smem& L, int i, int j, flo
   for (int d0 = 0; d0 < K; d0 += PS) {
     const int nd = min(PS, K - d0);
     __syncthreads();
-    {  // thread (micro-block m, slab channel c): its four rows
+    static_assert(C / MB * PS <= NT, "a thread per micro-block and slab channel");
+    if (threadIdx.x < C / MB * PS) {  // thread (micro-block m, slab channel c): its four rows
       const int m = threadIdx.x / PS, c = threadIdx.x % PS, d = d0 + c;
       const bool on = c < nd;
       float e = 0.f, p1 = 1.f, p2 = 1.f;  // p1, p2: exp(w) of the previous one and two rows
@@ -448,7 +452,7 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
 // A_ab. The exponent is a prefix difference, its error ~2^-24 * 60 relative: far below bf16 /
 // fp16 input rounding (fp32 inputs keep the exact pair_matrices). After the flag's barrier;
 // not synchronised at the end.
-__device__ __forceinline__ bool factorable(const Smem& L) { return 2 * C * L.KP <= kPairWs; }
+__device__ __forceinline__ bool factorable(const Smem& L) { return 2 * C * L.KP <= L.pwn; }
 __device__ inline void pair_matrices_tc(float* sm, const Smem& L) {
   const int K = L.K, KP = L.KP, kn = (K + 7) / 8 * 8;
   float *const kf = sm + L.pw, *const bf = kf + C * KP;  // k exp(-G), b exp(-G): [C][KP]
@@ -765,7 +769,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
 // KC: K as a compile-time constant (64; 0: p.K), so that the shared-memory layout and every index
 // derived from K fold into immediates (launch_k).
 template <typename T, int KC = 0>
-__global__ void __launch_bounds__(NT, 3) prep_kernel(const DplrChunkPass p) {
+__global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrChunkPass p) {
   extern __shared__ float sm[];
   const Smem L(KC ? KC : p.K, false);
   const DplrWs ws(L.K, p.V);
