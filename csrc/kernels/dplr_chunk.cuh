@@ -8,8 +8,10 @@
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
 //          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
 //          sum_{j < s < i} w_s elementwise: never a difference, never positive, so any w in
-//          [-inf, 0] is exact), X = (I - A_ab)^-1 by forward substitution, then W, Q~, K^, B^,
-//          gamma, U0, O0 into the workspace (DplrWs).
+//          [-inf, 0] is exact; for bf16 / fp16, a chunk whose every channel's total decay is
+//          >= -60 takes 3xTF32 products of factored rows instead, pair_matrices_tc), X =
+//          (I - A_ab)^-1 by forward substitution, then W, Q~, K^, B^, gamma, U0, O0 into the
+//          workspace (DplrWs).
 //   state  (N, H, V / 32)   the sequential pass over chunks with the K x 32 state slice in shared
 //          memory: U = U0 + W S, o = O0 + scale Q~ S, S+ = gamma S + K^^T V + B^^T U. The next
 //          chunk's workspace block is copied asynchronously while this one is used, so a step

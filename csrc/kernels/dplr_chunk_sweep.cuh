@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   // plus s slots (REV: minus), and a thread's copies keep their offsets (ncu: the per-copy
   // 64-bit index arithmetic was a third of the sweep's instructions).
   const int64_t block_step = int64_t(p.H) * ws.per();
-  const float* const block0 = wsb + (slot_of(chunk_of(0)) * p.H + h) * ws.per();
+  const float* const block0 = nch > 0 ? wsb + (slot_of(chunk_of(0)) * p.H + h) * ws.per() : wsb;
   const int nrowp = (4 * C + 1) * q4.n;  // row 4C is gamma
   static_assert(2 * C * (SX / 4) <= NTS, "one U0 / O0 piece per thread");
   const int urow = threadIdx.x / (SX / 4), ucol = x0 + 4 * (threadIdx.x % (SX / 4));
