@@ -69,11 +69,13 @@ def test_chunk_rwkv7_kernels_bf16(emu, shape, gen):
 
 
 @pytest.mark.parametrize("w_kind,lr", [("u30", "rwkv"), ("u5", "rwkv"), ("rwkv", "rwkv"),
-                                       ("zero", "repeated")], ids=["u30", "u5", "rwkv6", "repeated"])
+                                       ("edge60", "rwkv"), ("zero", "repeated")],
+                         ids=["u30", "u5", "rwkv6", "edge60", "repeated"])
 def test_chunk_rwkv7_kernels_bf16_decays(emu, w_kind, lr, gen):
     """Prep's two ways to the pair matrices in one call. A chunk with a channel's total decay
     below -60 takes the exact pair walks (u30: every chunk; u5, rwkv6's -exp(N(0, 4)): some),
     the others the factored tensor-core products (1 / exp(G) would be inf past the bound: NaN).
+    edge60: chunk totals within 0.2 of the bound, so factors up to e^60 on the factored side.
     repeated: X's solve amplifies the products' errors (3xTF32 keeps them at fp32's)."""
     check(emu, (1, 40, 2, 64, 32), w_kind, None, gen, torch.bfloat16, 1e-2, lr=lr)
 
