@@ -1,8 +1,9 @@
 // CUDA engine for the chunked RWKV7 algebra of kernels/dplr_chunk.h (the steps of
 // cpu/dplr_chunk.cpp in fp32). Exact SIMT FMA everywhere for fp32 inputs; for bf16 / fp16 inputs
 // every product with a state, a 16 x 16 matrix or across the columns runs on TF32 tensor cores
-// (fp32 accumulators and states; the pair matrices, X and every exponent stay SIMT fp32). The
-// launch compiles K = 64 as a constant (launch_k).
+// (fp32 accumulators and states; X and every exponent stay SIMT fp32, the pair matrices too
+// unless a chunk's decays allow their fp32-accurate 3xTF32 form). The launch compiles K = 64
+// and 128 as constants (launch_k).
 //
 // Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
@@ -73,7 +74,9 @@ struct Smem {
   int r, w, k, a, b, eG, eO, S, v, U, M, Ark, Arb, Aak, Aab, X;
   // Backward. dA: the four pair-matrix gradients interleaved, [C][C][4] = (dA_rk, dA_rb, dA_ak,
   // dA_ab) per pair, so that the K-vector gradients' pair walks read one float4 per pair.
-  int dS, dO, dU, dM, gr, gk, ga, gb, dA, dX, Y, zeta;
+  // zeta = rowsum(S+ * dS+) in parts (grad_kernel): rowsum(S * dS+) at zeta, gamma at zgam, the
+  // state-part sums at zparts ([2][K] TC, [8][K] SIMT).
+  int dS, dO, dU, dM, gr, gk, ga, gb, dA, dX, Y, zeta, zgam, zparts;
   int pw, pwn;  // pair workspace (pwn floats), 16-byte aligned; -1 (0) in the backward
   int stage;  // raw rows of the asynchronous loads: over pw (prep) or from gk on (backward)
   int total;
@@ -95,11 +98,10 @@ struct Smem {
     v = take(C * BP), U = take(C * BP), M = take(C * BP);
     Ark = take(C * CP), Arb = take(C * CP), Aak = take(C * CP), Aab = take(C * CP);
     X = take(C * CP);  // the five are consecutive (C * CP is a multiple of 4): DplrWs::mats()
-    dS = dO = dU = dM = gr = gk = ga = gb = dA = dX = Y = zeta = 0;
+    dS = dO = dU = dM = gr = gk = ga = gb = dA = dX = Y = zeta = zgam = zparts = 0;
     if (bwd) {
       dS = take(K * BP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
-      // zeta: rowsum(S * dS+), gamma, then zeta's state-part sums ([2][K] TC, [8][K] SIMT)
-      zeta = take(10 * K);
+      zeta = take(K), zgam = take(K), zparts = take(8 * K);
       gr = take(C * KP), gk = take(C * KP), ga = take(C * KP), gb = take(C * KP);
       dA = take(4 * C * C);
       dX = take(C * CP), Y = take(C * CP);
@@ -777,7 +779,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
 // Forward, parallel part: one CTA per (chunk slot, head). Slots without a chunk (final-state and
 // gap slots) are never read; a training forward writes zeros there (its workspace is kept as an
 // op output), any other call leaves them unwritten.
-// KC: K as a compile-time constant (64; 0: p.K), so that the shared-memory layout and every index
+// KC: K as a compile-time constant (64 or 128; 0: p.K), so that the shared-memory layout and every index
 // derived from K fold into immediates (launch_k).
 template <typename T, int KC = 0>
 __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrChunkPass p) {

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
     }
     // Â and exp(Omega) in the gradient rows ga, gk (the raw stage there is spent), which the
     // K-vector gradients write last; exp(G) is not stored (see there).
-    chunk_decays(sm, L, -1, L.gk, L.ga, L.zeta + K);  // gamma after zeta
+    chunk_decays(sm, L, -1, L.gk, L.ga, L.zgam);
     __syncthreads();
     // exp(w) in place of w: the pair parts of the K-vector gradients multiply the factors up
     // (products of <= 15 factors <= 1, a few ulp) instead of exponentiating sums per pair. K^ =
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
           for (int h2 = 0; h2 < 2; ++h2) {
             for (int lanes = 4; lanes < 32; lanes *= 2) z[h2] += __shfl_xor_sync(0xffffffffu, z[h2], lanes);
             const int d = acc_col(n0, h2);
-            if (threadIdx.x % 32 < 4 && d < K) sm[L.zeta + m * K + d] = z[h2];
+            if (threadIdx.x % 32 < 4 && d < K) sm[L.zparts + (m - 2) * K + d] = z[h2];
           }
         }
       }
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         sm[L.gr + i * KP + d] = dr, sm[L.ga + i * KP + d] = da;
         sm[L.gk + i * KP + d] = dk, sm[L.gb + i * KP + d] = db;
       }
-      if (!TC) sm[L.zeta + (2 + i0) * K + d] = zp;
+      if (!TC) sm[L.zparts + i0 * K + d] = zp;
     }
     __syncthreads();
 
@@ -353,9 +353,9 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
         float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its state-part sums (TC: 2, SIMT: 8)
         if (on) {
-          acc = sm[L.zeta + K + d] * sm[L.zeta + d];
+          acc = sm[L.zgam + d] * sm[L.zeta + d];
 #pragma unroll
-          for (int q = 0; q < (TC ? 2 : C / 2); ++q) acc += sm[L.zeta + (2 + q) * K + d];
+          for (int q = 0; q < (TC ? 2 : C / 2); ++q) acc += sm[L.zparts + q * K + d];
         }
 #pragma unroll
         for (int q = 3; q >= 0; --q) {
@@ -367,11 +367,9 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         for (int r = 3; r >= 0; --r) {
           acc += x[r];
           if (z[r]) acc = 0.f;
-          if (!on || r0 + r >= nrow) {
-          } else if (p.kg16) {
-            sm[L.w + (r0 + r) * KP + d] = acc;  // in place of exp(w), read above by this thread only
-          } else {
-            put_kg(kGradW, c.s.bos + t0 + r0 + r, d, acc);
+          if (on && r0 + r < nrow) {
+            if (p.kg16) sm[L.w + (r0 + r) * KP + d] = acc;  // over exp(w), read above by this thread only
+            else put_kg(kGradW, c.s.bos + t0 + r0 + r, d, acc);
           }
           acc += y[r];
         }
