@@ -724,7 +724,7 @@ __device__ inline void store_kwide_rows(const float* sm, const Smem& L, const Dp
     const int row = q4.quot(e), c = 4 * (e - row * q4.n), m = row / C, i = row % C;
     const int src = m == 0 ? L.w : m == 1 ? L.r : m == 2 ? L.k : L.b;  // W, Q~, K^, B^ in ws order
     const float4 x = *reinterpret_cast<const float4*>(sm + src + i * L.KP + c);
-    *reinterpret_cast<float4*>(out + ws.W() + row * ws.KP4 + c) =
+    *reinterpret_cast<float4*>(out + ws.W() + row * ws.KS + c) =
         make_float4(tile::tf32_round(x.x), tile::tf32_round(x.y), tile::tf32_round(x.z), tile::tf32_round(x.w));
   }
 }
@@ -746,7 +746,8 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     for (int e = 0; e < 4; ++e) scr[acc_row(0, e) * 8 + acc_col(0, e)] = acc[e];
   };
   auto from_scr = [&](int k, int n) { return scr[k * 8 + n]; };
-  for (int x0 = 8 * warp; x0 < ws.VP4; x0 += NT / 4) {
+  const int VP4 = (V + 3) / 4 * 4;
+  for (int x0 = 8 * warp; x0 < VP4; x0 += NT / 4) {
     const int xb = x0 + g;
     auto vb = [&](int k, int) { return xb < V ? to_f(vs[k * V + xb]) : 0.f; };
     float m[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
@@ -756,10 +757,10 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     __syncwarp();
     X.mma(u, from_scr);
     const int c = x0 + 2 * q;
-    if (c < ws.VP4)
+    if (c < VP4)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(out + ws.U0() + (g + 8 * h) * ws.VP4 + c) = make_float2(u[2 * h], u[2 * h + 1]);
+        *reinterpret_cast<float2*>(out + ws.uo(0, g + 8 * h, c)) = make_float2(u[2 * h], u[2 * h + 1]);
     if (!o0) continue;
     __syncwarp();
     put(u);
@@ -767,11 +768,30 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     float o[4] = {0.f, 0.f, 0.f, 0.f};
     MatFrag(sm, L.Ark).mma(o, vb);
     MatFrag(sm, L.Arb).mma(o, from_scr);
-    if (c < ws.VP4)
+    if (c < VP4)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(out + ws.O0() + (g + 8 * h) * ws.VP4 + c) =
+        *reinterpret_cast<float2*>(out + ws.uo(1, g + 8 * h, c)) =
             make_float2(rho * o[2 * h], rho * o[2 * h + 1]);
+  }
+}
+
+// The workspace's padding (DplrWs): the K-rows' columns [KP4, KS), and U0 / O0 columns past VP4
+// (which the column tiles write, 0 in [V, VP4)) and past kDplrSweepCols of each tile, 16 bytes
+// at a time. The sweeps copy whole blocks: padding is never read, but left unset it would be
+// undefined data in a kept workspace.
+__device__ inline void zero_ws_pads(float* out, const DplrWs& ws, int V) {
+  const int VP4 = (V + 3) / 4 * 4, kpads = 4 * C * (ws.KS - ws.KP4) / 4, upr = DplrWs::UP / 4;
+  const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int e = threadIdx.x; e < kpads + ws.tiles * 2 * C * upr; e += NT) {
+    if (e < kpads) {
+      const int row = e / ((ws.KS - ws.KP4) / 4), c = ws.KP4 + 4 * (e % ((ws.KS - ws.KP4) / 4));
+      *reinterpret_cast<float4*>(out + ws.W() + row * ws.KS + c) = z;
+      continue;
+    }
+    const int u = e - kpads, row = u / upr, x = 4 * (u % upr), t = row / (2 * C);
+    if (x >= kDplrSweepCols || t * kDplrSweepCols + x >= VP4)
+      *reinterpret_cast<float4*>(out + ws.utile(0) + row * DplrWs::UP + x) = z;
   }
 }
 
@@ -821,6 +841,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
   // or a training forward's.
   for (int e = threadIdx.x; e < (p.backward() || train ? 5 * C * CP / 4 : 0); e += NT)  // as DplrWs::mats()
     *reinterpret_cast<float4*>(out + ws.mats() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
+  zero_ws_pads(out, ws, p.V);
   // K-wide rows, then the column tiles: on tensor cores for bf16 / fp16 (kwide_rows_tc,
   // col_tiles_tc; the column tiles when v is in the stage), else exact SIMT below.
   const float rho = float(p.scale);
@@ -842,7 +863,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
         float wv = 0.f;
 #pragma unroll
         for (int l = 0; l < C; ++l) wv += sm[L.X + i * CP + l] * x[l];
-        if (d < ws.KP4) sm[L.w + i * KP + d] = wv, out[ws.W() + i * ws.KP4 + d] = wv;
+        if (d < ws.KP4) sm[L.w + i * KP + d] = wv, out[ws.W() + i * ws.KS + d] = wv;
       }
       __syncthreads();
 #pragma unroll
@@ -854,9 +875,9 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
         for (int j = 0; j < C; ++j) q += sm[L.Arb + i * CP + j] * x[j];
         if (d < ws.KP4) {
           const float eo = on ? sm[L.eO + i * KP + d] : 0.f;
-          out[ws.Q() + i * ws.KP4 + d] = q;
-          out[ws.Kh() + i * ws.KP4 + d] = eo * sm[L.k + i * KP + d];
-          out[ws.Bh() + i * ws.KP4 + d] = eo * sm[L.b + i * KP + d];
+          out[ws.Q() + i * ws.KS + d] = q;
+          out[ws.Kh() + i * ws.KS + d] = eo * sm[L.k + i * KP + d];
+          out[ws.Bh() + i * ws.KS + d] = eo * sm[L.b + i * KP + d];
         }
       }
       if (g == 0 && d < ws.KP4) out[ws.gam() + d] = on ? sm[L.eG + (C - 1) * KP + d] : 0.f;
@@ -886,7 +907,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
       load_cols<T>(sm, L, p, s, h, x0, min(cols, p.V - x0), t0, nrow, false);
     }
     __syncthreads();
-    const bool put = x0 + x < ws.VP4;
+    const bool put = x0 + x < (p.V + 3) / 4 * 4;
     float vc[C], y[C];
 #pragma unroll
     for (int j = 0; j < C; ++j) vc[j] = sm[L.v + j * BP + x];
@@ -904,7 +925,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
 #pragma unroll
       for (int l = 0; l < C; ++l) u += sm[L.X + i * CP + l] * y[l];
       sm[L.U + i * BP + x] = u;
-      if (put) out[ws.U0() + i * ws.VP4 + x0 + x] = u;
+      if (put) out[ws.uo(0, i, x0 + x)] = u;
     }
     __syncthreads();
     if (p.backward()) continue;  // O0 only serves the forward's o
@@ -914,7 +935,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
       float o = 0.f;
 #pragma unroll
       for (int j = 0; j < C; ++j) o += sm[L.Ark + i * CP + j] * vc[j] + sm[L.Arb + i * CP + j] * y[j];
-      if (put) out[ws.O0() + i * ws.VP4 + x0 + x] = rho * o;
+      if (put) out[ws.uo(1, i, x0 + x)] = rho * o;
     }
     __syncthreads();
   }

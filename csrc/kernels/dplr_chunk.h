@@ -49,25 +49,36 @@ FLA_HD int dplr_chunk_tiles(int K, int V) {
   return (V + c - 1) / c;
 }
 
-// The CUDA per-chunk workspace: for each (chunk slot, head) `per()` fp32 values, every row
-// padded to a multiple of 4 (16-byte aligned rows for asynchronous copies; the padding is 0):
-// W, Q~, K^, B^ [C][KP4], gamma [KP4], then U0, O0 [C][VP4]. The first part (W .. gamma) is
-// contiguous: the sequential pass copies it as 4C + 1 rows of KP4 floats.
+// State columns per CTA of the CUDA sequential passes (dplr_chunk_sweep.cuh).
+constexpr int kDplrSweepCols = 32;
+
+// The CUDA per-chunk workspace: for each (chunk slot, head) `per()` fp32 values, laid out as the
+// sequential passes hold a chunk in shared memory, so that each of their fetches is one or two
+// bulk copies (one copy per row cost more than the fetch it replaced: NOTES c19). W, Q~, K^, B^
+// [C][KS] (KS = KP4 + 4: the A fragments' rows g = 0..7 on different banks; KP4 = K rounded up
+// to 4), gamma [KP4] (contiguous: the K-part), then per sweep tile of kDplrSweepCols columns U0,
+// O0 [C][UP] (UP = kDplrSweepCols + 8: 8 mod 32, so that the TF32 B fragments' rows fall on
+// different banks). Padding is 0, and so are U0 / O0 columns past V.
 struct DplrWs {
-  int KP4, VP4;
-  FLA_HD DplrWs(int K, int V) : KP4((K + 3) / 4 * 4), VP4((V + 3) / 4 * 4) {}
+  int KP4, KS, tiles;
+  static constexpr int UP = kDplrSweepCols + 8;
+  FLA_HD DplrWs(int K, int V) : KP4((K + 3) / 4 * 4), KS(KP4 + 4), tiles((V + kDplrSweepCols - 1) / kDplrSweepCols) {}
   FLA_HD int64_t W() const { return 0; }
-  FLA_HD int64_t Q() const { return int64_t(kDplrChunk) * KP4; }
+  FLA_HD int64_t Q() const { return int64_t(kDplrChunk) * KS; }
   FLA_HD int64_t Kh() const { return 2 * Q(); }
   FLA_HD int64_t Bh() const { return 3 * Q(); }
   FLA_HD int64_t gam() const { return 4 * Q(); }
   FLA_HD int64_t kpart() const { return gam() + KP4; }  // floats of W .. gamma
-  FLA_HD int64_t U0() const { return kpart(); }
-  FLA_HD int64_t O0() const { return U0() + int64_t(kDplrChunk) * VP4; }
+  // Tile t's U0 block: U0 [C][UP] then O0 [C][UP]; uo(m, i, x): U0 (m = 0) or O0 (m = 1), row
+  // i, column x of the value dimension.
+  FLA_HD int64_t utile(int t) const { return kpart() + int64_t(t) * 2 * kDplrChunk * UP; }
+  FLA_HD int64_t uo(int m, int i, int x) const {
+    return utile(x / kDplrSweepCols) + (m * kDplrChunk + i) * UP + x % kDplrSweepCols;
+  }
   // The four pair matrices and X, for the backward: [5][C][C + 1] (A_rk, A_rb, A_ak, A_ab, X),
   // rows padded by one as the CUDA kernels hold them in shared memory (column walks without bank
   // conflicts), so that they move as one contiguous block of 16-byte pieces.
-  FLA_HD int64_t mats() const { return O0() + int64_t(kDplrChunk) * VP4; }
+  FLA_HD int64_t mats() const { return utile(tiles); }
   FLA_HD int64_t per() const { return mats() + 5 * kDplrChunk * (kDplrChunk + 1); }
 };
 

@@ -6,22 +6,23 @@
 namespace fla {
 namespace dplr_chunk_detail {
 
-constexpr int SX = 32, NTS = 256;  // state columns and threads per CTA
+constexpr int SX = kDplrSweepCols, NTS = 256;  // state columns and threads per CTA
 // Row stride of the column arrays (state, U, v rows, U0, O0): 8 mod 32, so that the TF32 B
 // fragments (lanes (g, q) read row k + q, column n0 + g) fall on 32 different banks.
-constexpr int SXP = SX + 8;
+constexpr int SXP = DplrWs::UP;
 static_assert(NTS == C * SX / 2, "phase A: one thread per row and column pair");
 FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
 // Shared memory (floats): S [K][SXP], U, Vt [C][SXP], then two stages of a chunk's workspace
-// block, rows padded: W, Q~, K^, B^ [C][KS] (KS = KP4 + 4: the A fragments' rows g = 0..7 on
-// different banks), gamma [KP4], U0, O0 [C][SXP].
+// block as DplrWs lays it out: W, Q~, K^, B^ [C][KS], gamma [KP4], then this tile's U0, O0
+// [C][SXP]; then the stages' mbarriers (bulk copies).
 struct StateSmem {
-  int KS, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, total;
-  FLA_HD StateSmem(const DplrWs& ws, int K) : KS(ws.KP4 + 4) {
+  int KS, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, bars, total;
+  FLA_HD StateSmem(const DplrWs& ws, int K) : KS(ws.KS) {
     S = 0, U = K * SXP, Vt = U + C * SXP, buf = Vt + C * SXP;
     sW = 0, sQ = C * KS, sKh = 2 * C * KS, sBh = 3 * C * KS, sGam = 4 * C * KS;
     sU0 = sGam + ws.KP4, sO0 = sU0 + C * SXP, stage = sO0 + C * SXP;
-    total = buf + 2 * stage;
+    bars = (buf + 2 * stage + 1) / 2 * 2;  // 8-byte aligned
+    total = bars + 4;
   }
   FLA_HD size_t bytes() const { return size_t(total) * sizeof(float); }
 };
@@ -61,30 +62,47 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   auto chunk_of = [&](int64_t step) { return REV ? nch - 1 - step : step; };
 
   const bool want_o = OUT && p.o.on();
-  const Split q4(ws.KP4 / 4);  // 16-byte pieces per workspace K-row
-  // Step `step`'s workspace block: W .. gamma whole (contiguous there; rows re-strided to KS
-  // here), and forward U0 and, for o, O0 at this tile's columns (at most one piece per thread).
-  // Every index is formed once, outside the step loop: the block of step s is the first one
-  // plus s slots (REV: minus), and a thread's copies keep their offsets (ncu: the per-copy
-  // 64-bit index arithmetic was a third of the sweep's instructions).
+  // Step `step`'s workspace block is the first one plus s slots (REV: minus).
   const int64_t block_step = int64_t(p.H) * ws.per();
   const float* const block0 = nch > 0 ? wsb + (slot_of(chunk_of(0)) * p.H + h) * ws.per() : wsb;
-  const int nrowp = (4 * C + 1) * q4.n;  // row 4C is gamma
-  static_assert(2 * C * (SX / 4) <= NTS, "one U0 / O0 piece per thread");
-  const int urow = threadIdx.x / (SX / 4), ucol = x0 + 4 * (threadIdx.x % (SX / 4));
-  const bool ucopy = !REV && threadIdx.x < (want_o ? 2 : 1) * C * (SX / 4), uon = ucol < ws.VP4;
-  const int udst = L.sU0 + urow * SXP + 4 * (threadIdx.x % (SX / 4));
-  const int64_t usrc = ws.U0() + int64_t(urow) * ws.VP4 + (uon ? ucol : 0);
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(sm + L.bars);
+  // The K-part (the reverse sweep skips K^, which it does not read) and this tile's U0 (and, for
+  // o, O0) block: both laid out in the workspace as here (DplrWs).
+  const int64_t kcut = REV ? ws.Kh() : ws.kpart(), kskip = REV ? ws.Bh() : ws.kpart();
+  const int64_t un = REV ? 0 : (want_o ? 2 : 1) * C * SXP, usrc = ws.utile(tile);
+#if FLA_BULK_COPY
+  // Two or three bulk copies issued by one thread, completing on the stage's mbarrier: the
+  // cp.async form below cost every thread ~130 instructions a step, a third of the sweep's
+  // (ncu); a bulk copy per row (97 a step) was slower still (the copy engine's cost per copy).
+  const unsigned fetch_bytes = unsigned(4 * (kcut + ws.kpart() - kskip + un));
+  auto fetch = [&](int64_t step) {
+    if (threadIdx.x != 0) return;
+    float* const dst = sm + L.buf + (step & 1) * L.stage;
+    const float* const src = block0 + (REV ? -step : step) * block_step;
+    uint64_t* const bar = bars + (step & 1);
+    fence_proxy_async();  // this stage's reads in step - 1 (ordered by its closing barrier)
+    mbar_expect_tx(bar, fetch_bytes);
+    bulk_copy(dst, src, unsigned(4 * kcut), bar);
+    if (kskip < ws.kpart()) bulk_copy(dst + kskip, src + kskip, unsigned(4 * (ws.kpart() - kskip)), bar);
+    if (un) bulk_copy(dst + L.sU0, src + usrc, unsigned(4 * un), bar);
+  };
+  auto fetch_wait = [&](int64_t step) { mbar_wait(bars + (step & 1), unsigned(step >> 1) & 1u); };
+#else
+  // cp.async, 16 bytes a thread, the same blocks.
   auto fetch = [&](int64_t step) {
     float* const dst = sm + L.buf + (step & 1) * L.stage;
     const float* const src = block0 + (REV ? -step : step) * block_step;
-    for (int e = threadIdx.x; e < nrowp; e += NTS) {
-      const int row = q4.quot(e);
-      copy16(dst + row * KS + 4 * (e - row * q4.n), src + 4 * e, true);
-    }
-    if (ucopy) copy16(dst + udst, src + usrc, uon);
+    for (int64_t e = 4 * threadIdx.x; e < ws.kpart(); e += 4 * NTS)
+      if (e < kcut || e >= kskip) copy16(dst + e, src + e, true);
+    for (int e = 4 * threadIdx.x; e < un; e += 4 * NTS) copy16(dst + L.sU0 + e, src + usrc + e, true);
     copy_commit();
   };
+  auto fetch_wait = [&](int64_t step) {
+    if (step + 1 < nch) copy_wait<1>();
+    else copy_wait<0>();
+  };
+  (void)bars;
+#endif
   // Step `step`'s rows of v (forward) or dO (backward) at this tile's columns, two per thread (0
   // outside), kept in T until the next step stores them: converting right after the load made
   // every step wait for it (ncu: 18 % of the sweep's stall samples on that conversion).
@@ -132,6 +150,10 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     const int d = e / SX, x = e % SX;
     S[d * SXP + x] = init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
   }
+  if (FLA_BULK_COPY) {
+    if (threadIdx.x == 0) mbar_init(bars, 1), mbar_init(bars + 1, 1);
+    __syncthreads();
+  }
   T vx[C * SX / NTS];
   if (nch > 0) fetch(0);
   fetch_rows(0, vx);
@@ -145,12 +167,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   for (int64_t step = 0; step < nch; ++step) {
     const int64_t ci = chunk_of(step);
     const float* cur = sm + L.buf + (step & 1) * L.stage;
-    if (step + 1 < nch) {
-      fetch(step + 1);
-      copy_wait<1>();
-    } else {
-      copy_wait<0>();
-    }
+    if (step + 1 < nch) fetch(step + 1);
+    fetch_wait(step);
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
       const int e = threadIdx.x + it * NTS;
