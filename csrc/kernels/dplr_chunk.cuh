@@ -47,6 +47,7 @@ using elements::vptr;
 using tile::acc_col;
 using tile::acc_row;
 using tile::warp_mma;
+using tile::mma_tf32;
 using tile::tf32_if;
 using tile::tf32_round;
 using tile::warp_mma_ld;
@@ -724,7 +725,7 @@ __device__ inline void store_kwide_rows(const float* sm, const Smem& L, const Dp
     const int row = q4.quot(e), c = 4 * (e - row * q4.n), m = row / C, i = row % C;
     const int src = m == 0 ? L.w : m == 1 ? L.r : m == 2 ? L.k : L.b;  // W, Q~, K^, B^ in ws order
     const float4 x = *reinterpret_cast<const float4*>(sm + src + i * L.KP + c);
-    *reinterpret_cast<float4*>(out + ws.W() + row * ws.KS + c) =
+    *reinterpret_cast<float4*>(out + ws.W() + ws.kat(row, c)) =
         make_float4(tile::tf32_round(x.x), tile::tf32_round(x.y), tile::tf32_round(x.z), tile::tf32_round(x.w));
   }
 }
@@ -781,12 +782,12 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
 // at a time. The sweeps copy whole blocks: padding is never read, but left unset it would be
 // undefined data in a kept workspace.
 __device__ inline void zero_ws_pads(float* out, const DplrWs& ws, int V) {
-  const int VP4 = (V + 3) / 4 * 4, kpads = 4 * C * (ws.KS - ws.KP4) / 4, upr = DplrWs::UP / 4;
+  const int VP4 = (V + 3) / 4 * 4, kpr = (ws.KS - ws.KP4) / 4, kpads = 4 * C * kpr, upr = DplrWs::UP / 4;
   const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int e = threadIdx.x; e < kpads + ws.tiles * 2 * C * upr; e += NT) {
     if (e < kpads) {
-      const int row = e / ((ws.KS - ws.KP4) / 4), c = ws.KP4 + 4 * (e % ((ws.KS - ws.KP4) / 4));
-      *reinterpret_cast<float4*>(out + ws.W() + row * ws.KS + c) = z;
+      const int row = e / kpr, c = ws.KP4 + 4 * (e % kpr);
+      *reinterpret_cast<float4*>(out + ws.W() + ws.kat(row, c)) = z;
       continue;
     }
     const int u = e - kpads, row = u / upr, x = 4 * (u % upr), t = row / (2 * C);
@@ -863,7 +864,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
         float wv = 0.f;
 #pragma unroll
         for (int l = 0; l < C; ++l) wv += sm[L.X + i * CP + l] * x[l];
-        if (d < ws.KP4) sm[L.w + i * KP + d] = wv, out[ws.W() + i * ws.KS + d] = wv;
+        if (d < ws.KP4) sm[L.w + i * KP + d] = wv, out[ws.W() + ws.kat(i, d)] = wv;
       }
       __syncthreads();
 #pragma unroll
@@ -875,9 +876,9 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
         for (int j = 0; j < C; ++j) q += sm[L.Arb + i * CP + j] * x[j];
         if (d < ws.KP4) {
           const float eo = on ? sm[L.eO + i * KP + d] : 0.f;
-          out[ws.Q() + i * ws.KS + d] = q;
-          out[ws.Kh() + i * ws.KS + d] = eo * sm[L.k + i * KP + d];
-          out[ws.Bh() + i * ws.KS + d] = eo * sm[L.b + i * KP + d];
+          out[ws.W() + ws.kat(C + i, d)] = q;
+          out[ws.W() + ws.kat(2 * C + i, d)] = eo * sm[L.k + i * KP + d];
+          out[ws.W() + ws.kat(3 * C + i, d)] = eo * sm[L.b + i * KP + d];
         }
       }
       if (g == 0 && d < ws.KP4) out[ws.gam() + d] = on ? sm[L.eG + (C - 1) * KP + d] : 0.f;

@@ -52,23 +52,33 @@ FLA_HD int dplr_chunk_tiles(int K, int V) {
 // State columns per CTA of the CUDA sequential passes (dplr_chunk_sweep.cuh).
 constexpr int kDplrSweepCols = 32;
 
+// The XOR swizzle of 16-byte pieces in the workspace's K-rows: piece c of row r sits at c ^
+// kswz(r). The sweeps read those rows as tensor-core operands two ways: 16 bytes of rows g and
+// g + 1 at a time (g = 0..7: bit 2 of the swizzle splits the pair) and 4 bytes of rows 4q + s
+// (q = 0..3) at 8 channels (bits 1, 2 give each q its own 8 banks); both conflict-free at any
+// row stride that is a multiple of 32 floats. Period 16: the same in each of the 16-row arrays.
+FLA_HD int dplr_kswz(int r) { return ((r & 1) << 2) ^ (((r >> 2) & 3) << 1); }
+
 // The CUDA per-chunk workspace: for each (chunk slot, head) `per()` fp32 values, laid out as the
-// sequential passes hold a chunk in shared memory, so that each of their fetches is one or two
+// sequential passes hold a chunk in shared memory, so that each of their fetches is one to three
 // bulk copies (one copy per row cost more than the fetch it replaced: NOTES c19). W, Q~, K^, B^
-// [C][KS] (KS = KP4 + 4: the A fragments' rows g = 0..7 on different banks; KP4 = K rounded up
-// to 4), gamma [KP4] (contiguous: the K-part), then per sweep tile of kDplrSweepCols columns U0,
-// O0 [C][UP] (UP = kDplrSweepCols + 8: 8 mod 32, so that the TF32 B fragments' rows fall on
-// different banks). Padding is 0, and so are U0 / O0 columns past V.
+// [C][KS] (KS: K rounded up to 32 floats, pieces swizzled: kat), gamma [KP4] (contiguous: the
+// K-part), then per sweep tile of kDplrSweepCols columns U0, O0 [C][UP] (UP = kDplrSweepCols + 8:
+// 8 mod 32, so that reads of rows 2q, 2q + 1 at 8 columns fall on different banks). Padding is 0,
+// and so are U0 / O0 columns past V.
 struct DplrWs {
   int KP4, KS, tiles;
   static constexpr int UP = kDplrSweepCols + 8;
-  FLA_HD DplrWs(int K, int V) : KP4((K + 3) / 4 * 4), KS(KP4 + 4), tiles((V + kDplrSweepCols - 1) / kDplrSweepCols) {}
+  FLA_HD DplrWs(int K, int V)
+      : KP4((K + 3) / 4 * 4), KS((K + 31) / 32 * 32), tiles((V + kDplrSweepCols - 1) / kDplrSweepCols) {}
   FLA_HD int64_t W() const { return 0; }
   FLA_HD int64_t Q() const { return int64_t(kDplrChunk) * KS; }
   FLA_HD int64_t Kh() const { return 2 * Q(); }
   FLA_HD int64_t Bh() const { return 3 * Q(); }
   FLA_HD int64_t gam() const { return 4 * Q(); }
   FLA_HD int64_t kpart() const { return gam() + KP4; }  // floats of W .. gamma
+  // Offset of channel d of K-part row `row` (0 .. 4C: W, Q~, K^, B^ rows in turn).
+  FLA_HD int kat(int row, int d) const { return row * KS + ((((d >> 2) ^ dplr_kswz(row)) << 2) | (d & 3)); }
   // Tile t's U0 block: U0 [C][UP] then O0 [C][UP]; uo(m, i, x): U0 (m = 0) or O0 (m = 1), row
   // i, column x of the value dimension.
   FLA_HD int64_t utile(int t) const { return kpart() + int64_t(t) * 2 * kDplrChunk * UP; }

@@ -7,20 +7,26 @@ namespace fla {
 namespace dplr_chunk_detail {
 
 constexpr int SX = kDplrSweepCols, NTS = 256;  // state columns and threads per CTA
-// Row stride of the column arrays (state, U, v rows, U0, O0): 8 mod 32, so that the TF32 B
-// fragments (lanes (g, q) read row k + q, column n0 + g) fall on 32 different banks.
-constexpr int SXP = DplrWs::UP;
-static_assert(NTS == C * SX / 2, "phase A: one thread per row and column pair");
+constexpr int SXP = DplrWs::UP;  // row stride of the staged U0 / O0
+static_assert(NTS == C * SX / 2, "phase A (SIMT): one thread per row and column pair");
 FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
-// Shared memory (floats): S [K][SXP], U, Vt [C][SXP], then two stages of a chunk's workspace
-// block as DplrWs lays it out: W, Q~, K^, B^ [C][KS], gamma [KP4], then this tile's U0, O0
-// [C][SXP]; then the stages' mbarriers (bulk copies).
+// The column arrays hold the state and the chunk's rows transposed, column x of the tile in row
+// x, so that every tensor-core operand is read as one 16-byte piece per lane and two k-steps (k
+// permuted: lane q's four k of a 16-wide step are 4q .. 4q + 3, read the same for A and B):
+//   ST  [SX][STP]  S^T (the state, or D), STP = 16 mod 32 (rows g, g + 1 of a 16-byte phase
+//                  on different halves of the banks)
+//   UT, VT [SX][16]  U^T (or T^T) and v^T (or (scale dO)^T), pieces swizzled by x: cat()
+// (the [K][SX] layout read four 4-byte words per lane and k-step: ncu had shared loads at ~40 %
+// of the sweep's instructions, NOTES c19).
+FLA_HD int cat(int x, int j) { return x * C + ((((j >> 2) ^ ((x >> 1) & 3)) << 2) | (j & 3)); }
+// Shared memory (floats): ST, UT, VT, then two stages of a chunk's workspace block as DplrWs lays
+// it out (K-part, then this tile's U0, O0 [C][SXP]), then the stages' mbarriers (bulk copies).
 struct StateSmem {
-  int KS, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, bars, total;
-  FLA_HD StateSmem(const DplrWs& ws, int K) : KS(ws.KS) {
-    S = 0, U = K * SXP, Vt = U + C * SXP, buf = Vt + C * SXP;
-    sW = 0, sQ = C * KS, sKh = 2 * C * KS, sBh = 3 * C * KS, sGam = 4 * C * KS;
-    sU0 = sGam + ws.KP4, sO0 = sU0 + C * SXP, stage = sO0 + C * SXP;
+  int STP, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, bars, total;
+  FLA_HD StateSmem(const DplrWs& ws, int K) : STP(ws.KP4 + (48 - ws.KP4 % 32) % 32) {
+    S = 0, U = SX * STP, Vt = U + SX * C, buf = Vt + SX * C;
+    sW = int(ws.W()), sQ = int(ws.Q()), sKh = int(ws.Kh()), sBh = int(ws.Bh()), sGam = int(ws.gam());
+    sU0 = int(ws.kpart()), sO0 = sU0 + C * SXP, stage = sO0 + C * SXP;
     bars = (buf + 2 * stage + 1) / 2 * 2;  // 8-byte aligned
     total = bars + 4;
   }
@@ -33,8 +39,11 @@ struct StateSmem {
 //   forward  (REV = false)  T = W S, U = U0 + T, o = O0 + scale Q~ S;  S  = gamma S + K^^T V + B^^T U
 //   backward (REV = true)   T = B^ D;                                  D  = gamma D + Q~^T (scale dO) + W^T T
 // (D = dS+ at a chunk's end, ALGORITHMS.md §6.4: dS = gamma dS+ + scale R^^T dO + W^T dU with
-// dU = scale A_rb^T dO + B^ dS+, and Q~ = R^ + A_rb W.) The forward stores the chunk-start
-// states in hst (when asked) and the final one after them; the backward stores every D in dhst.
+// dU = scale A_rb^T dO + B^ dS+, and Q~ = R^ + A_rb W.) Computed transposed: phase A T^T = S^T
+// X_A^T (X_A = W, Q~ or B^: rows [i][d]), phase B S^T = gamma S^T + V^T X1 + U^T X2 (X1, X2 =
+// K^, B^ or Q~, W: rows [j][d]). The forward stores the chunk-start states in hst (when asked)
+// and the final one after them; the backward stores every D in dhst; both from phase B's
+// registers.
 // Tried (NOTES c9, c13): 16 columns on 128 threads (SIMT: 15 % slower; TF32: equal at K = 64,
 // 35 % slower at K = 128), three workspace stages instead of two (SIMT: 8 % slower;
 // TF32: equal, NOTES c17).
@@ -49,12 +58,12 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const int K = KC ? KC : p.K;
   const DplrWs ws(K, p.V);
   const StateSmem L(ws, K);
-  const int KS = L.KS, tiles = state_tiles(p.V);
+  const int STP = L.STP, tiles = state_tiles(p.V);
   const int tile = blockIdx.x % tiles, nh = blockIdx.x / tiles, h = nh % p.H, n = nh / p.H;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int x0 = tile * SX, nc = min(SX, p.V - x0);
   const int64_t nch = (s.len + C - 1) / C;
-  float *S = sm + L.S, *U = sm + L.U, *Vt = sm + L.Vt;  // S: the state or D; U: U or T
+  float *ST = sm + L.S, *UT = sm + L.U, *VT = sm + L.Vt;  // the state or D; U or T; v or dO
   const float* wsb = static_cast<const float*>(p.ws);
   const float rho = float(p.scale);
   const int64_t slot0 = chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
@@ -124,46 +133,46 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       x[it] = i < rem && c < nc ? row_at[it][off] : from_f<T>(0.f);
     }
   };
-  const bool quads = nc == SX && p.V % 4 == 0;  // whole tile, 16-byte aligned rows
-  auto store_slot = [&](void* dst_base, int64_t slot, bool zero) {
-    float* dst = static_cast<float*>(dst_base) + (slot * p.H + h) * int64_t(K) * p.V + x0;
-    if (quads) {
-      for (int e = threadIdx.x; e < K * SX / 4; e += NTS) {
-        const int d = e / (SX / 4), x = 4 * (e % (SX / 4));
-        *reinterpret_cast<float4*>(dst + int64_t(d) * p.V + x) =
-            zero ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(S + d * SXP + x);
-      }
-      return;
-    }
-    for (int e = threadIdx.x; e < K * SX; e += NTS)
-      if (e % SX < nc) dst[int64_t(e / SX) * p.V + e % SX] = zero ? 0.f : S[e / SX * SXP + e % SX];
-  };
-  auto store_state_at = [&](void* dst_base, int64_t ci) { store_slot(dst_base, slot_of(ci), false); };
+  // The state's elements (d, x) a thread made go to hst / dhst slot `slot` (at this tile).
+  float* const st_out = static_cast<float*>(REV ? p.dhst : p.hst);
+  auto state_at = [&](int64_t slot, int d, int x) { return st_out + (slot * p.H + h) * int64_t(K) * p.V + int64_t(d) * p.V + x0 + x; };
   T* const o_at = OUT ? vptr<T>(p.o, s.b, s.bos, h, x0) : nullptr;  // row 0 of the sequence
-  auto store_o = [&](int64_t ci, int i, int x, float v) {  // the SIMT path's
-    const int64_t t = ci * C + i;
-    if (t < s.len && x < nc) o_at[t * p.o.st + x * p.o.sd] = from_f<T>(v);
-  };
 
   const MatArg& init = REV ? p.dht : p.h0;
-  for (int e = threadIdx.x; e < K * SX; e += NTS) {
+  const bool first_out = nch > 0 ? (REV || p.hst) : (!REV && p.hst);  // the initial state's slot
+  for (int e = threadIdx.x; e < STP * SX; e += NTS) {  // channels [K, STP): 0
     const int d = e / SX, x = e % SX;
-    S[d * SXP + x] = init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
+    const float v = d < K && init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
+    ST[x * STP + d] = v;
+    if (first_out && d < K && x < nc) *state_at(slot_of(REV ? nch - 1 : 0), d, x) = v;
   }
-  if (FLA_BULK_COPY) {
-    if (threadIdx.x == 0) mbar_init(bars, 1), mbar_init(bars + 1, 1);
-    __syncthreads();
-  }
+  if (FLA_BULK_COPY && threadIdx.x == 0) mbar_init(bars, 1), mbar_init(bars + 1, 1);
+  __syncthreads();
   T vx[C * SX / NTS];
   if (nch > 0) fetch(0);
   fetch_rows(0, vx);
-  const int i = threadIdx.x / (SX / 2), xp = 2 * (threadIdx.x % (SX / 2));  // phase A: row i, columns xp, xp + 1
-  const int warp = threadIdx.x / 32;
-  // Tensor-core o: this lane's accumulator elements (rows g, g + 8; columns oc, oc + 1 of its
-  // warp's 8), addressed from the sequence's row 0 (a chunk's offset once per step).
-  const int og = threadIdx.x % 32 / 4, oc = 8 * (warp % (SX / 8)) + 2 * (threadIdx.x % 4);
-  T* const o_lane = want_o ? o_at + og * p.o.st + oc * p.o.sd : nullptr;
-  const int64_t o_row8 = 8 * p.o.st;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  const int64_t o_row = p.o.st;
+  // TC: lane operands as 16-byte pieces (K a multiple of 16), else element by element.
+  const bool wide = K % 16 == 0;
+  // Lane offsets formed once (the swizzle repeats every 32 channels): phase A's B piece of row
+  // arow (kb = 0 or 16 mod 32), phase B's B rows x1 / x2 + 4q + r at channel 8 (warp / 2) + g.
+  const int x1 = REV ? C : 2 * C, x2 = REV ? 0 : 3 * C;  // K-part rows (K^, B^ or Q~, W)
+  const int arow = (REV ? 3 * C : warp < 4 ? 0 : C) + 8 * (warp / 2 % 2) + g;  // B^, W or Q~
+  const int aoff0 = arow * ws.KS + ((q ^ dplr_kswz(arow)) << 2), aoff1 = arow * ws.KS + (((4 + q) ^ dplr_kswz(arow)) << 2);
+  int boff1[4], boff2[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+    boff1[r] = ws.kat(x1 + 4 * q + r, 8 * (warp / 2) + g), boff2[r] = ws.kat(x2 + 4 * q + r, 8 * (warp / 2) + g);
+  // Phase A's o elements (rows i0 + 2q + {0, 1}, columns 16 (warp % 2) + g + {0, 8}) and phase
+  // B's state elements (channels 8 (warp / 2) + 2q + {0, 1}, the same columns) from row 0 of the
+  // sequence / slot 0 and channel 0 of the head: a step adds its chunk's offset (64-bit index
+  // arithmetic per element was a third of the sweep's instructions: ncu).
+  const int lx = 16 * (warp % 2) + g;
+  const bool lx0 = lx < nc, lx1 = lx + 8 < nc;
+  T* const o_lane = want_o ? o_at + int64_t(8 * (warp / 2 % 2) + 2 * q) * p.o.st + int64_t(lx) * p.o.sd : nullptr;
+  const int64_t slot_size = int64_t(p.H) * K * p.V;
+  float* const st_lane = st_out ? st_out + int64_t(h) * K * p.V + int64_t(8 * (warp / 2) + 2 * q) * p.V + x0 + lx : nullptr;
   for (int64_t step = 0; step < nch; ++step) {
     const int64_t ci = chunk_of(step);
     const float* cur = sm + L.buf + (step & 1) * L.stage;
@@ -172,142 +181,180 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
       const int e = threadIdx.x + it * NTS;
-      Vt[e / SX * SXP + e % SX] = REV ? tf32_if<TC>(rho * to_f(vx[it])) : to_f(vx[it]);  // mma operands
+      VT[cat(e % SX, e / SX)] = REV ? tf32_if<TC>(rho * to_f(vx[it])) : to_f(vx[it]);  // mma operands
     }
     fetch_rows(step + 1, vx);
     __syncthreads();
-    if (REV) store_state_at(p.dhst, ci);
-    else if (p.hst) store_state_at(p.hst, ci);
+    // Phase A: T^T = S^T X_A^T into UT (plus U0: U^T), and o^T = O0^T + scale S^T Q~^T.
     if (TC) {
-      // Phase A, one m16n8 tile per warp: columns 8 (warp % NN), product T (the first NN warps)
-      // or Q~ S (the next NN, forward with o).
-      constexpr int NN = SX / 8;
-      static_assert(2 * NN <= NTS / 32, "a warp per phase-A tile");
-      if (warp < (OUT ? 2 : 1) * NN) {
-        const int n0 = 8 * (warp % NN);
-        const float* A = cur + (REV ? L.sBh : warp < NN ? L.sW : L.sQ);
+      // A warp per m16n8 tile: rows 16 (warp % 2) of the state's columns, 8 of the chunk's rows
+      // i0 = 8 (warp / 2 % 2); warps 0..3 T, 4..7 (forward with o) o.
+      if (warp < (want_o ? 8 : 4)) {
+        const int m0 = 16 * (warp % 2), i0 = 8 * (warp / 2 % 2);
+        const int xrow = REV ? 3 * C : warp < 4 ? 0 : C;
+        const float* A = cur + L.sW;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if (K % 8 == 0)  // the workspace rows hold TF32 values (prep's store_kwide_rows)
-          warp_mma_ld<false, false, true>(acc, K, A, KS, S + n0, SXP);
-        else
-          warp_mma(acc, K, [&](int r, int k) { return k < K ? A[r * KS + k] : 0.f; },
-                   [&](int k, int c) { return k < K ? S[k * SXP + n0 + c] : 0.f; });
-        if (REV || warp < NN) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = acc_row(0, e), x = acc_col(n0, e);
-            // U is read only as an mma operand: rounded once here, not per read
-            U[r * SXP + x] = tf32_round(REV ? acc[e] : cur[L.sU0 + r * SXP + x] + acc[e]);
+        if (wide) {
+          const float *a0 = ST + (m0 + g) * STP + 4 * q, *a1 = a0 + 8 * STP;
+          for (int kb = 0; kb < K; kb += 16) {
+            const float4 u = *reinterpret_cast<const float4*>(a0 + kb);
+            const float4 v = *reinterpret_cast<const float4*>(a1 + kb);
+            const float4 w = *reinterpret_cast<const float4*>(A + (kb & ~31) + (kb & 16 ? aoff1 : aoff0));
+            mma_tf32(acc, __float_as_uint(u.x), __float_as_uint(v.x), __float_as_uint(u.y), __float_as_uint(v.y),
+                     __float_as_uint(w.x), __float_as_uint(w.y));
+            mma_tf32(acc, __float_as_uint(u.z), __float_as_uint(v.z), __float_as_uint(u.w), __float_as_uint(v.w),
+                     __float_as_uint(w.z), __float_as_uint(w.w));
           }
-        } else if (want_o) {
-          T* const ob = o_lane + ci * C * p.o.st;
+        } else {
+          warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? ST[(m0 + r) * STP + k] : 0.f; },
+                   [&](int k, int c) { return k < K ? A[ws.kat(xrow + i0 + c, k)] : 0.f; });
+        }
+        if (warp < 4) {
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            const int x = acc_row(m0, e), i = acc_col(i0, e);
+            float u0 = acc[e], u1 = acc[e + 1];
+            if (!REV) u0 += cur[L.sU0 + i * SXP + x], u1 += cur[L.sU0 + (i + 1) * SXP + x];
+            // UT is read only as an mma operand: rounded once here, not per read
+            *reinterpret_cast<float2*>(UT + cat(x, i)) = make_float2(tf32_round(u0), tf32_round(u1));
+          }
+        } else {
+          T* const ob = o_lane + ci * C * o_row;
           const int64_t rem = s.len - ci * C;
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int r = acc_row(0, e), x = acc_col(n0, e);
-            if (r < rem && x < nc) ob[(e / 2) * o_row8 + (e % 2) * p.o.sd] = from_f<T>(cur[L.sO0 + r * SXP + x] + rho * acc[e]);
+            const int x = acc_row(m0, e), i = acc_col(i0, e);
+            if (i < rem && (e < 2 ? lx0 : lx1))
+              ob[(e % 2) * o_row + (e / 2) * 8 * p.o.sd] = from_f<T>(cur[L.sO0 + i * SXP + x] + rho * acc[e]);
           }
         }
       }
-    } else if (REV) {  // T = B^ D
-      const float* br = cur + L.sBh + i * KS;
-      float t0 = 0.f, t1 = 0.f;
-#pragma unroll 4
-      for (int d = 0; d < K; ++d) {
-        const float2 sv = *reinterpret_cast<const float2*>(S + d * SXP + xp);
-        t0 += br[d] * sv.x, t1 += br[d] * sv.y;
-      }
-      U[i * SXP + xp] = t0, U[i * SXP + xp + 1] = t1;
-    } else {  // U = U0 + W S, o = O0 + scale Q~ S
-      const float *wr = cur + L.sW + i * KS, *qr = cur + L.sQ + i * KS;
+    } else {  // thread: chunk row i, columns xp, xp + 1
+      const int i = threadIdx.x / (SX / 2), xp = 2 * (threadIdx.x % (SX / 2));
+      const float *ar = cur + L.sW, *s0 = ST + xp * STP, *s1 = s0 + STP;
+      const int arow = REV ? 3 * C + i : i;
       float t0 = 0.f, t1 = 0.f, q0 = 0.f, q1 = 0.f;
 #pragma unroll 4
       for (int d = 0; d < K; ++d) {
-        const float2 sv = *reinterpret_cast<const float2*>(S + d * SXP + xp);
-        const float w = wr[d];
-        t0 += w * sv.x, t1 += w * sv.y;
+        const float a = ar[ws.kat(arow, d)];
+        t0 += a * s0[d], t1 += a * s1[d];
         if (OUT) {
-          const float q = qr[d];
-          q0 += q * sv.x, q1 += q * sv.y;
+          const float qv = ar[ws.kat(C + i, d)];
+          q0 += qv * s0[d], q1 += qv * s1[d];
         }
       }
-      const float* u0 = cur + L.sU0 + i * SXP + xp;
-      const float* o0 = u0 + C * SXP;
-      U[i * SXP + xp] = u0[0] + t0, U[i * SXP + xp + 1] = u0[1] + t1;
-      if (want_o) store_o(ci, i, xp, o0[0] + rho * q0), store_o(ci, i, xp + 1, o0[1] + rho * q1);
+      if (!REV) t0 += cur[L.sU0 + i * SXP + xp], t1 += cur[L.sU0 + i * SXP + xp + 1];
+      UT[cat(xp, i)] = t0, UT[cat(xp + 1, i)] = t1;
+      if (want_o) {
+        const int64_t t = ci * C + i;
+        if (t < s.len)
+          for (int c = 0; c < 2; ++c)
+            if (xp + c < nc)
+              o_at[t * o_row + (xp + c) * p.o.sd] = from_f<T>(cur[L.sO0 + i * SXP + xp + c] + rho * (c ? q1 : q0));
+      }
     }
     __syncthreads();
-    // S = gamma S + X1^T Vt + X2^T U with (X1, X2) = (K^, B^) forward, (Q~, W) backward.
-    const float* x1 = cur + (REV ? L.sQ : L.sKh);
-    const float* x2 = cur + (REV ? L.sW : L.sBh);
+    // Phase B: S^T = gamma S^T + VT X1 + UT X2 with (X1, X2) = (K^, B^) forward, (Q~, W) backward;
+    // the new state also to its hst / dhst slot (chunk ci + 1's start; REV: chunk ci - 1's end).
+    const float* const X = cur + L.sW;
     const float* gam = cur + L.sGam;
-    if (TC) {  // m16n8 tiles (16 state rows, 8 columns), warp-strided; each element has one owner
-      for (int tl = warp; tl < (K + 15) / 16 * (SX / 8); tl += NTS / 32) {
-        const int m0 = 16 * (tl / (SX / 8)), n0 = 8 * (tl % (SX / 8));
+    const bool put = REV ? step + 1 < nch : p.hst != nullptr;
+    const int64_t put_slot = slot_of(REV ? ci - 1 : ci + 1);
+    auto store = [&](int d, int x, float v) {
+      if (put && d < K && x < nc) *state_at(put_slot, d, x) = v;
+    };
+    if (TC) {
+      // m16n8 tiles of S^T (16 state columns, 8 channels): warp w takes columns 16 (w % 2) and
+      // channel tiles w / 2, w / 2 + 4, ..; its A fragments (VT, UT rows) once.
+      const int m0 = 16 * (warp % 2);
+      uint32_t va[8], ua[8];
+      {
+        const float4 v0 = *reinterpret_cast<const float4*>(VT + cat(m0 + g, 4 * q));
+        const float4 v1 = *reinterpret_cast<const float4*>(VT + cat(m0 + g + 8, 4 * q));
+        const float4 u0 = *reinterpret_cast<const float4*>(UT + cat(m0 + g, 4 * q));
+        const float4 u1 = *reinterpret_cast<const float4*>(UT + cat(m0 + g + 8, 4 * q));
+        const float vv[8] = {v0.x, v1.x, v0.y, v1.y, v0.z, v1.z, v0.w, v1.w};
+        const float uu[8] = {u0.x, u1.x, u0.y, u1.y, u0.z, u1.z, u0.w, u1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) va[e] = __float_as_uint(vv[e]), ua[e] = __float_as_uint(uu[e]);
+      }
+      float* const st_step = put ? st_lane + put_slot * slot_size : nullptr;
+      for (int d0 = 8 * (warp / 2); d0 < K; d0 += 8 * (NTS / 64)) {
+        const int dc = d0 + 2 * q;  // this lane's accumulator channels dc, dc + 1
         float acc[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int d = acc_row(m0, e);
-          acc[e] = d < K ? gam[d] * S[d * SXP + acc_col(n0, e)] : 0.f;
+        {
+          const float2 gm = dc + 1 < K ? *reinterpret_cast<const float2*>(gam + dc) : make_float2(dc < K ? gam[dc] : 0.f, 0.f);
+          const float2 s0 = *reinterpret_cast<const float2*>(ST + (m0 + g) * STP + dc);
+          const float2 s1 = *reinterpret_cast<const float2*>(ST + (m0 + g + 8) * STP + dc);
+          acc[0] = gm.x * s0.x, acc[1] = gm.y * s0.y, acc[2] = gm.x * s1.x, acc[3] = gm.y * s1.y;
         }
-        if (m0 + 16 <= K) {  // A(r, j) = X[j][m0 + r]: the workspace rows, transposed
-          warp_mma_ld<true, false, true, true>(acc, C, x1 + m0, KS, Vt + n0, SXP);
-          warp_mma_ld<true, false, true, true>(acc, C, x2 + m0, KS, U + n0, SXP);
-        } else {
-          warp_mma(acc, C, [&](int r, int j) { return m0 + r < K ? x1[j * KS + m0 + r] : 0.f; },
-                   [&](int j, int c) { return Vt[j * SXP + n0 + c]; });
-          warp_mma(acc, C, [&](int r, int j) { return m0 + r < K ? x2[j * KS + m0 + r] : 0.f; },
-                   [&](int j, int c) { return U[j * SXP + n0 + c]; });
-        }
+        const bool bon = K % 8 == 0 || d0 + g < K;  // this lane's B fragment channel
+        const float* const Xd = X + (d0 & ~31);
+        float b1[4], b2[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int d = acc_row(m0, e);
-          if (d < K) S[d * SXP + acc_col(n0, e)] = acc[e];
+        for (int r = 0; r < 4; ++r) {  // rows j = 4q + r
+          b1[r] = bon ? Xd[boff1[r]] : 0.f;
+          b2[r] = bon ? Xd[boff2[r]] : 0.f;
+        }
+        mma_tf32(acc, va[0], va[1], va[2], va[3], __float_as_uint(b1[0]), __float_as_uint(b1[1]));
+        mma_tf32(acc, va[4], va[5], va[6], va[7], __float_as_uint(b1[2]), __float_as_uint(b1[3]));
+        mma_tf32(acc, ua[0], ua[1], ua[2], ua[3], __float_as_uint(b2[0]), __float_as_uint(b2[1]));
+        mma_tf32(acc, ua[4], ua[5], ua[6], ua[7], __float_as_uint(b2[2]), __float_as_uint(b2[3]));
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          *reinterpret_cast<float2*>(ST + acc_row(m0, e) * STP + dc) = make_float2(acc[e], acc[e + 1]);
+        if (put) {
+          float* const sp = st_step + int64_t(d0 - 8 * (warp / 2)) * p.V;
+          const bool d0in = dc < K, d1in = dc + 1 < K;
+          if (lx0 && d0in) sp[0] = acc[0];
+          if (lx0 && d1in) sp[p.V] = acc[1];
+          if (lx1 && d0in) sp[8] = acc[2];
+          if (lx1 && d1in) sp[p.V + 8] = acc[3];
         }
       }
-    } else {  // thread: rows 4 dg .. 4 dg + 3, columns xp, xp + 1
+    } else {  // thread: channels 4 dg .. 4 dg + 3, columns xp, xp + 1
+      const int xp = 2 * (threadIdx.x % (SX / 2));
       for (int dg = threadIdx.x / (SX / 2); 4 * dg < K; dg += NTS / (SX / 2)) {
         const int d0 = 4 * dg;
         float acc[4][2];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const float g = gam[d0 + r];
-          const bool in = d0 + r < K;
-          acc[r][0] = in ? g * S[(d0 + r) * SXP + xp] : 0.f;
-          acc[r][1] = in ? g * S[(d0 + r) * SXP + xp + 1] : 0.f;
+          const float gm = d0 + r < K ? gam[d0 + r] : 0.f;
+          acc[r][0] = gm * ST[xp * STP + d0 + r];
+          acc[r][1] = gm * ST[(xp + 1) * STP + d0 + r];
         }
 #pragma unroll 4
         for (int j = 0; j < C; ++j) {
-          const float4 a4 = *reinterpret_cast<const float4*>(x1 + j * KS + d0);
-          const float4 b4 = *reinterpret_cast<const float4*>(x2 + j * KS + d0);
-          const float2 v = *reinterpret_cast<const float2*>(Vt + j * SXP + xp);
-          const float2 u = *reinterpret_cast<const float2*>(U + j * SXP + xp);
-          const float ar[4] = {a4.x, a4.y, a4.z, a4.w}, br[4] = {b4.x, b4.y, b4.z, b4.w};
+          const float v0 = VT[cat(xp, j)], v1 = VT[cat(xp + 1, j)];
+          const float u0 = UT[cat(xp, j)], u1 = UT[cat(xp + 1, j)];
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            acc[r][0] += ar[r] * v.x + br[r] * u.x;
-            acc[r][1] += ar[r] * v.y + br[r] * u.y;
+            const float a = X[ws.kat(x1 + j, d0 + r)], b = X[ws.kat(x2 + j, d0 + r)];
+            acc[r][0] += a * v0 + b * u0;
+            acc[r][1] += a * v1 + b * u1;
           }
         }
 #pragma unroll
         for (int r = 0; r < 4; ++r)
-          if (d0 + r < K) S[(d0 + r) * SXP + xp] = acc[r][0], S[(d0 + r) * SXP + xp + 1] = acc[r][1];
+          if (d0 + r < K) {
+            ST[xp * STP + d0 + r] = acc[r][0], ST[(xp + 1) * STP + d0 + r] = acc[r][1];
+            store(d0 + r, xp, acc[r][0]), store(d0 + r, xp + 1, acc[r][1]);
+          }
       }
     }
     __syncthreads();
   }
-  const MatArg& fin = REV ? p.dh0 : p.hT;
-  if (!REV && p.hst) {
-    store_state_at(p.hst, nch);
-    if (p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
-      const int64_t next =
-          n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
-      for (int64_t slot = slot_of(nch) + 1; slot < next; ++slot) store_slot(p.hst, slot, true);
-    }
+  if (!REV && p.hst && p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
+    const int64_t next =
+        n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
+    for (int64_t slot = slot_of(nch) + 1; slot < next; ++slot)
+      for (int e = threadIdx.x; e < K * SX; e += NTS)
+        if (e % SX < nc) *state_at(slot, e / SX, e % SX) = 0.f;
   }
+  const MatArg& fin = REV ? p.dh0 : p.hT;
   if (fin.on())
     for (int e = threadIdx.x; e < K * SX; e += NTS)
-      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = S[e / SX * SXP + e % SX];
+      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = ST[e % SX * STP + e / SX];
 }
 
 }  // namespace dplr_chunk_detail
