@@ -10,21 +10,30 @@ constexpr int SX = kDplrSweepCols, NTS = 256;  // state columns and threads per 
 constexpr int SXP = DplrWs::UP;  // row stride of the staged U0 / O0
 static_assert(NTS == C * SX / 2, "phase A (SIMT): one thread per row and column pair");
 FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
-// The column arrays hold the state and the chunk's rows transposed, column x of the tile in row
-// x, so that every tensor-core operand is read as one 16-byte piece per lane and two k-steps (k
-// permuted: lane q's four k of a 16-wide step are 4q .. 4q + 3, read the same for A and B):
-//   ST  [SX][STP]  S^T (the state, or D), STP = 16 mod 32 (rows g, g + 1 of a 16-byte phase
-//                  on different halves of the banks)
-//   UT, VT [SX][16]  U^T (or T^T) and v^T (or (scale dO)^T), pieces swizzled by x: cat()
-// (the [K][SX] layout read four 4-byte words per lane and k-step: ncu had shared loads at ~40 %
-// of the sweep's instructions, NOTES c19).
-FLA_HD int cat(int x, int j) { return x * C + ((((j >> 2) ^ ((x >> 1) & 3)) << 2) | (j & 3)); }
+// The column arrays hold the state and the chunk's rows transposed, columns x and x + 8 of each
+// 16-column half interleaved (pair p = 8 (x / 16) + x % 8, x % 16 / 8 the element of the pair):
+// then a lane's A fragment of an m16n8k8 product, (A(g, k), A(g + 8, k), A(g, k + 1), A(g + 8,
+// k + 1)) with k permuted (lane q's four k of a 16-wide step are 4q .. 4q + 3, read the same for
+// A and B), is one 16-byte shared load straight into the mma's registers:
+//   ST  [16][R]  S^T (the state, or D), [K8][2] per pair, R = 2 K8 + 4 (K8: K rounded up to 8;
+//                4 mod 8: pairs p, p + 1 of a 16-byte phase on different banks)
+//   UT, VT [16][32]  U^T (or T^T) and v^T (or (scale dO)^T), [16][2] per pair, 16-byte pieces
+//                swizzled by the pair: cidx()
+// (the [K][SX] layout read four 4-byte words per lane and k-step, ncu had shared loads at ~40 %
+// of the sweep's instructions; [SX][K] with 16-byte loads needed 4 register moves per mma:
+// NOTES c19).
+FLA_HD int pair_of(int x) { return (x >> 4) * 8 + (x & 7); }
+FLA_HD int sidx(int R, int x, int d) { return pair_of(x) * R + 2 * d + ((x >> 3) & 1); }
+FLA_HD int cidx(int x, int j) {
+  const int p = pair_of(x), f = 2 * j + ((x >> 3) & 1);
+  return p * 2 * C + ((((f >> 2) ^ (p & 1) ^ (((p >> 1) & 3) << 1)) << 2) | (f & 3));
+}
 // Shared memory (floats): ST, UT, VT, then two stages of a chunk's workspace block as DplrWs lays
 // it out (K-part, then this tile's U0, O0 [C][SXP]), then the stages' mbarriers (bulk copies).
 struct StateSmem {
-  int STP, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, bars, total;
-  FLA_HD StateSmem(const DplrWs& ws, int K) : STP(ws.KP4 + (48 - ws.KP4 % 32) % 32) {
-    S = 0, U = SX * STP, Vt = U + SX * C, buf = Vt + SX * C;
+  int R, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, bars, total;
+  FLA_HD StateSmem(const DplrWs& ws, int K) : R(2 * ((K + 7) / 8 * 8) + 4) {
+    S = 0, U = SX / 2 * R, Vt = U + SX * C, buf = Vt + SX * C;
     sW = int(ws.W()), sQ = int(ws.Q()), sKh = int(ws.Kh()), sBh = int(ws.Bh()), sGam = int(ws.gam());
     sU0 = int(ws.kpart()), sO0 = sU0 + C * SXP, stage = sO0 + C * SXP;
     bars = (buf + 2 * stage + 1) / 2 * 2;  // 8-byte aligned
@@ -58,7 +67,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const int K = KC ? KC : p.K;
   const DplrWs ws(K, p.V);
   const StateSmem L(ws, K);
-  const int STP = L.STP, tiles = state_tiles(p.V);
+  const int R = L.R, K8 = (K + 7) / 8 * 8, tiles = state_tiles(p.V);
   const int tile = blockIdx.x % tiles, nh = blockIdx.x / tiles, h = nh % p.H, n = nh / p.H;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int x0 = tile * SX, nc = min(SX, p.V - x0);
@@ -140,10 +149,10 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 
   const MatArg& init = REV ? p.dht : p.h0;
   const bool first_out = nch > 0 ? (REV || p.hst) : (!REV && p.hst);  // the initial state's slot
-  for (int e = threadIdx.x; e < STP * SX; e += NTS) {  // channels [K, STP): 0
+  for (int e = threadIdx.x; e < K8 * SX; e += NTS) {  // channels [K, K8): 0
     const int d = e / SX, x = e % SX;
     const float v = d < K && init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
-    ST[x * STP + d] = v;
+    ST[sidx(R, x, d)] = v;
     if (first_out && d < K && x < nc) *state_at(slot_of(REV ? nch - 1 : 0), d, x) = v;
   }
   if (FLA_BULK_COPY && threadIdx.x == 0) mbar_init(bars, 1), mbar_init(bars + 1, 1);
@@ -181,7 +190,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
       const int e = threadIdx.x + it * NTS;
-      VT[cat(e % SX, e / SX)] = REV ? tf32_if<TC>(rho * to_f(vx[it])) : to_f(vx[it]);  // mma operands
+      VT[cidx(e % SX, e / SX)] = REV ? tf32_if<TC>(rho * to_f(vx[it])) : to_f(vx[it]);  // mma operands
     }
     fetch_rows(step + 1, vx);
     __syncthreads();
@@ -195,29 +204,29 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         const float* A = cur + L.sW;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (wide) {
-          const float *a0 = ST + (m0 + g) * STP + 4 * q, *a1 = a0 + 8 * STP;
+          const float* const a0 = ST + sidx(R, m0 + g, 4 * q);
           for (int kb = 0; kb < K; kb += 16) {
-            const float4 u = *reinterpret_cast<const float4*>(a0 + kb);
-            const float4 v = *reinterpret_cast<const float4*>(a1 + kb);
+            const float4 u = *reinterpret_cast<const float4*>(a0 + 2 * kb);
+            const float4 v = *reinterpret_cast<const float4*>(a0 + 2 * kb + 4);
             const float4 w = *reinterpret_cast<const float4*>(A + (kb & ~31) + (kb & 16 ? aoff1 : aoff0));
-            mma_tf32(acc, __float_as_uint(u.x), __float_as_uint(v.x), __float_as_uint(u.y), __float_as_uint(v.y),
+            mma_tf32(acc, __float_as_uint(u.x), __float_as_uint(u.y), __float_as_uint(u.z), __float_as_uint(u.w),
                      __float_as_uint(w.x), __float_as_uint(w.y));
-            mma_tf32(acc, __float_as_uint(u.z), __float_as_uint(v.z), __float_as_uint(u.w), __float_as_uint(v.w),
+            mma_tf32(acc, __float_as_uint(v.x), __float_as_uint(v.y), __float_as_uint(v.z), __float_as_uint(v.w),
                      __float_as_uint(w.z), __float_as_uint(w.w));
           }
         } else {
-          warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? ST[(m0 + r) * STP + k] : 0.f; },
+          warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? ST[sidx(R, m0 + r, k)] : 0.f; },
                    [&](int k, int c) { return k < K ? A[ws.kat(xrow + i0 + c, k)] : 0.f; });
         }
         if (warp < 4) {
-#pragma unroll
-          for (int e = 0; e < 4; e += 2) {
-            const int x = acc_row(m0, e), i = acc_col(i0, e);
-            float u0 = acc[e], u1 = acc[e + 1];
-            if (!REV) u0 += cur[L.sU0 + i * SXP + x], u1 += cur[L.sU0 + (i + 1) * SXP + x];
-            // UT is read only as an mma operand: rounded once here, not per read
-            *reinterpret_cast<float2*>(UT + cat(x, i)) = make_float2(tf32_round(u0), tf32_round(u1));
+          const int x = m0 + g, i = i0 + 2 * q;  // acc: (x, i), (x, i + 1), (x + 8, i), (x + 8, i + 1)
+          if (!REV) {
+            const float* const u0 = cur + L.sU0 + i * SXP + x;
+            acc[0] += u0[0], acc[1] += u0[SXP], acc[2] += u0[8], acc[3] += u0[SXP + 8];
           }
+          // UT is read only as an mma operand: rounded once here, not per read
+          *reinterpret_cast<float4*>(UT + cidx(x, i)) =
+              make_float4(tf32_round(acc[0]), tf32_round(acc[2]), tf32_round(acc[1]), tf32_round(acc[3]));
         } else {
           T* const ob = o_lane + ci * C * o_row;
           const int64_t rem = s.len - ci * C;
@@ -231,20 +240,20 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       }
     } else {  // thread: chunk row i, columns xp, xp + 1
       const int i = threadIdx.x / (SX / 2), xp = 2 * (threadIdx.x % (SX / 2));
-      const float *ar = cur + L.sW, *s0 = ST + xp * STP, *s1 = s0 + STP;
+      const float *ar = cur + L.sW, *s0 = ST + sidx(R, xp, 0), *s1 = ST + sidx(R, xp + 1, 0);
       const int arow = REV ? 3 * C + i : i;
       float t0 = 0.f, t1 = 0.f, q0 = 0.f, q1 = 0.f;
 #pragma unroll 4
       for (int d = 0; d < K; ++d) {
         const float a = ar[ws.kat(arow, d)];
-        t0 += a * s0[d], t1 += a * s1[d];
+        t0 += a * s0[2 * d], t1 += a * s1[2 * d];
         if (OUT) {
           const float qv = ar[ws.kat(C + i, d)];
-          q0 += qv * s0[d], q1 += qv * s1[d];
+          q0 += qv * s0[2 * d], q1 += qv * s1[2 * d];
         }
       }
       if (!REV) t0 += cur[L.sU0 + i * SXP + xp], t1 += cur[L.sU0 + i * SXP + xp + 1];
-      UT[cat(xp, i)] = t0, UT[cat(xp + 1, i)] = t1;
+      UT[cidx(xp, i)] = t0, UT[cidx(xp + 1, i)] = t1;
       if (want_o) {
         const int64_t t = ci * C + i;
         if (t < s.len)
@@ -269,12 +278,12 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       const int m0 = 16 * (warp % 2);
       uint32_t va[8], ua[8];
       {
-        const float4 v0 = *reinterpret_cast<const float4*>(VT + cat(m0 + g, 4 * q));
-        const float4 v1 = *reinterpret_cast<const float4*>(VT + cat(m0 + g + 8, 4 * q));
-        const float4 u0 = *reinterpret_cast<const float4*>(UT + cat(m0 + g, 4 * q));
-        const float4 u1 = *reinterpret_cast<const float4*>(UT + cat(m0 + g + 8, 4 * q));
-        const float vv[8] = {v0.x, v1.x, v0.y, v1.y, v0.z, v1.z, v0.w, v1.w};
-        const float uu[8] = {u0.x, u1.x, u0.y, u1.y, u0.z, u1.z, u0.w, u1.w};
+        const float4 v0 = *reinterpret_cast<const float4*>(VT + cidx(m0 + g, 4 * q));
+        const float4 v1 = *reinterpret_cast<const float4*>(VT + cidx(m0 + g, 4 * q + 2));
+        const float4 u0 = *reinterpret_cast<const float4*>(UT + cidx(m0 + g, 4 * q));
+        const float4 u1 = *reinterpret_cast<const float4*>(UT + cidx(m0 + g, 4 * q + 2));
+        const float vv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        const float uu[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
 #pragma unroll
         for (int e = 0; e < 8; ++e) va[e] = __float_as_uint(vv[e]), ua[e] = __float_as_uint(uu[e]);
       }
@@ -284,9 +293,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         float acc[4];
         {
           const float2 gm = dc + 1 < K ? *reinterpret_cast<const float2*>(gam + dc) : make_float2(dc < K ? gam[dc] : 0.f, 0.f);
-          const float2 s0 = *reinterpret_cast<const float2*>(ST + (m0 + g) * STP + dc);
-          const float2 s1 = *reinterpret_cast<const float2*>(ST + (m0 + g + 8) * STP + dc);
-          acc[0] = gm.x * s0.x, acc[1] = gm.y * s0.y, acc[2] = gm.x * s1.x, acc[3] = gm.y * s1.y;
+          const float4 sv = *reinterpret_cast<const float4*>(ST + sidx(R, m0 + g, dc));  // (x, dc), (x + 8, dc), (x, dc + 1), ..
+          acc[0] = gm.x * sv.x, acc[1] = gm.y * sv.z, acc[2] = gm.x * sv.y, acc[3] = gm.y * sv.w;
         }
         const bool bon = K % 8 == 0 || d0 + g < K;  // this lane's B fragment channel
         const float* const Xd = X + (d0 & ~31);
@@ -300,9 +308,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         mma_tf32(acc, va[4], va[5], va[6], va[7], __float_as_uint(b1[2]), __float_as_uint(b1[3]));
         mma_tf32(acc, ua[0], ua[1], ua[2], ua[3], __float_as_uint(b2[0]), __float_as_uint(b2[1]));
         mma_tf32(acc, ua[4], ua[5], ua[6], ua[7], __float_as_uint(b2[2]), __float_as_uint(b2[3]));
-#pragma unroll
-        for (int e = 0; e < 4; e += 2)
-          *reinterpret_cast<float2*>(ST + acc_row(m0, e) * STP + dc) = make_float2(acc[e], acc[e + 1]);
+        *reinterpret_cast<float4*>(ST + sidx(R, m0 + g, dc)) = make_float4(acc[0], acc[2], acc[1], acc[3]);
         if (put) {
           float* const sp = st_step + int64_t(d0 - 8 * (warp / 2)) * p.V;
           const bool d0in = dc < K, d1in = dc + 1 < K;
@@ -320,13 +326,13 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const float gm = d0 + r < K ? gam[d0 + r] : 0.f;
-          acc[r][0] = gm * ST[xp * STP + d0 + r];
-          acc[r][1] = gm * ST[(xp + 1) * STP + d0 + r];
+          acc[r][0] = gm * ST[sidx(R, xp, d0 + r)];
+          acc[r][1] = gm * ST[sidx(R, xp + 1, d0 + r)];
         }
 #pragma unroll 4
         for (int j = 0; j < C; ++j) {
-          const float v0 = VT[cat(xp, j)], v1 = VT[cat(xp + 1, j)];
-          const float u0 = UT[cat(xp, j)], u1 = UT[cat(xp + 1, j)];
+          const float v0 = VT[cidx(xp, j)], v1 = VT[cidx(xp + 1, j)];
+          const float u0 = UT[cidx(xp, j)], u1 = UT[cidx(xp + 1, j)];
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             const float a = X[ws.kat(x1 + j, d0 + r)], b = X[ws.kat(x2 + j, d0 + r)];
@@ -337,7 +343,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 #pragma unroll
         for (int r = 0; r < 4; ++r)
           if (d0 + r < K) {
-            ST[xp * STP + d0 + r] = acc[r][0], ST[(xp + 1) * STP + d0 + r] = acc[r][1];
+            ST[sidx(R, xp, d0 + r)] = acc[r][0], ST[sidx(R, xp + 1, d0 + r)] = acc[r][1];
             store(d0 + r, xp, acc[r][0]), store(d0 + r, xp + 1, acc[r][1]);
           }
       }
@@ -354,7 +360,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const MatArg& fin = REV ? p.dh0 : p.hT;
   if (fin.on())
     for (int e = threadIdx.x; e < K * SX; e += NTS)
-      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = ST[e % SX * STP + e / SX];
+      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = ST[sidx(R, e % SX, e / SX)];
 }
 
 }  // namespace dplr_chunk_detail
