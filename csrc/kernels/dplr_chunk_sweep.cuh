@@ -276,9 +276,6 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     const float* gam = cur + L.sGam;
     const bool put = REV ? step + 1 < nch : p.hst != nullptr;
     const int64_t put_slot = slot_of(REV ? ci - 1 : ci + 1);
-    auto store = [&](int d, int x, float v) {
-      if (put && d < K && x < nc) *state_at(put_slot, d, x) = v;
-    };
     if (TC) {
       // m16n8 tiles of S^T (16 state columns, 8 channels): warp w takes columns 16 (w % 2) and
       // channel tiles w / 2, w / 2 + 4, ..; its A fragments (VT, UT rows) once.
@@ -349,11 +346,13 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
             acc[r][1] += a[r] * v1 + b[r] * u1;
           }
         }
+        float* const sp = put ? st_out + (put_slot * p.H + h) * int64_t(K) * p.V + int64_t(d0) * p.V + x0 + xp : nullptr;
 #pragma unroll
         for (int r = 0; r < 4; ++r)
           if (d0 + r < K) {
             ST[sidx(R, xp, d0 + r)] = acc[r][0], ST[sidx(R, xp + 1, d0 + r)] = acc[r][1];
-            store(d0 + r, xp, acc[r][0]), store(d0 + r, xp + 1, acc[r][1]);
+            if (put && xp < nc) sp[r * p.V] = acc[r][0];
+            if (put && xp + 1 < nc) sp[r * p.V + 1] = acc[r][1];
           }
       }
     }
