@@ -21,16 +21,23 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(CUDA_INC, "cuda_
                                 reason="no CUDA headers")
 
 
-def build(name):
+def build(name, variant="", flags=()):
     from torch.utils.cpp_extension import load
-    return load(f"fla_ext_{name}", [os.path.join(HERE, f"{name}.cpp")],
+    return load(f"fla_ext_{name}{variant}", [os.path.join(HERE, f"{name}.cpp")],
                 extra_include_paths=[HERE, os.path.join(ROOT, "csrc", "kernels"), CUDA_INC],
-                extra_cflags=["-std=c++20", "-O2", "-w"])
+                extra_cflags=["-std=c++20", "-O2", "-w", *flags])
 
 
 @pytest.fixture(scope="module")
 def emu():
     return build("dplr_chunk_emu")
+
+
+@pytest.fixture(scope="module")
+def emu_cp_async():
+    """The kernels as built for GPUs before sm_90: the sweeps fetch a chunk's workspace block by
+    cp.async, 16 bytes a thread, instead of bulk copies on an mbarrier (async_copy.cuh)."""
+    return build("dplr_chunk_emu", "_cp_async", ["-DFLA_BULK_COPY=0"])
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +85,13 @@ def test_chunk_rwkv7_kernels_bf16_decays(emu, w_kind, lr, gen):
     edge60: chunk totals within 0.2 of the bound, so factors up to e^60 on the factored side.
     repeated: X's solve amplifies the products' errors (3xTF32 keeps them at fp32's)."""
     check(emu, (1, 40, 2, 64, 32), w_kind, None, gen, torch.bfloat16, 1e-2, lr=lr)
+
+
+@pytest.mark.parametrize("shape,dtype,tol", [((1, 40, 1, 64, 64), torch.bfloat16, 1e-2),
+                                             ((1, 50, 1, 70, 33), torch.float32, 1e-5)],
+                         ids=["bf16K64", "fp32K70V33"])
+def test_chunk_rwkv7_kernels_cp_async_fetch(emu_cp_async, shape, dtype, tol, gen):
+    check(emu_cp_async, shape, "mixedinf", None, gen, dtype, tol)
 
 
 @pytest.fixture

@@ -43,10 +43,13 @@ __device__ __forceinline__ void copy_wait() {
 // CTA's fetch costs one warp a few instructions instead of every thread an address computation
 // per 16-byte piece) completing on an mbarrier in shared memory. FLA_BULK_COPY is 1 where they
 // exist (and on the host, where they are synchronous copies); older GPUs keep cp.async.
+// (Defined beforehand, it picks the path: the CUDA emulator runs the cp.async fallback too.)
+#ifndef FLA_BULK_COPY
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define FLA_BULK_COPY 1
 #else
 #define FLA_BULK_COPY 0
+#endif
 #endif
 __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
