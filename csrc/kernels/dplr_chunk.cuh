@@ -747,8 +747,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     for (int e = 0; e < 4; ++e) scr[acc_row(0, e) * 8 + acc_col(0, e)] = acc[e];
   };
   auto from_scr = [&](int k, int n) { return scr[k * 8 + n]; };
-  const int VP4 = (V + 3) / 4 * 4;
-  for (int x0 = 8 * warp; x0 < VP4; x0 += NT / 4) {
+  for (int x0 = 8 * warp; x0 < ws.VP4; x0 += NT / 4) {
     const int xb = x0 + g;
     auto vb = [&](int k, int) { return xb < V ? to_f(vs[k * V + xb]) : 0.f; };
     float m[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
@@ -758,7 +757,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     __syncwarp();
     X.mma(u, from_scr);
     const int c = x0 + 2 * q;
-    if (c < VP4)
+    if (c < ws.VP4)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         *reinterpret_cast<float2*>(out + ws.uo(0, g + 8 * h, c)) = make_float2(u[2 * h], u[2 * h + 1]);
@@ -769,7 +768,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     float o[4] = {0.f, 0.f, 0.f, 0.f};
     MatFrag(sm, L.Ark).mma(o, vb);
     MatFrag(sm, L.Arb).mma(o, from_scr);
-    if (c < VP4)
+    if (c < ws.VP4)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         *reinterpret_cast<float2*>(out + ws.uo(1, g + 8 * h, c)) =
@@ -781,8 +780,8 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
 // (which the column tiles write, 0 in [V, VP4)) and past kDplrSweepCols of each tile, 16 bytes
 // at a time. The sweeps copy whole blocks: padding is never read, but left unset it would be
 // undefined data in a kept workspace.
-__device__ inline void zero_ws_pads(float* out, const DplrWs& ws, int V) {
-  const int VP4 = (V + 3) / 4 * 4, kpr = (ws.KS - ws.KP4) / 4, kpads = 4 * C * kpr, upr = DplrWs::UP / 4;
+__device__ inline void zero_ws_pads(float* out, const DplrWs& ws) {
+  const int kpr = (ws.KS - ws.KP4) / 4, kpads = 4 * C * kpr, upr = DplrWs::UP / 4;
   const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int e = threadIdx.x; e < kpads + ws.tiles * 2 * C * upr; e += NT) {
     if (e < kpads) {
@@ -791,7 +790,7 @@ __device__ inline void zero_ws_pads(float* out, const DplrWs& ws, int V) {
       continue;
     }
     const int u = e - kpads, row = u / upr, x = 4 * (u % upr), t = row / (2 * C);
-    if (x >= kDplrSweepCols || t * kDplrSweepCols + x >= VP4)
+    if (x >= kDplrSweepCols || t * kDplrSweepCols + x >= ws.VP4)
       *reinterpret_cast<float4*>(out + ws.utile(0) + row * DplrWs::UP + x) = z;
   }
 }
@@ -842,7 +841,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
   // or a training forward's.
   for (int e = threadIdx.x; e < (p.backward() || train ? 5 * C * CP / 4 : 0); e += NT)  // as DplrWs::mats()
     *reinterpret_cast<float4*>(out + ws.mats() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
-  zero_ws_pads(out, ws, p.V);
+  zero_ws_pads(out, ws);
   // K-wide rows, then the column tiles: on tensor cores for bf16 / fp16 (kwide_rows_tc,
   // col_tiles_tc; the column tiles when v is in the stage), else exact SIMT below.
   const float rho = float(p.scale);
@@ -908,7 +907,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
       load_cols<T>(sm, L, p, s, h, x0, min(cols, p.V - x0), t0, nrow, false);
     }
     __syncthreads();
-    const bool put = x0 + x < (p.V + 3) / 4 * 4;
+    const bool put = x0 + x < ws.VP4;
     float vc[C], y[C];
 #pragma unroll
     for (int j = 0; j < C; ++j) vc[j] = sm[L.v + j * BP + x];

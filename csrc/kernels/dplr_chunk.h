@@ -67,10 +67,11 @@ FLA_HD int dplr_kswz(int r) { return ((r & 1) << 2) ^ (((r >> 2) & 3) << 1); }
 // 8 mod 32, so that reads of rows 2q, 2q + 1 at 8 columns fall on different banks). Padding is 0,
 // and so are U0 / O0 columns past V.
 struct DplrWs {
-  int KP4, KS, tiles;
+  int KP4, KS, VP4, tiles;  // VP4: V rounded up to 4, the U0 / O0 columns prep computes
   static constexpr int UP = kDplrSweepCols + 8;
   FLA_HD DplrWs(int K, int V)
-      : KP4((K + 3) / 4 * 4), KS((K + 31) / 32 * 32), tiles((V + kDplrSweepCols - 1) / kDplrSweepCols) {}
+      : KP4((K + 3) / 4 * 4), KS((K + 31) / 32 * 32), VP4((V + 3) / 4 * 4),
+        tiles((V + kDplrSweepCols - 1) / kDplrSweepCols) {}
   FLA_HD int64_t W() const { return 0; }
   FLA_HD int64_t Q() const { return int64_t(kDplrChunk) * KS; }
   FLA_HD int64_t Kh() const { return 2 * Q(); }

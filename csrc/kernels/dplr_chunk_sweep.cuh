@@ -164,11 +164,13 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const int64_t o_row = p.o.st;
   // TC: lane operands as 16-byte pieces (K a multiple of 16), else element by element.
   const bool wide = K % 16 == 0;
+  // TC phase A: a warp per m16n8 tile, rows m0 = 16 (warp % 2) of the state's columns, 8 of the
+  // chunk's rows i0 = 8 (warp / 2 % 2) of K-part array xrow (warps 0..3 T, 4..7 o).
+  const int m0 = 16 * (warp % 2), i0 = 8 * (warp / 2 % 2), xrow = REV ? 3 * C : warp < 4 ? 0 : C;  // B^, W or Q~
   // Lane offsets formed once (the swizzle repeats every 32 channels): phase A's B piece of row
   // arow (kb = 0 or 16 mod 32), phase B's B rows x1 / x2 + 4q + r at channel 8 (warp / 2) + g.
   const int x1 = REV ? C : 2 * C, x2 = REV ? 0 : 3 * C;  // K-part rows (K^, B^ or Q~, W)
-  const int arow = (REV ? 3 * C : warp < 4 ? 0 : C) + 8 * (warp / 2 % 2) + g;  // B^, W or Q~
-  const int aoff0 = arow * ws.KS + ((q ^ dplr_kswz(arow)) << 2), aoff1 = arow * ws.KS + (((4 + q) ^ dplr_kswz(arow)) << 2);
+  const int arow = xrow + i0 + g, aoff0 = ws.kat(arow, 4 * q), aoff1 = ws.kat(arow, 16 + 4 * q);
   int boff1[4], boff2[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r)
@@ -177,11 +179,11 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   // B's state elements (channels 8 (warp / 2) + 2q + {0, 1}, the same columns) from row 0 of the
   // sequence / slot 0 and channel 0 of the head: a step adds its chunk's offset (64-bit index
   // arithmetic per element was a third of the sweep's instructions: ncu).
-  const int lx = 16 * (warp % 2) + g;
+  const int lx = m0 + g;
   const bool lx0 = lx < nc, lx1 = lx + 8 < nc;
   T* const o_lane = want_o ? o_at + int64_t(8 * (warp / 2 % 2) + 2 * q) * p.o.st + int64_t(lx) * p.o.sd : nullptr;
   const int64_t slot_size = int64_t(p.H) * K * p.V;
-  float* const st_lane = st_out ? st_out + int64_t(h) * K * p.V + int64_t(8 * (warp / 2) + 2 * q) * p.V + x0 + lx : nullptr;
+  float* const st_lane = st_out ? state_at(0, 8 * (warp / 2) + 2 * q, lx) : nullptr;
   for (int64_t step = 0; step < nch; ++step) {
     const int64_t ci = chunk_of(step);
     const float* cur = sm + L.buf + (step & 1) * L.stage;
@@ -196,11 +198,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     __syncthreads();
     // Phase A: T^T = S^T X_A^T into UT (plus U0: U^T), and o^T = O0^T + scale S^T Q~^T.
     if (TC) {
-      // A warp per m16n8 tile: rows 16 (warp % 2) of the state's columns, 8 of the chunk's rows
-      // i0 = 8 (warp / 2 % 2); warps 0..3 T, 4..7 (forward with o) o.
       if (warp < (want_o ? 8 : 4)) {
-        const int m0 = 16 * (warp % 2), i0 = 8 * (warp / 2 % 2);
-        const int xrow = REV ? 3 * C : warp < 4 ? 0 : C;
         const float* A = cur + L.sW;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (wide) {
@@ -241,11 +239,11 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     } else {  // thread: chunk row i, columns xp, xp + 1
       const int i = threadIdx.x / (SX / 2), xp = 2 * (threadIdx.x % (SX / 2));
       const float *ar = cur + L.sW, *s0 = ST + sidx(R, xp, 0), *s1 = ST + sidx(R, xp + 1, 0);
-      const int arow = REV ? 3 * C + i : i;
+      const int srow = REV ? 3 * C + i : i;
       // 16-byte pieces of the swizzled rows (channels [K, KP4) of the rows and [K, K8) of the
       // state are 0); the swizzle index per channel made fp32 sweeps 25 % slower.
-      const float *ra = ar + arow * ws.KS, *rq = ar + (C + i) * ws.KS;
-      const int swa = dplr_kswz(arow), swq = dplr_kswz(C + i);
+      const float *ra = ar + srow * ws.KS, *rq = ar + (C + i) * ws.KS;
+      const int swa = dplr_kswz(srow), swq = dplr_kswz(C + i);
       float t0 = 0.f, t1 = 0.f, q0 = 0.f, q1 = 0.f;
 #pragma unroll 2
       for (int d4 = 0; d4 < ws.KP4 / 4; ++d4) {
@@ -278,8 +276,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     const int64_t put_slot = slot_of(REV ? ci - 1 : ci + 1);
     if (TC) {
       // m16n8 tiles of S^T (16 state columns, 8 channels): warp w takes columns 16 (w % 2) and
-      // channel tiles w / 2, w / 2 + 4, ..; its A fragments (VT, UT rows) once.
-      const int m0 = 16 * (warp % 2);
+      // channel tiles w / 2, w / 2 + 4, .. (m0 as in phase A); its A fragments (VT, UT rows) once.
       uint32_t va[8], ua[8];
       {
         const float4 v0 = *reinterpret_cast<const float4*>(VT + cidx(m0 + g, 4 * q));
@@ -346,7 +343,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
             acc[r][1] += a[r] * v1 + b[r] * u1;
           }
         }
-        float* const sp = put ? st_out + (put_slot * p.H + h) * int64_t(K) * p.V + int64_t(d0) * p.V + x0 + xp : nullptr;
+        float* const sp = put ? state_at(put_slot, d0, xp) : nullptr;
 #pragma unroll
         for (int r = 0; r < 4; ++r)
           if (d0 + r < K) {
