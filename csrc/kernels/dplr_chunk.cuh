@@ -51,8 +51,12 @@ using tile::mma_tf32;
 using tile::tf32_if;
 using tile::tf32_round;
 using tile::warp_mma_ld;
+using tile::warp_mma_nt;
+using tile::nt_col;
+using tile::nt_row;
+using tile::kp_row;
 
-constexpr int C = kDplrChunk, CP = C + 1, NT = 256;
+constexpr int C = kDplrChunk, CP = kDplrMatStride, NT = 256;
 static_assert(NT == C * C, "one thread per pair (i, j) of a chunk");
 
 // Pair matrices by 4-row micro-blocks, channels in slabs of PS (ALGORITHMS.md §1.2 references one
@@ -99,6 +103,7 @@ struct Smem {
     v = take(C * BP), U = take(C * BP), M = take(C * BP);
     Ark = take(C * CP), Arb = take(C * CP), Aak = take(C * CP), Aab = take(C * CP);
     X = take(C * CP);  // the five are consecutive (C * CP is a multiple of 4): DplrWs::mats()
+    static_assert(CP % 4 == 0 && CP > C, "16-byte aligned rows of the 16 x 16 matrices");
     dS = dO = dU = dM = gr = gk = ga = gb = dA = dX = Y = zeta = zgam = zparts = 0;
     if (bwd) {
       dS = take(K * BP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
@@ -229,30 +234,34 @@ __device__ void copy_cols_async(float* sm, const Smem& L, const VecArg& x, int m
     copy16(stage + i * ncol + c, on ? row0 + i * x.st + c : row0, on);
   }
 }
-// Widens one 16-byte piece (E elements of T) to E floats at dst (16-byte aligned); zeros if !on.
+// Widens 4 elements of T to 4 floats at dst (16-byte aligned); zeros if !on. Four, not a 16-byte
+// piece of 8: a warp's 16-byte stores of consecutive quads are conflict-free, where two stores
+// per lane at 32-byte steps cost twice the wavefronts (ncu: 50 % excessive).
 template <typename T>
-__device__ __forceinline__ void widen_piece(float* dst, const T* src, bool on) {
-  constexpr int E = kPiece<T>;
-  uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-  if (on) raw = *reinterpret_cast<const uint4*>(src);
-  T v[E];
-  memcpy(v, &raw, sizeof(raw));  // not a pointer cast: that would break strict aliasing
-#pragma unroll
-  for (int q = 0; q < E; q += 4)
-    *reinterpret_cast<float4*>(dst + q) = make_float4(to_f(v[q]), to_f(v[q + 1]), to_f(v[q + 2]), to_f(v[q + 3]));
+__device__ __forceinline__ void widen_quad(float* dst, const T* src, bool on) {
+  float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+  if constexpr (std::is_same<T, float>::value) {
+    if (on) f = *reinterpret_cast<const float4*>(src);
+  } else {
+    uint2 raw = make_uint2(0u, 0u);
+    if (on) raw = *reinterpret_cast<const uint2*>(src);
+    T v[4];
+    memcpy(v, &raw, sizeof(v));  // not a pointer cast: that would break strict aliasing
+    f = make_float4(to_f(v[0]), to_f(v[1]), to_f(v[2]), to_f(v[3]));
+  }
+  *reinterpret_cast<float4*>(dst) = f;
 }
-// After the wait and a barrier: raw K-rows to fp32, a piece per thread and step. Every dtype:
+// After the wait and a barrier: raw K-rows to fp32, a quad per thread and step. Every dtype:
 // the channel padding [K, KP) of the five row arrays to 0 (fp32 rows are in place already; no
 // copy goes to the padding, so this may also run before the wait).
 template <typename T>
 __device__ void widen_rows(float* sm, const Smem& L) {
-  constexpr int E = kPiece<T>;
   if (kRawRows<T>) {
     const T* const stage = reinterpret_cast<const T*>(sm + L.stage);
-    const Split pk(L.K / E);
+    const Split pk(L.K / 4);
     for (int e = threadIdx.x; e < 5 * C * pk.n; e += NT) {  // arrays r..b are C * KP apart
-      const int qi = pk.quot(e), c = (e - qi * pk.n) * E;
-      widen_piece<T>(sm + L.r + qi * L.KP + c, stage + qi * L.K + c, true);
+      const int qi = pk.quot(e), c = (e - qi * pk.n) * 4;
+      widen_quad<T>(sm + L.r + qi * L.KP + c, stage + qi * L.K + c, true);
     }
   }
   const int pad = L.KP - L.K;
@@ -262,12 +271,11 @@ __device__ void widen_rows(float* sm, const Smem& L) {
 // (columns at or past ncol: 0).
 template <typename T>
 __device__ void widen_cols(float* sm, const Smem& L, int m, int ncol, int x0, int dst) {
-  constexpr int E = kPiece<T>;
   const T* const stage = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * ncol;
-  const Split pc(L.cols / E);
+  const Split pc(L.cols / 4);
   for (int e = threadIdx.x; e < C * pc.n; e += NT) {
-    const int i = pc.quot(e), c = (e - i * pc.n) * E;
-    widen_piece<T>(sm + dst + i * L.BP + c, stage + i * ncol + x0 + c, x0 + c < ncol);
+    const int i = pc.quot(e), c = (e - i * pc.n) * 4;
+    widen_quad<T>(sm + dst + i * L.BP + c, stage + i * ncol + x0 + c, x0 + c < ncol);
   }
 }
 
@@ -522,6 +530,90 @@ __device__ __forceinline__ void rows_dot_state(const float* sm, const Smem& L, i
   for (; d < L.K; ++d) s0 += r0[d] * st[d * BP], s1 += r1[d] * st[d * BP];
 }
 
+// CW consecutive channels of a K-row, read as one 8- or 16-byte load.
+template <int CW>
+struct Chans {
+  float v[CW] = {};
+  __device__ __forceinline__ static Chans ld(const float* p) {
+    Chans r;
+    if constexpr (CW == 4) {
+      const float4 t = *reinterpret_cast<const float4*>(p);
+      r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
+    } else if constexpr (CW == 2) {
+      const float2 t = *reinterpret_cast<const float2*>(p);
+      r.v[0] = t.x, r.v[1] = t.y;
+    } else {
+#pragma unroll
+      for (int c = 0; c < CW; ++c) r.v[c] = p[c];
+    }
+    return r;
+  }
+  __device__ __forceinline__ void st(float* p) const {
+#pragma unroll
+    for (int c = 0; c < CW; ++c) p[c] = v[c];  // adjacent: merged into one vector store
+  }
+};
+
+// The K-vector gradients of row i, channels [d, d + CW), into the gradient rows gr, ga, gk, gb:
+// the pair parts walk the rows below i (i as the query: r, a) and above it (i as the key: k,
+// b), multiplying the decay factors up from exp(w) (in the w rows: products of <= 15 factors
+// <= 1, a few ulp; no exponential per pair), then the state parts sr, sa, sk, sb take their row
+// factors, exp(G_i) = exp(E_i) exp(w_i) and exp(Omega_i): the products the walks end with.
+// The query walk leaves its common factor exp(w_i) to the end. zp += zeta's state-part sum of
+// this row, K^_i sk + B^_i sb (the SIMT path's; TC's comes from its state-part products).
+template <int CW>
+__device__ __forceinline__ void pair_walks(float* sm, const Smem& L, int i, int d, float rho,
+                                           const Chans<CW>& sr, const Chans<CW>& sa,
+                                           const Chans<CW>& sk, const Chans<CW>& sb, Chans<CW>& zp) {
+  using V = Chans<CW>;
+  const int KP = L.KP;
+  const float *ew = sm + L.w + d, *kr = sm + L.k + d, *br = sm + L.b + d;  // ew: exp(w)
+  const float *rr = sm + L.r + d, *ar = sm + L.a + d, *dA = sm + L.dA;
+  const float4 di = ld4(dA + 4 * (i * C + i));
+  const V ki = V::ld(kr + i * KP), bi = V::ld(br + i * KP);
+  V wr, da, fex;  // wr: the query walk's part of dr over exp(w_i); fex: exp(sum of w_s, j < s < i)
+#pragma unroll
+  for (int c = 0; c < CW; ++c) fex.v[c] = 1.f;
+  for (int j = i - 1; j >= 0; --j) {
+    const float4 a = ld4(dA + 4 * (i * C + j));
+    const V kj = V::ld(kr + j * KP), bj = V::ld(br + j * KP), ej = V::ld(ew + j * KP);
+#pragma unroll
+    for (int c = 0; c < CW; ++c) {
+      wr.v[c] += (a.x * kj.v[c] + a.y * bj.v[c]) * fex.v[c];
+      da.v[c] += (a.z * kj.v[c] + a.w * bj.v[c]) * fex.v[c];
+      fex.v[c] *= ej.v[c];
+    }
+  }
+  const V ewi = V::ld(ew + i * KP), ri = V::ld(rr + i * KP);
+  V dr;
+#pragma unroll
+  for (int c = 0; c < CW; ++c) {  // fex = exp(E_i) now
+    dr.v[c] = di.x * ki.v[c] + di.y * bi.v[c] + ewi.v[c] * (wr.v[c] + sr.v[c] * (rho * fex.v[c]));
+    da.v[c] += sa.v[c] * fex.v[c];
+  }
+  dr.st(sm + L.gr + i * KP + d), da.st(sm + L.ga + i * KP + d);
+  V dk, db;
+#pragma unroll
+  for (int c = 0; c < CW; ++c) dk.v[c] = di.x * ri.v[c], db.v[c] = di.y * ri.v[c], fex.v[c] = 1.f;
+  for (int i2 = i + 1; i2 < C; ++i2) {
+    const float4 a = ld4(dA + 4 * (i2 * C + i));
+    const V e2 = V::ld(ew + i2 * KP), r2 = V::ld(rr + i2 * KP), a2 = V::ld(ar + i2 * KP);
+#pragma unroll
+    for (int c = 0; c < CW; ++c) {
+      const float re = r2.v[c] * e2.v[c];
+      dk.v[c] += (a.x * re + a.z * a2.v[c]) * fex.v[c];
+      db.v[c] += (a.y * re + a.w * a2.v[c]) * fex.v[c];
+      fex.v[c] *= e2.v[c];
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < CW; ++c) {  // fex = exp(Omega_i) now
+    dk.v[c] += sk.v[c] * fex.v[c], db.v[c] += sb.v[c] * fex.v[c];
+    zp.v[c] += (ki.v[c] * sk.v[c] + bi.v[c] * sb.v[c]) * fex.v[c];
+  }
+  dk.st(sm + L.gk + i * KP + d), db.st(sm + L.gb + i * KP + d);
+}
+
 // Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
 // matrices (TC: on tensor cores where the chunk's decays allow, pair_matrices_tc) and X. Ends
 // synchronised. Returns whether the pair matrices were factored (then the r and a rows hold R^
@@ -584,15 +676,33 @@ __device__ inline bool prepare(float* sm, const Smem& L) {
 }
 
 // acc (this lane's m16n8 tile, columns n0..n0 + 8 of a tile) += R St on TF32 tensor cores: R a
-// K-row array [C][KP] at offset `rows`, St a state array [K][BP] at offset `st` (channels past K
-// masked: the row padding may be unset). bf16 / fp16 inputs only, as warp_mma. With K a multiple
-// of 8 nothing needs masking: the stepped pointers of warp_mma_ld (grad 2.93 -> 2.88 ms).
+// K-row array [C][KP] at offset `rows`, St a state array [K][BP] at offset `st` holding TF32
+// values (grad rounds its states once). bf16 / fp16 inputs only, as warp_mma. The k of lane q in
+// a k-step are 2q, 2q + 1 (not q, q + 4): its A fragment is one 8-byte load per row, and its B
+// rows are 2 apart, at banks 8 apart for BP = 4 mod 32 (q, q + 4 were 4 apart: two-way
+// conflicts). Lane g takes rows tile::kp_perm(g) and + 8 (accumulator rows at kp_row, columns
+// at acc_col). With K % 8 != 0, channels past K are masked (the row padding may be unset).
 __device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, int rows, int st,
                                                int n0, float (&acc)[4]) {
   const int K = L.K, KP = L.KP, BP = L.BP;
-  if (K % 8 == 0) return warp_mma_ld(acc, K, sm + rows, KP, sm + st + n0, BP);
-  warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? sm[rows + r * KP + k] : 0.f; },
-           [&](int k, int n) { return k < K ? sm[st + k * BP + n0 + n] : 0.f; });
+  const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, pg = tile::kp_perm(g);
+  using tile::to_tf32;
+  if (K % 8 == 0) {
+    const float* pa = sm + rows + pg * KP + 2 * q;
+    const float* pb = sm + st + 2 * q * BP + n0 + g;
+    for (int k = 0; k < K; k += 8, pa += 8, pb += 8 * BP) {
+      const float2 lo = *reinterpret_cast<const float2*>(pa), hi = *reinterpret_cast<const float2*>(pa + 8 * KP);
+      mma_tf32(acc, to_tf32(lo.x), to_tf32(hi.x), to_tf32(lo.y), to_tf32(hi.y), __float_as_uint(pb[0]),
+               __float_as_uint(pb[BP]));
+    }
+    return;
+  }
+  for (int k = 0; k < K; k += 8) {
+    auto a = [&](int r, int kk) { return kk < K ? to_tf32(sm[rows + r * KP + kk]) : 0u; };
+    auto b = [&](int kk) { return kk < K ? __float_as_uint(sm[st + kk * BP + n0 + g]) : 0u; };
+    const int k0 = k + 2 * q;
+    mma_tf32(acc, a(pg, k0), a(pg + 8, k0), a(pg, k0 + 1), a(pg + 8, k0 + 1), b(k0), b(k0 + 1));
+  }
 }
 
 // M + P into M (M = A_ak V, P = Â S: the backward needs only their sum), then U = X (M + P) (Â at
@@ -649,28 +759,40 @@ __device__ __forceinline__ float* slot_state(const DplrChunkPass& p, void* base,
 }
 
 // A fragments (tile_mma.cuh's mma_tf32 layout) of a 16 x 16 matrix M [C][CP] at offset m, or
-// of its transpose (tr), both k-steps: f[ks] = (A(g, k + q), A(g + 8, k + q), A(g, k + q + 4),
-// A(g + 8, k + q + 4)), k = 8 ks, A = M or M^T.
+// of its transpose (tr), both k-steps, with lane q's k in a k-step taken as 2q, 2q + 1 (as
+// rows_state_mma: the B operand's rows 2 apart, conflict-free at strides 4 mod 32): f[ks] =
+// (A(g, k), A(g + 8, k), A(g, k + 1), A(g + 8, k + 1)), k = 8 ks + 2q, A = M or M^T. perm: lane
+// g takes rows tile::kp_perm(g) and + 8 instead (rows_state_mma's, which grad's column chain
+// accumulates with these). scale: the fragments of scale * A.
 struct MatFrag {
   uint32_t f[2][4];
-  __device__ __forceinline__ MatFrag(const float* sm, int m, bool tr = false) {
-    const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
-    const int r8 = tr ? 8 : 8 * CP, k4 = tr ? 4 * CP : 4, k8 = tr ? 8 * CP : 8;  // row + 8, k + 4, k + 8
-    const float* a = sm + m + (tr ? q * CP + g : g * CP + q);
+  __device__ __forceinline__ MatFrag(const float* sm, int m, bool tr = false, bool perm = false,
+                                     float scale = 1.f) {
+    const int g0 = threadIdx.x % 32 / 4, q = threadIdx.x % 4, g = perm ? tile::kp_perm(g0) : g0;
+    const int r8 = tr ? 8 : 8 * CP, k1 = tr ? CP : 1, k8 = tr ? 8 * CP : 8;  // row + 8, k + 1, k + 8
+    const float* a = sm + m + (tr ? 2 * q * CP + g : g * CP + 2 * q);
+    auto cv = [&](float x) { return tile::to_tf32(scale * x); };
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks)
-      f[ks][0] = tile::to_tf32(a[ks * k8]), f[ks][1] = tile::to_tf32(a[ks * k8 + r8]),
-      f[ks][2] = tile::to_tf32(a[ks * k8 + k4]), f[ks][3] = tile::to_tf32(a[ks * k8 + r8 + k4]);
+    for (int ks = 0; ks < 2; ++ks) {
+      if (tr) {
+        f[ks][0] = cv(a[ks * k8]), f[ks][1] = cv(a[ks * k8 + r8]), f[ks][2] = cv(a[ks * k8 + k1]),
+        f[ks][3] = cv(a[ks * k8 + r8 + k1]);
+      } else {  // k, k + 1 adjacent: one 8-byte load per row (CP even)
+        const float2 lo = *reinterpret_cast<const float2*>(a + ks * k8), hi = *reinterpret_cast<const float2*>(a + ks * k8 + r8);
+        f[ks][0] = cv(lo.x), f[ks][1] = cv(hi.x), f[ks][2] = cv(lo.y), f[ks][3] = cv(hi.y);
+      }
+    }
   }
-  // acc += this (16 x 16) B (16 x 8) with B(k, n) = b(k, n) (lane (g, q) asks for (q, g),
-  // (q + 4, g), (q + 8, g), (q + 12, g)).
-  template <class B>
+  // acc += this (16 x 16) B (16 x 8) with B(k, n) = b(k, n) (lane (g, q) asks for (2q, g),
+  // (2q + 1, g), (2q + 8, g), (2q + 9, g)); RB: b gives TF32 values.
+  template <bool RB = false, class B>
   __device__ __forceinline__ void mma(float (&acc)[4], B b) const {
     const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+    auto cb = [](float x) { return RB ? __float_as_uint(x) : tile::to_tf32(x); };
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks)
-      tile::mma_tf32(acc, f[ks][0], f[ks][1], f[ks][2], f[ks][3], tile::to_tf32(b(8 * ks + q, g)),
-                     tile::to_tf32(b(8 * ks + q + 4, g)));
+      tile::mma_tf32(acc, f[ks][0], f[ks][1], f[ks][2], f[ks][3], cb(b(8 * ks + 2 * q, g)),
+                     cb(b(8 * ks + 2 * q + 1, g)));
   }
 };
 

@@ -49,6 +49,12 @@ FLA_HD int dplr_chunk_tiles(int K, int V) {
   return (V + c - 1) / c;
 }
 
+// Row stride (floats) of the 16 x 16 matrices in shared memory and the workspace. 20: the
+// tensor-core fragments read them conflict-free, rows (8-byte loads, lanes 16 apart on rows
+// 2 apart: banks 8 apart) and columns (rows 2q: banks 8q apart) alike; 17 had 4-way conflicts
+// on the transposed reads (ncu: 11 % of the gradient kernel's shared-memory wavefronts).
+constexpr int kDplrMatStride = 20;
+
 // State columns per CTA of the CUDA sequential passes (dplr_chunk_sweep.cuh).
 constexpr int kDplrSweepCols = 32;
 
@@ -86,11 +92,11 @@ struct DplrWs {
   FLA_HD int64_t uo(int m, int i, int x) const {
     return utile(x / kDplrSweepCols) + (m * kDplrChunk + i) * UP + x % kDplrSweepCols;
   }
-  // The four pair matrices and X, for the backward: [5][C][C + 1] (A_rk, A_rb, A_ak, A_ab, X),
-  // rows padded by one as the CUDA kernels hold them in shared memory (column walks without bank
-  // conflicts), so that they move as one contiguous block of 16-byte pieces.
+  // The four pair matrices and X, for the backward: [5][C][kDplrMatStride] (A_rk, A_rb, A_ak,
+  // A_ab, X), rows padded as the CUDA kernels hold them in shared memory, so that they move as one
+  // contiguous block of 16-byte pieces.
   FLA_HD int64_t mats() const { return utile(tiles); }
-  FLA_HD int64_t per() const { return mats() + 5 * kDplrChunk * (kDplrChunk + 1); }
+  FLA_HD int64_t per() const { return mats() + 5 * kDplrChunk * kDplrMatStride; }
 };
 
 struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients

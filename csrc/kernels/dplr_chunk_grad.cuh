@@ -70,13 +70,23 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       for (int e = threadIdx.x; e < 5 * C * CP; e += NT) sm[L.Ark + e] = mats[e];
     }
     __syncthreads();
-    for (int d0 = 0; d0 < K; d0 += NT / 4) {  // rowsum(S * dS+): four threads per channel
-      const int d = d0 + threadIdx.x / 4, part = threadIdx.x % 4;
+    // rowsum(S * dS+): eight threads per channel, so that a load phase (8 lanes) reads 128
+    // contiguous bytes of one row (four per channel read two rows: two-way conflicts)
+    for (int d0 = 0; d0 < K; d0 += NT / 8) {
+      const int d = d0 + threadIdx.x / 8, part = threadIdx.x % 8;
       float z = 0.f;
       if (d < K)
-        for (int x = 4 * part; x < cols; x += 16) z = dot4(ld4(sm + L.S + d * BP + x), ld4(sm + L.dS + d * BP + x), z);
-      z += __shfl_xor_sync(0xffffffffu, z, 1);
-      z += __shfl_xor_sync(0xffffffffu, z, 2);
+        for (int x = 4 * part; x < cols; x += 32) {
+          float4 *s = reinterpret_cast<float4*>(sm + L.S + d * BP + x), *ds = reinterpret_cast<float4*>(sm + L.dS + d * BP + x);
+          const float4 s4 = *s, d4 = *ds;
+          z = dot4(s4, d4, z);
+          if (TC) {  // S, dS+ as TF32 values from here on: every later read is a tensor-core operand
+            *s = make_float4(tf32_round(s4.x), tf32_round(s4.y), tf32_round(s4.z), tf32_round(s4.w));
+            *ds = make_float4(tf32_round(d4.x), tf32_round(d4.y), tf32_round(d4.z), tf32_round(d4.w));
+          }
+        }
+#pragma unroll
+      for (int lanes = 1; lanes < 8; lanes *= 2) z += __shfl_xor_sync(0xffffffffu, z, lanes);
       if (d < K && part == 0) sm[L.zeta + d] = z;
     }
     // Â and exp(Omega) in the gradient rows ga, gk (the raw stage there is spent), which the
@@ -133,76 +143,95 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       // __syncwarp between them (the SIMT forms below need a CTA barrier after each):
       //   M + P = A_ak V + Â S,  U = X (M + P),  dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU,
       //   dV = scale A_rk^T dO + A_ak^T dM + K^ dS+.
+      // Every operand a TF32 value as stored (v, dO widened from 16 bits; S, dS rounded above;
+      // the chain's own rows rounded by put), so that no product rounds per read; the scale
+      // goes into the A_rb, A_rk fragments. Rows at kp_row (rows_state_mma).
       for (int x0 = 8 * (threadIdx.x / 32); x0 < cols; x0 += NT / 4) {
-        auto col = [&](int arr, float f) {
-          return [=](int k, int n) { return f * sm[arr + k * BP + x0 + n]; };
+        auto col = [&](int arr) {
+          return [=](int k, int n) { return sm[arr + k * BP + x0 + n]; };
         };
-        auto put = [&](int arr, const float(&acc)[4]) {
+        auto put = [&](int arr, const float(&acc)[4]) {  // 8-byte stores, conflict-free (kp_row)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sm[arr + acc_row(0, e) * BP + acc_col(x0, e)] = acc[e];
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<float2*>(sm + arr + kp_row(0, 2 * h) * BP + acc_col(x0, 0)) =
+                make_float2(tf32_round(acc[2 * h]), tf32_round(acc[2 * h + 1]));
         };
         float mp[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
         rows_state_mma(sm, L, L.ga, L.S, x0, mp);
-        MatFrag(sm, L.Aak).mma(mp, col(L.v, 1.f));
+        MatFrag(sm, L.Aak, false, true).mma<true>(mp, col(L.v));
         put(L.M, mp);
         __syncwarp();
-        MatFrag(sm, L.X).mma(u, col(L.M, 1.f));
+        MatFrag(sm, L.X, false, true).mma<true>(u, col(L.M));
         put(L.U, u);
         float du[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f}, dv[4] = {0.f, 0.f, 0.f, 0.f};
         rows_state_mma(sm, L, L.gb, L.dS, x0, du);
-        MatFrag(sm, L.Arb, true).mma(du, col(L.dO, rho));
+        MatFrag(sm, L.Arb, true, true, rho).mma<true>(du, col(L.dO));
         put(L.dU, du);
         __syncwarp();
-        MatFrag(sm, L.X, true).mma(dm, col(L.dU, 1.f));
+        MatFrag(sm, L.X, true, true).mma<true>(dm, col(L.dU));
         put(L.dM, dm);
         __syncwarp();
         rows_state_mma(sm, L, L.gk, L.dS, x0, dv);
-        MatFrag(sm, L.Ark, true).mma(dv, col(L.dO, rho));
-        MatFrag(sm, L.Aak, true).mma(dv, col(L.dM, 1.f));
+        MatFrag(sm, L.Ark, true, true, rho).mma<true>(dv, col(L.dO));
+        MatFrag(sm, L.Aak, true, true).mma<true>(dv, col(L.dM));
 #pragma unroll
-        for (int e = 0; e < 4; ++e) put_dv(acc_row(0, e), acc_col(x0, e), dv[e]);
+        for (int e = 0; e < 4; ++e) put_dv(kp_row(0, e), acc_col(x0, e), dv[e]);
       }
       __syncthreads();
+      // The products over the columns below take warp_mma_nt's 16-byte fragments (ncu: the
+      // 4-byte fragment loads and their index arithmetic were 19 % of grad's instructions).
+      const bool nt = cols % 16 == 0;
       {  // the pair-matrix gradients as 16 x 16 products over the columns, a warp per 8 of j
          // (the SIMT pair_grads here: grad 2.15 -> 2.33 ms)
         static_assert(NT / 32 == 8, "4 products x 2 column tiles");
         const int w = threadIdx.x / 32, m = w / 2, j0 = 8 * (w % 2);  // m: rk, rb, ak, dX
         const int A = m < 2 ? L.dO : m == 2 ? L.dM : L.dU, B = m == 1 ? L.U : m == 3 ? L.M : L.v;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        warp_mma_ld<false, true>(acc, cols, sm + A, BP, sm + B + j0 * BP, BP);
+        if (nt) warp_mma_nt<true, true>(acc, cols, sm + A, BP, sm + B + j0 * BP, BP);
+        else warp_mma_ld<false, true>(acc, cols, sm + A, BP, sm + B + j0 * BP, BP);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int i = acc_row(0, e), j = acc_col(j0, e);
+          const int i = nt ? nt_row(0, e) : acc_row(0, e), j = nt ? nt_col(j0, e) : acc_col(j0, e);
           const bool on = m < 2 ? j <= i : j < i;
           if (m == 3) sm[L.dX + i * CP + j] = on ? acc[e] : 0.f;
           else sm[L.dA + 4 * (i * C + j) + m] = on ? (m < 2 ? rho : 1.f) * acc[e] : 0.f;
         }
       }
       // The state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T ([C][K] over
-      // this tile's columns), into the gradient rows (Â, K^, B^ there are spent).
-      const int ntile = (K + 7) / 8;
-      for (int task = threadIdx.x / 32; task < 4 * ntile; task += NT / 32) {
-        const int m = task / ntile, n0 = 8 * (task % ntile);
+      // this tile's columns), into the gradient rows (Â, K^, B^ there are spent). A task is 4
+      // n-tiles (32 channels) of one product: its A fragments serve all four.
+      const int ntile = (K + 7) / 8, ngrp = (ntile + 3) / 4;
+      for (int task = threadIdx.x / 32; task < 4 * ngrp; task += NT / 32) {
+        const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
         const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
         const int D = m == 0 ? L.gr : m == 1 ? L.ga : m == 2 ? L.gk : L.gb;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        // (warp_mma_ld here: grad 3.57 -> 3.99 ms in c16, 2.88 -> 2.96 now; kept the functors)
-        warp_mma(acc, cols, [&](int r, int k) { return sm[A + r * BP + k]; },
-                 [&](int k, int n) { return n0 + n < K ? sm[B + (n0 + n) * BP + k] : 0.f; });
-        float z[2] = {0.f, 0.f};  // zeta's parts sum_j K^_j (v_j dS+^T), sum_j B^_j (U_j dS+^T)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int d = acc_col(n0, e), at = acc_row(0, e) * KP + d;
-          if (d >= K) continue;
-          if (m >= 2) z[e % 2] += sm[D + at] * acc[e];  // K^, B^ there until this write
-          sm[D + at] = acc[e];
+        float acc[4][4] = {};
+        if (nt) {  // state rows past K: the next array's (their columns are not stored)
+          tile::warp_mma_nt_tiles<true, true, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
+        } else {
+          for (int t = 0; t < nb; ++t)
+            warp_mma(acc[t], cols, [&](int r, int k) { return sm[A + r * BP + k]; },
+                     [&](int k, int n) { return n00 + 8 * t + n < K ? sm[B + (n00 + 8 * t + n) * BP + k] : 0.f; });
         }
-        if (m >= 2) {  // warp-uniform: summed over the 16 rows (lanes g)
 #pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            for (int lanes = 4; lanes < 32; lanes *= 2) z[h2] += __shfl_xor_sync(0xffffffffu, z[h2], lanes);
-            const int d = acc_col(n0, h2);
-            if (threadIdx.x % 32 < 4 && d < K) sm[L.zparts + (m - 2) * K + d] = z[h2];
+        for (int t = 0; t < 4; ++t) {
+          if (t >= nb) break;  // warp-uniform
+          const int n0 = n00 + 8 * t;
+          float z[2] = {0.f, 0.f};  // zeta's parts sum_j K^_j (v_j dS+^T), sum_j B^_j (U_j dS+^T)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int d = nt ? nt_col(n0, e) : acc_col(n0, e), at = (nt ? nt_row(0, e) : acc_row(0, e)) * KP + d;
+            if (d >= K) continue;
+            if (m >= 2) z[e % 2] += sm[D + at] * acc[t][e];  // K^, B^ there until this write
+            sm[D + at] = acc[t][e];
+          }
+          if (m >= 2) {  // warp-uniform: summed over the 16 rows (lanes g)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+              for (int lanes = 4; lanes < 32; lanes *= 2) z[h2] += __shfl_xor_sync(0xffffffffu, z[h2], lanes);
+              const int d = nt ? nt_col(n0, h2) : acc_col(n0, h2);
+              if (threadIdx.x % 32 < 4 && d < K) sm[L.zparts + (m - 2) * K + d] = z[h2];
+            }
           }
         }
       }
@@ -248,70 +277,50 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       }
       __syncthreads();  // K^, B^ read: the gradient rows are written below
     }
-    // K-vector gradients of rows i and i + 8 (one read of S and dS serves both), channel d:
-    // state parts, then the pair parts (query-type rows r, a over j <= i; key-type rows k, b
-    // over i' >= j), factors multiplied up from exp(w).
-    for (int e = threadIdx.x; e < (C / 2) * K; e += NT) {
-      const int i0 = e / K, d = e % K;
-      float g[2][4] = {};
-      if (TC) {
+    // K-vector gradients, CW channels of RW rows per task (TC: 4 channels of one row, so that
+    // each pair step's loads serve four channels; SIMT: 2 channels of rows i and i + 8, whose
+    // state parts share one read of S and dS). State parts first, then the pair walks.
+    {
+      constexpr int CW = TC ? 4 : 2, RW = TC ? 1 : 2;
+      using V = Chans<CW>;
+      const int nq = (K + CW - 1) / CW;
+      for (int e = threadIdx.x; e < (C / RW) * nq; e += NT) {
+        const int i0 = e / nq, d = CW * (e - i0 * nq);
+        V g[RW][4];  // per row: the state parts of dr, da, dk, db
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int at = (i0 + h2 * (C / 2)) * KP + d;
-          g[h2][0] = sm[L.gr + at], g[h2][1] = sm[L.ga + at], g[h2][2] = sm[L.gk + at], g[h2][3] = sm[L.gb + at];
-        }
-      }
-      for (int q = 0; q < (TC ? 0 : cols); q += 4) {
-        const float4 s = ld4(sm + L.S + d * BP + q), ds = ld4(sm + L.dS + d * BP + q);
+        for (int h = 0; h < RW; ++h) {
+          const int at = (i0 + h * (C / RW)) * KP + d;
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = i0 + h2 * (C / 2);
-          g[h2][0] = dot4(ld4(sm + L.dO + i * BP + q), s, g[h2][0]);
-          g[h2][1] = dot4(ld4(sm + L.dM + i * BP + q), s, g[h2][1]);
-          g[h2][2] = dot4(ld4(sm + L.v + i * BP + q), ds, g[h2][2]);
-          g[h2][3] = dot4(ld4(sm + L.U + i * BP + q), ds, g[h2][3]);
+          for (int m = 0; m < 4; ++m) g[h][m] = TC ? V::ld(sm + (m == 0 ? L.gr : m == 1 ? L.ga : m == 2 ? L.gk : L.gb) + at) : V{};
         }
-      }
-      float zp = 0.f;  // SIMT: this thread's rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
+        for (int q = 0; q < (TC ? 0 : cols); q += 4) {
+#pragma unroll
+          for (int c = 0; c < CW; ++c) {
+            const int dc = min(d + c, K - 1) * BP + q;  // channels past K: any finite value
+            const float4 s = ld4(sm + L.S + dc), ds = ld4(sm + L.dS + dc);
+#pragma unroll
+            for (int h = 0; h < RW; ++h) {
+              const int i = (i0 + h * (C / RW)) * BP + q;
+              g[h][0].v[c] = dot4(ld4(sm + L.dO + i), s, g[h][0].v[c]);
+              g[h][1].v[c] = dot4(ld4(sm + L.dM + i), s, g[h][1].v[c]);
+              g[h][2].v[c] = dot4(ld4(sm + L.v + i), ds, g[h][2].v[c]);
+              g[h][3].v[c] = dot4(ld4(sm + L.U + i), ds, g[h][3].v[c]);
+            }
+          }
+        }
+        V zp{};  // SIMT: these rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
 #pragma unroll 1
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int i = i0 + h2 * (C / 2);
-        // The state parts (selects: no local memory) take their row factors last: exp(E_i)
-        // and exp(Omega_i) are the products the pair walks end with (no exp(G) rows stored).
-        const float sr = h2 ? g[1][0] : g[0][0], sa = h2 ? g[1][1] : g[0][1];
-        const float sk = h2 ? g[1][2] : g[0][2], sb = h2 ? g[1][3] : g[0][3];
-        const float* ew = sm + L.w + d;  // exp(w)
-        const float4 di = ld4(sm + L.dA + 4 * (i * C + i));
-        float dr = di.x * sm[L.k + i * KP + d] + di.y * sm[L.b + i * KP + d], da = 0.f;
-        const float ewi = ew[i * KP];
-        float fex = 1.f;  // exp(sum of w_s over j < s < i); after the walk exp(E_i)
-        for (int j = i - 1; j >= 0; --j) {
-          const float fin = fex * ewi;
-          const float kj = sm[L.k + j * KP + d], bj = sm[L.b + j * KP + d];
-          const float4 a = ld4(sm + L.dA + 4 * (i * C + j));
-          dr += (a.x * kj + a.y * bj) * fin;
-          da += (a.z * kj + a.w * bj) * fex;
-          fex *= ew[j * KP];
+        for (int h = 0; h < RW; ++h) {
+          // (selects, not a runtime index into g: no local memory)
+          const V sr = h ? g[RW - 1][0] : g[0][0], sa = h ? g[RW - 1][1] : g[0][1];
+          const V sk = h ? g[RW - 1][2] : g[0][2], sb = h ? g[RW - 1][3] : g[0][3];
+          pair_walks<CW>(sm, L, i0 + h * (C / RW), d, rho, sr, sa, sk, sb, zp);
         }
-        dr += sr * (rho * (fex * ewi)), da += sa * fex;  // exp(G_i) = exp(E_i) exp(w_i)
-        const int j = i;  // this row as the key
-        const float4 dj = ld4(sm + L.dA + 4 * (j * C + j));
-        float dk = dj.x * sm[L.r + j * KP + d], db = dj.y * sm[L.r + j * KP + d];
-        fex = 1.f;  // exp(sum of w_s over j < s < i'); after the walk exp(Omega_j)
-        for (int i2 = j + 1; i2 < C; ++i2) {
-          const float fin = fex * ew[i2 * KP];
-          const float ri = sm[L.r + i2 * KP + d], ai = sm[L.a + i2 * KP + d];
-          const float4 a = ld4(sm + L.dA + 4 * (i2 * C + j));
-          dk += a.x * ri * fin + a.z * ai * fex;
-          db += a.y * ri * fin + a.w * ai * fex;
-          fex = fin;
-        }
-        dk += sk * fex, db += sb * fex;
-        if (!TC) zp += (sm[L.k + j * KP + d] * sk + sm[L.b + j * KP + d] * sb) * fex;
-        sm[L.gr + i * KP + d] = dr, sm[L.ga + i * KP + d] = da;
-        sm[L.gk + i * KP + d] = dk, sm[L.gb + i * KP + d] = db;
+        if (!TC)
+#pragma unroll
+          for (int c = 0; c < CW; ++c)
+            if (d + c < K) sm[L.zparts + i0 * K + d + c] = zp.v[c];
       }
-      if (!TC) sm[L.zparts + i0 * K + d] = zp;
     }
     __syncthreads();
 
@@ -375,21 +384,24 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         }
       }
     }
-    if (p.kg16) {  // all five from shared memory as 16-byte pieces (dw in the w rows)
-      constexpr int E = kPiece<T>;
-      const int pk = K / E;
+    if (p.kg16) {  // all five from shared memory, 4 channels per thread (dw in the w rows): one
+                   // 16-byte shared read each (two per 16-byte piece were two-way conflicts)
+      const int pk = K / 4;
       __syncthreads();
       for (int e = threadIdx.x; e < kNumKGrads * C * pk; e += NT) {
-        const int gi = e / (C * pk), i = e / pk % C, ch = (e % pk) * E;
+        const int gi = e / (C * pk), i = e / pk % C, ch = (e % pk) * 4;
         if (i >= nrow) continue;
         const int src = gi == kGradR ? L.gr : gi == kGradW ? L.w : gi == kGradK ? L.gk : gi == kGradA ? L.ga : L.gb;
-        const float* f = sm + src + i * KP + ch;
-        T v[E];
-#pragma unroll
-        for (int q = 0; q < E; ++q) v[q] = from_f<T>(f[q]);
-        uint4 raw;
-        memcpy(&raw, v, sizeof(raw));
-        *reinterpret_cast<uint4*>(vptr<T>(p.kgd[gi], c.s.b, c.s.bos + t0 + i, c.h, ch)) = raw;
+        const float4 f = ld4(sm + src + i * KP + ch);
+        T* const dst = vptr<T>(p.kgd[gi], c.s.b, c.s.bos + t0 + i, c.h, ch);
+        if constexpr (std::is_same<T, float>::value) {
+          *reinterpret_cast<float4*>(dst) = f;
+        } else {
+          const T v[4] = {from_f<T>(f.x), from_f<T>(f.y), from_f<T>(f.z), from_f<T>(f.w)};
+          uint2 raw;
+          memcpy(&raw, v, sizeof(raw));
+          *reinterpret_cast<uint2*>(dst) = raw;
+        }
       }
       return;
     }

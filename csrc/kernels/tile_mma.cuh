@@ -175,6 +175,49 @@ __device__ __forceinline__ void warp_mma_ld(float* acc, int kn, const float* a, 
     mma_tf32(acc, ca(pa[0]), ca(pa[a8]), ca(pa[ak4]), ca(pa[a8 + ak4]), cb(pb[0]), cb(pb[bk4]));
 }
 
+// acc += A B^T for row-major A [16][kn] and B [8][kn] (both k-contiguous: A(r, k) = a[r * lda + k],
+// B(k, n) = b[n * ldb + k]), kn a multiple of 16, rows 16-byte aligned. The sum over k is taken
+// in a lane-friendly order: lane q's k of a 16-wide step are 4q .. 4q + 3 on both operands, so
+// each row's fragment for two mma k-steps is one 16-byte load (3 loads per two mma instead of
+// 12). Lane g takes row nt_perm(g) (and nt_perm(g) + 8) of A and row nt_perm(g) of B, so that
+// the two rows of a load phase (g = 2p, 2p + 1) are 4 apart: conflict-free for strides that are
+// 4 mod 32 floats. The accumulator elements are at nt_row / nt_col.
+__device__ __forceinline__ int nt_perm(int g) { return (g >> 1) + 4 * (g & 1); }
+// warp_mma_nt_tiles: the same for nb <= NB n-tiles of B at once (tile t's rows at b + 8 t ldb,
+// into acc[t]): each A fragment is loaded once for all of them (shared-memory bytes, not
+// instructions, bound the RWKV7 gradient kernel: ncu's L1 throughput was 80 %).
+template <bool RA = false, bool RB = false, int NB = 1>
+__device__ __forceinline__ void warp_mma_nt_tiles(float (*acc)[4], int nb, int kn, const float* a, int lda,
+                                                  const float* b, int ldb) {
+  const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, pg = nt_perm(g);
+  const float* pa = a + pg * lda + 4 * q;
+  const float* pb = b + pg * ldb + 4 * q;
+  auto ca = [](float x) { return RA ? __float_as_uint(x) : to_tf32(x); };
+  auto cb = [](float x) { return RB ? __float_as_uint(x) : to_tf32(x); };
+  for (int k = 0; k < kn; k += 16, pa += 16, pb += 16) {
+    const float4 lo = *reinterpret_cast<const float4*>(pa), hi = *reinterpret_cast<const float4*>(pa + 8 * lda);
+#pragma unroll
+    for (int t = 0; t < NB; ++t) {
+      if (t >= nb) break;
+      const float4 bb = *reinterpret_cast<const float4*>(pb + 8 * t * ldb);
+      mma_tf32(acc[t], ca(lo.x), ca(hi.x), ca(lo.y), ca(hi.y), cb(bb.x), cb(bb.y));
+      mma_tf32(acc[t], ca(lo.z), ca(hi.z), ca(lo.w), ca(hi.w), cb(bb.z), cb(bb.w));
+    }
+  }
+}
+template <bool RA = false, bool RB = false>
+__device__ __forceinline__ void warp_mma_nt(float* acc, int kn, const float* a, int lda, const float* b, int ldb) {
+  warp_mma_nt_tiles<RA, RB, 1>(reinterpret_cast<float(*)[4]>(acc), 1, kn, a, lda, b, ldb);
+}
+__device__ __forceinline__ int nt_row(int m0, int e) { return m0 + nt_perm(threadIdx.x % 32 / 4) + 8 * (e / 2); }
+__device__ __forceinline__ int nt_col(int n0, int e) { return n0 + threadIdx.x % 4 + 4 * (e % 2); }
+
+// For 8-byte fragment loads (a warp's LDS.64 goes in two phases of 16 lanes, g = 0..3 and 4..7):
+// lane g takes row kp_perm(g) (and + 8), so that a phase's four rows are 2 apart, at banks 8
+// apart for strides that are 4 mod 32 floats. The accumulator rows are at kp_row.
+__device__ __forceinline__ int kp_perm(int g) { return 2 * (g & 3) + (g >> 2); }
+__device__ __forceinline__ int kp_row(int m0, int e) { return m0 + kp_perm(threadIdx.x % 32 / 4) + 8 * (e / 2); }
+
 // Row and column of this lane's accumulator element e (0..3) in an m16n8 tile at (m0, n0).
 __device__ __forceinline__ int acc_row(int m0, int e) { return m0 + threadIdx.x % 32 / 4 + 8 * (e / 2); }
 __device__ __forceinline__ int acc_col(int n0, int e) { return n0 + 2 * (threadIdx.x % 4) + e % 2; }
