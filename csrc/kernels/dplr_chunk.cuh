@@ -760,15 +760,15 @@ __device__ __forceinline__ float* slot_state(const DplrChunkPass& p, void* base,
 
 // A fragments (tile_mma.cuh's mma_tf32 layout) of a 16 x 16 matrix M [C][CP] at offset m, or
 // of its transpose (tr), both k-steps, with lane q's k in a k-step taken as 2q, 2q + 1 (as
-// rows_state_mma: the B operand's rows 2 apart, conflict-free at strides 4 mod 32): f[ks] =
-// (A(g, k), A(g + 8, k), A(g, k + 1), A(g + 8, k + 1)), k = 8 ks + 2q, A = M or M^T. perm: lane
-// g takes rows tile::kp_perm(g) and + 8 instead (rows_state_mma's, which grad's column chain
-// accumulates with these). scale: the fragments of scale * A.
+// rows_state_mma: the B operand's rows 2 apart, conflict-free at strides 4 mod 32) and lane g's
+// rows as tile::kp_perm(g) and + 8 (accumulator rows at kp_row): f[ks] = (A(p, k), A(p + 8, k),
+// A(p, k + 1), A(p + 8, k + 1)), k = 8 ks + 2q, p = kp_perm(g), A = M or M^T. At CP = 20 both
+// the 8-byte row reads and the transposed column reads are conflict-free. scale: the fragments
+// of scale * A.
 struct MatFrag {
   uint32_t f[2][4];
-  __device__ __forceinline__ MatFrag(const float* sm, int m, bool tr = false, bool perm = false,
-                                     float scale = 1.f) {
-    const int g0 = threadIdx.x % 32 / 4, q = threadIdx.x % 4, g = perm ? tile::kp_perm(g0) : g0;
+  __device__ __forceinline__ MatFrag(const float* sm, int m, bool tr = false, float scale = 1.f) {
+    const int q = threadIdx.x % 4, g = tile::kp_perm(threadIdx.x % 32 / 4);
     const int r8 = tr ? 8 : 8 * CP, k1 = tr ? CP : 1, k8 = tr ? 8 * CP : 8;  // row + 8, k + 1, k + 8
     const float* a = sm + m + (tr ? 2 * q * CP + g : g * CP + 2 * q);
     auto cv = [&](float x) { return tile::to_tf32(scale * x); };
@@ -815,17 +815,18 @@ __device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws,
       return d >= K ? 0.f : factored ? sm[L.a + l * KP + d] : sm[L.a + l * KP + d] * eE(sm, L, l, d);
     });
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sm[L.w + acc_row(0, e) * KP + acc_col(n0, e)] = acc[e];
+    for (int h = 0; h < 2; ++h)  // 8-byte stores: conflict-free on kp_row's rows
+      *reinterpret_cast<float2*>(sm + L.w + kp_row(0, 2 * h) * KP + acc_col(n0, 0)) = make_float2(acc[2 * h], acc[2 * h + 1]);
     __syncwarp();
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = acc_row(0, e), x = acc_col(n0, e);
+      const int i = kp_row(0, e), x = acc_col(n0, e);
       acc[e] = x >= K ? 0.f : factored ? sm[L.r + i * KP + x] : sm[L.r + i * KP + x] * sm[L.eG + i * KP + x];
     }
     Arb.mma(acc, [&](int j, int) { return sm[L.w + j * KP + d]; });
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int at = acc_row(0, e) * KP + acc_col(n0, e);
+      const int at = kp_row(0, e) * KP + acc_col(n0, e);
       const float eo = acc_col(n0, e) < K ? sm[L.eO + at] : 0.f;
       sm[L.r + at] = acc[e];
       sm[L.k + at] *= eo;
@@ -862,13 +863,17 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
   const T* const vs = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K);
   // [C][8] per warp over exp(G), exp(Omega), v, U, M (contiguous, unused here: 2 C KP + 3 C BP
   // floats, >= 1728 for K <= 128 (BP = 36), >= 4352 beyond (KP >= 136); the 8 warps take 1024).
+  // Scratch row k sits at srow(k): MatFrag's B rows 2q (+ 1) of a k-step, 8 floats apart, would
+  // share banks for q, q + 2; rotating each 4-row block by its index spreads them over all 32.
   float* const scr = sm + L.eG + warp * C * 8;
   const MatFrag Aak(sm, L.Aak), X(sm, L.X);
+  auto srow = [](int k) { return (k & ~3) | ((k + (k >> 2)) & 3); };
   auto put = [&](float (&acc)[4]) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) scr[acc_row(0, e) * 8 + acc_col(0, e)] = acc[e];
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<float2*>(scr + srow(kp_row(0, 2 * h)) * 8 + acc_col(0, 0)) = make_float2(acc[2 * h], acc[2 * h + 1]);
   };
-  auto from_scr = [&](int k, int n) { return scr[k * 8 + n]; };
+  auto from_scr = [&](int k, int n) { return scr[srow(k) * 8 + n]; };
   for (int x0 = 8 * warp; x0 < ws.VP4; x0 += NT / 4) {
     const int xb = x0 + g;
     auto vb = [&](int k, int) { return xb < V ? to_f(vs[k * V + xb]) : 0.f; };
@@ -882,7 +887,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     if (c < ws.VP4)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(out + ws.uo(0, g + 8 * h, c)) = make_float2(u[2 * h], u[2 * h + 1]);
+        *reinterpret_cast<float2*>(out + ws.uo(0, kp_row(0, 2 * h), c)) = make_float2(u[2 * h], u[2 * h + 1]);
     if (!o0) continue;
     __syncwarp();
     put(u);
@@ -893,7 +898,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     if (c < ws.VP4)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(out + ws.uo(1, g + 8 * h, c)) =
+        *reinterpret_cast<float2*>(out + ws.uo(1, kp_row(0, 2 * h), c)) =
             make_float2(rho * o[2 * h], rho * o[2 * h + 1]);
   }
 }

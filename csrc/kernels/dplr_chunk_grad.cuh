@@ -35,13 +35,20 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
     const float *s0 = slot_state(p, p.hst, c, ci), *d1 = slot_state(p, p.dhst, c, ci);
     const int lq = L.lc - 2;  // log2(column quads per row)
     auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
+    // early: the decays run while S, dS+, v and dO are still landing (their 36 KB were the
+    // kernel's longest wait: ncu, long-scoreboard stalls). chunk_decays writes gk and ga, which
+    // must lie within the spent raw K-row stage, not over the column stage still landing.
+    const bool early = p.rows16 && kRawRows<T> &&
+                       stage_cols_at<T>(K) * int64_t(sizeof(T)) >= int64_t(L.ga + C * KP - L.gk) * 4;
     if (p.rows16) {
-      // Everything in flight before any wait: rows, v, dO, the matrices, S and dS+ by cp.async.
+      // Everything in flight before any wait, by cp.async in two groups: the rows and matrices,
+      // then v, dO, S and dS+.
       copy_rows_async<T>(sm, L, p, c.s, c.h, t0, nrow);
-      copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
-      copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       for (int e = threadIdx.x; e < 5 * C * CP / 4; e += NT)  // stored in the shared layout
         copy16(sm + L.Ark + 4 * e, mats + 4 * e, true);
+      copy_commit();
+      copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
+      copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       for (int e = threadIdx.x; e < K << lq; e += NT) {
         int d, x;
         quad(e, d, x);
@@ -51,9 +58,16 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       }
       copy_commit();
       if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only
+      if (early) {
+        copy_wait<1>();
+        __syncthreads();
+        widen_rows<T>(sm, L);
+        __syncthreads();
+        chunk_decays(sm, L, -1, L.gk, L.ga, L.zgam);
+      }
       copy_wait<0>();
       __syncthreads();
-      if (kRawRows<T>) widen_rows<T>(sm, L);
+      if (kRawRows<T> && !early) widen_rows<T>(sm, L);
       widen_cols<T>(sm, L, 0, cols, 0, L.v);
       widen_cols<T>(sm, L, 1, cols, 0, L.dO);
     } else {
@@ -91,7 +105,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
     }
     // Â and exp(Omega) in the gradient rows ga, gk (the raw stage there is spent), which the
     // K-vector gradients write last; exp(G) is not stored (see there).
-    chunk_decays(sm, L, -1, L.gk, L.ga, L.zgam);
+    if (!early) chunk_decays(sm, L, -1, L.gk, L.ga, L.zgam);
     __syncthreads();
     // exp(w) in place of w: the pair parts of the K-vector gradients multiply the factors up
     // (products of <= 15 factors <= 1, a few ulp) instead of exponentiating sums per pair. K^ =
@@ -158,22 +172,22 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         };
         float mp[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
         rows_state_mma(sm, L, L.ga, L.S, x0, mp);
-        MatFrag(sm, L.Aak, false, true).mma<true>(mp, col(L.v));
+        MatFrag(sm, L.Aak).mma<true>(mp, col(L.v));
         put(L.M, mp);
         __syncwarp();
-        MatFrag(sm, L.X, false, true).mma<true>(u, col(L.M));
+        MatFrag(sm, L.X).mma<true>(u, col(L.M));
         put(L.U, u);
         float du[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f}, dv[4] = {0.f, 0.f, 0.f, 0.f};
         rows_state_mma(sm, L, L.gb, L.dS, x0, du);
-        MatFrag(sm, L.Arb, true, true, rho).mma<true>(du, col(L.dO));
+        MatFrag(sm, L.Arb, true, rho).mma<true>(du, col(L.dO));
         put(L.dU, du);
         __syncwarp();
-        MatFrag(sm, L.X, true, true).mma<true>(dm, col(L.dU));
+        MatFrag(sm, L.X, true).mma<true>(dm, col(L.dU));
         put(L.dM, dm);
         __syncwarp();
         rows_state_mma(sm, L, L.gk, L.dS, x0, dv);
-        MatFrag(sm, L.Ark, true, true, rho).mma<true>(dv, col(L.dO));
-        MatFrag(sm, L.Aak, true, true).mma<true>(dv, col(L.dM));
+        MatFrag(sm, L.Ark, true, rho).mma<true>(dv, col(L.dO));
+        MatFrag(sm, L.Aak, true).mma<true>(dv, col(L.dM));
 #pragma unroll
         for (int e = 0; e < 4; ++e) put_dv(kp_row(0, e), acc_col(x0, e), dv[e]);
       }
@@ -346,18 +360,24 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane
         const int d = d0 + threadIdx.x / 4;
         const bool on = d < K;
-        float x[4], y[4], cg = 0.f;
-        bool z[4], keep = true;  // keep: no reset in this row group
+        // Parts 2, 3 take their rows in the order r ^ 2: rows 8 apart share banks (8 KP = 0 mod
+        // 32), so parts p, p + 2 reading row r of their groups at once were two-way conflicts.
+        const int sw = part & 2;
+        float xs[4], ys[4], x[4], y[4], cg = 0.f;
+        bool zs[4], z[4], keep = true;  // keep: no reset in this row group
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const int at = (r0 + r) * KP + d;
-          const bool live = on && r0 + r < nrow;
-          x[r] = live ? sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
-                            sm[L.b + at] * sm[L.gb + at]
-                      : 0.f;
-          y[r] = live ? sm[L.a + at] * sm[L.ga + at] : 0.f;
-          z[r] = live && sm[L.w + at] == 0.f;  // exp(w), set above
+          const int at = (r0 + (r ^ sw)) * KP + d;
+          const bool live = on && r0 + (r ^ sw) < nrow;
+          xs[r] = live ? sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
+                             sm[L.b + at] * sm[L.gb + at]
+                       : 0.f;
+          ys[r] = live ? sm[L.a + at] * sm[L.ga + at] : 0.f;
+          zs[r] = live && sm[L.w + at] == 0.f;  // exp(w), set above
         }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)  // selects: no runtime register index
+          x[r] = sw ? xs[r ^ 2] : xs[r], y[r] = sw ? ys[r ^ 2] : ys[r], z[r] = sw ? zs[r ^ 2] : zs[r];
 #pragma unroll
         for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
         float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its state-part sums (TC: 2, SIMT: 8)
@@ -372,15 +392,21 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
           const float kq = __shfl_sync(0xffffffffu, keep ? 1.f : 0.f, q, 4);
           if (q > part) acc = kq != 0.f ? acc + cq : cq;
         }
+        float dw[4];
 #pragma unroll
         for (int r = 3; r >= 0; --r) {
           acc += x[r];
           if (z[r]) acc = 0.f;
-          if (on && r0 + r < nrow) {
-            if (p.kg16) sm[L.w + (r0 + r) * KP + d] = acc;  // over exp(w), read above by this thread only
-            else put_kg(kGradW, c.s.bos + t0 + r0 + r, d, acc);
-          }
+          dw[r] = acc;
           acc += y[r];
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // in the loads' row order
+          const int row = r0 + (r ^ sw);
+          if (!on || row >= nrow) continue;
+          const float v = sw ? dw[r ^ 2] : dw[r];
+          if (p.kg16) sm[L.w + row * KP + d] = v;  // over exp(w), read above by this thread only
+          else put_kg(kGradW, c.s.bos + t0 + row, d, v);
         }
       }
     }
