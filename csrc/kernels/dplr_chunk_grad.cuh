@@ -49,12 +49,19 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       copy_commit();
       copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
       copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
-      for (int e = threadIdx.x; e < K << lq; e += NT) {
+      {  // a thread's quads are one column x on rows d, d + dstep, ..: pointers stepped, not
+         // re-formed from 64-bit products per quad (ncu: IMAD 30 % of the load issue)
         int d, x;
-        quad(e, d, x);
-        const int64_t at = int64_t(d) * p.V + x;
-        copy16(sm + L.S + d * BP + x, s0 + at, x < c.nc);
-        copy16(sm + L.dS + d * BP + x, d1 + at, x < c.nc);
+        quad(threadIdx.x, d, x);
+        const int dstep = NT >> lq;
+        const int64_t gstep = int64_t(dstep) * p.V;
+        const float *gs = s0 + int64_t(d) * p.V + x, *gd = d1 + int64_t(d) * p.V + x;
+        float* ss = sm + L.S + d * BP + x;
+        const bool on = x < c.nc;
+        for (; d < K; d += dstep, gs += gstep, gd += gstep, ss += dstep * BP) {
+          copy16(ss, gs, on);
+          copy16(ss + (L.dS - L.S), gd, on);
+        }
       }
       copy_commit();
       if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only
