@@ -156,12 +156,17 @@ struct Split {
 };
 
 // Stage layout (T elements): K-rows [5][C][K] (r, w, k, a, b; raw dtypes only), then column rows
-// [C][ncol] of v and, with dO, [C][ncol] of dO.
+// [C][stage_pitch(ncol)] of v and, with dO, of dO.
 template <typename T>
 FLA_HD int64_t stage_cols_at(int K) { return kRawRows<T> ? int64_t(5) * C * K : 0; }
+// Column rows are one 16-byte piece longer than ncol: rows of 64 bf16 are 128 bytes, so prep's
+// tensor-core reads of rows 2q, 2q + 1 (one column per lane g) all fell on the same banks (ncu:
+// 4-way conflicts); at 144 bytes they are 8 banks apart.
+template <typename T>
+FLA_HD int stage_pitch(int ncol) { return ncol + kPiece<T>; }
 template <typename T>
 FLA_HD size_t stage_bytes(int K, int ncol, int ncolmats) {
-  return size_t(stage_cols_at<T>(K) + int64_t(ncolmats) * C * ncol) * sizeof(T);
+  return size_t(stage_cols_at<T>(K) + int64_t(ncolmats) * C * stage_pitch<T>(ncol)) * sizeof(T);
 }
 
 // DplrChunkPass::rows16 for these inputs: every activation row in whole 16-byte pieces at 16-byte
@@ -226,12 +231,13 @@ __device__ void copy_cols_async(float* sm, const Smem& L, const VecArg& x, int m
                                 int h, int64_t t0, int nrow, int x0, int ncol, int nvalid) {
   constexpr int E = kPiece<T>;
   const Split pc(ncol / E);
-  T* const stage = reinterpret_cast<T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * ncol;
+  const int pitch = stage_pitch<T>(ncol);
+  T* const stage = reinterpret_cast<T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * pitch;
   const T* const row0 = vptr<T>(x, s.b, s.bos + t0, h, x0);  // rows16: x.sd == 1
   for (int e = threadIdx.x; e < C * pc.n; e += NT) {
     const int i = pc.quot(e), c = (e - i * pc.n) * E;
     const bool on = i < nrow && c < nvalid;
-    copy16(stage + i * ncol + c, on ? row0 + i * x.st + c : row0, on);
+    copy16(stage + i * pitch + c, on ? row0 + i * x.st + c : row0, on);
   }
 }
 // Widens 4 elements of T to 4 floats at dst (16-byte aligned); zeros if !on. Four, not a 16-byte
@@ -271,11 +277,12 @@ __device__ void widen_rows(float* sm, const Smem& L) {
 // (columns at or past ncol: 0).
 template <typename T>
 __device__ void widen_cols(float* sm, const Smem& L, int m, int ncol, int x0, int dst) {
-  const T* const stage = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * ncol;
+  const int pitch = stage_pitch<T>(ncol);
+  const T* const stage = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * pitch;
   const Split pc(L.cols / 4);
   for (int e = threadIdx.x; e < C * pc.n; e += NT) {
     const int i = pc.quot(e), c = (e - i * pc.n) * 4;
-    widen_quad<T>(sm + dst + i * L.BP + c, stage + i * ncol + x0 + c, x0 + c < ncol);
+    widen_quad<T>(sm + dst + i * L.BP + c, stage + i * pitch + x0 + c, x0 + c < ncol);
   }
 }
 
@@ -431,9 +438,22 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
   for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane: shuffles below
     const int d = d0 + threadIdx.x / 4;
     const bool on = d < K;
-    float wl[4];
+    // Parts 2, 3 touch their rows in the order r ^ 2 (sw): rows 8 apart share banks (8 KP = 0
+    // mod 32), so parts p, p + 2 at row r of their groups at once were two-way conflicts. The
+    // values are kept in row order (selects: no runtime register index).
+    const int sw = part & 2;
+    auto unperm = [&](float (&v)[4]) {
+      const float t0 = v[0], t1 = v[1];
+      if (sw) v[0] = v[2], v[1] = v[3], v[2] = t0, v[3] = t1;
+    };
+    float wl[4], al[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) wl[r] = on ? sm[L.w + (r0 + r) * KP + d] : 0.f;
+    for (int r = 0; r < 4; ++r) {
+      const int at = (r0 + (r ^ sw)) * KP + d;
+      wl[r] = on ? sm[L.w + at] : 0.f;
+      al[r] = on && ah >= 0 ? sm[L.a + at] : 0.f;
+    }
+    unperm(wl), unperm(al);
     const float tot = wl[0] + wl[1] + wl[2] + wl[3];
     float before = 0.f, after = 0.f;  // totals of the rows before and after this thread's four
 #pragma unroll
@@ -446,18 +466,26 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
     bounded = bounded && before + tot + after >= -kFactorBound;
     if (gm >= 0 && part == 0) sm[gm + d] = expf(tot + after);
     float run = before, prev = part ? expf(before) : 1.f;  // prev = exp(E_i) = exp(G_{i-1})
+    float hv[4], gv[4], ov[4];  // Â, exp(G), exp(Omega) of the four rows
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int i = r0 + r;
-      if (ah >= 0) sm[ah + i * KP + d] = sm[L.a + i * KP + d] * prev;
+      hv[r] = al[r] * prev;
       prev = expf(run += wl[r]);
-      if (eg >= 0) sm[eg + i * KP + d] = prev;
+      gv[r] = prev;
     }
     run = after;
 #pragma unroll
     for (int r = 3; r >= 0; --r) {
-      sm[eo + (r0 + r) * KP + d] = expf(run);
+      ov[r] = expf(run);
       run += wl[r];
+    }
+    unperm(hv), unperm(gv), unperm(ov);  // (an involution: back to the access order)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int at = (r0 + (r ^ sw)) * KP + d;
+      if (ah >= 0) sm[ah + at] = hv[r];
+      if (eg >= 0) sm[eg + at] = gv[r];
+      sm[eo + at] = ov[r];
     }
   }
   return bounded;
@@ -854,13 +882,14 @@ __device__ inline void store_kwide_rows(const float* sm, const Smem& L, const Dp
 }
 
 // Column tiles: U0 = X A_ak V and, forward, O0 = scale (A_rk V + A_rb U0), with v raw in the
-// stage ([C][V] of T, copy_cols_async; landed and synchronised, exp(G), exp(Omega) no longer
+// stage ([C][stage_pitch(V)] of T, copy_cols_async; landed and synchronised, exp(G), exp(Omega) no longer
 // read). Columns [V, VP4) are written (0). Not synchronised.
 template <typename T>
 __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, float* out, int V,
                                     float rho, bool o0) {
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
   const T* const vs = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K);
+  const int vp = stage_pitch<T>(V);
   // [C][8] per warp over exp(G), exp(Omega), v, U, M (contiguous, unused here: 2 C KP + 3 C BP
   // floats, >= 1728 for K <= 128 (BP = 36), >= 4352 beyond (KP >= 136); the 8 warps take 1024).
   // Scratch row k sits at srow(k): MatFrag's B rows 2q (+ 1) of a k-step, 8 floats apart, would
@@ -876,7 +905,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
   auto from_scr = [&](int k, int n) { return scr[srow(k) * 8 + n]; };
   for (int x0 = 8 * warp; x0 < ws.VP4; x0 += NT / 4) {
     const int xb = x0 + g;
-    auto vb = [&](int k, int) { return xb < V ? to_f(vs[k * V + xb]) : 0.f; };
+    auto vb = [&](int k, int) { return xb < V ? to_f(vs[k * vp + xb]) : 0.f; };
     float m[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
     Aak.mma(m, vb);
     __syncwarp();  // the previous column slab's last scratch reads
