@@ -199,8 +199,9 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
         for (int e = 0; e < 4; ++e) put_dv(kp_row(0, e), acc_col(x0, e), dv[e]);
       }
       __syncthreads();
-      // The products over the columns below take warp_mma_nt's 16-byte fragments (ncu: the
-      // 4-byte fragment loads and their index arithmetic were 19 % of grad's instructions).
+      // The products over the columns below take warp_mma_nt's 16-byte fragments on rows 4 apart
+      // (conflict-free; ncu: the 4-byte fragment loads and their index arithmetic were 19 % of
+      // grad's instructions). The 8-column tiles of K > 128 keep the 4-byte forms.
       const bool nt = cols % 16 == 0;
       {  // the pair-matrix gradients as 16 x 16 products over the columns, a warp per 8 of j
          // (the SIMT pair_grads here: grad 2.15 -> 2.33 ms)
