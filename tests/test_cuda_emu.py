@@ -65,13 +65,14 @@ def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, lr, gen):
 
 
 @pytest.mark.parametrize("shape", [(1, 45, 2, 32, 24), (1, 30, 1, 20, 12), (1, 20, 1, 72, 80),
-                                   (1, 40, 1, 64, 64), (1, 20, 1, 128, 80)],
-                         ids=["rows16", "K20", "K72V80", "K64", "K128V80"])
+                                   (1, 40, 1, 64, 64), (1, 20, 1, 128, 80), (1, 20, 1, 136, 20)],
+                         ids=["rows16", "K20", "K72V80", "K64", "K128V80", "K136"])
 def test_chunk_rwkv7_kernels_bf16(emu, shape, gen):
     """The bf16 loads and stores (K, V multiples of 8: the asynchronous row copies; K = 20: the
     element-wise loads), TF32 sweeps and prep products (RWKV-7's own decays: the pair matrices
     on tensor cores); the reference gets the same bf16 values (fp32 math). K72V80: prep's warps
-    take a second 8-channel / 8-column slab (64 + 8)."""
+    take a second 8-channel / 8-column slab (64 + 8). K136: grad's 8-column tiles, whose
+    column products keep the 4-byte fragment forms (warp_mma_nt needs 16 columns)."""
     check(emu, shape, "rwkv7", None, gen, torch.bfloat16, 1e-2)
 
 
