@@ -423,6 +423,17 @@ __device__ inline void pair_matrices(float* sm, const Smem& L, int i, int j, flo
   }
 }
 
+// The four-row walks of chunk_decays and grad's dw scan (four threads per channel, rows 4 part
+// + r) touch the rows of parts 2, 3 in the order r ^ 2: rows 8 apart share banks (8 KP = 0 mod
+// 32), so parts p, p + 2 at row r of their groups at once were two-way conflicts. This maps four
+// values between that access order and row order (both ways: an involution), with selects, not a
+// runtime register index.
+template <class X>
+__device__ __forceinline__ void swap_halves_if(X (&v)[4], bool sw) {
+  const X t0 = v[0], t1 = v[1];
+  if (sw) v[0] = v[2], v[1] = v[3], v[2] = t0, v[3] = t1;
+}
+
 // exp(G) at `eg` and exp(Omega) at `eo` (rows [C][KP]; eg < 0: not stored) of a loaded chunk and,
 // at `ah` when >= 0, Â = a exp(E).
 // Four threads per channel, four rows each (all 256 threads: one thread per channel walking all
@@ -438,14 +449,7 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
   for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane: shuffles below
     const int d = d0 + threadIdx.x / 4;
     const bool on = d < K;
-    // Parts 2, 3 touch their rows in the order r ^ 2 (sw): rows 8 apart share banks (8 KP = 0
-    // mod 32), so parts p, p + 2 at row r of their groups at once were two-way conflicts. The
-    // values are kept in row order (selects: no runtime register index).
-    const int sw = part & 2;
-    auto unperm = [&](float (&v)[4]) {
-      const float t0 = v[0], t1 = v[1];
-      if (sw) v[0] = v[2], v[1] = v[3], v[2] = t0, v[3] = t1;
-    };
+    const int sw = part & 2;  // rows in the order r ^ 2 (swap_halves_if)
     float wl[4], al[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -453,7 +457,7 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
       wl[r] = on ? sm[L.w + at] : 0.f;
       al[r] = on && ah >= 0 ? sm[L.a + at] : 0.f;
     }
-    unperm(wl), unperm(al);
+    swap_halves_if(wl, sw), swap_halves_if(al, sw);
     const float tot = wl[0] + wl[1] + wl[2] + wl[3];
     float before = 0.f, after = 0.f;  // totals of the rows before and after this thread's four
 #pragma unroll
@@ -479,7 +483,7 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
       ov[r] = expf(run);
       run += wl[r];
     }
-    unperm(hv), unperm(gv), unperm(ov);  // (an involution: back to the access order)
+    swap_halves_if(hv, sw), swap_halves_if(gv, sw), swap_halves_if(ov, sw);  // to the access order
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int at = (r0 + (r ^ sw)) * KP + d;

@@ -368,24 +368,20 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane
         const int d = d0 + threadIdx.x / 4;
         const bool on = d < K;
-        // Parts 2, 3 take their rows in the order r ^ 2: rows 8 apart share banks (8 KP = 0 mod
-        // 32), so parts p, p + 2 reading row r of their groups at once were two-way conflicts.
-        const int sw = part & 2;
-        float xs[4], ys[4], x[4], y[4], cg = 0.f;
-        bool zs[4], z[4], keep = true;  // keep: no reset in this row group
+        const int sw = part & 2;  // rows in the order r ^ 2 (swap_halves_if)
+        float x[4], y[4], cg = 0.f;
+        bool z[4], keep = true;  // keep: no reset in this row group
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int at = (r0 + (r ^ sw)) * KP + d;
           const bool live = on && r0 + (r ^ sw) < nrow;
-          xs[r] = live ? sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
-                             sm[L.b + at] * sm[L.gb + at]
-                       : 0.f;
-          ys[r] = live ? sm[L.a + at] * sm[L.ga + at] : 0.f;
-          zs[r] = live && sm[L.w + at] == 0.f;  // exp(w), set above
+          x[r] = live ? sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
+                            sm[L.b + at] * sm[L.gb + at]
+                      : 0.f;
+          y[r] = live ? sm[L.a + at] * sm[L.ga + at] : 0.f;
+          z[r] = live && sm[L.w + at] == 0.f;  // exp(w), set above
         }
-#pragma unroll
-        for (int r = 0; r < 4; ++r)  // selects: no runtime register index
-          x[r] = sw ? xs[r ^ 2] : xs[r], y[r] = sw ? ys[r ^ 2] : ys[r], z[r] = sw ? zs[r ^ 2] : zs[r];
+        swap_halves_if(x, sw), swap_halves_if(y, sw), swap_halves_if(z, sw);  // to row order
 #pragma unroll
         for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
         float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its state-part sums (TC: 2, SIMT: 8)
@@ -408,13 +404,13 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
           dw[r] = acc;
           acc += y[r];
         }
+        swap_halves_if(dw, sw);  // to the loads' order
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {  // in the loads' row order
+        for (int r = 0; r < 4; ++r) {
           const int row = r0 + (r ^ sw);
           if (!on || row >= nrow) continue;
-          const float v = sw ? dw[r ^ 2] : dw[r];
-          if (p.kg16) sm[L.w + row * KP + d] = v;  // over exp(w), read above by this thread only
-          else put_kg(kGradW, c.s.bos + t0 + row, d, v);
+          if (p.kg16) sm[L.w + row * KP + d] = dw[r];  // over exp(w), read above by this thread only
+          else put_kg(kGradW, c.s.bos + t0 + row, d, dw[r]);
         }
       }
     }
