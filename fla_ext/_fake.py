@@ -159,9 +159,9 @@ def _(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, he
     if r.device.type != "cuda":
         return o, ht, r.new_empty((0,), dtype=torch.float32)
     slots, H, K, V = _states(r, v, head_first, cu_seqlens, 16).shape
-    kp4, ks, tiles = (K + 3) // 4 * 4, (K + 31) // 32 * 32, (V + 31) // 32
-    # W, Q~, K^, B^ [16][ks], gamma, U0 and O0 [16][40] per 32-column tile, mats
-    per = 4 * 16 * ks + kp4 + tiles * 2 * 16 * 40 + 5 * 16 * 20
+    kp4, ks = (K + 3) // 4 * 4, (K + 31) // 32 * 32
+    # W, Q~, K^, B^ [16][ks], gamma, the pair matrices and X [5][16][20] (U0 / O0 are not kept)
+    per = 4 * 16 * ks + kp4 + 5 * 16 * 20
     states = (slots * H * K * V + 3) // 4 * 4
     return o, ht, r.new_empty((states + slots * H * per,), dtype=torch.float32)
 

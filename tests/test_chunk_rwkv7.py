@@ -151,7 +151,7 @@ def test_autograd_uses_kept_states(dtype, gen):
     r, w, k, v, a, b, h0 = make(B, T, H, K, V, dtype, "cuda", gen)
     xs = [t.requires_grad_(True) for t in (r, w, k, v, a, b, h0)]
     slots = B * (T // 16 + 2)
-    per = 4 * 16 * K + K + 2 * 16 * 40 * (V // 32) + 5 * 16 * 20  # DplrWs::per()
+    per = 4 * 16 * K + K + 5 * 16 * 20  # DplrWs::per() (U0 / O0 are not kept)
     states = slots * H * (K * V + per) * 4
 
     def held(grad):

@@ -889,7 +889,7 @@ __device__ inline void store_kwide_rows(const float* sm, const Smem& L, const Dp
 // stage ([C][stage_pitch(V)] of T, copy_cols_async; landed and synchronised, exp(G), exp(Omega) no longer
 // read). Columns [V, VP4) are written (0). Not synchronised.
 template <typename T>
-__device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, float* out, int V,
+__device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, float* uout, int V,
                                     float rho, bool o0) {
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
   const T* const vs = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K);
@@ -920,7 +920,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     if (c < ws.VP4)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(out + ws.uo(0, kp_row(0, 2 * h), c)) = make_float2(u[2 * h], u[2 * h + 1]);
+        *reinterpret_cast<float2*>(uout + ws.uo(0, kp_row(0, 2 * h), c)) = make_float2(u[2 * h], u[2 * h + 1]);
     if (!o0) continue;
     __syncwarp();
     put(u);
@@ -931,16 +931,16 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
     if (c < ws.VP4)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(out + ws.uo(1, kp_row(0, 2 * h), c)) =
+        *reinterpret_cast<float2*>(uout + ws.uo(1, kp_row(0, 2 * h), c)) =
             make_float2(rho * o[2 * h], rho * o[2 * h + 1]);
   }
 }
 
-// The workspace's padding (DplrWs): the K-rows' columns [KP4, KS), and U0 / O0 columns past VP4
-// (which the column tiles write, 0 in [V, VP4)) and past kDplrSweepCols of each tile, 16 bytes
-// at a time. The sweeps copy whole blocks: padding is never read, but left unset it would be
-// undefined data in a kept workspace.
-__device__ inline void zero_ws_pads(float* out, const DplrWs& ws) {
+// The workspaces' padding (DplrWs): the K-rows' columns [KP4, KS) in `out`, and U0 / O0 columns
+// past VP4 (which the column tiles write, 0 in [V, VP4)) and past kDplrSweepCols of each tile in
+// `uout`, 16 bytes at a time. The sweeps copy whole blocks: padding is never read, but left unset
+// it would be undefined data in a kept workspace.
+__device__ inline void zero_ws_pads(float* out, float* uout, const DplrWs& ws) {
   const int kpr = (ws.KS - ws.KP4) / 4, kpads = 4 * C * kpr, upr = DplrWs::UP / 4;
   const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int e = threadIdx.x; e < kpads + ws.tiles * 2 * C * upr; e += NT) {
@@ -951,7 +951,7 @@ __device__ inline void zero_ws_pads(float* out, const DplrWs& ws) {
     }
     const int u = e - kpads, row = u / upr, x = 4 * (u % upr), t = row / (2 * C);
     if (x >= kDplrSweepCols || t * kDplrSweepCols + x >= ws.VP4)
-      *reinterpret_cast<float4*>(out + ws.utile(0) + row * DplrWs::UP + x) = z;
+      *reinterpret_cast<float4*>(uout + row * DplrWs::UP + x) = z;
   }
 }
 
@@ -971,6 +971,8 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0), t0 = ci * C;
   float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.per();
+  // (formed where used: held across the kernel it cost prep 16 bytes more of spills)
+  auto uout = [&] { return static_cast<float*>(p.uo) + (slot * p.H + h) * ws.uper(); };
   const bool train = !p.backward() && p.hst;
   if (ci < 0 || t0 >= s.len) {
     for (int e = threadIdx.x; e < (train ? ws.per() / 4 : 0); e += NT)  // per() is a multiple of 4
@@ -1001,7 +1003,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
   // or a training forward's.
   for (int e = threadIdx.x; e < (p.backward() || train ? 5 * C * CP / 4 : 0); e += NT)  // as DplrWs::mats()
     *reinterpret_cast<float4*>(out + ws.mats() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
-  zero_ws_pads(out, ws);
+  zero_ws_pads(out, uout(), ws);
   // K-wide rows, then the column tiles: on tensor cores for bf16 / fp16 (kwide_rows_tc,
   // col_tiles_tc; the column tiles when v is in the stage), else exact SIMT below.
   const float rho = float(p.scale);
@@ -1049,7 +1051,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
     __syncthreads();
     store_kwide_rows(sm, L, ws, out);
     if (p.rows16) {
-      col_tiles_tc<T>(sm, L, ws, out, p.V, rho, !p.backward());
+      col_tiles_tc<T>(sm, L, ws, uout(), p.V, rho, !p.backward());
       return;
     }
   }
@@ -1085,7 +1087,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
 #pragma unroll
       for (int l = 0; l < C; ++l) u += sm[L.X + i * CP + l] * y[l];
       sm[L.U + i * BP + x] = u;
-      if (put) out[ws.uo(0, i, x0 + x)] = u;
+      if (put) uout()[ws.uo(0, i, x0 + x)] = u;
     }
     __syncthreads();
     if (p.backward()) continue;  // O0 only serves the forward's o
@@ -1095,7 +1097,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
       float o = 0.f;
 #pragma unroll
       for (int j = 0; j < C; ++j) o += sm[L.Ark + i * CP + j] * vc[j] + sm[L.Arb + i * CP + j] * y[j];
-      if (put) out[ws.uo(1, i, x0 + x)] = rho * o;
+      if (put) uout()[ws.uo(1, i, x0 + x)] = rho * o;
     }
     __syncthreads();
   }

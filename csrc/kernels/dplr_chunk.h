@@ -65,13 +65,16 @@ constexpr int kDplrSweepCols = 32;
 // row stride that is a multiple of 32 floats. Period 16: the same in each of the 16-row arrays.
 FLA_HD int dplr_kswz(int r) { return ((r & 1) << 2) ^ (((r >> 2) & 3) << 1); }
 
-// The CUDA per-chunk workspace: for each (chunk slot, head) `per()` fp32 values, laid out as the
-// sequential passes hold a chunk in shared memory, so that each of their fetches is one to three
-// bulk copies (one copy per row cost more than the fetch it replaced: NOTES c19). W, Q~, K^, B^
-// [C][KS] (KS: K rounded up to 32 floats, pieces swizzled: kat), gamma [KP4] (contiguous: the
-// K-part), then per sweep tile of kDplrSweepCols columns U0, O0 [C][UP] (UP = kDplrSweepCols + 8:
-// 8 mod 32, so that reads of rows 2q, 2q + 1 at 8 columns fall on different banks). Padding is 0,
-// and so are U0 / O0 columns past V.
+// The CUDA per-chunk workspaces, laid out as the sequential passes hold a chunk in shared
+// memory, so that each of their fetches is one to three bulk copies (one copy per row cost more
+// than the fetch it replaced: NOTES c19). Padding is 0, and so are U0 / O0 columns past V.
+// `ws`, `per()` fp32 values per (chunk slot, head): W, Q~, K^, B^ [C][KS] (KS: K rounded up to
+// 32 floats, pieces swizzled: kat), gamma [KP4] (contiguous: the K-part), then the four pair
+// matrices and X for the backward. `uo`, `uper()` values per (chunk slot, head): per sweep tile
+// of kDplrSweepCols columns U0, O0 [C][UP] (UP = kDplrSweepCols + 8: 8 mod 32, so that reads of
+// rows 2q, 2q + 1 at 8 columns fall on different banks). Only the forward sweeps read U0 / O0,
+// so a training forward keeps `ws` for its backward and frees `uo` (a third of the workspace:
+// 0.34 GB at B8 T4096 H16 K=V=64).
 struct DplrWs {
   int KP4, KS, VP4, tiles;  // VP4: V rounded up to 4, the U0 / O0 columns prep computes
   static constexpr int UP = kDplrSweepCols + 8;
@@ -86,17 +89,18 @@ struct DplrWs {
   FLA_HD int64_t kpart() const { return gam() + KP4; }  // floats of W .. gamma
   // Offset of channel d of K-part row `row` (0 .. 4C: W, Q~, K^, B^ rows in turn).
   FLA_HD int kat(int row, int d) const { return row * KS + ((((d >> 2) ^ dplr_kswz(row)) << 2) | (d & 3)); }
-  // Tile t's U0 block: U0 [C][UP] then O0 [C][UP]; uo(m, i, x): U0 (m = 0) or O0 (m = 1), row
-  // i, column x of the value dimension.
-  FLA_HD int64_t utile(int t) const { return kpart() + int64_t(t) * 2 * kDplrChunk * UP; }
-  FLA_HD int64_t uo(int m, int i, int x) const {
-    return utile(x / kDplrSweepCols) + (m * kDplrChunk + i) * UP + x % kDplrSweepCols;
-  }
   // The four pair matrices and X, for the backward: [5][C][kDplrMatStride] (A_rk, A_rb, A_ak,
   // A_ab, X), rows padded as the CUDA kernels hold them in shared memory, so that they move as one
   // contiguous block of 16-byte pieces.
-  FLA_HD int64_t mats() const { return utile(tiles); }
+  FLA_HD int64_t mats() const { return kpart(); }
   FLA_HD int64_t per() const { return mats() + 5 * kDplrChunk * kDplrMatStride; }
+  // In `uo`: tile t's block, U0 [C][UP] then O0 [C][UP]; uo(m, i, x): U0 (m = 0) or O0 (m = 1),
+  // row i, column x of the value dimension.
+  FLA_HD int64_t utile(int t) const { return int64_t(t) * 2 * kDplrChunk * UP; }
+  FLA_HD int64_t uo(int m, int i, int x) const {
+    return utile(x / kDplrSweepCols) + (m * kDplrChunk + i) * UP + x % kDplrSweepCols;
+  }
+  FLA_HD int64_t uper() const { return utile(tiles); }
 };
 
 struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients
@@ -109,8 +113,10 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // sweep runs.
   bool kept = false;
   // CUDA workspaces (CPU: unused): [chunk_slots<kDplrChunk>(N, T, varlen), H, DplrWs::per()]
-  // fp32, and for the backward dS at every chunk end, laid out as hst.
+  // and [.., DplrWs::uper()] (U0 / O0: any call that runs a forward sweep) fp32, and for the
+  // backward dS at every chunk end, laid out as hst.
   void* ws = nullptr;
+  void* uo = nullptr;
   void* dhst = nullptr;
   // CUDA: set by the launch when every activation row can be copied asynchronously 16 bytes at a
   // time (last dim contiguous, row starts 16-byte aligned, K and V whole 16-byte pieces) and the

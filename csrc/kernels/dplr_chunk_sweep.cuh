@@ -80,14 +80,16 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   auto chunk_of = [&](int64_t step) { return REV ? nch - 1 - step : step; };
 
   const bool want_o = OUT && p.o.on();
-  // Step `step`'s workspace block is the first one plus s slots (REV: minus).
-  const int64_t block_step = int64_t(p.H) * ws.per();
-  const float* const block0 = nch > 0 ? wsb + (slot_of(chunk_of(0)) * p.H + h) * ws.per() : wsb;
+  // Step `step`'s workspace blocks are the first ones plus s slots (REV: minus).
+  const int64_t block_step = int64_t(p.H) * ws.per(), ublock_step = int64_t(p.H) * ws.uper();
+  const int64_t slot_first = nch > 0 ? slot_of(chunk_of(0)) * p.H + h : 0;
+  const float* const block0 = wsb + slot_first * ws.per();
+  const float* const ublock0 = REV ? nullptr : static_cast<const float*>(p.uo) + slot_first * ws.uper() + ws.utile(tile);
   uint64_t* const bars = reinterpret_cast<uint64_t*>(sm + L.bars);
   // The K-part (the reverse sweep skips K^, which it does not read) and this tile's U0 (and, for
   // o, O0) block: both laid out in the workspace as here (DplrWs).
   const int64_t kcut = REV ? ws.Kh() : ws.kpart(), kskip = REV ? ws.Bh() : ws.kpart();
-  const int64_t un = REV ? 0 : (want_o ? 2 : 1) * C * SXP, usrc = ws.utile(tile);
+  const int64_t un = REV ? 0 : (want_o ? 2 : 1) * C * SXP;
 #if FLA_BULK_COPY
   // Two or three bulk copies issued by one thread, completing on the stage's mbarrier: the
   // cp.async form below cost every thread ~130 instructions a step, a third of the sweep's
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     mbar_expect_tx(bar, fetch_bytes);
     bulk_copy(dst, src, unsigned(4 * kcut), bar);
     if (kskip < ws.kpart()) bulk_copy(dst + kskip, src + kskip, unsigned(4 * (ws.kpart() - kskip)), bar);
-    if (un) bulk_copy(dst + L.sU0, src + usrc, unsigned(4 * un), bar);
+    if (un) bulk_copy(dst + L.sU0, ublock0 + step * ublock_step, unsigned(4 * un), bar);
   };
   auto fetch_wait = [&](int64_t step) { mbar_wait(bars + (step & 1), unsigned(step >> 1) & 1u); };
 #else
@@ -112,7 +114,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     const float* const src = block0 + (REV ? -step : step) * block_step;
     for (int64_t e = 4 * threadIdx.x; e < ws.kpart(); e += 4 * NTS)
       if (e < kcut || e >= kskip) copy16(dst + e, src + e, true);
-    for (int e = 4 * threadIdx.x; e < un; e += 4 * NTS) copy16(dst + L.sU0 + e, src + usrc + e, true);
+    const float* const usrc = un ? ublock0 + step * ublock_step : nullptr;
+    for (int e = 4 * threadIdx.x; e < un; e += 4 * NTS) copy16(dst + L.sU0 + e, usrc + e, true);
     copy_commit();
   };
   auto fetch_wait = [&](int64_t step) {

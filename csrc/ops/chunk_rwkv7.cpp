@@ -18,10 +18,14 @@ int64_t dplr_chunk_slots(const DiagArgs& d) {
   return chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
 }
 
-// The CUDA engine's per-chunk workspace, fp32 (DplrWs), and the chunk-start states [slots, H,
-// K, V] (acc type; the slot after a sequence's last chunk: its final state), in floats.
+// The CUDA engine's per-chunk workspaces, fp32 (DplrWs: ws, and uo for the forward sweeps),
+// and the chunk-start states [slots, H, K, V] (acc type; the slot after a sequence's last chunk:
+// its final state), in floats.
 int64_t dplr_ws_floats(const DiagArgs& d) {
   return dplr_chunk_slots(d) * d.H * DplrWs(int(d.K), int(d.V)).per();
+}
+int64_t dplr_uo_floats(const DiagArgs& d) {
+  return dplr_chunk_slots(d) * d.H * DplrWs(int(d.K), int(d.V)).uper();
 }
 std::vector<int64_t> dplr_state_sizes(const DiagArgs& d) {
   return {dplr_chunk_slots(d), d.H, d.K, d.V};
@@ -32,19 +36,27 @@ int64_t dplr_state_floats(const DiagArgs& d) { return dplr_chunk_slots(d) * d.H 
 int64_t saved_states_floats(const DiagArgs& d) { return (dplr_state_floats(d) + 3) / 4 * 4; }
 int64_t saved_floats(const DiagArgs& d) { return saved_states_floats(d) + dplr_ws_floats(d); }
 
-// `ws` receives the CUDA engine's per-chunk workspace (kept alive by the caller until the pass
-// has run; the CPU engine needs none), unless `saved` holds it.
+// `ws` receives the CUDA engine's per-chunk workspace, unless `saved` holds it, and `uo` its
+// U0 / O0 workspace when a forward sweep runs (`sweep`: any call without `saved`, and the
+// training forward); both kept alive by the caller until the pass has run (the CPU engine needs
+// neither).
 DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
                          const Tensor& v, const Tensor& a, const Tensor& b,
-                         const std::optional<Tensor>& h0, Tensor& ws, const Tensor* saved = nullptr) {
+                         const std::optional<Tensor>& h0, Tensor& ws, Tensor& uo,
+                         const Tensor* saved, bool sweep) {
   DplrChunkPass p;
   set_dplr_args(p, d, r, w, k, v, a, b, h0);
+  if (!r.is_cuda()) return p;
   if (saved) {
     p.hst = saved->data_ptr();
     p.ws = saved->data_ptr<float>() + saved_states_floats(d);
-  } else if (r.is_cuda()) {
+  } else {
     ws = at::empty({dplr_ws_floats(d)}, r.options().dtype(at::kFloat));
     p.ws = ws.data_ptr();
+  }
+  if (sweep || !saved) {
+    uo = at::empty({dplr_uo_floats(d)}, r.options().dtype(at::kFloat));
+    p.uo = uo.data_ptr();
   }
   return p;
 }
@@ -73,7 +85,8 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
   Tensor ws, saved = new_output({keep ? saved_floats(d) : 0}, r.options().dtype(at::kFloat));
   const int64_t states = dplr_state_floats(d), pad = saved_states_floats(d) - states;
   if (keep && pad > 0) saved.narrow(0, states, pad).zero_();  // no kernel writes the padding
-  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, keep ? &saved : nullptr);
+  Tensor uo;
+  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, keep ? &saved : nullptr, true);
   p.o = d.L.vec(o);
   if (output_final_state) p.hT = mat(hT);
   run(p);
@@ -116,8 +129,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   Tensor dhst = dplr_states(d, r, d.T > 0 && r.is_cuda());
 
   if (d.T > 0) {
-    Tensor ws;
-    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, kept);
+    Tensor ws, uo;
+    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, kept, false);
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);

@@ -43,8 +43,8 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   if (h0.numel()) p.h0 = mat(h0);
   const int64_t slots = chunk_slots<C>(N, T, varlen);
   const DplrWs ws(K, V);
-  Tensor wsb = poison({slots * H * ws.per()}), hst = poison({slots, H, K, V});
-  p.ws = wsb.data_ptr();
+  Tensor wsb = poison({slots * H * ws.per()}), uob = poison({slots * H * ws.uper()}), hst = poison({slots, H, K, V});
+  p.ws = wsb.data_ptr(), p.uo = uob.data_ptr();
   Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V}), dhst = poison({slots, H, K, V});
   // As the CUDA op lays them out (csrc/ops/chunk_rwkv7.cpp): two column tiles add into one
   // zero-filled slab; a single tile stores straight into the (poisoned) gradients.
@@ -61,6 +61,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
     p.kept = true;
+    uob.fill_(NAN);  // a kept backward reads no U0 / O0
   }
   if (!bwd) {
     p.o = vec(o), p.hT = mat(hT);
