@@ -875,13 +875,21 @@ __device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWs& ws,
 // than with the SIMT rows (1.23 against 1.16 ms). Rounded to TF32 (tf32_round): the sweeps read
 // them only as tensor-core operands, now without a rounding add per read (the same values).
 __device__ inline void store_kwide_rows(const float* sm, const Smem& L, const DplrWs& ws, float* out) {
+  // A thread's row i and piece c once for all four arrays (one piece per thread at K = 64): the
+  // kat swizzle has period C, so array m's piece sits m C KS further. Per piece, the form that
+  // picked the array and swizzled per element cost ~40 instructions (ncu: a third of prep's
+  // last region).
   const Split q4(ws.KP4 / 4);
-  for (int e = threadIdx.x; e < 4 * C * q4.n; e += NT) {
-    const int row = q4.quot(e), c = 4 * (e - row * q4.n), m = row / C, i = row % C;
-    const int src = m == 0 ? L.w : m == 1 ? L.r : m == 2 ? L.k : L.b;  // W, Q~, K^, B^ in ws order
-    const float4 x = *reinterpret_cast<const float4*>(sm + src + i * L.KP + c);
-    *reinterpret_cast<float4*>(out + ws.W() + ws.kat(row, c)) =
-        make_float4(tile::tf32_round(x.x), tile::tf32_round(x.y), tile::tf32_round(x.z), tile::tf32_round(x.w));
+  const int src[4] = {L.w, L.r, L.k, L.b};  // W, Q~, K^, B^ in ws order
+  for (int e = threadIdx.x; e < C * q4.n; e += NT) {
+    const int i = q4.quot(e), c = 4 * (e - i * q4.n);
+    float* const dst = out + ws.W() + ws.kat(i, c);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const float4 x = *reinterpret_cast<const float4*>(sm + src[m] + i * L.KP + c);
+      *reinterpret_cast<float4*>(dst + m * C * ws.KS) =
+          make_float4(tile::tf32_round(x.x), tile::tf32_round(x.y), tile::tf32_round(x.z), tile::tf32_round(x.w));
+    }
   }
 }
 
@@ -892,6 +900,7 @@ template <typename T>
 __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, float* uout, int V,
                                     float rho, bool o0) {
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  uout = static_cast<float*>(__builtin_assume_aligned(uout, 16));  // (else its float2 stores split)
   const T* const vs = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K);
   const int vp = stage_pitch<T>(V);
   // [C][8] per warp over exp(G), exp(Omega), v, U, M (contiguous, unused here: 2 C KP + 3 C BP
@@ -941,17 +950,26 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWs& ws, 
 // `uout`, 16 bytes at a time. The sweeps copy whole blocks: padding is never read, but left unset
 // it would be undefined data in a kept workspace.
 __device__ inline void zero_ws_pads(float* out, float* uout, const DplrWs& ws) {
-  const int kpr = (ws.KS - ws.KP4) / 4, kpads = 4 * C * kpr, upr = DplrWs::UP / 4;
   const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int e = threadIdx.x; e < kpads + ws.tiles * 2 * C * upr; e += NT) {
-    if (e < kpads) {
-      const int row = e / kpr, c = ws.KP4 + 4 * (e % kpr);
-      *reinterpret_cast<float4*>(out + ws.W() + ws.kat(row, c)) = z;
-      continue;
-    }
-    const int u = e - kpads, row = u / upr, x = 4 * (u % upr), t = row / (2 * C);
-    if (x >= kDplrSweepCols || t * kDplrSweepCols + x >= ws.VP4)
-      *reinterpret_cast<float4*>(uout + row * DplrWs::UP + x) = z;
+  const int kpr = (ws.KS - ws.KP4) / 4;
+  for (int e = threadIdx.x; e < 4 * C * kpr; e += NT) {
+    const int row = e / kpr, c = ws.KP4 + 4 * (e - row * kpr);
+    *reinterpret_cast<float4*>(out + ws.W() + ws.kat(row, c)) = z;
+  }
+  // Only the padding pieces are enumerated (a loop over every piece testing each cost more than
+  // the stores): the UP / 4 - SP pieces past each row's kDplrSweepCols, then the last tile's
+  // pieces in [VP4, its end).
+  constexpr int upr = DplrWs::UP / 4, spr = kDplrSweepCols / 4, extra = upr - spr;
+  uout = static_cast<float*>(__builtin_assume_aligned(uout, 16));
+  for (int e = threadIdx.x; e < ws.tiles * 2 * C * extra; e += NT) {
+    const int row = e / extra;
+    *reinterpret_cast<float4*>(uout + row * DplrWs::UP + 4 * (spr + e - row * extra)) = z;
+  }
+  const int last = (ws.tiles - 1) * kDplrSweepCols, v0 = (ws.VP4 - last) / 4, tail = spr - v0;
+  float* const ul = uout + ws.utile(ws.tiles - 1);
+  for (int e = threadIdx.x; e < 2 * C * tail; e += NT) {
+    const int row = e / tail;
+    *reinterpret_cast<float4*>(ul + row * DplrWs::UP + 4 * (v0 + e - row * tail)) = z;
   }
 }
 

@@ -123,20 +123,23 @@ __device__ __forceinline__ void mma_tf32(float* d, uint32_t a0, uint32_t a1, uin
 #endif
 }
 
-// mma_tf32 with fp32-accurate products (3xTF32): each operand split into its TF32 value and the
-// TF32-rounded remainder, and the three products but lo * lo (~2^-22 relative) accumulated,
-// small ones first. a and b as mma_tf32's lane operands, in fp32.
+// mma_tf32 with fp32-accurate products (3xTF32): each operand split into hi, its leading 11
+// bits (truncated: one AND), and the exact remainder lo = x - hi (|lo| < 2^-10 |x|, passed raw:
+// the tensor core keeps its leading 11 bits, an error below 2^-20 |x|), and the three products
+// but lo * lo accumulated, small ones first. Rounding both parts (four operations a value, not
+// two) bought a 2^-22 bound that nothing downstream can see (the sweeps' TF32 operands round at
+// 2^-11) for 30 % of the pair products' instructions. a and b as mma_tf32's lane operands, in fp32.
 __device__ __forceinline__ void mma_tf32x3(float* d, const float (&a)[4], const float (&b)[2]) {
   uint32_t ah[4], al[4], bh[2], bl[2];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const float h = tf32_round(a[e]);
-    ah[e] = __float_as_uint(h), al[e] = to_tf32(a[e] - h);
+    const float h = __uint_as_float(__float_as_uint(a[e]) & 0xffffe000u);
+    ah[e] = __float_as_uint(h), al[e] = __float_as_uint(a[e] - h);
   }
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const float h = tf32_round(b[e]);
-    bh[e] = __float_as_uint(h), bl[e] = to_tf32(b[e] - h);
+    const float h = __uint_as_float(__float_as_uint(b[e]) & 0xffffe000u);
+    bh[e] = __float_as_uint(h), bl[e] = __float_as_uint(b[e] - h);
   }
   mma_tf32(d, al[0], al[1], al[2], al[3], bh[0], bh[1]);
   mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
