@@ -560,6 +560,9 @@ def print_row_progress(row):
         parts.append(f"speedup {row['speedup']:.2f}x")
     if ext.get("x_floor"):
         parts.append(f"{ext['x_floor']:.2f}x floor")
+    if ext.get("peak_mb") is not None:  # here too: a run cut by its time limit writes no table
+        parts.append(f"peak MB {ext['peak_mb']:.0f}" +
+                     (f" (fla {fla['peak_mb']:.0f})" if fla.get("peak_mb") is not None else ""))
     print("  ".join(parts), flush=True)
     for impl, res in row["impls"].items():
         if "error" in res:

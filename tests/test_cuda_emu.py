@@ -88,6 +88,12 @@ def test_chunk_rwkv7_kernels_bf16_decays(emu, w_kind, lr, gen):
     check(emu, (1, 40, 2, 64, 32), w_kind, None, gen, torch.bfloat16, 1e-2, lr=lr)
 
 
+def test_chunk_rwkv7_kernels_strided_rows(emu, gen):
+    """r, w, k, a, b with different strides (w a view of a wider tensor): the row copies take
+    each array's own offsets, not r's (DplrChunkPass::krows_same)."""
+    check(emu, (2, 40, 2, 64, 64), "rwkv", None, gen, torch.bfloat16, 1e-2, strided=True)
+
+
 @pytest.mark.parametrize("shape,dtype,tol", [((1, 40, 1, 64, 64), torch.bfloat16, 1e-2),
                                              ((1, 50, 1, 70, 33), torch.float32, 1e-5)],
                          ids=["bf16K64", "fp32K70V33"])
@@ -113,10 +119,14 @@ def test_chunk_rwkv7_kernels_descending_warps(descending, shape, dtype, tol, gen
     check(descending, shape, "mixedinf", None, gen, dtype, tol)
 
 
-def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv"):
+def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):
     B = shape[0]
     N = len(cu) - 1 if cu else B
     *ins, h0 = make(*shape, dtype, "cpu", gen, w_kind=w_kind, N=N, lr=lr)
+    if strided:  # w as a view with its own row stride: each K-row copy forms its own offsets
+        wide = torch.zeros(*ins[1].shape[:-1], 2 * ins[1].shape[-1], dtype=dtype)
+        wide[..., :ins[1].shape[-1]] = ins[1]
+        ins[1] = wide[..., :ins[1].shape[-1]]
     cu_t = torch.tensor(cu) if cu else None
     xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
     o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True,

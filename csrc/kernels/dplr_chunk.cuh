@@ -128,6 +128,18 @@ struct Cta {
 };
 
 // exp(E_i) = exp(G_{i-1}), 1 on the first row.
+// 16-byte shared reads: rows of K-vectors and tiles and the state rows start 16-byte aligned
+// (Smem), so a reduction along a row reads 4 terms per load instead of 1.
+__device__ __forceinline__ float4 ld4(const float* q) { return *reinterpret_cast<const float4*>(q); }
+__device__ __forceinline__ float dot4(const float4& a, const float4& b, float acc) {
+  acc += a.x * b.x, acc += a.y * b.y, acc += a.z * b.z, acc += a.w * b.w;
+  return acc;
+}
+__device__ __forceinline__ void st4(float* q, const float4& v) { *reinterpret_cast<float4*>(q) = v; }
+__device__ __forceinline__ float4 mul4(const float4& a, const float4& b) {
+  return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
+}
+
 __device__ __forceinline__ float eE(const float* sm, const Smem& L, int i, int d) {
   return i ? sm[L.eG + (i - 1) * L.KP + d] : 1.f;
 }
@@ -198,6 +210,8 @@ template <typename T>
 inline void pick_paths(DplrChunkPass& p) {
   p.rows16 = rows16<T>(p);
   p.kg16 = kg16<T>(p);
+  auto same = [&](const VecArg& v) { return v.sb == p.r.sb && v.st == p.r.st && v.sh == p.r.sh && v.sd == p.r.sd; };
+  p.krows_same = same(p.w) && same(p.k) && same(p.a) && same(p.b);
 }
 
 // Issues the copies of rows [t0, t0 + nrow) of r, w, k, a, b (rows past nrow zero-filled).
@@ -207,18 +221,21 @@ __device__ void copy_rows_async(float* sm, const Smem& L, const DplrChunkPass& p
   constexpr int E = kPiece<T>;
   const Split pk(L.K / E);
   T* const stage = reinterpret_cast<T*>(sm + L.stage);
-  // Array by array (unrolled: each loop's VecArg is known), from the chunk's first row: the
-  // interleaved form picked one of five VecArgs and formed a 64-bit index per piece (ncu: ~60
-  // instructions per piece, prep's and grad's load issue 14-16 % of their instructions).
+  // A piece's row, column and (with krows_same: strides shared, the usual case) its element
+  // offset once for all five arrays: loops per array, each forming its own row pointer and
+  // 64-bit offsets, cost ~55 instructions per array and thread (ncu: a quarter of grad's load
+  // issue).
   const VecArg* const arrays[5] = {&p.r, &p.w, &p.k, &p.a, &p.b};
+  for (int e = threadIdx.x; e < C * pk.n; e += NT) {
+    const int i = pk.quot(e), c = (e - i * pk.n) * E;
+    const bool on = i < nrow;
+    const int64_t t = s.bos + t0 + (on ? i : 0);  // a valid address where zero-filled
+    const int64_t off = s.b * p.r.sb + t * p.r.st + int64_t(h) * p.r.sh + c;
 #pragma unroll
-  for (int q = 0; q < 5; ++q) {
-    const VecArg& v = *arrays[q];
-    const T* const row0 = vptr<T>(v, s.b, s.bos + t0, h, 0);  // rows16: v.sd == 1
-    for (int e = threadIdx.x; e < C * pk.n; e += NT) {
-      const int i = pk.quot(e), c = (e - i * pk.n) * E;
-      const bool on = i < nrow;
-      const T* const src = on ? row0 + i * v.st + c : row0;
+    for (int q = 0; q < 5; ++q) {
+      const VecArg& v = *arrays[q];
+      const T* const src =
+          static_cast<const T*>(v.ptr) + (p.krows_same ? off : s.b * v.sb + t * v.st + int64_t(h) * v.sh + c);
       if (kRawRows<T>) copy16(stage + (q * C + i) * L.K + c, src, on);
       else copy16(sm + L.r + (q * C + i) * L.KP + c, src, on);
     }
@@ -510,16 +527,32 @@ __device__ __forceinline__ bool factorable(const Smem& L) { return 2 * C * L.KP 
 __device__ inline void pair_matrices_tc(float* sm, const Smem& L) {
   const int K = L.K, KP = L.KP, kn = (K + 7) / 8 * 8;
   float *const kf = sm + L.pw, *const bf = kf + C * KP;  // k exp(-G), b exp(-G): [C][KP]
-  for (int e = threadIdx.x; e < C * kn; e += NT) {
-    const int i = e / kn, c = e - i * kn, at = i * KP + c;
-    if (c >= K) {  // read by the products' last k-step: exp(G) is unset there
-      kf[at] = bf[at] = 0.f;
+  // Four channels a thread (16-byte accesses: one per element cost a third more of prep's
+  // instructions here, ncu); a quad that reaches past K element by element.
+  const int kq = kn / 4;
+  for (int e = threadIdx.x; e < C * kq; e += NT) {
+    const int i = e / kq, c = 4 * (e - i * kq), at = i * KP + c;
+    if (c + 4 <= K) {
+      const float4 eg = ld4(sm + L.eG + at), eo = ld4(sm + L.eO + at), gt = ld4(sm + L.eG + (C - 1) * KP + c);
+      const float4 ee = i ? ld4(sm + L.eG + at - KP) : make_float4(1.f, 1.f, 1.f, 1.f);  // exp(E)
+      const float4 f = make_float4(__fdividef(eo.x, gt.x), __fdividef(eo.y, gt.y), __fdividef(eo.z, gt.z),
+                                   __fdividef(eo.w, gt.w));
+      st4(sm + L.a + at, mul4(ld4(sm + L.a + at), ee));
+      st4(sm + L.r + at, mul4(ld4(sm + L.r + at), eg));
+      st4(kf + at, mul4(ld4(sm + L.k + at), f)), st4(bf + at, mul4(ld4(sm + L.b + at), f));
       continue;
     }
-    const float eg = sm[L.eG + at], f = __fdividef(sm[L.eO + at], sm[L.eG + (C - 1) * KP + c]);
-    sm[L.a + at] *= eE(sm, L, i, c);
-    sm[L.r + at] *= eg;
-    kf[at] = sm[L.k + at] * f, bf[at] = sm[L.b + at] * f;
+    for (int d = c; d < c + 4; ++d) {
+      const int ad = i * KP + d;
+      if (d >= K) {  // read by the products' last k-step: exp(G) is unset there
+        kf[ad] = bf[ad] = 0.f;
+        continue;
+      }
+      const float eg = sm[L.eG + ad], f = __fdividef(sm[L.eO + ad], sm[L.eG + (C - 1) * KP + d]);
+      sm[L.a + ad] *= eE(sm, L, i, d);
+      sm[L.r + ad] *= eg;
+      kf[ad] = sm[L.k + ad] * f, bf[ad] = sm[L.b + ad] * f;
+    }
   }
   __syncthreads();
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
@@ -540,13 +573,6 @@ __device__ inline void pair_matrices_tc(float* sm, const Smem& L) {
   }
 }
 
-// 16-byte shared reads: rows of K-vectors and tiles and the state rows start 16-byte aligned
-// (Smem), so a reduction along a row reads 4 terms per load instead of 1.
-__device__ __forceinline__ float4 ld4(const float* q) { return *reinterpret_cast<const float4*>(q); }
-__device__ __forceinline__ float dot4(const float4& a, const float4& b, float acc) {
-  acc += a.x * b.x, acc += a.y * b.y, acc += a.z * b.z, acc += a.w * b.w;
-  return acc;
-}
 // s0 += sum_d R[i][d] St[d][x] and s1 the same for row i + C / 2: two K-rows (arrays [C][KP]
 // at offset R, 4 channels per read; nothing at or past K is read, where the padding may be
 // unset) against column x of a [K][BP] state array at offset St.

@@ -125,6 +125,9 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // CUDA: set by the launch when the K-vector gradients go straight to their outputs (kg_pair =
   // 0) and each output's rows are whole 16-byte pieces at 16-byte aligned addresses.
   bool kg16 = false;
+  // CUDA: set by the launch when r, w, k, a, b share their strides (one element offset serves
+  // all five row copies).
+  bool krows_same = false;
 };
 
 void dplr_chunk_cpu(const DplrChunkPass& p);
