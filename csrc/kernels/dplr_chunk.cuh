@@ -679,11 +679,15 @@ __device__ __forceinline__ void pair_walks(float* sm, const Smem& L, int i, int 
 template <bool TC>
 __device__ inline bool prepare(float* sm, const Smem& L) {
   const bool bounded = chunk_decays(sm, L, L.eG, L.eO);
-  // X = (I - N)^-1 for the strictly lower N = A_ab by 4 x 4 blocks (ALGORITHMS.md §6.2): each
-  // diagonal block by forward substitution down its columns, then the blocks 1, 2, 3 below the
-  // diagonal, X_IJ = X_II sum_{L=J..I-1} N_IL X_LJ (blocks nearer the diagonal are done by
-  // then). Every thread makes its own entry, so all warps work where a 15-step substitution on
-  // one warp kept seven waiting (22 % of prep's stall samples). Not the product
+  // X = (I - N)^-1 for the strictly lower N = A_ab by 4 x 4 blocks (ALGORITHMS.md §6.2), the
+  // blocked inverse by doubling: each diagonal block by forward substitution down its columns;
+  // the blocks (1, 0), (3, 2) as X_II N_IJ X_JJ; then the lower left 8 x 8 block as X_hi
+  // (N_hi,lo X_lo), the inner product staged in the pair workspace (free by then). Every thread
+  // makes its own entry, so all warps work where a 15-step substitution on one warp kept seven
+  // waiting (22 % of prep's stall samples), and every stage is a fixed chain of at most 16
+  // terms: a stage per block distance (X_IJ = X_II sum_L N_IL X_LJ, L = J..I-1) ran chains of up
+  // to 48 terms under runtime bounds (ncu: a third of prep's stall samples at its barriers). Not
+  // the product
   // (I + N)(I + N^2)(I + N^4)(I + N^8): for repeated keys with iclr = 1 the entries of N^k grow
   // like C(14, k - 1) while |X| <= 1, and the cancellation cost ~1e-4 in fp32 (tests: the
   // "repeated" low-rank regime). Every entry is written: the upper triangle is explicit zeros.
@@ -718,18 +722,36 @@ __device__ inline bool prepare(float* sm, const Smem& L) {
     X[at] = 0.f;
   }
   __syncthreads();
-  for (int dist = 1; dist < C / 4; ++dist) {
-    if (I - J == dist) {
-      float acc = 0.f;
-      for (int rp = 4 * I; rp <= i; ++rp) {
-        float t = 0.f;
-        for (int l = 4 * J; l < 4 * I; ++l) t += N[rp * CP + l] * X[l * CP + j];
-        acc += X[i * CP + rp] * t;
-      }
-      X[at] = acc;
+  static_assert(C == 16, "the doubling below is written for four 4 x 4 blocks");
+  if ((I == 1 && J == 0) || (I == 3 && J == 2)) {  // X_II N_IJ X_JJ (their upper parts are 0)
+    float acc = 0.f;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int rp = 4 * I + m;
+      float t = 0.f;
+#pragma unroll
+      for (int l = 0; l < 4; ++l) t += N[rp * CP + 4 * J + l] * X[(4 * J + l) * CP + j];
+      acc += X[i * CP + rp] * t;
     }
-    __syncthreads();
+    X[at] = acc;
   }
+  __syncthreads();
+  float* const T = sm + L.pw;  // [8][8]: N_hi,lo X_lo
+  const bool low = i >= 8 && j < 8;
+  if (low) {
+    float t = 0.f;
+#pragma unroll
+    for (int l = 0; l < 8; ++l) t += N[i * CP + l] * X[l * CP + j];
+    T[(i - 8) * 8 + j] = t;
+  }
+  __syncthreads();
+  if (low) {
+    float acc = 0.f;
+#pragma unroll
+    for (int m = 8; m < 16; ++m) acc += X[i * CP + m] * T[(m - 8) * 8 + j];
+    X[at] = acc;
+  }
+  __syncthreads();
   return factored;
 }
 
