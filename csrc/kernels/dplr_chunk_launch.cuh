@@ -30,7 +30,7 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   if (!(p.backward() && p.kept))
     e = launch_with_smem(prep_kernel<T, KC>, dim3(unsigned(slots), p.H), NT, Smem(p.K, false).bytes(), p, stream);
   if (e != cudaSuccess) return e;
-  const size_t sweep_bytes = StateSmem(DplrWs(p.K, p.V), p.K).bytes();
+  const size_t sweep_bytes = StateSmem(DplrWs(p.K, p.V), p.K, !std::is_same<T, float>::value).bytes();
   const dim3 sweeps(unsigned(int64_t(p.N) * p.H * state_tiles(p.V)));
   if (!p.backward()) return launch_with_smem(sweep_kernel<T, false, true, KC>, sweeps, NTS, sweep_bytes, p, stream);
   // The forward sweep of a backward call writes only hst (its o and hT are off), unless the

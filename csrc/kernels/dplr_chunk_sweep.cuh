@@ -15,15 +15,23 @@ FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
 // then a lane's A fragment of an m16n8k8 product, (A(g, k), A(g + 8, k), A(g, k + 1), A(g + 8,
 // k + 1)) with k permuted (lane q's four k of a 16-wide step are 4q .. 4q + 3, read the same for
 // A and B), is one 16-byte shared load straight into the mma's registers:
-//   ST  [16][R]  S^T (the state, or D), [K8][2] per pair, R = 2 K8 + 4 (K8: K rounded up to 8;
-//                4 mod 8: pairs p, p + 1 of a 16-byte phase on different banks)
+//   ST  [16][R]  S^T (the state, or D), [K8][2] per pair (K8: K rounded up to 8). SIMT: R =
+//                2 K8 + 4 (4 mod 8: pairs p, p + 1 of a 16-byte phase on different banks). TC:
+//                R = 2 K8 rounded up to 32, and in odd pairs the 16-byte pieces (channel pairs)
+//                XOR 5, so that both 16-byte reads are conflict-free: phase A's (pieces 2q,
+//                2q + 1 of pairs p, p + 1: XOR 1 would do) and phase B's (pieces q + 0..3: XOR 4
+//                would do); at R = 2 K8 + 4 phase B's were two-way (ncu: 12 % of the sweep's
+//                shared wavefronts excess, the kernel at 81 % of L1 throughput).
 //   UT, VT [16][32]  U^T (or T^T) and v^T (or (scale dO)^T), [16][2] per pair, 16-byte pieces
 //                swizzled by the pair: cidx()
 // (the [K][SX] layout read four 4-byte words per lane and k-step, ncu had shared loads at ~40 %
 // of the sweep's instructions; [SX][K] with 16-byte loads needed 4 register moves per mma:
 // NOTES c19).
 FLA_HD int pair_of(int x) { return (x >> 4) * 8 + (x & 7); }
-FLA_HD int sidx(int R, int x, int d) { return pair_of(x) * R + 2 * d + ((x >> 3) & 1); }
+FLA_HD int sidx(int R, int x, int d, bool sw) {
+  const int p = pair_of(x), piece = (d >> 1) ^ (sw ? 5 * (p & 1) : 0);
+  return p * R + (piece << 2) + 2 * (d & 1) + ((x >> 3) & 1);
+}
 FLA_HD int cidx(int x, int j) {
   const int p = pair_of(x), f = 2 * j + ((x >> 3) & 1);
   return p * 2 * C + ((((f >> 2) ^ (p & 1) ^ (((p >> 1) & 3) << 1)) << 2) | (f & 3));
@@ -32,7 +40,7 @@ FLA_HD int cidx(int x, int j) {
 // it out (K-part, then this tile's U0, O0 [C][SXP]), then the stages' mbarriers (bulk copies).
 struct StateSmem {
   int R, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, bars, total;
-  FLA_HD StateSmem(const DplrWs& ws, int K) : R(2 * ((K + 7) / 8 * 8) + 4) {
+  FLA_HD StateSmem(const DplrWs& ws, int K, bool tc) : R(tc ? (2 * ((K + 7) / 8 * 8) + 31) / 32 * 32 : 2 * ((K + 7) / 8 * 8) + 4) {
     S = 0, U = SX / 2 * R, Vt = U + SX * C, buf = Vt + SX * C;
     sW = int(ws.W()), sQ = int(ws.Q()), sKh = int(ws.Kh()), sBh = int(ws.Bh()), sGam = int(ws.gam());
     sU0 = int(ws.kpart()), sO0 = sU0 + C * SXP, stage = sO0 + C * SXP;
@@ -66,7 +74,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   float* sm = reinterpret_cast<float*>(sm4);
   const int K = KC ? KC : p.K;
   const DplrWs ws(K, p.V);
-  const StateSmem L(ws, K);
+  const StateSmem L(ws, K, TC);
   const int R = L.R, K8 = (K + 7) / 8 * 8, tiles = state_tiles(p.V);
   const int tile = blockIdx.x % tiles, nh = blockIdx.x / tiles, h = nh % p.H, n = nh / p.H;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
@@ -155,7 +163,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   for (int e = threadIdx.x; e < K8 * SX; e += NTS) {  // channels [K, K8): 0
     const int d = e / SX, x = e % SX;
     const float v = d < K && init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
-    ST[sidx(R, x, d)] = v;
+    ST[sidx(R, x, d, TC)] = v;
     if (first_out && d < K && x < nc) *state_at(slot_of(REV ? nch - 1 : 0), d, x) = v;
   }
   if (FLA_BULK_COPY && threadIdx.x == 0) mbar_init(bars, 1), mbar_init(bars + 1, 1);
@@ -205,10 +213,11 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         const float* A = cur + L.sW;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (wide) {
-          const float* const a0 = ST + sidx(R, m0 + g, 4 * q);
+          // channels 4q, 4q + 1 and 4q + 2, 4q + 3 (the swizzle keeps them in each 8-piece group)
+          const float *const a0 = ST + sidx(R, m0 + g, 4 * q, true), *const a1 = ST + sidx(R, m0 + g, 4 * q + 2, true);
           for (int kb = 0; kb < K; kb += 16) {
             const float4 u = *reinterpret_cast<const float4*>(a0 + 2 * kb);
-            const float4 v = *reinterpret_cast<const float4*>(a0 + 2 * kb + 4);
+            const float4 v = *reinterpret_cast<const float4*>(a1 + 2 * kb);
             const float4 w = *reinterpret_cast<const float4*>(A + (kb & ~31) + (kb & 16 ? aoff1 : aoff0));
             mma_tf32(acc, __float_as_uint(u.x), __float_as_uint(u.y), __float_as_uint(u.z), __float_as_uint(u.w),
                      __float_as_uint(w.x), __float_as_uint(w.y));
@@ -216,7 +225,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
                      __float_as_uint(w.z), __float_as_uint(w.w));
           }
         } else {
-          warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? ST[sidx(R, m0 + r, k)] : 0.f; },
+          warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? ST[sidx(R, m0 + r, k, TC)] : 0.f; },
                    [&](int k, int c) { return k < K ? A[ws.kat(xrow + i0 + c, k)] : 0.f; });
         }
         if (warp < 4) {
@@ -241,7 +250,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       }
     } else {  // thread: chunk row i, columns xp, xp + 1
       const int i = threadIdx.x / (SX / 2), xp = 2 * (threadIdx.x % (SX / 2));
-      const float *ar = cur + L.sW, *s0 = ST + sidx(R, xp, 0), *s1 = ST + sidx(R, xp + 1, 0);
+      const float *ar = cur + L.sW, *s0 = ST + sidx(R, xp, 0, TC), *s1 = ST + sidx(R, xp + 1, 0, TC);
       const int srow = REV ? 3 * C + i : i;
       // 16-byte pieces of the swizzled rows (channels [K, KP4) of the rows and [K, K8) of the
       // state are 0); the swizzle index per channel made fp32 sweeps 25 % slower.
@@ -297,7 +306,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         float acc[4];
         {
           const float2 gm = dc + 1 < K ? *reinterpret_cast<const float2*>(gam + dc) : make_float2(dc < K ? gam[dc] : 0.f, 0.f);
-          const float4 sv = *reinterpret_cast<const float4*>(ST + sidx(R, m0 + g, dc));  // (x, dc), (x + 8, dc), (x, dc + 1), ..
+          const float4 sv = *reinterpret_cast<const float4*>(ST + sidx(R, m0 + g, dc, TC));  // (x, dc), (x + 8, dc), (x, dc + 1), ..
           acc[0] = gm.x * sv.x, acc[1] = gm.y * sv.z, acc[2] = gm.x * sv.y, acc[3] = gm.y * sv.w;
         }
         const bool bon = K % 8 == 0 || d0 + g < K;  // this lane's B fragment channel
@@ -312,7 +321,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         mma_tf32(acc, va[4], va[5], va[6], va[7], __float_as_uint(b1[2]), __float_as_uint(b1[3]));
         mma_tf32(acc, ua[0], ua[1], ua[2], ua[3], __float_as_uint(b2[0]), __float_as_uint(b2[1]));
         mma_tf32(acc, ua[4], ua[5], ua[6], ua[7], __float_as_uint(b2[2]), __float_as_uint(b2[3]));
-        *reinterpret_cast<float4*>(ST + sidx(R, m0 + g, dc)) = make_float4(acc[0], acc[2], acc[1], acc[3]);
+        *reinterpret_cast<float4*>(ST + sidx(R, m0 + g, dc, TC)) = make_float4(acc[0], acc[2], acc[1], acc[3]);
         if (put) {
           float* const sp = st_step + int64_t(d0 - 8 * (warp / 2)) * p.V;
           const bool d0in = dc < K, d1in = dc + 1 < K;
@@ -330,8 +339,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const float gm = d0 + r < K ? gam[d0 + r] : 0.f;
-          acc[r][0] = gm * ST[sidx(R, xp, d0 + r)];
-          acc[r][1] = gm * ST[sidx(R, xp + 1, d0 + r)];
+          acc[r][0] = gm * ST[sidx(R, xp, d0 + r, TC)];
+          acc[r][1] = gm * ST[sidx(R, xp + 1, d0 + r, TC)];
         }
 #pragma unroll
         for (int j = 0; j < C; ++j) {
@@ -350,7 +359,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 #pragma unroll
         for (int r = 0; r < 4; ++r)
           if (d0 + r < K) {
-            ST[sidx(R, xp, d0 + r)] = acc[r][0], ST[sidx(R, xp + 1, d0 + r)] = acc[r][1];
+            ST[sidx(R, xp, d0 + r, TC)] = acc[r][0], ST[sidx(R, xp + 1, d0 + r, TC)] = acc[r][1];
             if (put && xp < nc) sp[r * p.V] = acc[r][0];
             if (put && xp + 1 < nc) sp[r * p.V + 1] = acc[r][1];
           }
@@ -368,7 +377,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const MatArg& fin = REV ? p.dh0 : p.hT;
   if (fin.on())
     for (int e = threadIdx.x; e < K * SX; e += NTS)
-      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = ST[sidx(R, e % SX, e / SX)];
+      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = ST[sidx(R, e % SX, e / SX, TC)];
 }
 
 }  // namespace dplr_chunk_detail
