@@ -212,6 +212,10 @@ inline void pick_paths(DplrChunkPass& p) {
   p.kg16 = kg16<T>(p);
   auto same = [&](const VecArg& v) { return v.sb == p.r.sb && v.st == p.r.st && v.sh == p.r.sh && v.sd == p.r.sd; };
   p.krows_same = same(p.w) && same(p.k) && same(p.a) && same(p.b);
+  const VecArg& g0 = p.kgd[0];
+  p.kg_same = true;
+  for (int g = 1; g < kNumKGrads; ++g)
+    p.kg_same = p.kg_same && p.kgd[g].sb == g0.sb && p.kgd[g].st == g0.st && p.kgd[g].sh == g0.sh && p.kgd[g].sd == g0.sd;
 }
 
 // Issues the copies of rows [t0, t0 + nrow) of r, w, k, a, b (rows past nrow zero-filled).

@@ -128,6 +128,8 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // CUDA: set by the launch when r, w, k, a, b share their strides (one element offset serves
   // all five row copies).
   bool krows_same = false;
+  // CUDA: set by the launch when the five K-vector gradient outputs (kgd) share their strides.
+  bool kg_same = false;
 };
 
 void dplr_chunk_cpu(const DplrChunkPass& p);

@@ -418,19 +418,32 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
                    // 16-byte shared read each (two per 16-byte piece were two-way conflicts)
       const int pk = K / 4;
       __syncthreads();
-      for (int e = threadIdx.x; e < kNumKGrads * C * pk; e += NT) {
-        const int gi = e / (C * pk), i = e / pk % C, ch = (e % pk) * 4;
+      // A quad's row, channels and (kg_same: the five outputs share strides, as the op
+      // allocates them) its element offset once for all five: per (gradient, quad) the index
+      // split, the pick of the source rows and the output's 64-bit offsets cost ~40 instructions
+      // (ncu: grad's last region, 9 % of its instructions).
+      const int src[kNumKGrads] = {L.gr, L.w, L.gk, L.ga, L.gb};  // in kGrad order: r, w, k, a, b
+      static_assert(kGradR == 0 && kGradW == 1 && kGradK == 2 && kGradA == 3 && kGradB == 4, "kGrad order");
+      const VecArg& g0 = p.kgd[0];
+      for (int e = threadIdx.x; e < C * pk; e += NT) {
+        const int i = e / pk, ch = (e - i * pk) * 4;
         if (i >= nrow) continue;
-        const int src = gi == kGradR ? L.gr : gi == kGradW ? L.w : gi == kGradK ? L.gk : gi == kGradA ? L.ga : L.gb;
-        const float4 f = ld4(sm + src + i * KP + ch);
-        T* const dst = vptr<T>(p.kgd[gi], c.s.b, c.s.bos + t0 + i, c.h, ch);
-        if constexpr (std::is_same<T, float>::value) {
-          *reinterpret_cast<float4*>(dst) = f;
-        } else {
-          const T v[4] = {from_f<T>(f.x), from_f<T>(f.y), from_f<T>(f.z), from_f<T>(f.w)};
-          uint2 raw;
-          memcpy(&raw, v, sizeof(raw));
-          *reinterpret_cast<uint2*>(dst) = raw;
+        const int64_t t = c.s.bos + t0 + i;
+        const int64_t off = c.s.b * g0.sb + t * g0.st + int64_t(c.h) * g0.sh + ch;
+#pragma unroll
+        for (int gi = 0; gi < kNumKGrads; ++gi) {
+          const VecArg& o = p.kgd[gi];
+          const float4 f = ld4(sm + src[gi] + i * KP + ch);
+          T* const dst = static_cast<T*>(const_cast<void*>(o.ptr)) +
+                         (p.kg_same ? off : c.s.b * o.sb + t * o.st + int64_t(c.h) * o.sh + ch);
+          if constexpr (std::is_same<T, float>::value) {
+            *reinterpret_cast<float4*>(dst) = f;
+          } else {
+            const T v[4] = {from_f<T>(f.x), from_f<T>(f.y), from_f<T>(f.z), from_f<T>(f.w)};
+            uint2 raw;
+            memcpy(&raw, v, sizeof(raw));
+            *reinterpret_cast<uint2*>(dst) = raw;
+          }
         }
       }
       return;

@@ -50,7 +50,11 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   // zero-filled slab; a single tile stores straight into the (poisoned) gradients.
   const int tiles = dplr_chunk_tiles(K, V), pair = tiles > 1 ? 2 : 0;
   std::vector<Tensor> kgd;
-  for (int g = 0; g < kNumKGrads; ++g) kgd.push_back(poison(r.sizes(), r.scalar_type()));
+  // dw into a view with its own row stride: the gradient stores' per-output offsets (the op's
+  // outputs share strides: DplrChunkPass::kg_same, covered by the GPU tests)
+  for (int g = 0; g < kNumKGrads; ++g)
+    kgd.push_back(g == kGradW ? poison({B, T, H, 2 * K}, r.scalar_type()).narrow(3, 0, K)
+                              : poison(r.sizes(), r.scalar_type()));
   Tensor kg = torch::zeros({(tiles + 1) / 2, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
          dh0 = poison({N, H, K, V});
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
