@@ -44,6 +44,7 @@ using elements::ld;
 using elements::mptr;
 using elements::to_f;
 using elements::vptr;
+using elements::voff;
 using tile::acc_col;
 using tile::acc_row;
 using tile::warp_mma;
@@ -127,7 +128,6 @@ struct Cta {
   SeqSpan s;
 };
 
-// exp(E_i) = exp(G_{i-1}), 1 on the first row.
 // 16-byte shared reads: rows of K-vectors and tiles and the state rows start 16-byte aligned
 // (Smem), so a reduction along a row reads 4 terms per load instead of 1.
 __device__ __forceinline__ float4 ld4(const float* q) { return *reinterpret_cast<const float4*>(q); }
@@ -140,6 +140,7 @@ __device__ __forceinline__ float4 mul4(const float4& a, const float4& b) {
   return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
 }
 
+// exp(E_i) = exp(G_{i-1}), 1 on the first row.
 __device__ __forceinline__ float eE(const float* sm, const Smem& L, int i, int d) {
   return i ? sm[L.eG + (i - 1) * L.KP + d] : 1.f;
 }
@@ -210,12 +211,10 @@ template <typename T>
 inline void pick_paths(DplrChunkPass& p) {
   p.rows16 = rows16<T>(p);
   p.kg16 = kg16<T>(p);
-  auto same = [&](const VecArg& v) { return v.sb == p.r.sb && v.st == p.r.st && v.sh == p.r.sh && v.sd == p.r.sd; };
-  p.krows_same = same(p.w) && same(p.k) && same(p.a) && same(p.b);
-  const VecArg& g0 = p.kgd[0];
+  auto same = [](const VecArg& u, const VecArg& v) { return u.sb == v.sb && u.st == v.st && u.sh == v.sh && u.sd == v.sd; };
+  p.krows_same = same(p.w, p.r) && same(p.k, p.r) && same(p.a, p.r) && same(p.b, p.r);
   p.kg_same = true;
-  for (int g = 1; g < kNumKGrads; ++g)
-    p.kg_same = p.kg_same && p.kgd[g].sb == g0.sb && p.kgd[g].st == g0.st && p.kgd[g].sh == g0.sh && p.kgd[g].sd == g0.sd;
+  for (int g = 1; g < kNumKGrads; ++g) p.kg_same = p.kg_same && same(p.kgd[g], p.kgd[0]);
 }
 
 // Issues the copies of rows [t0, t0 + nrow) of r, w, k, a, b (rows past nrow zero-filled).
@@ -234,12 +233,11 @@ __device__ void copy_rows_async(float* sm, const Smem& L, const DplrChunkPass& p
     const int i = pk.quot(e), c = (e - i * pk.n) * E;
     const bool on = i < nrow;
     const int64_t t = s.bos + t0 + (on ? i : 0);  // a valid address where zero-filled
-    const int64_t off = s.b * p.r.sb + t * p.r.st + int64_t(h) * p.r.sh + c;
+    const int64_t off = voff(p.r, s.b, t, h, c);
 #pragma unroll
     for (int q = 0; q < 5; ++q) {
       const VecArg& v = *arrays[q];
-      const T* const src =
-          static_cast<const T*>(v.ptr) + (p.krows_same ? off : s.b * v.sb + t * v.st + int64_t(h) * v.sh + c);
+      const T* const src = static_cast<const T*>(v.ptr) + (p.krows_same ? off : voff(v, s.b, t, h, c));
       if (kRawRows<T>) copy16(stage + (q * C + i) * L.K + c, src, on);
       else copy16(sm + L.r + (q * C + i) * L.KP + c, src, on);
     }

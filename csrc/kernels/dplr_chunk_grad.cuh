@@ -424,18 +424,15 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       // (ncu: grad's last region, 9 % of its instructions).
       const int src[kNumKGrads] = {L.gr, L.w, L.gk, L.ga, L.gb};  // in kGrad order: r, w, k, a, b
       static_assert(kGradR == 0 && kGradW == 1 && kGradK == 2 && kGradA == 3 && kGradB == 4, "kGrad order");
-      const VecArg& g0 = p.kgd[0];
       for (int e = threadIdx.x; e < C * pk; e += NT) {
         const int i = e / pk, ch = (e - i * pk) * 4;
         if (i >= nrow) continue;
-        const int64_t t = c.s.bos + t0 + i;
-        const int64_t off = c.s.b * g0.sb + t * g0.st + int64_t(c.h) * g0.sh + ch;
+        const int64_t t = c.s.bos + t0 + i, off = voff(p.kgd[0], c.s.b, t, c.h, ch);
 #pragma unroll
         for (int gi = 0; gi < kNumKGrads; ++gi) {
           const VecArg& o = p.kgd[gi];
           const float4 f = ld4(sm + src[gi] + i * KP + ch);
-          T* const dst = static_cast<T*>(const_cast<void*>(o.ptr)) +
-                         (p.kg_same ? off : c.s.b * o.sb + t * o.st + int64_t(c.h) * o.sh + ch);
+          T* const dst = static_cast<T*>(const_cast<void*>(o.ptr)) + (p.kg_same ? off : voff(o, c.s.b, t, c.h, ch));
           if constexpr (std::is_same<T, float>::value) {
             *reinterpret_cast<float4*>(dst) = f;
           } else {

@@ -18,9 +18,13 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 
+// Element offset of (b, t, h, d) in v: one offset serves several arrays that share strides.
+__device__ __forceinline__ int64_t voff(const VecArg& v, int64_t b, int64_t t, int h, int d) {
+  return b * v.sb + t * v.st + h * v.sh + d * v.sd;
+}
 template <typename T>
 __device__ __forceinline__ T* vptr(const VecArg& v, int64_t b, int64_t t, int h, int d) {
-  return const_cast<T*>(static_cast<const T*>(v.ptr)) + b * v.sb + t * v.st + h * v.sh + d * v.sd;
+  return const_cast<T*>(static_cast<const T*>(v.ptr)) + voff(v, b, t, h, d);
 }
 template <typename T>
 __device__ __forceinline__ float ld(const VecArg& v, int64_t b, int64_t t, int h, int d) {
