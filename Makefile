@@ -10,7 +10,7 @@ export MAX_JOBS
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 
-.PHONY: demo test build pytest cpp-test gpu-check bench clean
+.PHONY: demo test build pytest cpp-test gpu-check bench sanitize clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -43,3 +43,14 @@ bench:
 
 clean:
 	rm -rf build fla_ext/_C*.so *.egg-info
+
+# On a GPU machine (the CUDA toolkit's compute-sanitizer; torch and the built extension in
+# $(PYTHON)): memcheck over every op and case of tests/sanitize.py (each tensor its own allocation,
+# so an access outside one is seen), initcheck over its well-formed cases (outputs not poisoned, so
+# a read of memory no kernel wrote is seen; malformed boundaries leave rows of o unwritten by
+# design), and racecheck (shared memory) on its small set.
+SANITIZER ?= compute-sanitizer
+sanitize:
+	PYTORCH_NO_CUDA_MEMORY_CACHING=1 $(SANITIZER) --tool memcheck --error-exitcode 1 $(PYTHON) tests/sanitize.py --set full
+	PYTORCH_NO_CUDA_MEMORY_CACHING=1 FLA_EXT_POISON=0 $(SANITIZER) --tool initcheck --error-exitcode 1 $(PYTHON) tests/sanitize.py --set valid
+	$(SANITIZER) --tool racecheck --error-exitcode 1 $(PYTHON) tests/sanitize.py --set small

@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .checks import check_cu_seqlens_values, check_finite, checks_enabled, set_checks
+
 __all__ = [
     "chunk_gla",
     "chunk_gsa",
@@ -23,11 +25,16 @@ __all__ = [
 ]
 
 
-def set_checks(enabled: bool = True) -> None:
-    """Turn on value checks that read device memory (non-finite inputs, positive log decays,
-    malformed ``cu_seqlens``). Same as ``FLA_EXT_CHECKS=1``. They synchronise with the host,
-    so leave them off in production and inside CUDA-graph capture."""
-    os.environ["FLA_EXT_CHECKS"] = "1" if enabled else "0"
+def _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, x, head_first) -> None:
+    # fla's cu_seqlens_cpu: the host copy of cu_seqlens, so its values are checked without a
+    # device synchronisation (a CPU cu_seqlens is checked by the op itself on every call).
+    if cu_seqlens_cpu is None:
+        return
+    if cu_seqlens is None:
+        raise ValueError("fla_ext: `cu_seqlens_cpu` was given without `cu_seqlens`")
+    if isinstance(x, torch.Tensor) and x.dim() == 4:
+        check_cu_seqlens_values(cu_seqlens_cpu, x.shape[2 if head_first else 1],
+                                "cu_seqlens_cpu", cu_seqlens)
 
 
 def _require_tensors(**named) -> None:
@@ -57,6 +64,8 @@ def fused_recurrent_rwkv6(
     reverse: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV6 recurrence, step by step (fused recurrent kernel):
 
@@ -72,7 +81,11 @@ def fused_recurrent_rwkv6(
         initial_state: float32 ``[N, H, K, V]``.
         output_final_state: also return the float32 final state ``[N, H, K, V]``.
         reverse: run the recurrence from the last token to the first.
-        cu_seqlens: int64 ``[N + 1]`` sequence boundaries (B must be 1).
+        cu_seqlens: int64 ``[N + 1]`` sequence boundaries (B must be 1): 0, non-decreasing, T
+            last. A CPU one is checked on every call; a CUDA one when ``cu_seqlens_cpu`` (its
+            host copy, fla's keyword) is given or the value checks are on (``set_checks``).
+            Unchecked, malformed boundaries still never make a kernel touch memory outside
+            the tensors (they are clamped into [0, T]), but the result is then meaningless.
         head_first: inputs are ``[B, H, T, D]``.
 
     Returns:
@@ -88,6 +101,7 @@ def fused_recurrent_rwkv6(
         >>> o, ht = fused_recurrent_rwkv6(r, k, v, w, u, output_final_state=True)
     """
     _require_tensors(r=r, k=k, v=v, w=w, u=u)
+    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     o, ht = torch.ops.fla.fused_recurrent_rwkv6(
         r, k, v, w, u, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
     )
@@ -106,6 +120,8 @@ def fused_recurrent_gla(
     reverse: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""Gated linear attention, step by step (fused recurrent kernel), with fla's key-side and
     value-side decays:
@@ -138,6 +154,7 @@ def fused_recurrent_gla(
         _require_tensors(gk=gk)
     if gv is not None:
         _require_tensors(gv=gv)
+    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     o, ht = torch.ops.fla.fused_recurrent_gla(
         q, k, v, gk, gv, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
     )
@@ -155,6 +172,8 @@ def chunk_gla(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""Gated linear attention, chunk-parallel (for training), with a key-side and/or a
     value-side decay:
@@ -191,6 +210,7 @@ def chunk_gla(
         >>> ok, hk = fla_ext.chunk_gla(q, k, s, gv=g, output_final_state=True)  # GSA pass 1
     """
     _require_tensors(q=q, k=k, v=v)
+    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g, gv=gv)
     o, ht = torch.ops.fla.chunk_gla(
         q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, head_first
@@ -209,11 +229,14 @@ def chunk_rwkv6(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV6, chunk-parallel (for training): the same map as :func:`fused_recurrent_rwkv6`
     (exclusive read plus the bonus ``u``), computed chunk by chunk with never-positive decay
     exponents. Arguments and returns as in :func:`fused_recurrent_rwkv6` (no ``reverse``)."""
     _require_tensors(r=r, k=k, v=v, w=w, u=u)
+    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     o, ht = torch.ops.fla.chunk_rwkv6(
         r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, head_first
     )
@@ -233,6 +256,8 @@ def fused_recurrent_rwkv7(
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
     reverse: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV7 recurrence (diagonal plus low rank), step by step (fused recurrent kernel):
 
@@ -271,6 +296,7 @@ def fused_recurrent_rwkv7(
         >>> o, ht = fused_recurrent_rwkv7(r, w, k, v, -kk, kk * iclr, scale=1.0)
     """
     _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
+    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     o, ht = torch.ops.fla.fused_recurrent_rwkv7(
         r, w, k, v, a, b, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
     )
@@ -290,6 +316,8 @@ def fused_mul_recurrent_rwkv7(
     reverse: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV-7 with the low-rank pair formed from ``kk`` and ``a`` (fla's inference entry point):
     :func:`fused_recurrent_rwkv7` with ``a_op = -kk`` and ``b_op = kk * a``, i.e.
@@ -317,9 +345,13 @@ def fused_mul_recurrent_rwkv7(
     if kk.shape != a.shape:
         raise ValueError(f"fla_ext: `kk` {tuple(kk.shape)} and `a` {tuple(a.shape)} must have "
                          "the same shape")
+    if checks_enabled():  # the op below sees -kk and kk * a: check them under the user's names
+        check_finite(kk, "kk")
+        check_finite(a, "a")
     return fused_recurrent_rwkv7(r, w, k, v, -kk, kk * a, scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                 head_first=head_first, reverse=reverse)
+                                 head_first=head_first, reverse=reverse,
+                                 cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def chunk_rwkv7(
@@ -361,15 +393,18 @@ def chunk_rwkv7(
         output_final_state: also return the float32 final state; default ``False``, as in fla.
         cu_seqlens: int64 ``[N + 1]`` sequence boundaries (B must be 1).
         head_first: inputs are ``[B, H, T, D]``.
-        cu_seqlens_cpu, safe_gate, chunk_size, disable_recompute, lower_bound: fla's tuning
-            hints, accepted so that fla call sites run unchanged and ignored: no bound on ``w``
-            is needed here, and the chunk size is the kernel's own.
+        cu_seqlens_cpu: the host copy of a CUDA ``cu_seqlens`` (as in fla): its values are
+            checked without a device synchronisation.
+        safe_gate, chunk_size, disable_recompute, lower_bound: fla's tuning hints, accepted so
+            that fla call sites run unchanged and ignored: no bound on ``w`` is needed here,
+            and the chunk size is the kernel's own.
         cp_context: fla's context parallelism; not supported (must be None).
 
     Returns:
         ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
     """
     _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
+    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     if cp_context is not None:
         raise NotImplementedError("fla_ext: chunk_rwkv7 does not support `cp_context` (context "
                                   "parallelism); pass None")
@@ -423,8 +458,9 @@ def chunk_gsa(
         scale: defaults to ``K ** -0.5``.
         initial_state: None or ``(hk0, hv0)``, float32 ``[N, H, K, M]`` and ``[N, H, M, V]``.
         output_final_state, cu_seqlens, head_first: as in :func:`chunk_gla`.
-        kwargs: fla's ``checkpoint_level``, ``cu_seqlens_cpu`` and ``chunk_size`` are accepted
-            for drop-in use and have no effect (a training forward keeps the float32 softmax and,
+        kwargs: fla's ``cu_seqlens_cpu`` (the host copy of a CUDA ``cu_seqlens``, whose values
+            are then checked); ``checkpoint_level`` and ``chunk_size`` are accepted for drop-in
+            use and have no effect (a training forward keeps the float32 softmax and,
             on CUDA, the passes' chunk-start states and pair matrices).
 
     Returns:
@@ -442,6 +478,7 @@ def chunk_gsa(
     if unknown:
         raise TypeError(f"fla_ext: chunk_gsa() got unexpected keyword arguments {sorted(unknown)}")
     _require_tensors(q=q, k=k, v=v, s=s)
+    _check_host_cu_seqlens(cu_seqlens, kwargs.get("cu_seqlens_cpu"), q, head_first)
     _optional_tensors(g=g)
     hk0, hv0 = _gsa_states(initial_state)
     o, hk, hv = torch.ops.fla.chunk_gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state,
@@ -461,6 +498,8 @@ def fused_recurrent_gsa(
     reverse: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
+    *,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
     r"""Gated Slot Attention step by step (decoding, and the check of :func:`chunk_gsa`): the same
     map and arguments as :func:`chunk_gsa`, plus ``reverse`` (run each sequence backwards in time),
@@ -473,6 +512,7 @@ def fused_recurrent_gsa(
         ...                                           output_final_state=True)  # one decode step
     """
     _require_tensors(q=q, k=k, v=v, s=s)
+    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
     hk0, hv0 = _gsa_states(initial_state)
     o, hk, hv = torch.ops.fla.fused_recurrent_gsa(q, k, v, s, g, scale, hk0, hv0,

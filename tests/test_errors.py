@@ -150,7 +150,7 @@ def test_value_checks(device, op, checks):
     w[0, 4, 1, 2] = -math.inf  # a hard reset is valid
     op(a["r"], a["k"], a["v"], w, a["u"])
     one = good(device, B=1, T=10)
-    for cu, msg in [([0, 4, 3, 10], r"non-decreasing"), ([0, 4, 9], r"must equal T = 10"),
+    for cu, msg in [([0, 4, 3, 10], r"non-decreasing"), ([0, 4, 9], r"must equal the number of rows T = 10"),
                     ([1, 4, 10], r"`cu_seqlens\[0\]` must be 0")]:
         with pytest.raises(ValueError, match=msg):
             op(*one.values(), cu_seqlens=torch.tensor(cu, device=device))

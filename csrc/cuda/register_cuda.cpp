@@ -11,19 +11,29 @@
 
 namespace fla {
 namespace {
+// No sequence or no head: every output is empty (a grid of zero blocks is a launch error).
+template <class Pass>
+bool empty_batch(const Pass& p) {
+  return p.N == 0 || p.H == 0;
+}
+
 void run_cuda(const RecurrentPass& p) {
+  if (empty_batch(p)) return;
   const char* err = recurrent_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA recurrent sweep failed: ", err);
 }
 void run_chunk_cuda(const ChunkPass& p) {
+  if (empty_batch(p)) return;
   const char* err = chunk_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA chunk kernel failed: ", err);
 }
 void run_dplr_cuda(const DplrPass& p) {
+  if (empty_batch(p)) return;
   const char* err = dplr_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA DPLR (RWKV7) kernel failed: ", err);
 }
 void run_dplr_chunk_cuda(const DplrChunkPass& p) {
+  if (empty_batch(p)) return;
   const char* err = dplr_chunk_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA chunk_rwkv7 kernel failed: ", err);
 }

@@ -101,10 +101,14 @@ FLA_HD int64_t chunk_slots(int N, int T, bool varlen) {
 }
 
 // Slot of chunk c of sequence n (its final state: c = number of chunks). With cu_seqlens the
-// offset floor(bos / C) + 2n is monotone and leaves room for ceil(len / C) + 1 slots.
+// offset floor(bos / C) + 2n is monotone and leaves room for ceil(len / C) + 1 slots. The bound
+// needs only bos + len <= T and n < N, which seq_span's clamping guarantees for any cu_seqlens
+// content: floor(bos / C) + ceil(len / C) <= ceil(T / C), so every slot is below chunk_slots.
+// (Unchecked, non-monotone content may make two sequences share slots: wrong values, never an
+// access outside the workspace; slot_sequence's callers skip a chunk index outside [0, nch).)
 template <int C = kChunk>
 FLA_HD int64_t chunk_slot(const int64_t* cu_seqlens, int n, int T, int64_t c) {
-  if (cu_seqlens) return cu_seqlens[n] / C + 2 * int64_t(n) + c;
+  if (cu_seqlens) return seq_boundary(cu_seqlens, n, T) / C + 2 * int64_t(n) + c;
   return int64_t(n) * ((int64_t(T) + C - 1) / C + 1) + c;
 }
 

@@ -120,6 +120,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
   // A key-side pass keeps hst and amat together, a value-side pass hst alone (its amat is of dO).
   const Tensor* hst_kept = kept_workspace(hst_in, state_sizes(a), acc, "hst");
+  if (vside && has(amat_in)) check_device(*amat_in, "amat", q.device());  // unused, same device
   const Tensor* amat_kept = vside ? nullptr : kept_workspace(amat_in, pair_sizes(a), acc, "amat");
   TORCH_CHECK_VALUE(vside || (hst_kept == nullptr) == (amat_kept == nullptr),
                     "fla_ext: `hst` and `amat` come together from the _train op: pass both or neither");
@@ -160,7 +161,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gla_forward(
     const std::optional<Tensor>& gv_, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, bool output_final_state,
     const std::optional<Tensor>& cu_seqlens, bool head_first, bool train, ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(q.device());
+  c10::OptionalDeviceGuard guard(device_of(q, "q"));
   const Tensor g = opt(g_), gv = opt(gv_);
   const auto a =
       check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first, true);
@@ -174,7 +175,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> rwkv6_forward(
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first,
     bool train, ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(r.device());
+  c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   return chunk_forward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, initial_state,
                        output_final_state, train && keeps_workspaces(r), run, false);
@@ -207,7 +208,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gla_bwd(
     const std::optional<Tensor>& initial_state, const std::optional<Tensor>& cu_seqlens,
     bool head_first, const std::optional<Tensor>& hst, const std::optional<Tensor>& amat,
     ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(q.device());
+  c10::OptionalDeviceGuard guard(device_of(q, "q"));
   const Tensor g = opt(g_), gv = opt(gv_);
   const auto a =
       check_diag(q, "q", k, v, g, "g", scale, initial_state, cu_seqlens, head_first, true);
@@ -242,7 +243,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& hst,
     const std::optional<Tensor>& amat, ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(r.device());
+  c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   auto g = chunk_backward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, grad_o,
                           grad_final_state, initial_state, hst, amat, "r", run, false);
@@ -283,18 +284,20 @@ class ChunkGla : public torch::autograd::Function<ChunkGla> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::chunk_gla_bwd", "")
-                         .typed<decltype(chunk_gla_bwd_impl<nullptr>)>();
-    const auto s = ctx->get_saved_variables();
-    const auto f = SweepFlags::load(ctx);
-    // o has q's dtype (float32 for a wide q)
-    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2], s[0].scalar_type());
-    auto [dq, dk, dv, dg, dgv, dh0] =
-        op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
-                some(s[6]), f.head_first, s[7], s[8]);
-    return {dq,       dk,       dv, s[3].defined() ? dg : Tensor(), s[4].defined() ? dgv : Tensor(),
-            Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return first_order_backward("chunk_gla", ctx, grads, [&]() -> variable_list {
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("fla::chunk_gla_bwd", "")
+                           .typed<decltype(chunk_gla_bwd_impl<nullptr>)>();
+      const auto s = ctx->get_saved_variables();
+      const auto f = SweepFlags::load(ctx);
+      // o has q's dtype (float32 for a wide q)
+      Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2], s[0].scalar_type());
+      auto [dq, dk, dv, dg, dgv, dh0] =
+          op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
+                  some(s[6]), f.head_first, s[7], s[8]);
+      return {dq,       dk,       dv, s[3].defined() ? dg : Tensor(), s[4].defined() ? dgv : Tensor(),
+              Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    });
   }
 };
 
@@ -323,17 +326,19 @@ class ChunkRwkv6 : public torch::autograd::Function<ChunkRwkv6> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::chunk_rwkv6_bwd", "")
-                         .typed<decltype(chunk_rwkv6_bwd_impl<nullptr>)>();
-    const auto s = ctx->get_saved_variables();
-    const auto f = SweepFlags::load(ctx);
-    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
-    auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, f.dht(grads),
-                                             f.scale, some(s[5]), some(s[6]), f.head_first,
-                                             s[7], s[8]);
-    return {dr,       dk,       dv,       dw,       du, Tensor(), s[5].defined() ? dh0 : Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor()};
+    return first_order_backward("chunk_rwkv6", ctx, grads, [&]() -> variable_list {
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("fla::chunk_rwkv6_bwd", "")
+                           .typed<decltype(chunk_rwkv6_bwd_impl<nullptr>)>();
+      const auto s = ctx->get_saved_variables();
+      const auto f = SweepFlags::load(ctx);
+      Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
+      auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, f.dht(grads),
+                                               f.scale, some(s[5]), some(s[6]), f.head_first,
+                                               s[7], s[8]);
+      return {dr,       dk,       dv,       dw,       du, Tensor(), s[5].defined() ? dh0 : Tensor(),
+              Tensor(), Tensor(), Tensor(), Tensor()};
+    });
   }
 };
 
@@ -345,6 +350,7 @@ std::tuple<Tensor, Tensor> chunk_gla_autograd(const Tensor& q, const Tensor& k, 
                                               bool output_final_state,
                                               const std::optional<Tensor>& cu_seqlens,
                                               bool head_first) {
+  check_defined({{q, "q"}, {k, "k"}, {v, "v"}});
   auto out = ChunkGla::apply(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
                              head_first, training(q, k, v, g, gv, initial_state));
   return {out[0], out[1]};
@@ -357,6 +363,7 @@ std::tuple<Tensor, Tensor> chunk_rwkv6_autograd(const Tensor& r, const Tensor& k
                                                 bool output_final_state,
                                                 const std::optional<Tensor>& cu_seqlens,
                                                 bool head_first) {
+  check_defined({{r, "r"}, {k, "k"}, {v, "v"}, {w, "w"}, {u, "u"}});
   auto out = ChunkRwkv6::apply(r, k, v, w, u, scale, initial_state, output_final_state,
                                cu_seqlens, head_first, training(r, k, v, w, u, initial_state));
   return {out[0], out[1]};

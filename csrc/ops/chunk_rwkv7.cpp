@@ -75,7 +75,7 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first, bool keep,
     DplrChunkRunner run) {
-  c10::OptionalDeviceGuard guard(r.device());
+  c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
   Tensor o = d.L.empty_like_with_dim(v, d.V, r.scalar_type());
   Tensor hT = new_output({output_final_state ? d.N : 0, d.H, d.K, d.V},
@@ -99,7 +99,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& saved_in,
     DplrChunkRunner run) {
-  c10::OptionalDeviceGuard guard(r.device());
+  c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
   check_activation(grad_o, "grad_o", r, "r");
   TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
@@ -122,6 +122,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   Tensor dv = new_output(v.sizes(), v.options());
   Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
   // Only CUDA keeps them (chunk_rwkv7_train); the CPU engine makes its own.
+  if (has(saved_in)) check_device(*saved_in, "saved", r.device());
   const Tensor* kept = r.is_cuda() && d.T > 0
                            ? kept_workspace(saved_in, {saved_floats(d)}, r.options().dtype(at::kFloat), "saved")
                            : nullptr;
@@ -141,10 +142,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     if (!kept) p.hst = hst.data_ptr();
     p.dhst = dhst.data_ptr(), p.kept = kept != nullptr;
     run(p);
-  } else if (has_h0) {
-    // No rows (every activation pointer null, so the pass would read as a forward): every
-    // sequence is empty and the state gradient passes through.
-    has_dht ? dh0.copy_(*grad_final_state) : dh0.zero_();
+  } else {
+    pass_state_gradient(dh0, grad_final_state);
   }
   auto grad = [&](int g) { return pair ? kgrad_sum(kg, g, r) : kgd[g]; };
   return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
@@ -155,6 +154,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
 namespace {
 
 struct ChunkOps {  // fused_recurrent's argument lists; `reverse` is always false here
+  static constexpr const char* name = "chunk_rwkv7";
   // forward_op: the _train op (it also returns `saved`) when recording.
   static std::tuple<Tensor, Tensor, Tensor> fwd(
       bool train, const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
@@ -186,6 +186,7 @@ std::tuple<Tensor, Tensor> chunk_rwkv7_autograd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  check_defined({{r, "r"}, {w, "w"}, {k, "k"}, {v, "v"}, {a, "a"}, {b, "b"}});
   auto out = Rwkv7Function<ChunkOps>::apply(r, w, k, v, a, b, scale, initial_state,
                                             output_final_state, false, cu_seqlens, head_first,
                                             training(r, w, k, v, a, b, initial_state));

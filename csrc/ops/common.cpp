@@ -1,5 +1,6 @@
 #include "common.h"
 
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -7,10 +8,26 @@
 
 namespace fla::ops {
 
-bool value_checks_enabled() {
-  const char* v = std::getenv("FLA_EXT_CHECKS");
-  return v && v[0] != '\0' && v[0] != '0';
+namespace {
+thread_local int value_checks_done_depth = 0;
+
+bool parse_checks_flag(const char* raw) {
+  std::string v = raw ? raw : "";
+  for (auto& c : v) c = char(std::tolower(static_cast<unsigned char>(c)));
+  if (v.empty() || v == "0" || v == "false" || v == "off" || v == "no") return false;
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  TORCH_CHECK_VALUE(false, "fla_ext: FLA_EXT_CHECKS must be one of 0/1/true/false/on/off/yes/no, ",
+                    "got '", raw, "'");
 }
+}  // namespace
+
+bool value_checks_enabled() {
+  if (value_checks_done_depth > 0) return false;
+  return parse_checks_flag(std::getenv("FLA_EXT_CHECKS"));
+}
+
+ValueChecksDone::ValueChecksDone() { ++value_checks_done_depth; }
+ValueChecksDone::~ValueChecksDone() { --value_checks_done_depth; }
 
 Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   static const bool poison = [] {
@@ -52,6 +69,21 @@ at::ScalarType acc_type(const Tensor& activation) {
   return activation.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+void check_device(const Tensor& t, const char* name, c10::Device device) {
+  TORCH_CHECK(t.device() == device, "fla_ext: `", name, "` is on ", t.device(),
+              " but the inputs are on ", device);
+}
+
+void check_defined(std::initializer_list<std::pair<const Tensor&, const char*>> required) {
+  for (const auto& [t, name] : required)
+    TORCH_CHECK_VALUE(t.defined(), "fla_ext: `", name, "` must be a tensor, got None");
+}
+
+c10::Device device_of(const Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), "fla_ext: `", name, "` must be a tensor, got None");
+  return t.device();
+}
+
 void check_activation(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name) {
   TORCH_CHECK_VALUE(t.defined(), "fla_ext: `", name, "` must be a tensor, got None");
   TORCH_CHECK_VALUE(t.dim() == 4, "fla_ext: `", name, "` must be 4-D, got shape ", shape_str(t));
@@ -66,7 +98,7 @@ void check_activation(const Tensor& t, const char* name, const Tensor& ref, cons
                     ref_name, "` has dtype ", ref.scalar_type(), "; all activations must match");
 }
 
-Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int64_t B) {
+Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int64_t B, int64_t T) {
   if (!cu.has_value() || !cu->defined()) return Tensor();
   const Tensor& c = *cu;
   TORCH_CHECK_VALUE(c.scalar_type() == at::kLong || c.scalar_type() == at::kInt,
@@ -77,7 +109,15 @@ Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int6
   TORCH_CHECK(c.device() == ref.device(), "fla_ext: `cu_seqlens` is on ", c.device(),
               " but the inputs are on ", ref.device());
   TORCH_CHECK_VALUE(B == 1, "fla_ext: with `cu_seqlens` the batch size must be 1, got B = ", B);
-  return c.to(at::kLong).contiguous();
+  TORCH_CHECK_VALUE(c.size(0) - 1 <= std::numeric_limits<int>::max(),
+                    "fla_ext: `cu_seqlens` has too many sequences (", c.size(0) - 1, ")");
+  Tensor c64 = c.to(at::kLong).contiguous();
+  // On the host the values cost nothing to check; on a GPU only when asked (a synchronisation).
+  // Unchecked device boundaries are clamped into [0, T] by the kernels (kernels/sequence.h).
+  // A fake tensor (torch.compile's tracing, FakeTensorMode) has no values to read.
+  const bool fake = c.key_set().has(c10::DispatchKey::Python);
+  if (!fake && (c64.is_cpu() || value_checks_enabled())) check_cu_values(c64, T);
+  return c64;
 }
 
 void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N, int64_t H,
@@ -135,14 +175,12 @@ void check_log_decay(const Tensor& w, const char* name) {
 void check_cu_values(const Tensor& cu, int64_t T) {
   const auto c = cu.cpu();
   const int64_t* p = c.data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(p[0] == 0, "fla_ext: `cu_seqlens[0]` must be 0, got ", p[0],
-                    " (FLA_EXT_CHECKS)");
+  TORCH_CHECK_VALUE(p[0] == 0, "fla_ext: `cu_seqlens[0]` must be 0, got ", p[0]);
   for (int64_t i = 1; i < c.size(0); ++i)
     TORCH_CHECK_VALUE(p[i] >= p[i - 1], "fla_ext: `cu_seqlens` must be non-decreasing, but ",
-                      "cu_seqlens[", i, "] = ", p[i], " < cu_seqlens[", i - 1, "] = ", p[i - 1],
-                      " (FLA_EXT_CHECKS)");
-  TORCH_CHECK_VALUE(p[c.size(0) - 1] == T, "fla_ext: `cu_seqlens[-1]` must equal T = ", T,
-                    ", got ", p[c.size(0) - 1], " (FLA_EXT_CHECKS)");
+                      "cu_seqlens[", i, "] = ", p[i], " < cu_seqlens[", i - 1, "] = ", p[i - 1]);
+  TORCH_CHECK_VALUE(p[c.size(0) - 1] == T, "fla_ext: `cu_seqlens[-1]` must equal the number of ",
+                    "rows T = ", T, ", got ", p[c.size(0) - 1]);
 }
 
 }  // namespace fla::ops
@@ -177,7 +215,7 @@ DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tens
                             (g.defined() ? std::string(", ") + gn : std::string()) + ")";
   check_head_dim(a.K, kname.c_str());
   check_head_dim(a.V, "V (last dim of v)");
-  a.cu = check_cu_seqlens(cu_seqlens, q, a.B);
+  a.cu = check_cu_seqlens(cu_seqlens, q, a.B, a.T);
   a.N = a.cu.defined() ? a.cu.size(0) - 1 : a.B;
   if (has(h0)) check_state(*h0, "initial_state", q, a.N, a.H, a.K, a.V);
   a.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(double(a.K));
@@ -186,7 +224,6 @@ DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tens
     check_finite(q, qn), check_finite(k, "k"), check_finite(v, "v");
     if (g.defined()) check_log_decay(g, gn);
     if (has(h0)) check_finite(*h0, "initial_state");
-    if (a.cu.defined()) check_cu_values(a.cu, a.T);
   }
   return a;
 }
@@ -205,7 +242,10 @@ RecurrentPass base_pass(const DiagArgs& a, const Tensor& k) {
 
 const Tensor* kept_workspace(const std::optional<Tensor>& t, at::IntArrayRef sizes,
                              const at::TensorOptions& opts, const char* name) {
-  if (!has(t) || t->numel() == 0) return nullptr;
+  if (!has(t)) return nullptr;
+  // Even an empty one: a tensor on another device would send the call to that device's kernels.
+  check_device(*t, name, opts.device());
+  if (t->numel() == 0) return nullptr;
   const auto dtype = c10::typeMetaToScalarType(opts.dtype());
   TORCH_CHECK_VALUE(t->sizes() == sizes && t->scalar_type() == dtype &&
                         t->device() == opts.device() && t->is_contiguous(),

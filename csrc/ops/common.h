@@ -2,7 +2,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <initializer_list>
 #include <optional>
+#include <utility>
 #include <string>
 
 #include "../kernels/recurrent.h"
@@ -15,9 +17,20 @@ using Runner = void (*)(const RecurrentPass&);
 // Largest K or V any kernel accepts.
 constexpr int64_t kMaxHeadDim = 256;
 
-// True when FLA_EXT_CHECKS=1 (fla_ext.set_checks writes the variable): enables value checks that
-// read device memory (a host sync, so off by default and never inside CUDA-graph capture).
+// True when FLA_EXT_CHECKS is 1/true/on/yes (fla_ext.set_checks writes the variable; any value
+// outside 0/1/true/false/on/off/yes/no is an error): enables value checks that read device memory
+// (a host sync, so off by default and never inside CUDA-graph capture). False inside a
+// ValueChecksDone scope.
 bool value_checks_enabled();
+// A composite op (GSA) that has value-checked its own arguments under their user-facing names
+// holds one of these while it calls the ops it is made of, so their checks neither repeat nor
+// name internal tensors.
+struct ValueChecksDone {
+  ValueChecksDone();
+  ~ValueChecksDone();
+  ValueChecksDone(const ValueChecksDone&) = delete;
+  ValueChecksDone& operator=(const ValueChecksDone&) = delete;
+};
 
 // Uninitialised outputs; NaN-filled when FLA_EXT_POISON=1 (tests), so unwritten elements show.
 Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& opts);
@@ -59,10 +72,20 @@ DType kernel_dtype(const Tensor& t);
 // States, workspaces and u are float32, or float64 when the activations are float64.
 at::ScalarType acc_type(const Tensor& activation);
 
+// RuntimeError naming `name` unless `t` is on `device` (the inputs' device).
+void check_device(const Tensor& t, const char* name, c10::Device device);
+// ValueError naming the first undefined (None) tensor among the op's required arguments; the
+// autograd Functions cannot even record one.
+void check_defined(std::initializer_list<std::pair<const Tensor&, const char*>> required);
+// The device of the op's first activation, for its device guard; ValueError naming `name` when it
+// is None (a raw torch.ops.fla call may pass one).
+c10::Device device_of(const Tensor& t, const char* name);
 // Throws ValueError/RuntimeError naming `name` unless `t` is a 4-D floating activation on `dev`.
 void check_activation(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name);
 // Checks cu_seqlens (1-D integer, >= 2 entries, same device, B == 1) and returns it as int64.
-Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int64_t B);
+// Its values (0 first, non-decreasing, T last) are checked when it is on the CPU, or with value
+// checks on.
+Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int64_t B, int64_t T);
 // Checks a state [N, H, R, C] of the acc type of `ref`.
 void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N, int64_t H,
                  int64_t R, int64_t C, const char* dims = "[N, H, K, V]");
@@ -74,7 +97,7 @@ void check_same_shape(const Tensor& t, const char* name, const Tensor& ref, cons
 // FLA_EXT_CHECKS value checks (they read device memory).
 void check_finite(const Tensor& t, const char* name);
 void check_log_decay(const Tensor& w, const char* name);  // no NaN, <= 0 (-inf allowed)
-void check_cu_values(const Tensor& cu, int64_t T);
+void check_cu_values(const Tensor& cu, int64_t T);  // int64 cu_seqlens, on any device
 
 std::string shape_str(const Tensor& t);
 

@@ -44,7 +44,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_gla_fwd(
     const std::optional<Tensor>& gv, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, bool output_final_state, bool reverse,
     const std::optional<Tensor>& cu_seqlens, bool head_first, Runner run) {
-  c10::OptionalDeviceGuard guard(q.device());
+  c10::OptionalDeviceGuard guard(device_of(q, "q"));
   const Tensor g = opt(gk), gvt = opt(gv);
   const auto a = check_gla(q, k, v, g, gvt, scale, initial_state, cu_seqlens, head_first);
   const Layout& L = a.L;
@@ -70,7 +70,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
     const std::optional<Tensor>& grad_final_state, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, bool reverse,
     const std::optional<Tensor>& cu_seqlens, bool head_first, Runner run) {
-  c10::OptionalDeviceGuard guard(q.device());
+  c10::OptionalDeviceGuard guard(device_of(q, "q"));
   const Tensor g = opt(gk), gvt = opt(gv);
   const auto a = check_gla(q, k, v, g, gvt, scale, initial_state, cu_seqlens, head_first);
   const Layout& L = a.L;
@@ -194,18 +194,20 @@ class FusedRecurrentGla : public torch::autograd::Function<FusedRecurrentGla> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::fused_recurrent_gla_bwd", "")
-                         .typed<decltype(fused_recurrent_gla_bwd_impl<nullptr>)>();
-    const auto s = ctx->get_saved_variables();
-    const auto f = SweepFlags::load(ctx);
-    // o has q's dtype (float32 for a wide q)
-    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2], s[0].scalar_type());
-    auto [dq, dk, dv, dgk, dgv, dh0] =
-        op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
-                f.reverse, some(s[6]), f.head_first);
-    return {dq, dk, dv, s[3].defined() ? dgk : Tensor(), s[4].defined() ? dgv : Tensor(),
-            Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return first_order_backward("fused_recurrent_gla", ctx, grads, [&]() -> variable_list {
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("fla::fused_recurrent_gla_bwd", "")
+                           .typed<decltype(fused_recurrent_gla_bwd_impl<nullptr>)>();
+      const auto s = ctx->get_saved_variables();
+      const auto f = SweepFlags::load(ctx);
+      // o has q's dtype (float32 for a wide q)
+      Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2], s[0].scalar_type());
+      auto [dq, dk, dv, dgk, dgv, dh0] =
+          op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
+                  f.reverse, some(s[6]), f.head_first);
+      return {dq, dk, dv, s[3].defined() ? dgk : Tensor(), s[4].defined() ? dgv : Tensor(),
+              Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    });
   }
 };
 
@@ -214,6 +216,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_gla_autograd(
     const std::optional<Tensor>& gv, std::optional<double> scale,
     const std::optional<Tensor>& initial_state, bool output_final_state, bool reverse,
     const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  check_defined({{q, "q"}, {k, "k"}, {v, "v"}});
   auto out = FusedRecurrentGla::apply(q, k, v, gk, gv, scale, initial_state, output_final_state,
                                       reverse, cu_seqlens, head_first);
   return {out[0], out[1]};

@@ -44,7 +44,7 @@ GsaArgs check_gsa(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   check_head_dim(a.K, "K (last dim of q, k)");
   check_head_dim(a.V, "V (last dim of v)");
   check_head_dim(a.M, "M (last dim of s, g: the slots)");
-  a.cu = check_cu_seqlens(cu_seqlens, q, a.B);
+  a.cu = check_cu_seqlens(cu_seqlens, q, a.B, a.T);
   a.N = a.cu.defined() ? a.cu.size(0) - 1 : a.B;
   if (has(hk0)) check_state(*hk0, "initial_state[0] (hk0)", q, a.N, a.H, a.K, a.M, "[N, H, K, M]");
   if (has(hv0)) check_state(*hv0, "initial_state[1] (hv0)", q, a.N, a.H, a.M, a.V, "[N, H, M, V]");
@@ -70,6 +70,7 @@ std::pair<Tensor, Tensor> additive_gate(const Tensor& s, const GsaArgs& a, at::S
     std::tie(sk, g) = a.T ? one(x) : std::pair{x, x};
   } else {  // per sequence: the running sum restarts at each start (reads cu_seqlens on the host)
     const Tensor cu = a.cu.cpu();
+    check_cu_values(cu, a.T);  // read on the host anyway: checked at no extra cost
     const int64_t* c = cu.data_ptr<int64_t>();
     std::vector<Tensor> ss, gs;
     for (int64_t n = 0; n < a.N; ++n)
@@ -102,6 +103,8 @@ std::tuple<Tensor, Tensor, Tensor> gsa(const Tensor& q, const Tensor& k_, const 
                                        Core core) {
   const Tensor g0 = has(g_) ? *g_ : Tensor();
   const GsaArgs a = check_gsa(q, k_, v_, s_, g0, scale, hk0, hv0, cu_seqlens, head_first);
+  if (value_checks_enabled()) check_gsa_values(q, k_, v_, s_, g0, hk0, hv0);
+  ValueChecksDone checked;  // the passes' own checks would name internal tensors (p, gv)
   Tensor s = s_, g = g0;
   if (!g.defined()) std::tie(s, g) = additive_gate(s_, a, k_.scalar_type());
   const int64_t G = a.HQ / a.H, hd = head_first ? 1 : 2;
@@ -151,6 +154,15 @@ std::tuple<Tensor, Tensor, Tensor> fused_recurrent_gsa(
 }
 
 }  // namespace
+
+void check_gsa_values(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& s,
+                      const Tensor& g, const std::optional<Tensor>& hk0,
+                      const std::optional<Tensor>& hv0) {
+  check_finite(q, "q"), check_finite(k, "k"), check_finite(v, "v"), check_finite(s, "s");
+  if (g.defined()) check_log_decay(g, "g");
+  if (has(hk0)) check_finite(*hk0, "initial_state[0] (hk0)");
+  if (has(hv0)) check_finite(*hv0, "initial_state[1] (hv0)");
+}
 
 TORCH_LIBRARY_IMPL(fla, CompositeImplicitAutograd, m) {
   m.impl("chunk_gsa", &chunk_gsa);

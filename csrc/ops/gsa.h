@@ -10,6 +10,12 @@
 
 namespace fla::ops {
 
+// FLA_EXT_CHECKS value checks of GSA's arguments under their user-facing names (g: a log decay;
+// g may be undefined), all before either pass runs.
+void check_gsa_values(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& s,
+                      const Tensor& g, const std::optional<Tensor>& hk0,
+                      const std::optional<Tensor>& hv0);
+
 // (o, hk, hv, p, hst1, hst2, amat2): p is the float32 softmax (empty unless `train`), the rest
 // the passes' kept workspaces (empty where the backend keeps none).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_core_train(

@@ -35,7 +35,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
     std::optional<double> scale, const std::optional<Tensor>& hk0,
     const std::optional<Tensor>& hv0, bool output_final_state,
     const std::optional<Tensor>& cu_seqlens, bool head_first, bool train, ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(q.device());
+  c10::OptionalDeviceGuard guard(device_of(q, "q"));
+  if (value_checks_enabled()) check_gsa_values(q, k, v, s, g, hk0, hv0);
+  ValueChecksDone checked;  // the passes' own checks would name internal tensors (p, gv)
   const DiagArgs a1 = pass1_args(q, k, s, g, scale, hk0, cu_seqlens, head_first);
   const bool keep = train && keeps_workspaces(q);
   auto [ok, hk, hst1, amat1] = chunk_forward(a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(),
@@ -55,8 +57,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
     const std::optional<Tensor>& hk0, const std::optional<Tensor>& hv0,
     const std::optional<Tensor>& cu_seqlens, bool head_first, const std::optional<Tensor>& hst1,
     const std::optional<Tensor>& hst2, const std::optional<Tensor>& amat2, ChunkRunner run) {
-  c10::OptionalDeviceGuard guard(q.device());
+  c10::OptionalDeviceGuard guard(device_of(q, "q"));
   const DiagArgs a1 = pass1_args(q, k, s, g, scale, hk0, cu_seqlens, head_first);
+  check_defined({{p, "p"}});
+  check_device(p, "p", q.device());
   TORCH_CHECK_VALUE(p.scalar_type() == acc_type(q) && p.sizes() == s.sizes(),
                     "fla_ext: `p` must be the ", acc_type(q), " softmax ", shape_str(s),
                     " returned by chunk_gsa_core_train, got ", p.scalar_type(), " ", shape_str(p));
@@ -102,23 +106,25 @@ class ChunkGsaCore : public torch::autograd::Function<ChunkGsaCore> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::chunk_gsa_core_bwd", "")
-                         .typed<decltype(chunk_gsa_core_bwd_impl<nullptr>)>();
-    const auto x = ctx->get_saved_variables();
-    const auto f = SweepFlags::load(ctx);
-    const Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(x[2]);
-    auto state_grad = [&](int i) {
-      return f.has_ht && grads[i].defined() ? std::optional<Tensor>(grads[i]) : std::nullopt;
-    };
-    auto [dq, dk, dv, ds, dg, dhk0, dhv0] =
-        op.call(x[0], x[1], x[2], x[3], x[4], x[8], go, state_grad(1), state_grad(2), f.scale,
-                some(x[5]), some(x[6]), some(x[7]), f.head_first, some(x[9]), some(x[10]),
-                some(x[11]));
-    return {dq,       dk,       dv,
-            ds,       dg,       Tensor(),
-            x[5].defined() ? dhk0 : Tensor(), x[6].defined() ? dhv0 : Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor()};
+    return first_order_backward("chunk_gsa", ctx, grads, [&]() -> variable_list {
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("fla::chunk_gsa_core_bwd", "")
+                           .typed<decltype(chunk_gsa_core_bwd_impl<nullptr>)>();
+      const auto x = ctx->get_saved_variables();
+      const auto f = SweepFlags::load(ctx);
+      const Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(x[2]);
+      auto state_grad = [&](int i) {
+        return f.has_ht && grads[i].defined() ? std::optional<Tensor>(grads[i]) : std::nullopt;
+      };
+      auto [dq, dk, dv, ds, dg, dhk0, dhv0] =
+          op.call(x[0], x[1], x[2], x[3], x[4], x[8], go, state_grad(1), state_grad(2), f.scale,
+                  some(x[5]), some(x[6]), some(x[7]), f.head_first, some(x[9]), some(x[10]),
+                  some(x[11]));
+      return {dq,       dk,       dv,
+              ds,       dg,       Tensor(),
+              x[5].defined() ? dhk0 : Tensor(), x[6].defined() ? dhv0 : Tensor(),
+              Tensor(), Tensor(), Tensor(), Tensor()};
+    });
   }
 };
 
@@ -127,6 +133,7 @@ std::tuple<Tensor, Tensor, Tensor> chunk_gsa_core_autograd(
     std::optional<double> scale, const std::optional<Tensor>& hk0,
     const std::optional<Tensor>& hv0, bool output_final_state,
     const std::optional<Tensor>& cu_seqlens, bool head_first) {
+  check_defined({{q, "q"}, {k, "k"}, {v, "v"}, {s, "s"}, {g, "g"}});
   auto out = ChunkGsaCore::apply(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
                                  head_first, training(q, k, v, s, g, hk0, hv0));
   return {out[0], out[1], out[2]};

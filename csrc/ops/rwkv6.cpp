@@ -54,7 +54,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_fwd(
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
     bool head_first, Runner run) {
-  c10::OptionalDeviceGuard guard(r.device());
+  c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   const Layout& L = a.L;
   Tensor o = L.empty_like_with_dim(v, a.V, r.scalar_type());
@@ -77,7 +77,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
     const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
     std::optional<double> scale, const std::optional<Tensor>& initial_state, bool reverse,
     const std::optional<Tensor>& cu_seqlens, bool head_first, Runner run) {
-  c10::OptionalDeviceGuard guard(r.device());
+  c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   const Layout& L = a.L;
   check_activation(grad_o, "grad_o", r, "r");
@@ -166,17 +166,19 @@ class FusedRecurrentRwkv6 : public torch::autograd::Function<FusedRecurrentRwkv6
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::fused_recurrent_rwkv6_bwd", "")
-                         .typed<decltype(fused_recurrent_rwkv6_bwd_impl<nullptr>)>();
-    const auto s = ctx->get_saved_variables();
-    const auto f = SweepFlags::load(ctx);
-    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
-    auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, f.dht(grads),
-                                             f.scale, some(s[5]), f.reverse, some(s[6]),
-                                             f.head_first);
-    return {dr, dk, dv, dw, du, Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor()};
+    return first_order_backward("fused_recurrent_rwkv6", ctx, grads, [&]() -> variable_list {
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("fla::fused_recurrent_rwkv6_bwd", "")
+                           .typed<decltype(fused_recurrent_rwkv6_bwd_impl<nullptr>)>();
+      const auto s = ctx->get_saved_variables();
+      const auto f = SweepFlags::load(ctx);
+      Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
+      auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, f.dht(grads),
+                                               f.scale, some(s[5]), f.reverse, some(s[6]),
+                                               f.head_first);
+      return {dr, dk, dv, dw, du, Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(),
+              Tensor()};
+    });
   }
 };
 
@@ -185,6 +187,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_autograd(
     std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
     bool head_first) {
+  check_defined({{r, "r"}, {k, "k"}, {v, "v"}, {w, "w"}, {u, "u"}});
   auto out = FusedRecurrentRwkv6::apply(r, k, v, w, u, scale, initial_state, output_final_state,
                                         reverse, cu_seqlens, head_first);
   return {out[0], out[1]};

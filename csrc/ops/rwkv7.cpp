@@ -21,6 +21,11 @@ Tensor kgrad_sum(const Tensor& kg, int g, const Tensor& r) {
   return at::add_out(out, head, parts[n - 1]);
 }
 
+void pass_state_gradient(Tensor& dh0, const std::optional<Tensor>& grad_final_state) {
+  if (dh0.numel() == 0) return;
+  has(grad_final_state) ? dh0.copy_(*grad_final_state) : dh0.zero_();
+}
+
 DiagArgs check_rwkv7(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
                      const Tensor& a, const Tensor& b, std::optional<double> scale,
                      const std::optional<Tensor>& h0, const std::optional<Tensor>& cu_seqlens,
@@ -65,7 +70,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv7_fwd(
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
     bool head_first, DplrRunner run) {
-  c10::OptionalDeviceGuard guard(r.device());
+  c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
   Tensor o = d.L.empty_like_with_dim(v, d.V, r.scalar_type());
   Tensor hT = new_output({output_final_state ? d.N : 0, d.H, d.K, d.V},
@@ -82,7 +87,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
     const Tensor& b, const Tensor& grad_o, const std::optional<Tensor>& grad_final_state,
     std::optional<double> scale, const std::optional<Tensor>& initial_state, bool reverse,
     const std::optional<Tensor>& cu_seqlens, bool head_first, DplrRunner run) {
-  c10::OptionalDeviceGuard guard(r.device());
+  c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
   check_activation(grad_o, "grad_o", r, "r");
   TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
@@ -107,7 +112,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
   if (has_h0) p.dh0 = mat(dh0);
   p.kg = d.L.vec(kg[0][0]), p.kg_tile = kg.stride(0), p.kg_grad = kg.stride(1);
   p.chk = chk.data_ptr(), p.seg = seg.data_ptr();
-  run(p);
+  if (d.T > 0) run(p);
+  else pass_state_gradient(dh0, grad_final_state);
 
   auto grad = [&](int g) { return kgrad_sum(kg, g, r); };
   return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
@@ -118,6 +124,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
 namespace {
 
 struct FusedOps {  // keeps no workspace: the backward reruns the forward sweep (checkpoints)
+  static constexpr const char* name = "fused_recurrent_rwkv7";
   template <class... A>
   static std::tuple<Tensor, Tensor, Tensor> fwd(bool /*train*/, A&&... args) {
     static auto op = c10::Dispatcher::singleton()
@@ -143,6 +150,7 @@ std::tuple<Tensor, Tensor> fused_recurrent_rwkv7_autograd(
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
     bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
     bool head_first) {
+  check_defined({{r, "r"}, {w, "w"}, {k, "k"}, {v, "v"}, {a, "a"}, {b, "b"}});
   auto out = Rwkv7Function<FusedOps>::apply(r, w, k, v, a, b, scale, initial_state,
                                             output_final_state, reverse, cu_seqlens, head_first,
                                             false);

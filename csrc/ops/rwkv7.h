@@ -19,6 +19,10 @@ using DplrChunkRunner = void (*)(const DplrChunkPass&);
 // either RWKV7 backward: the slabs added in fp32 and rounded once to r's dtype.
 Tensor kgrad_sum(const Tensor& kg, int g, const Tensor& r);
 
+// The backward of a call without rows (T = 0: every sequence empty): no pass runs (an empty grad_o
+// has no data pointer, so a pass would read as a forward) and dh0 = dht, or 0 without one.
+void pass_state_gradient(Tensor& dh0, const std::optional<Tensor>& grad_final_state);
+
 // Shapes, dtypes, devices of (r, w, k, v, a, b, h0, cu_seqlens) and, with FLA_EXT_CHECKS, their
 // values (w a log decay <= 0, the rest finite).
 DiagArgs check_rwkv7(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,

@@ -33,16 +33,18 @@ class Rwkv7Function : public torch::autograd::Function<Rwkv7Function<Ops>> {
   }
 
   static List backward(Ctx* ctx, List grads) {
-    const auto s = ctx->get_saved_variables();
-    const auto f = SweepFlags::load(ctx);
-    Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
-    auto [dr, dw, dk, dv, da, db, dh0] = Ops::bwd(s[0], s[1], s[2], s[3], s[4], s[5], go,
-                                                  f.dht(grads), f.scale, some(s[6]), f.reverse,
-                                                  some(s[7]), f.head_first, s[8]);
-    // One entry per forward argument: r .. b, scale, initial_state, output_final_state, reverse,
-    // cu_seqlens, head_first, train.
-    return {dr, dw, dk, dv, da, db, Tensor(), s[6].defined() ? dh0 : Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return first_order_backward(Ops::name, ctx, grads, [&]() -> List {
+      const auto s = ctx->get_saved_variables();
+      const auto f = SweepFlags::load(ctx);
+      Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
+      auto [dr, dw, dk, dv, da, db, dh0] = Ops::bwd(s[0], s[1], s[2], s[3], s[4], s[5], go,
+                                                    f.dht(grads), f.scale, some(s[6]), f.reverse,
+                                                    some(s[7]), f.head_first, s[8]);
+      // One entry per forward argument: r .. b, scale, initial_state, output_final_state, reverse,
+      // cu_seqlens, head_first, train.
+      return {dr, dw, dk, dv, da, db, Tensor(), s[6].defined() ? dh0 : Tensor(),
+              Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    });
   }
 };
 
