@@ -51,7 +51,8 @@ class Cache:
 
 
 def layer_cache(cache: Optional["Cache"], layer_idx: Optional[int]) -> Optional[Dict[str, Any]]:
-    """This layer's entry of `cache`, or None (no cache, or nothing stored for it yet)."""
-    if cache is None or len(cache) <= (layer_idx or 0):
+    """This layer's entry of `cache`, or None (no cache, or nothing stored for it yet). The
+    layers reject a cache without a layer_idx before coming here (layers/checks.py)."""
+    if cache is None or layer_idx is None or len(cache) <= layer_idx:
         return None
-    return cache[layer_idx or 0]
+    return cache[layer_idx]

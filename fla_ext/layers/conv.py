@@ -10,6 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checks import check_cu_seqlens, check_mask_dtype, require_floating, require_tensor
+from .padding import kept_tokens
+
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     # bf16/fp16 inputs are summed in fp32 and rounded once, as fla's kernel does
@@ -44,10 +47,15 @@ class ShortConvolution(nn.Conv1d):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
                 mask: Optional[torch.Tensor] = None, cache: Optional[torch.Tensor] = None,
                 output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                *, cu_seqlens_cpu: Optional[torch.Tensor] = None,
                 **kwargs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x [B, T, D] (or [B, T, ...] flattening to D; B = 1 with cu_seqlens), mask [B, T] 0/1,
-        cache [N, D, W] -> (y like x, final cache [N, D, W] or None). Unlike fla, neither x nor
-        the cache is modified in place."""
+        """x [B, T, D] (or [B, T, ...] flattening to D; B = 1 with cu_seqlens), mask [B, T] bool or
+        integer (nonzero = a kept token; a padded token enters the conv as 0), cache [N, D, W]
+        -> (y like x, final cache [N, D, W] or None). cu_seqlens [N + 1] is checked before it
+        indexes anything (as in the layers: always on the CPU, through ``cu_seqlens_cpu``, its
+        host copy, or with the value checks on). Unlike fla, neither x nor the cache is
+        modified in place."""
+        require_floating(self, "x", x)
         shape, D, W = x.shape, self.hidden_size, self.kernel_size[0]
         if x.dim() < 3:
             raise ValueError(f"fla_ext: ShortConvolution x must be [B, T, D], got {tuple(shape)}")
@@ -56,23 +64,20 @@ class ShortConvolution(nn.Conv1d):
             raise ValueError(f"fla_ext: ShortConvolution x has {x.shape[-1]} features, "
                              f"expected hidden_size {D}")
         B, T = x.shape[:2]
-        if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"fla_ext: ShortConvolution with cu_seqlens needs B = 1, got {B}")
-            if mask is not None:
-                raise ValueError("fla_ext: ShortConvolution takes `mask` or `cu_seqlens`, not both")
-            if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-                raise ValueError("fla_ext: ShortConvolution cu_seqlens must be a 1-D integer "
-                                 "tensor")
+        check_cu_seqlens(self, cu_seqlens, cu_seqlens_cpu, x)
+        if cu_seqlens is not None and mask is not None:
+            raise ValueError("fla_ext: ShortConvolution takes `mask` or `cu_seqlens`, not both")
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if cache is not None and tuple(cache.shape) != (N, D, W):
             raise ValueError(f"fla_ext: ShortConvolution cache must be [N, D, W] = {(N, D, W)}, "
                              f"got {tuple(cache.shape)}")
         if mask is not None:
+            require_tensor(self, "mask", mask)
             if tuple(mask.shape) != (B, T):
                 raise ValueError(f"fla_ext: ShortConvolution mask must be [B, T] = {(B, T)}, "
                                  f"got {tuple(mask.shape)}")
-            x = x * mask.unsqueeze(-1).to(x.dtype)
+            check_mask_dtype(self, "mask", mask)
+            x = x * kept_tokens(mask, T).unsqueeze(-1).to(x.dtype)
         if cu_seqlens is None and T == 1 and cache is not None:
             y, state = self.step(x, cache)
         else:
@@ -140,7 +145,8 @@ def add_qkv_convs(layer: nn.Module, q_dim: int, k_dim: int, v_dim: int, conv_siz
         setattr(layer, name, ShortConvolution(dim, conv_size, bias=conv_bias, activation="silu"))
 
 
-def project_qkv(layer: nn.Module, x: torch.Tensor, last, use_cache, cu_seqlens):
+def project_qkv(layer: nn.Module, x: torch.Tensor, last, use_cache, cu_seqlens,
+                cu_seqlens_cpu=None):
     """The q, k, v projections of x, through the layer's short convolutions when it has them
     (fla: before any feature map; the gates read x itself), split into heads: q
     [.., num_heads, head_k_dim], k [.., num_kv_heads, head_k_dim], v [.., num_kv_heads,
@@ -150,7 +156,8 @@ def project_qkv(layer: nn.Module, x: torch.Tensor, last, use_cache, cu_seqlens):
     if layer.use_short_conv:
         caches = (last or {}).get("conv_state") or (None, None, None)
         convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
-        out = [conv(t, cache=c, output_final_state=bool(use_cache), cu_seqlens=cu_seqlens)
+        out = [conv(t, cache=c, output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
+                    cu_seqlens_cpu=cu_seqlens_cpu)
                for conv, t, c in zip(convs, (q, k, v), caches)]
         (q, cq), (k, ck), (v, cv) = out
         conv_state = (cq, ck, cv) if use_cache else None

@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_gla, fused_recurrent_gla
-from .cache import Cache, layer_cache
+from .cache import Cache
+from .checks import check_forward
 from .conv import add_qkv_convs, project_qkv
 from .norm import RMSNorm
 from .padding import repad, unpad_inputs
@@ -82,12 +83,22 @@ class GatedLinearAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[Cache] = None, use_cache: Optional[bool] = False,
                 output_attentions: Optional[bool] = False, **kwargs):
+        """hidden_states [B, T, hidden_size] -> (o like it, None, past_key_values).
+
+        attention_mask: bool or integer [B, T'] (T' >= T; its last T columns are used), nonzero
+        = a kept token. The kept tokens of each row, in order, are its sequence: padded tokens
+        are removed (left, right or inside a row) and get a zero output.
+        kwargs ``cu_seqlens`` [N + 1] (B = 1: N sequences packed along T; it wins over a mask)
+        and fla's ``cu_seqlens_cpu`` (its host copy: values checked without a device sync).
+        A cache (past_key_values) needs layer_idx and belongs to one batch of N sequences.
+        Every input is checked first (layers/checks.py)."""
+        cu_seqlens, cu_seqlens_cpu = kwargs.get("cu_seqlens"), kwargs.get("cu_seqlens_cpu")
+        last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
+                             cu_seqlens_cpu, left_padded=False)
         B, T, _ = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
-        last = layer_cache(past_key_values, self.layer_idx)
-        x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask,
-                                              kwargs.get("cu_seqlens"))
-        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens)
+        x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask, cu_seqlens)
+        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens, cu_seqlens_cpu)
         gk = self.gk_proj(x).unflatten(-1, (self.num_kv_heads, self.head_k_dim))
         if self.num_kv_groups > 1:  # kv head i feeds query heads i*g .. i*g+g-1 (as fla)
             k, v, gk = (t.repeat_interleave(self.num_kv_groups, 2) for t in (k, v, gk))
@@ -97,7 +108,8 @@ class GatedLinearAttention(nn.Module):
         if self.feature_map_fn is not None:
             q, k = self.feature_map_fn(q), self.feature_map_fn(k)
         state = last["recurrent_state"] if last else None
-        kw = dict(initial_state=state, output_final_state=bool(use_cache), cu_seqlens=cu_seqlens)
+        kw = dict(initial_state=state, output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
+                  cu_seqlens_cpu=cu_seqlens_cpu)
         if mode == "fused_recurrent":
             o, ht = fused_recurrent_gla(q, k, v, gk=gk, **kw)
         else:

@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_gsa, fused_recurrent_gsa
-from .cache import Cache, layer_cache
+from .cache import Cache
+from .checks import check_forward
 from .conv import add_qkv_convs, project_qkv
 from .norm import RMSNorm
 from .padding import repad, unpad_inputs
@@ -91,13 +92,16 @@ class GatedSlotAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[Cache] = None, use_cache: Optional[bool] = False,
                 output_attentions: Optional[bool] = False, **kwargs):
+        """As :meth:`GatedLinearAttention.forward` (the same mask, cu_seqlens and cache rules:
+        padded tokens are removed, wherever they are)."""
+        cu_seqlens, cu_seqlens_cpu = kwargs.get("cu_seqlens"), kwargs.get("cu_seqlens_cpu")
+        last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
+                             cu_seqlens_cpu, left_padded=False)
         B, T, _ = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
-        last = layer_cache(past_key_values, self.layer_idx)
-        x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask,
-                                              kwargs.get("cu_seqlens"))
+        x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask, cu_seqlens)
 
-        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens)
+        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens, cu_seqlens_cpu)
         f = self.f_proj(x)
         f = f.unflatten(-1, (self.num_kv_heads, self.num_slots))
         q, k = self.feature_map(q), self.feature_map(k)
@@ -109,7 +113,8 @@ class GatedSlotAttention(nn.Module):
         op = chunk_gsa if mode == "chunk" else fused_recurrent_gsa
         o, (hk, hv) = op(q, k, v, s, f, scale=self.scale,
                          initial_state=tuple(state) if state is not None else None,
-                         output_final_state=bool(use_cache), cu_seqlens=cu_seqlens)
+                         output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
+                         cu_seqlens_cpu=cu_seqlens_cpu)
         if past_key_values is not None:
             past_key_values.update(self.layer_idx, recurrent_state=(hk, hv) if use_cache else None,
                                    conv_state=conv_state, offset=T)

@@ -1,18 +1,23 @@
-"""Left-padded batches as varlen ones: a 2-D 0/1 ``attention_mask`` [B, T] becomes the packed rows
-and ``cu_seqlens`` the ops take, and back."""
+"""Padded batches as varlen ones: a 2-D ``attention_mask`` [B, >= T] becomes the packed rows and
+``cu_seqlens`` the ops take, and back. Any nonzero mask value is a kept token (checks.py says what
+a mask may be; the layers check it before coming here)."""
 from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 
 
+def kept_tokens(mask: torch.Tensor, T: int) -> torch.Tensor:
+    """The bool [B, T] of the tokens kept by `mask` [B, >= T]: its last T columns, nonzero =
+    kept (one reading for every layer, so a value like 2 never scales a token)."""
+    return mask[:, mask.shape[1] - T:].bool()  # (not [:, -T:], which is every column at T = 0)
+
+
 def unpad(x: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, ...], mask [B, >= T] (its last T columns are used) -> (x [1, n, ...] of the kept
     rows, indices [n] into the flattened [B*T], cu_seqlens [B+1] int64)."""
-    if mask.dim() != 2:
-        raise ValueError(f"fla_ext: `attention_mask` must be 2-D [B, T] of 0/1, got {tuple(mask.shape)}")
     B, T = x.shape[:2]
-    keep = mask[:, -T:].bool()
+    keep = kept_tokens(mask, T)
     indices = keep.flatten().nonzero(as_tuple=True)[0]
     cu = F.pad(keep.sum(1).cumsum(0), (1, 0)).to(torch.int64)
     return x.flatten(0, 1).index_select(0, indices).unsqueeze(0), indices, cu

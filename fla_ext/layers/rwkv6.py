@@ -15,9 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_rwkv6, fused_recurrent_rwkv6
-from .cache import Cache, layer_cache
+from .cache import Cache
+from .checks import check_forward
 from .init import rwkv_orthogonal_
 from .lora import LoRA
+from .padding import kept_tokens
 from .shift import token_shift
 
 
@@ -124,14 +126,24 @@ class RWKV6Attention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[Cache] = None, use_cache: Optional[bool] = False,
                 output_attentions: Optional[bool] = False, cu_seqlens=None, **kwargs):
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError("fla_ext: `attention_mask` must be 2-D [B, T] of 0/1 (left padding)")
+        """hidden_states [B, T, hidden_size] -> (o like it, None, past_key_values).
+
+        attention_mask: bool or integer [B, T'] (T' >= T; its last T columns are used), nonzero
+        = a kept token, and left padding only (each row 0...0 1...1, checked on a CPU mask or
+        with the value checks on): padded tokens are zeroed, not removed, so they must come
+        before a sequence's first token. cu_seqlens [N + 1] packs N sequences along T (B = 1);
+        kwargs ``cu_seqlens_cpu`` is its host copy (values checked without a device sync).
+        A cache (past_key_values) needs layer_idx and belongs to one batch of N sequences.
+        Every input is checked first (layers/checks.py)."""
+        cu_seqlens_cpu = kwargs.get("cu_seqlens_cpu")
+        last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
+                             cu_seqlens_cpu, left_padded=True)
         B, T, C = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
-        last = layer_cache(past_key_values, self.layer_idx)
         x = hidden_states
         if attention_mask is not None:
-            x = x * attention_mask[:, -T:, None].to(x.dtype)
+            keep = kept_tokens(attention_mask, T).unsqueeze(-1)
+            x = x * keep.to(x.dtype)
         delta, conv_state = token_shift(x, cu_seqlens, last["conv_state"] if last else None)
 
         R = self.proj_low_rank_dim
@@ -145,14 +157,15 @@ class RWKV6Attention(nn.Module):
         v = self.v_proj(x, mv, delta)
         g = self.g_proj(x, mg, delta)
         if attention_mask is not None:
-            v = v * attention_mask[:, -T:, None].to(v.dtype)
+            v = v * keep.to(v.dtype)
         r, w, k = (t.unflatten(-1, (self.num_heads, self.head_k_dim)) for t in (r, w, k))
         v = v.unflatten(-1, (self.num_heads, self.head_v_dim))
         w = -torch.exp(w)
         state = last["recurrent_state"] if last is not None else None
         op = chunk_rwkv6 if mode == "chunk" else fused_recurrent_rwkv6
         o, ht = op(r, k, v, w, self.bonus, scale=1.0, initial_state=state,
-                   output_final_state=bool(use_cache), cu_seqlens=cu_seqlens)
+                   output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
+                   cu_seqlens_cpu=cu_seqlens_cpu)
         if past_key_values is not None:
             past_key_values.update(self.layer_idx, recurrent_state=ht if use_cache else None,
                                    conv_state=conv_state if use_cache else None, offset=T)

@@ -16,9 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import chunk_rwkv7, fused_recurrent_rwkv7
-from .cache import Cache, layer_cache
+from .cache import Cache
+from .checks import check_forward, check_v_first
 from .init import rwkv_orthogonal_
 from .lora import LoRA
+from .padding import kept_tokens
 from .shift import token_shift
 
 _EXP_MINUS_HALF = math.exp(-0.5)  # the log decay is -e^-0.5 * sigmoid(.) in (-0.6065, 0)
@@ -133,12 +135,21 @@ class RWKV7Attention(nn.Module):
                 past_key_values: Optional[Cache] = None, use_cache: Optional[bool] = False,
                 output_attentions: Optional[bool] = False, v_first: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, **kwargs):
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError("fla_ext: `attention_mask` must be 2-D [B, T] of 0/1 (left padding)")
+        """hidden_states [B, T, hidden_size] -> (o like it, None, past_key_values, v_first).
+
+        The mask, cu_seqlens (kwargs ``cu_seqlens_cpu``) and cache rules of
+        :meth:`RWKV6Attention.forward`: left padding only, since padded tokens are zeroed, not
+        removed. v_first: layer 0's values, [B, T, value_dim] like this layer's v (needed from
+        layer 1 on; layer 0 makes it and ignores one given)."""
+        cu_seqlens_cpu = kwargs.get("cu_seqlens_cpu")
+        last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
+                             cu_seqlens_cpu, left_padded=True)
         B, T, C = hidden_states.shape
+        if self.has_v_lora:
+            check_v_first(self, v_first, (B, T, self.value_dim))
         H, N = self.num_heads, self.head_dim
-        last = layer_cache(past_key_values, self.layer_idx)
-        am = attention_mask[:, -T:, None].to(hidden_states.dtype) if attention_mask is not None else None
+        am = (kept_tokens(attention_mask, T).unsqueeze(-1).to(hidden_states.dtype)
+              if attention_mask is not None else None)
         x = hidden_states * am if am is not None else hidden_states
         delta, conv_state = token_shift(x, cu_seqlens, last["conv_state"] if last else None)
         xr, xw, xk, xv, xa, xg = (torch.addcmul(x, delta, m) for m in
@@ -150,9 +161,6 @@ class RWKV7Attention(nn.Module):
         if not self.has_v_lora:
             v_first = v
         else:
-            if v_first is None:
-                raise ValueError(f"fla_ext: RWKV7Attention layer {self.layer_idx} needs "
-                                 f"`v_first` (layer 0's values)")
             v = torch.lerp(v, v_first, torch.sigmoid(self.v_lora(xv)))
         a = torch.sigmoid(self.a_lora(xa))
         g = self.g_lora(xg)
@@ -168,13 +176,13 @@ class RWKV7Attention(nn.Module):
         v = v.view(B, T, H, self.head_v_dim)
         state = last["recurrent_state"] if last else None
         kw = dict(scale=1.0, initial_state=state, output_final_state=bool(use_cache),
-                  cu_seqlens=cu_seqlens)
+                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         if self.training or T >= 64:
             o, ht = chunk_rwkv7(r, w, k, v, -kk, kk * a, **kw)
         else:
             o, ht = fused_recurrent_rwkv7(r, w, k, v, -kk, kk * a, **kw)
         if past_key_values is not None:
-            past_key_values.update(self.layer_idx or 0, recurrent_state=ht if use_cache else None,
+            past_key_values.update(self.layer_idx, recurrent_state=ht if use_cache else None,
                                    conv_state=conv_state if use_cache else None, offset=T)
         o = self.g_norm(o.reshape(B * T, self.value_dim)).view(B, T, self.value_dim)
         bonus = ((r * k * self.r_k).sum(-1, keepdim=True) * v).view(B, T, self.value_dim)
