@@ -276,7 +276,7 @@ def _gsa_cases(quick: bool) -> List[Case]:
 
 @register("chunk_gsa", _gsa_cases)
 def _gsa(case: Case, requires_grad: bool, device: torch.device) -> Built:
-    """Gated Slot Attention (BASELINE.md: M = 64 slots, no initial state), gate logsigmoid."""
+    """Gated Slot Attention (docs/benchmarking.md §1: M = 64 slots, no initial state), gate logsigmoid."""
     B, T, H, K, V, M = (case.dims[d] for d in "BTHKVM")
     dt = case.dtype
     raw = {"q": _randn((B, T, H, K), dt, device), "k": _randn((B, T, H, K), dt, device),
