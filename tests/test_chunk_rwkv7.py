@@ -86,7 +86,7 @@ def test_stress_nondefault_scale(device, gen):
 
 # ---------------------------------------------------------------------------------------------
 # The CUDA kernels' two load paths: whole aligned rows copied asynchronously (DplrChunkPass::
-# rows16, contiguous last dims) or element by element (any strides). The same values must give
+# paths.rows_16byte, contiguous last dims) or element by element (any strides). The same values must give
 # the same results (up to a reordered fp32 product or two); an indexing slip in either is O(1).
 
 @pytest.mark.cuda
@@ -151,7 +151,7 @@ def test_autograd_uses_kept_states(dtype, gen):
     r, w, k, v, a, b, h0 = make(B, T, H, K, V, dtype, "cuda", gen)
     xs = [t.requires_grad_(True) for t in (r, w, k, v, a, b, h0)]
     slots = B * (T // 16 + 2)
-    per = 4 * 16 * K + K + 5 * 16 * 20  # DplrWs::per() (U0 / O0 are not kept)
+    per = 4 * 16 * K + K + 5 * 16 * 20  # DplrWorkspaceLayout::floats_per_chunk() (U0 / O0 are not kept)
     states = slots * H * (K * V + per) * 4
 
     def held(grad):

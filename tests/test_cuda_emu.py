@@ -90,7 +90,7 @@ def test_chunk_rwkv7_kernels_bf16_decays(emu, w_kind, lr, gen):
 
 def test_chunk_rwkv7_kernels_strided_rows(emu, gen):
     """r, w, k, a, b with different strides (w a view of a wider tensor): the row copies take
-    each array's own offsets, not r's (DplrChunkPass::krows_same)."""
+    each array's own offsets, not r's (DplrChunkPaths::rows_share_offsets)."""
     check(emu, (2, 40, 2, 64, 64), "rwkv", None, gen, torch.bfloat16, 1e-2, strided=True)
 
 

@@ -1,4 +1,4 @@
-// Torch-free description of the chunked diagonal-gate algebra (ALGORITHMS.md §1-§5, §7.1): GLA
+// Torch-free description of the chunked diagonal-gate algebra (docs/algorithms.md §1-§5, §7.1): GLA
 // (inclusive reader) and RWKV6 (exclusive reader plus the bonus u), forward and backward, with a
 // key-side decay g and (inclusive reader only) a value-side decay gv: the state update is
 // h_t = diag(exp(g_t)) h_{t-1} diag(exp(gv_t)) + k_t v_t^T. gv is GSA pass 1 (decay on slots).
@@ -11,7 +11,7 @@
 #pragma once
 #include <cstdint>
 
-#include "recurrent.h"  // DType, VecArg, MatArg
+#include "tensor_args.h"  // DType, VecArg, MatArg
 
 namespace fla {
 
@@ -54,7 +54,7 @@ struct ChunkPass {
   void* hst = nullptr;
   void* dhst = nullptr;        // [slots, H, K, V] acc workspace (backward: dS at chunk ends)
   // [slots, H, ceil(V / kStateCols), K] acc workspace (backward): per-column-tile partial sums of
-  // zeta = rowsum(S+ * dS+) (ALGORITHMS.md §3); a backend may leave it unused.
+  // zeta = rowsum(S+ * dS+) (docs/algorithms.md §3); a backend may leave it unused.
   void* zeta = nullptr;
   // With gv on and g off the CUDA engine runs the transposed problem (chunk_vdecay.cuh): hst and
   // dhst then hold [V, K] matrices, and zeta [slots, H, ceil(K / 32), V].

@@ -1,6 +1,10 @@
-// Launch sequences of the chunk engine (kernels/chunk.cuh, chunk_state.cuh) for the key-side
-// decay; chunk_vdecay.cuh runs the value-side decay through the same launchers.
+// Launch sequences of the chunk engine (kernels/chunk.cuh has the overview; the kernels in
+// chunk_intra.cuh, chunk_out.cuh, chunk_grad_qk.cuh, chunk_state.cuh) for the key-side decay;
+// chunk_vdecay.cuh runs the value-side decay through the same launchers.
 #pragma once
+#include "chunk_intra.cuh"
+#include "chunk_out.cuh"
+#include "chunk_grad_qk.cuh"
 #include "chunk_state.cuh"
 
 namespace fla {

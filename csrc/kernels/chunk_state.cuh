@@ -7,7 +7,7 @@
 // With OUT the group covers all of K and the kernel also forms o_c = ρ (Q̂_c S_c + A_c V_c), A
 // from amat (chunk_intra_kernel): the state never leaves the chip between the two. This replaces
 // a parallel ΔS kernel, a serial elementwise scan and an out kernel that reread S (three fp32
-// state round trips per chunk; NOTES c14). Decay exponents are added, never subtracted, as in
+// state round trips per chunk). Decay exponents are added, never subtracted, as in
 // chunk.cuh: γ, K̂'s suffix factors and Q̂'s reader factors all come from chunk_decays.
 #pragma once
 #include <cstring>
@@ -22,9 +22,9 @@ namespace chunk_detail {
 // x / PR + RS j (j < NP), columns P (x % PR) .. + P. Loads are held raw in registers and converted
 // at the store to shared memory, so the next chunk's loads stay in flight while the current chunk
 // computes (a conversion right after its load would wait for it there). With `vec` (the rows are
-// whole aligned pieces: rows_in_pieces) a piece is one 16-byte access, else P element accesses:
-// ncu showed the per-element loads and stores, with their 64-bit address arithmetic, as half of
-// this kernel's instructions (NOTES c14).
+// whole aligned pieces: rows_in_pieces) a piece is one 16-byte access, else P element accesses
+// (per-element loads and stores, each with its 64-bit address arithmetic, would be the bulk of
+// this kernel's instructions).
 template <typename T>
 struct RowPieces {
   static constexpr int P = 16 / int(sizeof(T)), PR = DT / P, RS = NTH / PR, NP = DT / RS;
@@ -73,7 +73,7 @@ struct RowPieces {
   // of pieces t and t + 4 share banks; threads 4..7 take their second half first (conflict-free).
   __device__ static int swapped() { return int(threadIdx.x) % 8 / 4; }
   // One 16-byte shared store / load as written: for a select between two addresses the compiler
-  // emitted a predicated pair of stores, each a full set of wavefronts (ncu).
+  // emits a predicated pair of stores, each a full set of shared-memory wavefronts.
   __device__ static __forceinline__ void sts128(float4* d, float4 v) {
 #ifdef __CUDA_ARCH__
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(unsigned(__cvta_generic_to_shared(d))),
@@ -217,7 +217,7 @@ __device__ __forceinline__ void load_frag_mat(F& f, const float* m, int64_t ld, 
 // BWD runs the backward state pass of the same algebra, D = dS+ from dht backwards:
 // dHst[c] = D, the zeta partials γ_c ⊙ rowsum(S_c ⊙ D) per 32 columns (S_c from hst), then
 // D = diag(γ_c) D + ρ Q̂_cᵀ dO_c, and dh0 = D at the end. It replaced a parallel ΔD kernel and a
-// serial elementwise scan (two fp32 state round trips per chunk, NOTES c14).
+// serial elementwise scan (two fp32 state round trips per chunk).
 template <bool OUT, int NK>
 constexpr int kStateCtas = OUT && NK == 1 ? 1 : 2;
 template <typename T, Reader RD, bool OUT, int NK, bool BWD = false>

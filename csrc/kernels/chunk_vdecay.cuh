@@ -13,7 +13,7 @@
 //                                                      with o recomputed in fp32 as P''s dq)
 // so the §2.6 additive exponents, the §1.2 sub-chunk references and the exact dg resets carry
 // over unchanged. The workspaces hold the transposed states: hst/dhst [slots, H, V, K] (same
-// size), zeta [slots, H, ceil(K / kStateCols), V] (ops/chunk.cpp sizes them).
+// size), zeta [slots, H, ceil(K / kStateCols), V] (ops/chunk_gla_rwkv6.cpp sizes them).
 #pragma once
 #include "chunk_launch.cuh"
 

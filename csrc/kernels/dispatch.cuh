@@ -5,7 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "recurrent.h"  // DType
+#include "tensor_args.h"  // DType
 
 // Declares an engine's launch<T>(const Pass&, cudaStream_t) and its three instantiations.
 #define FLA_DECLARE_LAUNCH(fn, Pass)                                          \
@@ -31,3 +31,13 @@ const char* launch_for_dtype(DType dt, Launch&& launch) {
 }
 
 }  // namespace fla
+
+// Defines an engine's host entry `const char* entry(const Pass&, void* stream)`: its launch
+// template, declared here and instantiated in the engine's per-dtype .cu files, for the pass's
+// dtype. (One line per engine: the entries differ only by these three names.)
+#define FLA_ENGINE_ENTRY(entry, launch, Pass)                                              \
+  FLA_DECLARE_LAUNCH(launch, Pass)                                                         \
+  const char* entry(const Pass& p, void* stream) {                                         \
+    const auto s = static_cast<cudaStream_t>(stream);                                      \
+    return launch_for_dtype(p.dtype, [&](auto t) { return launch<decltype(t)>(p, s); });   \
+  }

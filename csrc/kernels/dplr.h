@@ -1,4 +1,4 @@
-// Torch-free description of the DPLR (RWKV7) recurrence, forward and backward (ALGORITHMS.md §6,
+// Torch-free description of the DPLR (RWKV7) recurrence, forward and backward (docs/algorithms.md §6,
 // §8.1), per (sequence n, head h):
 //   h_t = diag(exp(w_t)) h_{t-1} + b_t (a_t^T h_{t-1}) + k_t v_t^T,   o_t = scale * h_t^T r_t.
 // The state h is K x V (fp32; fp64 for fp64 inputs). Its columns evolve independently (a_t^T h
@@ -18,7 +18,7 @@
 #pragma once
 #include <cstdint>
 
-#include "recurrent.h"  // DType, VecArg, MatArg
+#include "tensor_args.h"  // DType, VecArg, MatArg
 #include "sequence.h"
 
 namespace fla {

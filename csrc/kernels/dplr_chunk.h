@@ -1,4 +1,4 @@
-// Torch-free description of the chunked RWKV7 (DPLR) algebra, ALGORITHMS.md §6 (WY/UT form),
+// Torch-free description of the chunked RWKV7 (DPLR) algebra, docs/algorithms.md §6 (WY/UT form),
 // forward and backward, per (sequence n, head h):
 //   h_t = diag(exp(w_t)) h_{t-1} + b_t (a_t^T h_{t-1}) + k_t v_t^T,   o_t = scale * h_t^T r_t.
 //
@@ -40,9 +40,9 @@ constexpr int kDplrChunk = 16;
 
 // State columns per backward tile: 64 up to K = 128 (V <= 64 is then one tile: a chunk's K-vector
 // gradients are whole in one CTA, stored without partial sums or atomics, and its chunk-wide work
-// is not repeated per tile; 32-column tiles at K = 128 repeated it four times at V = 128: grad
-// 25.5 ms), 8 beyond, so that the CUDA backward's shared memory (rows, pair matrices, K x cols
-// state and its gradient) holds two CTAs per SM up to K = 64 and fits in 227 KB up to K = 256.
+// is not repeated per tile; 32-column tiles at K = 128 would repeat it four times at V = 128),
+// 8 beyond, so that the CUDA backward's shared memory (rows, pair matrices, K x cols state and
+// its gradient) holds two CTAs per SM up to K = 64 and fits in 227 KB up to K = 256.
 FLA_HD int dplr_chunk_cols(int K) { return K <= 128 ? 64 : 8; }
 FLA_HD int dplr_chunk_tiles(int K, int V) {
   const int c = dplr_chunk_cols(K);
@@ -51,8 +51,8 @@ FLA_HD int dplr_chunk_tiles(int K, int V) {
 
 // Row stride (floats) of the 16 x 16 matrices in shared memory and the workspace. 20: the
 // tensor-core fragments read them conflict-free, rows (8-byte loads, lanes 16 apart on rows
-// 2 apart: banks 8 apart) and columns (rows 2q: banks 8q apart) alike; 17 had 4-way conflicts
-// on the transposed reads (ncu: 11 % of the gradient kernel's shared-memory wavefronts).
+// 2 apart: banks 8 apart) and columns (rows 2q: banks 8q apart) alike; 17 has 4-way conflicts
+// on the transposed reads, which the gradient kernel makes many of.
 constexpr int kDplrMatStride = 20;
 
 // State columns per CTA of the CUDA sequential passes (dplr_chunk_sweep.cuh).
@@ -66,41 +66,63 @@ constexpr int kDplrSweepCols = 32;
 FLA_HD int dplr_kswz(int r) { return ((r & 1) << 2) ^ (((r >> 2) & 3) << 1); }
 
 // The CUDA per-chunk workspaces, laid out as the sequential passes hold a chunk in shared
-// memory, so that each of their fetches is one to three bulk copies (one copy per row cost more
-// than the fetch it replaced: NOTES c19). Padding is 0, and so are U0 / O0 columns past V.
-// `ws`, `per()` fp32 values per (chunk slot, head): W, Q~, K^, B^ [C][KS] (KS: K rounded up to
-// 32 floats, pieces swizzled: kat), gamma [KP4] (contiguous: the K-part), then the four pair
-// matrices and X for the backward. `uo`, `uper()` values per (chunk slot, head): per sweep tile
-// of kDplrSweepCols columns U0, O0 [C][UP] (UP = kDplrSweepCols + 8: 8 mod 32, so that reads of
-// rows 2q, 2q + 1 at 8 columns fall on different banks). Only the forward sweeps read U0 / O0,
-// so a training forward keeps `ws` for its backward and frees `uo` (a third of the workspace:
-// 0.34 GB at B8 T4096 H16 K=V=64).
-struct DplrWs {
-  int KP4, KS, VP4, tiles;  // VP4: V rounded up to 4, the U0 / O0 columns prep computes
-  static constexpr int UP = kDplrSweepCols + 8;
-  FLA_HD DplrWs(int K, int V)
+// memory, so that each of their fetches is one to three bulk copies (a copy per row would pay
+// the copy engine's cost per copy for every row). Padding is 0, and so are U0 / O0 columns past V.
+// `ws`, floats_per_chunk() fp32 values per (chunk slot, head): W, Q~, K^, B^ [C][KS] (KS: K
+// rounded up to 32 floats, pieces swizzled: krow_at), gamma [KP4] (contiguous: the K-part), then
+// the four pair matrices and X for the backward. `uo`, uo_floats_per_chunk() values per (chunk
+// slot, head): per sweep tile of kDplrSweepCols columns U0, O0 [C][UP] (UP = kDplrSweepCols + 8:
+// 8 mod 32, so that reads of rows 2q, 2q + 1 at 8 columns fall on different banks). Only the
+// forward sweeps read U0 / O0, so a training forward keeps `ws` for its backward and frees `uo`
+// (a third of the workspace).
+// The methods return offsets in floats from the start of one (chunk slot, head) block.
+struct DplrWorkspaceLayout {
+  int KP4;    // K rounded up to 4: the channels of the K-part rows prep writes
+  int KS;     // K rounded up to 32: the row stride of the K-part rows
+  int VP4;    // V rounded up to 4: the U0 / O0 columns prep computes
+  int tiles;  // sweep tiles of kDplrSweepCols columns over V
+  static constexpr int UP = kDplrSweepCols + 8;  // row stride of U0 / O0
+  FLA_HD DplrWorkspaceLayout(int K, int V)
       : KP4((K + 3) / 4 * 4), KS((K + 31) / 32 * 32), VP4((V + 3) / 4 * 4),
         tiles((V + kDplrSweepCols - 1) / kDplrSweepCols) {}
-  FLA_HD int64_t W() const { return 0; }
-  FLA_HD int64_t Q() const { return int64_t(kDplrChunk) * KS; }
-  FLA_HD int64_t Kh() const { return 2 * Q(); }
-  FLA_HD int64_t Bh() const { return 3 * Q(); }
-  FLA_HD int64_t gam() const { return 4 * Q(); }
-  FLA_HD int64_t kpart() const { return gam() + KP4; }  // floats of W .. gamma
+  // The K-part: the rows of W, Q~, K^, B^ ([C][KS] each), then gamma [KP4].
+  FLA_HD int64_t w_at() const { return 0; }
+  FLA_HD int64_t q_at() const { return int64_t(kDplrChunk) * KS; }
+  FLA_HD int64_t khat_at() const { return 2 * q_at(); }
+  FLA_HD int64_t bhat_at() const { return 3 * q_at(); }
+  FLA_HD int64_t gamma_at() const { return 4 * q_at(); }
+  FLA_HD int64_t kpart_floats() const { return gamma_at() + KP4; }  // floats of W .. gamma
   // Offset of channel d of K-part row `row` (0 .. 4C: W, Q~, K^, B^ rows in turn).
-  FLA_HD int kat(int row, int d) const { return row * KS + ((((d >> 2) ^ dplr_kswz(row)) << 2) | (d & 3)); }
+  FLA_HD int krow_at(int row, int d) const { return row * KS + ((((d >> 2) ^ dplr_kswz(row)) << 2) | (d & 3)); }
   // The four pair matrices and X, for the backward: [5][C][kDplrMatStride] (A_rk, A_rb, A_ak,
   // A_ab, X), rows padded as the CUDA kernels hold them in shared memory, so that they move as one
   // contiguous block of 16-byte pieces.
-  FLA_HD int64_t mats() const { return kpart(); }
-  FLA_HD int64_t per() const { return mats() + 5 * kDplrChunk * kDplrMatStride; }
-  // In `uo`: tile t's block, U0 [C][UP] then O0 [C][UP]; uo(m, i, x): U0 (m = 0) or O0 (m = 1),
-  // row i, column x of the value dimension.
-  FLA_HD int64_t utile(int t) const { return int64_t(t) * 2 * kDplrChunk * UP; }
-  FLA_HD int64_t uo(int m, int i, int x) const {
-    return utile(x / kDplrSweepCols) + (m * kDplrChunk + i) * UP + x % kDplrSweepCols;
+  FLA_HD int64_t mats_at() const { return kpart_floats(); }
+  FLA_HD int64_t floats_per_chunk() const { return mats_at() + 5 * kDplrChunk * kDplrMatStride; }
+  // In `uo`: tile t's block, U0 [C][UP] then O0 [C][UP]; uo_at(m, i, x): U0 (m = 0) or O0
+  // (m = 1), row i, column x of the value dimension.
+  FLA_HD int64_t uo_tile_at(int t) const { return int64_t(t) * 2 * kDplrChunk * UP; }
+  FLA_HD int64_t uo_at(int m, int i, int x) const {
+    return uo_tile_at(x / kDplrSweepCols) + (m * kDplrChunk + i) * UP + x % kDplrSweepCols;
   }
-  FLA_HD int64_t uper() const { return utile(tiles); }
+  FLA_HD int64_t uo_floats_per_chunk() const { return uo_tile_at(tiles); }
+};
+
+// CUDA: the load and store paths the launch picks for a pass's arguments (pick_paths); the CPU
+// engine ignores them.
+struct DplrChunkPaths {
+  // Every activation row can be copied asynchronously 16 bytes at a time (last dim contiguous,
+  // row starts 16-byte aligned, K and V whole 16-byte pieces) and the raw rows fit the kernels'
+  // stage; else the kernels load element by element.
+  bool rows_16byte = false;
+  // The K-vector gradients go straight to their outputs (kg_pair = 0) and each output's rows are
+  // whole 16-byte pieces at 16-byte aligned addresses.
+  bool grads_16byte = false;
+  // r, w, k, a, b share their strides: one element offset serves all five row copies.
+  bool rows_share_offsets = false;
+  // The five K-vector gradient outputs (kgd) share their strides: one element offset serves all
+  // five gradient stores.
+  bool grads_share_offsets = false;
 };
 
 struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients
@@ -112,24 +134,14 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // prep also stored the pair matrices and X when hst was set): neither prep nor the forward
   // sweep runs.
   bool kept = false;
-  // CUDA workspaces (CPU: unused): [chunk_slots<kDplrChunk>(N, T, varlen), H, DplrWs::per()]
-  // and [.., DplrWs::uper()] (U0 / O0: any call that runs a forward sweep) fp32, and for the
-  // backward dS at every chunk end, laid out as hst.
+  // CUDA workspaces (CPU: unused): [chunk_slots<kDplrChunk>(N, T, varlen), H,
+  // DplrWorkspaceLayout::floats_per_chunk()] and [.., DplrWorkspaceLayout::uo_floats_per_chunk()]
+  // (U0 / O0: any call that runs a forward sweep) fp32, and for the backward dS at every chunk
+  // end, laid out as hst.
   void* ws = nullptr;
   void* uo = nullptr;
   void* dhst = nullptr;
-  // CUDA: set by the launch when every activation row can be copied asynchronously 16 bytes at a
-  // time (last dim contiguous, row starts 16-byte aligned, K and V whole 16-byte pieces) and the
-  // raw rows fit the kernels' stage; else the kernels load element by element.
-  bool rows16 = false;
-  // CUDA: set by the launch when the K-vector gradients go straight to their outputs (kg_pair =
-  // 0) and each output's rows are whole 16-byte pieces at 16-byte aligned addresses.
-  bool kg16 = false;
-  // CUDA: set by the launch when r, w, k, a, b share their strides (one element offset serves
-  // all five row copies).
-  bool krows_same = false;
-  // CUDA: set by the launch when the five K-vector gradient outputs (kgd) share their strides.
-  bool kg_same = false;
+  DplrChunkPaths paths;  // CUDA: set by the launch
 };
 
 void dplr_chunk_cpu(const DplrChunkPass& p);

@@ -1,21 +1,319 @@
-// The chunked RWKV7 engine's gradient kernel (dplr_chunk.cuh): every chunk's gradients, given the
-// chunk-start states (forward sweep) and dS+ (reverse sweep, dplr_chunk_sweep.cuh).
+// The chunked RWKV7 engine's gradient kernel (dplr_chunk_launch.cuh): every chunk's gradients,
+// given the chunk-start states (forward sweep) and dS+ (reverse sweep, dplr_chunk_sweep.cuh).
 #pragma once
-#include "dplr_chunk.cuh"
+#include <type_traits>
+
+#include "dplr_chunk_loads.cuh"
+#include "dplr_chunk_pairs.cuh"
+#include "dplr_chunk_tiles.cuh"
 
 namespace fla {
 namespace dplr_chunk_detail {
 
+// grad_kernel, step 1: the chunk's rows, the pair matrices and X (from the prep workspace), v and
+// dO at the tile's columns, S and dS+ into shared memory. Returns whether chunk_decays ran
+// already (`early`). Not synchronised.
+template <typename T>
+__device__ __forceinline__ bool load_grad_operands(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
+                                                   int64_t ci, int64_t t0, int nrow, const float* mats) {
+  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
+  // S (hst at this chunk) and dS+ at this tile's columns. zeta = rowsum(S+ * dS+) is formed
+  // without S+ (S+ = gamma S + K^^T V + B^^T U): gamma rowsum(S * dS+) here, the rest from the
+  // state parts v dS+^T and U dS+^T below, so no S+ is read.
+  const float *s0 = slot_state(p, p.hst, c, ci), *d1 = slot_state(p, p.dhst, c, ci);
+  const int lq = L.lc - 2;  // log2(column quads per row)
+  auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
+  // early: the decays run while S, dS+, v and dO are still landing (their 36 KB are the
+  // kernel's longest wait on memory). chunk_decays writes dk_rows and da_rows, which
+  // must lie within the spent raw K-row stage, not over the column stage still landing.
+  const bool early = p.paths.rows_16byte && kRawRows<T> &&
+                     stage_cols_at<T>(K) * int64_t(sizeof(T)) >= int64_t(L.da_rows + C * KP - L.dk_rows) * 4;
+  if (p.paths.rows_16byte) {
+    // Everything in flight before any wait, by cp.async in two groups: the rows and matrices,
+    // then v, dO, S and dS+.
+    copy_rows_async<T>(sm, L, p, c.s, c.h, t0, nrow);
+    for (int e = threadIdx.x; e < 5 * C * CP / 4; e += NT)  // stored in the shared layout
+      copy16(sm + L.Ark + 4 * e, mats + 4 * e, true);
+    copy_commit();
+    copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
+    copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
+    {  // a thread's quads are one column x on rows d, d + dstep, ..: pointers stepped, not
+       // re-formed from 64-bit products per quad (integer multiply-adds that would outnumber
+       // the loads)
+      int d, x;
+      quad(threadIdx.x, d, x);
+      const int dstep = NT >> lq;
+      const int64_t gstep = int64_t(dstep) * p.V;
+      const float *gs = s0 + int64_t(d) * p.V + x, *gd = d1 + int64_t(d) * p.V + x;
+      float* ss = sm + L.S + d * BP + x;
+      const bool on = x < c.nc;
+      for (; d < K; d += dstep, gs += gstep, gd += gstep, ss += dstep * BP) {
+        copy16(ss, gs, on);
+        copy16(ss + (L.dS - L.S), gd, on);
+      }
+    }
+    copy_commit();
+    if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only
+    if (early) {
+      copy_wait<1>();
+      __syncthreads();
+      widen_rows<T>(sm, L);
+      __syncthreads();
+      chunk_decays(sm, L, -1, L.dk_rows, L.da_rows, L.zgam);
+    }
+    copy_wait<0>();
+    __syncthreads();
+    if (kRawRows<T> && !early) widen_rows<T>(sm, L);
+    widen_cols<T>(sm, L, 0, cols, 0, L.v);
+    widen_cols<T>(sm, L, 1, cols, 0, L.dO);
+  } else {
+    const bool vec = p.V % 4 == 0 && aligned16(p.hst) && aligned16(p.dhst);
+#pragma unroll 2
+    for (int e = threadIdx.x; e < K << lq; e += NT) {
+      int d, x;
+      quad(e, d, x);
+      const int64_t at = int64_t(d) * p.V + x;
+      *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = load4(s0 + at, c.nc - x, vec);
+      *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = load4(d1 + at, c.nc - x, vec);
+    }
+    load_chunk<T>(sm, L, p, c, t0, nrow, true);
+    for (int e = threadIdx.x; e < 5 * C * CP; e += NT) sm[L.Ark + e] = mats[e];
+  }
+  return early;
+}
+
+// grad_kernel, step 2: zeta's part rowsum(S * dS+) at L.zeta (and, TC, S and dS+ rounded to TF32
+// in place). After the loads' barrier; not synchronised.
+template <bool TC>
+__device__ __forceinline__ void state_rowsum(float* sm, const Smem& L) {
+  const int K = L.K, cols = L.cols, BP = L.BP;
+  // rowsum(S * dS+): eight threads per channel, so that a load phase (8 lanes) reads 128
+  // contiguous bytes of one row (four per channel read two rows: two-way conflicts)
+  for (int d0 = 0; d0 < K; d0 += NT / 8) {
+    const int d = d0 + threadIdx.x / 8, part = threadIdx.x % 8;
+    float z = 0.f;
+    if (d < K)
+      for (int x = 4 * part; x < cols; x += 32) {
+        float4 *s = reinterpret_cast<float4*>(sm + L.S + d * BP + x), *ds = reinterpret_cast<float4*>(sm + L.dS + d * BP + x);
+        const float4 s4 = *s, d4 = *ds;
+        z = dot4(s4, d4, z);
+        if (TC) {  // S, dS+ as TF32 values from here on: every later read is a tensor-core operand
+          *s = make_float4(tf32_round(s4.x), tf32_round(s4.y), tf32_round(s4.z), tf32_round(s4.w));
+          *ds = make_float4(tf32_round(d4.x), tf32_round(d4.y), tf32_round(d4.z), tf32_round(d4.w));
+        }
+      }
+#pragma unroll
+    for (int lanes = 1; lanes < 8; lanes *= 2) z += __shfl_xor_sync(0xffffffffu, z, lanes);
+    if (d < K && part == 0) sm[L.zeta + d] = z;
+  }
+}
+
+// grad_kernel, step 3: the decay rows the gradients use (exp(Omega), Â, K^, B^, exp(w)). Ends
+// with the rows written, not synchronised.
+__device__ __forceinline__ void decay_factor_rows(float* sm, const Smem& L, bool early) {
+  const int K = L.K, KP = L.KP;
+  // Â and exp(Omega) in the gradient rows da_rows, dk_rows (the raw stage there is spent),
+  // which the K-vector gradients write last; exp(G) is not stored (see there).
+  if (!early) chunk_decays(sm, L, -1, L.dk_rows, L.da_rows, L.zgam);
+  __syncthreads();
+  // exp(w) in place of w: the pair parts of the K-vector gradients multiply the factors up
+  // (products of <= 15 factors <= 1, a few ulp) instead of exponentiating sums per pair. K^ =
+  // k exp(Omega) and B^ = b exp(Omega) in dk_rows (over exp(Omega): same element, same thread)
+  // and db_rows, 0 on the channel padding where exp(Omega) is not set.
+  for (int e = threadIdx.x; e < C * KP; e += NT) {
+    const bool on = e % KP < K;
+    const float eo = on ? sm[L.dk_rows + e] : 0.f;
+    sm[L.w + e] = on ? expf(sm[L.w + e]) : 0.f;
+    sm[L.dk_rows + e] = sm[L.k + e] * eo, sm[L.db_rows + e] = sm[L.b + e] * eo;
+  }
+}
+
+// grad_kernel, step 5: the K-vector gradients dr, da, dk, db of every row into the gradient rows
+// (and, SIMT, zeta's state-part sums at L.zparts). Ends synchronised.
+template <bool TC>
+__device__ __forceinline__ void kvector_grads(float* sm, const Smem& L, float rho) {
+  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
+  // K-vector gradients, CW channels of RW rows per task (TC: 4 channels of one row, so that
+  // each pair step's loads serve four channels; SIMT: 2 channels of rows i and i + 8, whose
+  // state parts share one read of S and dS). State parts first, then the pair walks.
+  {
+    constexpr int CW = TC ? 4 : 2, RW = TC ? 1 : 2;
+    using V = Chans<CW>;
+    const int nq = (K + CW - 1) / CW;
+    for (int e = threadIdx.x; e < (C / RW) * nq; e += NT) {
+      const int i0 = e / nq, d = CW * (e - i0 * nq);
+      V g[RW][4];  // per row: the state parts of dr, da, dk, db
+#pragma unroll
+      for (int h = 0; h < RW; ++h) {
+        const int at = (i0 + h * (C / RW)) * KP + d;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) g[h][m] = TC ? V::ld(sm + (m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows) + at) : V{};
+      }
+      for (int q = 0; q < (TC ? 0 : cols); q += 4) {
+#pragma unroll
+        for (int c = 0; c < CW; ++c) {
+          const int dc = min(d + c, K - 1) * BP + q;  // channels past K: any finite value
+          const float4 s = ld4(sm + L.S + dc), ds = ld4(sm + L.dS + dc);
+#pragma unroll
+          for (int h = 0; h < RW; ++h) {
+            const int i = (i0 + h * (C / RW)) * BP + q;
+            g[h][0].v[c] = dot4(ld4(sm + L.dO + i), s, g[h][0].v[c]);
+            g[h][1].v[c] = dot4(ld4(sm + L.dM + i), s, g[h][1].v[c]);
+            g[h][2].v[c] = dot4(ld4(sm + L.v + i), ds, g[h][2].v[c]);
+            g[h][3].v[c] = dot4(ld4(sm + L.U + i), ds, g[h][3].v[c]);
+          }
+        }
+      }
+      V zp{};  // SIMT: these rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
+#pragma unroll 1
+      for (int h = 0; h < RW; ++h) {
+        // (selects, not a runtime index into g: no local memory)
+        const V sr = h ? g[RW - 1][0] : g[0][0], sa = h ? g[RW - 1][1] : g[0][1];
+        const V sk = h ? g[RW - 1][2] : g[0][2], sb = h ? g[RW - 1][3] : g[0][3];
+        pair_walks<CW>(sm, L, i0 + h * (C / RW), d, rho, sr, sa, sk, sb, zp);
+      }
+      if (!TC)
+#pragma unroll
+        for (int c = 0; c < CW; ++c)
+          if (d + c < K) sm[L.zparts + i0 * K + d + c] = zp.v[c];
+    }
+  }
+  __syncthreads();
+}
+
+// grad_kernel, step 6: dw by the reverse scan, then the five K-vector gradients to their outputs.
+template <typename T>
+__device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
+                                                    int64_t t0, int nrow) {
+  constexpr bool TC = !std::is_same<T, float>::value;
+  const int K = L.K, KP = L.KP;
+  // Grad g of row t, channel d: straight into its output (kg_pair = 0, one tile), stored into
+  // this tile's slab (1), or added onto a zero-filled slab shared by two tiles (2).
+  auto put_kg = [&](int g, int64_t t, int d, float v) {
+    if (p.kg_pair == 0) {
+      *vptr<T>(p.kgd[g], c.s.b, t, c.h, d) = from_f<T>(v);
+      return;
+    }
+    VecArg s = p.kg;
+    s.ptr = static_cast<const float*>(p.kg.ptr) + c.tile / p.kg_pair * p.kg_tile + g * p.kg_grad;
+    float* const at = vptr<float>(s, c.s.b, t, c.h, d);
+    if (p.kg_pair == 1) *at = v;
+    else atomicAdd(at, v);
+  };
+  // dw = reverse cumsum + zeta (§6.4), exactly 0 where exp(w) == 0: per row t (reverse)
+  // acc += x_t; acc = 0 where exp(w_t) == 0; dw_t = acc; acc += y_t. Four threads per channel,
+  // four rows each: a row group maps the sum entering it to acc_in + c (no reset in it) or to
+  // c, and each thread starts from zeta carried through the later groups' maps (shuffles).
+  {
+    const int part = threadIdx.x % 4, r0 = 4 * part;
+    for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane
+      const int d = d0 + threadIdx.x / 4;
+      const bool on = d < K;
+      const int sw = part & 2;  // rows in the order r ^ 2 (swap_halves_if)
+      float x[4], y[4], cg = 0.f;
+      bool z[4], keep = true;  // keep: no reset in this row group
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int at = (r0 + (r ^ sw)) * KP + d;
+        const bool live = on && r0 + (r ^ sw) < nrow;
+        x[r] = live ? sm[L.r + at] * sm[L.dr_rows + at] - sm[L.k + at] * sm[L.dk_rows + at] -
+                          sm[L.b + at] * sm[L.db_rows + at]
+                    : 0.f;
+        y[r] = live ? sm[L.a + at] * sm[L.da_rows + at] : 0.f;
+        z[r] = live && sm[L.w + at] == 0.f;  // exp(w), set above
+      }
+      swap_halves_if(x, sw), swap_halves_if(y, sw), swap_halves_if(z, sw);  // to row order
+#pragma unroll
+      for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
+      float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its state-part sums (TC: 2, SIMT: 8)
+      if (on) {
+        acc = sm[L.zgam + d] * sm[L.zeta + d];
+#pragma unroll
+        for (int q = 0; q < (TC ? 2 : C / 2); ++q) acc += sm[L.zparts + q * K + d];
+      }
+#pragma unroll
+      for (int q = 3; q >= 0; --q) {
+        const float cq = __shfl_sync(0xffffffffu, cg, q, 4);
+        const float kq = __shfl_sync(0xffffffffu, keep ? 1.f : 0.f, q, 4);
+        if (q > part) acc = kq != 0.f ? acc + cq : cq;
+      }
+      float dw[4];
+#pragma unroll
+      for (int r = 3; r >= 0; --r) {
+        acc += x[r];
+        if (z[r]) acc = 0.f;
+        dw[r] = acc;
+        acc += y[r];
+      }
+      swap_halves_if(dw, sw);  // to the loads' order
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = r0 + (r ^ sw);
+        if (!on || row >= nrow) continue;
+        if (p.paths.grads_16byte) sm[L.w + row * KP + d] = dw[r];  // over exp(w), read above by this thread only
+        else put_kg(kGradW, c.s.bos + t0 + row, d, dw[r]);
+      }
+    }
+  }
+  // All five from shared memory, 4 channels per thread (dw in the w rows): one 16-byte shared
+  // read each (two per 16-byte piece would be two-way bank conflicts).
+  if (p.paths.grads_16byte) {
+    const int pk = K / 4;
+    __syncthreads();
+    // A quad's row, channels and (grads_share_offsets: the five outputs share strides, as the op
+    // allocates them) its element offset once for all five: per (gradient, quad) the index
+    // split, the pick of the source rows and the output's 64-bit offsets would cost ~40
+    // instructions, more than the stores themselves.
+    // in kGrad order: r, w, k, a, b
+    const int src[kNumKGrads] = {L.dr_rows, L.w, L.dk_rows, L.da_rows, L.db_rows};
+    static_assert(kGradR == 0 && kGradW == 1 && kGradK == 2 && kGradA == 3 && kGradB == 4, "kGrad order");
+    for (int e = threadIdx.x; e < C * pk; e += NT) {
+      const int i = e / pk, ch = (e - i * pk) * 4;
+      if (i >= nrow) continue;
+      const int64_t t = c.s.bos + t0 + i, off = voff(p.kgd[0], c.s.b, t, c.h, ch);
+#pragma unroll
+      for (int gi = 0; gi < kNumKGrads; ++gi) {
+        const VecArg& o = p.kgd[gi];
+        const float4 f = ld4(sm + src[gi] + i * KP + ch);
+        T* const dst = static_cast<T*>(const_cast<void*>(o.ptr)) + (p.paths.grads_share_offsets ? off : voff(o, c.s.b, t, c.h, ch));
+        if constexpr (std::is_same<T, float>::value) {
+          *reinterpret_cast<float4*>(dst) = f;
+        } else {
+          const T v[4] = {from_f<T>(f.x), from_f<T>(f.y), from_f<T>(f.z), from_f<T>(f.w)};
+          uint2 raw;
+          memcpy(&raw, v, sizeof(raw));
+          *reinterpret_cast<uint2*>(dst) = raw;
+        }
+      }
+    }
+    return;
+  }
+  for (int i = threadIdx.x / 64; i < nrow; i += NT / 64) {
+    const int64_t t = c.s.bos + t0 + i;
+    for (int d = threadIdx.x % 64; d < K; d += 64) {
+      const int at = i * KP + d;
+      put_kg(kGradR, t, d, sm[L.dr_rows + at]), put_kg(kGradK, t, d, sm[L.dk_rows + at]);
+      put_kg(kGradA, t, d, sm[L.da_rows + at]), put_kg(kGradB, t, d, sm[L.db_rows + at]);
+    }
+  }
+}
+
 // The backward's gradients, parallel over (chunk slot, head, tile of dplr_chunk_cols(K)
 // columns): with S (hst), S+ and dS+ (dhst, from the reverse sweep) known, every chunk's
-// gradients are independent. The pair matrices and X come from the prep workspace.
+// gradients are independent. The pair matrices and X come from the prep workspace. Steps:
+//   1 load_grad_operands   rows, pair matrices and X, v and dO, S and dS+ into shared memory
+//   2 state_rowsum         zeta's part rowsum(S * dS+)
+//   3 decay_factor_rows    exp(Omega), Â, K^, B^, exp(w) rows
+//   4 (inline below)       dU, dM = d(M + P), dv, and the pair-matrix gradients dA, dX -> dA_ab
+//   5 kvector_grads        dr, da, dk, db: state parts and pair walks
+//   6 store_kvector_grads  dw by the reverse scan, all five K-vector gradients to their outputs
 template <typename T, int KC = 0>  // KC: as prep_kernel's
 __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
   const Smem L(KC ? KC : p.K, true);
-  const DplrWs ws(L.K, p.V);
+  const DplrWorkspaceLayout ws(L.K, p.V);
   const int64_t slot = blockIdx.x;
   const int n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
   Cta c;
@@ -28,102 +326,12 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
   {
     const int64_t t0 = ci * C;
     const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
-    const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.per() + ws.mats();
-    // S (hst at this chunk) and dS+ at this tile's columns. zeta = rowsum(S+ * dS+) is formed
-    // without S+ (S+ = gamma S + K^^T V + B^^T U): gamma rowsum(S * dS+) here, the rest from the
-    // state parts v dS+^T and U dS+^T below, so no S+ is read.
-    const float *s0 = slot_state(p, p.hst, c, ci), *d1 = slot_state(p, p.dhst, c, ci);
-    const int lq = L.lc - 2;  // log2(column quads per row)
-    auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
-    // early: the decays run while S, dS+, v and dO are still landing (their 36 KB were the
-    // kernel's longest wait: ncu, long-scoreboard stalls). chunk_decays writes gk and ga, which
-    // must lie within the spent raw K-row stage, not over the column stage still landing.
-    const bool early = p.rows16 && kRawRows<T> &&
-                       stage_cols_at<T>(K) * int64_t(sizeof(T)) >= int64_t(L.ga + C * KP - L.gk) * 4;
-    if (p.rows16) {
-      // Everything in flight before any wait, by cp.async in two groups: the rows and matrices,
-      // then v, dO, S and dS+.
-      copy_rows_async<T>(sm, L, p, c.s, c.h, t0, nrow);
-      for (int e = threadIdx.x; e < 5 * C * CP / 4; e += NT)  // stored in the shared layout
-        copy16(sm + L.Ark + 4 * e, mats + 4 * e, true);
-      copy_commit();
-      copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
-      copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
-      {  // a thread's quads are one column x on rows d, d + dstep, ..: pointers stepped, not
-         // re-formed from 64-bit products per quad (ncu: IMAD 30 % of the load issue)
-        int d, x;
-        quad(threadIdx.x, d, x);
-        const int dstep = NT >> lq;
-        const int64_t gstep = int64_t(dstep) * p.V;
-        const float *gs = s0 + int64_t(d) * p.V + x, *gd = d1 + int64_t(d) * p.V + x;
-        float* ss = sm + L.S + d * BP + x;
-        const bool on = x < c.nc;
-        for (; d < K; d += dstep, gs += gstep, gd += gstep, ss += dstep * BP) {
-          copy16(ss, gs, on);
-          copy16(ss + (L.dS - L.S), gd, on);
-        }
-      }
-      copy_commit();
-      if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only
-      if (early) {
-        copy_wait<1>();
-        __syncthreads();
-        widen_rows<T>(sm, L);
-        __syncthreads();
-        chunk_decays(sm, L, -1, L.gk, L.ga, L.zgam);
-      }
-      copy_wait<0>();
-      __syncthreads();
-      if (kRawRows<T> && !early) widen_rows<T>(sm, L);
-      widen_cols<T>(sm, L, 0, cols, 0, L.v);
-      widen_cols<T>(sm, L, 1, cols, 0, L.dO);
-    } else {
-      const bool vec = p.V % 4 == 0 && aligned16(p.hst) && aligned16(p.dhst);
-#pragma unroll 2
-      for (int e = threadIdx.x; e < K << lq; e += NT) {
-        int d, x;
-        quad(e, d, x);
-        const int64_t at = int64_t(d) * p.V + x;
-        *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = load4(s0 + at, c.nc - x, vec);
-        *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = load4(d1 + at, c.nc - x, vec);
-      }
-      load_chunk<T>(sm, L, p, c, t0, nrow, true);
-      for (int e = threadIdx.x; e < 5 * C * CP; e += NT) sm[L.Ark + e] = mats[e];
-    }
+    const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.floats_per_chunk() + ws.mats_at();
+    const bool early = load_grad_operands<T>(sm, L, p, c, ci, t0, nrow, mats);
     __syncthreads();
-    // rowsum(S * dS+): eight threads per channel, so that a load phase (8 lanes) reads 128
-    // contiguous bytes of one row (four per channel read two rows: two-way conflicts)
-    for (int d0 = 0; d0 < K; d0 += NT / 8) {
-      const int d = d0 + threadIdx.x / 8, part = threadIdx.x % 8;
-      float z = 0.f;
-      if (d < K)
-        for (int x = 4 * part; x < cols; x += 32) {
-          float4 *s = reinterpret_cast<float4*>(sm + L.S + d * BP + x), *ds = reinterpret_cast<float4*>(sm + L.dS + d * BP + x);
-          const float4 s4 = *s, d4 = *ds;
-          z = dot4(s4, d4, z);
-          if (TC) {  // S, dS+ as TF32 values from here on: every later read is a tensor-core operand
-            *s = make_float4(tf32_round(s4.x), tf32_round(s4.y), tf32_round(s4.z), tf32_round(s4.w));
-            *ds = make_float4(tf32_round(d4.x), tf32_round(d4.y), tf32_round(d4.z), tf32_round(d4.w));
-          }
-        }
-#pragma unroll
-      for (int lanes = 1; lanes < 8; lanes *= 2) z += __shfl_xor_sync(0xffffffffu, z, lanes);
-      if (d < K && part == 0) sm[L.zeta + d] = z;
-    }
-    // Â and exp(Omega) in the gradient rows ga, gk (the raw stage there is spent), which the
-    // K-vector gradients write last; exp(G) is not stored (see there).
-    if (!early) chunk_decays(sm, L, -1, L.gk, L.ga, L.zgam);
-    __syncthreads();
-    // exp(w) in place of w: the pair parts of the K-vector gradients multiply the factors up
-    // (products of <= 15 factors <= 1, a few ulp) instead of exponentiating sums per pair. K^ =
-    // k exp(Omega) and B^ = b exp(Omega) in gk (over exp(Omega): same element, same thread) and
-    // gb, 0 on the channel padding where exp(Omega) is not set.
-    for (int e = threadIdx.x; e < C * KP; e += NT) {
-      const bool on = e % KP < K;
-      const float eo = on ? sm[L.gk + e] : 0.f;
-      sm[L.w + e] = on ? expf(sm[L.w + e]) : 0.f;
-      sm[L.gk + e] = sm[L.k + e] * eo, sm[L.gb + e] = sm[L.b + e] * eo;
-    }
+    state_rowsum<TC>(sm, L);
+    decay_factor_rows(sm, L, early);
+    // Step 4: dU, dM, dv and the pair-matrix gradients.
     auto put_dv = [&](int j, int xx, float v) {
       if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
     };
@@ -178,21 +386,21 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
                 make_float2(tf32_round(acc[2 * h]), tf32_round(acc[2 * h + 1]));
         };
         float mp[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
-        rows_state_mma(sm, L, L.ga, L.S, x0, mp);
+        rows_state_mma(sm, L, L.da_rows, L.S, x0, mp);
         MatFrag(sm, L.Aak).mma<true>(mp, col(L.v));
         put(L.M, mp);
         __syncwarp();
         MatFrag(sm, L.X).mma<true>(u, col(L.M));
         put(L.U, u);
         float du[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f}, dv[4] = {0.f, 0.f, 0.f, 0.f};
-        rows_state_mma(sm, L, L.gb, L.dS, x0, du);
+        rows_state_mma(sm, L, L.db_rows, L.dS, x0, du);
         MatFrag(sm, L.Arb, true, rho).mma<true>(du, col(L.dO));
         put(L.dU, du);
         __syncwarp();
         MatFrag(sm, L.X, true).mma<true>(dm, col(L.dU));
         put(L.dM, dm);
         __syncwarp();
-        rows_state_mma(sm, L, L.gk, L.dS, x0, dv);
+        rows_state_mma(sm, L, L.dk_rows, L.dS, x0, dv);
         MatFrag(sm, L.Ark, true, rho).mma<true>(dv, col(L.dO));
         MatFrag(sm, L.Aak, true).mma<true>(dv, col(L.dM));
 #pragma unroll
@@ -200,11 +408,11 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       }
       __syncthreads();
       // The products over the columns below take warp_mma_nt's 16-byte fragments on rows 4 apart
-      // (conflict-free; ncu: the 4-byte fragment loads and their index arithmetic were 19 % of
-      // grad's instructions). The 8-column tiles of K > 128 keep the 4-byte forms.
+      // (conflict-free, and one load per fragment instead of four 4-byte loads, each with its
+      // own index arithmetic). The 8-column tiles of K > 128 keep the 4-byte forms.
       const bool nt = cols % 16 == 0;
       {  // the pair-matrix gradients as 16 x 16 products over the columns, a warp per 8 of j
-         // (the SIMT pair_grads here: grad 2.15 -> 2.33 ms)
+         // (on tensor cores here too: the SIMT pair_grads is slower on this path)
         static_assert(NT / 32 == 8, "4 products x 2 column tiles");
         const int w = threadIdx.x / 32, m = w / 2, j0 = 8 * (w % 2);  // m: rk, rb, ak, dX
         const int A = m < 2 ? L.dO : m == 2 ? L.dM : L.dU, B = m == 1 ? L.U : m == 3 ? L.M : L.v;
@@ -226,7 +434,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       for (int task = threadIdx.x / 32; task < 4 * ngrp; task += NT / 32) {
         const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
         const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
-        const int D = m == 0 ? L.gr : m == 1 ? L.ga : m == 2 ? L.gk : L.gb;
+        const int D = m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows;
         float acc[4][4] = {};
         if (nt) {  // state rows past K: the next array's (their columns are not stored)
           tile::warp_mma_nt_tiles<true, true, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
@@ -260,7 +468,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       __syncthreads();
       solve_grads();
     } else {
-      pseudo_values(sm, L, L.ga);
+      pseudo_values(sm, L, L.da_rows);
       // Thread (column x, rows j and j + 8 for j = j0, j0 + NT / cols, ..), so that each state
       // or tile element read serves two rows; 4 channels per K-row read. The 16 x 16 matrices
       // are zero-filled outside their triangles: fixed 16-term sums.
@@ -271,7 +479,7 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
           const float o = rho * sm[L.dO + i * BP + x];
           u0 += sm[L.Arb + i * CP + j] * o, u1 += sm[L.Arb + i * CP + j + C / 2] * o;
         }
-        rows_dot_state(sm, L, L.gb, L.dS, j, x, u0, u1);
+        rows_dot_state(sm, L, L.db_rows, L.dS, j, x, u0, u1);
         sm[L.dU + j * BP + x] = u0, sm[L.dU + (j + C / 2) * BP + x] = u1;
       }
       __syncthreads();
@@ -294,165 +502,13 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
           v0 += sm[L.Ark + i * CP + j] * o + sm[L.Aak + i * CP + j] * m;
           v1 += sm[L.Ark + i * CP + j + C / 2] * o + sm[L.Aak + i * CP + j + C / 2] * m;
         }
-        rows_dot_state(sm, L, L.gk, L.dS, j, x, v0, v1);
+        rows_dot_state(sm, L, L.dk_rows, L.dS, j, x, v0, v1);
         put_dv(j, x, v0), put_dv(j + C / 2, x, v1);
       }
       __syncthreads();  // K^, B^ read: the gradient rows are written below
     }
-    // K-vector gradients, CW channels of RW rows per task (TC: 4 channels of one row, so that
-    // each pair step's loads serve four channels; SIMT: 2 channels of rows i and i + 8, whose
-    // state parts share one read of S and dS). State parts first, then the pair walks.
-    {
-      constexpr int CW = TC ? 4 : 2, RW = TC ? 1 : 2;
-      using V = Chans<CW>;
-      const int nq = (K + CW - 1) / CW;
-      for (int e = threadIdx.x; e < (C / RW) * nq; e += NT) {
-        const int i0 = e / nq, d = CW * (e - i0 * nq);
-        V g[RW][4];  // per row: the state parts of dr, da, dk, db
-#pragma unroll
-        for (int h = 0; h < RW; ++h) {
-          const int at = (i0 + h * (C / RW)) * KP + d;
-#pragma unroll
-          for (int m = 0; m < 4; ++m) g[h][m] = TC ? V::ld(sm + (m == 0 ? L.gr : m == 1 ? L.ga : m == 2 ? L.gk : L.gb) + at) : V{};
-        }
-        for (int q = 0; q < (TC ? 0 : cols); q += 4) {
-#pragma unroll
-          for (int c = 0; c < CW; ++c) {
-            const int dc = min(d + c, K - 1) * BP + q;  // channels past K: any finite value
-            const float4 s = ld4(sm + L.S + dc), ds = ld4(sm + L.dS + dc);
-#pragma unroll
-            for (int h = 0; h < RW; ++h) {
-              const int i = (i0 + h * (C / RW)) * BP + q;
-              g[h][0].v[c] = dot4(ld4(sm + L.dO + i), s, g[h][0].v[c]);
-              g[h][1].v[c] = dot4(ld4(sm + L.dM + i), s, g[h][1].v[c]);
-              g[h][2].v[c] = dot4(ld4(sm + L.v + i), ds, g[h][2].v[c]);
-              g[h][3].v[c] = dot4(ld4(sm + L.U + i), ds, g[h][3].v[c]);
-            }
-          }
-        }
-        V zp{};  // SIMT: these rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
-#pragma unroll 1
-        for (int h = 0; h < RW; ++h) {
-          // (selects, not a runtime index into g: no local memory)
-          const V sr = h ? g[RW - 1][0] : g[0][0], sa = h ? g[RW - 1][1] : g[0][1];
-          const V sk = h ? g[RW - 1][2] : g[0][2], sb = h ? g[RW - 1][3] : g[0][3];
-          pair_walks<CW>(sm, L, i0 + h * (C / RW), d, rho, sr, sa, sk, sb, zp);
-        }
-        if (!TC)
-#pragma unroll
-          for (int c = 0; c < CW; ++c)
-            if (d + c < K) sm[L.zparts + i0 * K + d + c] = zp.v[c];
-      }
-    }
-    __syncthreads();
-
-    // Grad g of row t, channel d: straight into its output (kg_pair = 0, one tile), stored into
-    // this tile's slab (1), or added onto a zero-filled slab shared by two tiles (2).
-    auto put_kg = [&](int g, int64_t t, int d, float v) {
-      if (p.kg_pair == 0) {
-        *vptr<T>(p.kgd[g], c.s.b, t, c.h, d) = from_f<T>(v);
-        return;
-      }
-      VecArg s = p.kg;
-      s.ptr = static_cast<const float*>(p.kg.ptr) + c.tile / p.kg_pair * p.kg_tile + g * p.kg_grad;
-      float* const at = vptr<float>(s, c.s.b, t, c.h, d);
-      if (p.kg_pair == 1) *at = v;
-      else atomicAdd(at, v);
-    };
-    // dw = reverse cumsum + zeta (§6.4), exactly 0 where exp(w) == 0: per row t (reverse)
-    // acc += x_t; acc = 0 where exp(w_t) == 0; dw_t = acc; acc += y_t. Four threads per channel,
-    // four rows each: a row group maps the sum entering it to acc_in + c (no reset in it) or to
-    // c, and each thread starts from zeta carried through the later groups' maps (shuffles).
-    {
-      const int part = threadIdx.x % 4, r0 = 4 * part;
-      for (int d0 = 0; d0 < K; d0 += NT / 4) {  // the same trip count on every lane
-        const int d = d0 + threadIdx.x / 4;
-        const bool on = d < K;
-        const int sw = part & 2;  // rows in the order r ^ 2 (swap_halves_if)
-        float x[4], y[4], cg = 0.f;
-        bool z[4], keep = true;  // keep: no reset in this row group
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int at = (r0 + (r ^ sw)) * KP + d;
-          const bool live = on && r0 + (r ^ sw) < nrow;
-          x[r] = live ? sm[L.r + at] * sm[L.gr + at] - sm[L.k + at] * sm[L.gk + at] -
-                            sm[L.b + at] * sm[L.gb + at]
-                      : 0.f;
-          y[r] = live ? sm[L.a + at] * sm[L.ga + at] : 0.f;
-          z[r] = live && sm[L.w + at] == 0.f;  // exp(w), set above
-        }
-        swap_halves_if(x, sw), swap_halves_if(y, sw), swap_halves_if(z, sw);  // to row order
-#pragma unroll
-        for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
-        float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its state-part sums (TC: 2, SIMT: 8)
-        if (on) {
-          acc = sm[L.zgam + d] * sm[L.zeta + d];
-#pragma unroll
-          for (int q = 0; q < (TC ? 2 : C / 2); ++q) acc += sm[L.zparts + q * K + d];
-        }
-#pragma unroll
-        for (int q = 3; q >= 0; --q) {
-          const float cq = __shfl_sync(0xffffffffu, cg, q, 4);
-          const float kq = __shfl_sync(0xffffffffu, keep ? 1.f : 0.f, q, 4);
-          if (q > part) acc = kq != 0.f ? acc + cq : cq;
-        }
-        float dw[4];
-#pragma unroll
-        for (int r = 3; r >= 0; --r) {
-          acc += x[r];
-          if (z[r]) acc = 0.f;
-          dw[r] = acc;
-          acc += y[r];
-        }
-        swap_halves_if(dw, sw);  // to the loads' order
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int row = r0 + (r ^ sw);
-          if (!on || row >= nrow) continue;
-          if (p.kg16) sm[L.w + row * KP + d] = dw[r];  // over exp(w), read above by this thread only
-          else put_kg(kGradW, c.s.bos + t0 + row, d, dw[r]);
-        }
-      }
-    }
-    if (p.kg16) {  // all five from shared memory, 4 channels per thread (dw in the w rows): one
-                   // 16-byte shared read each (two per 16-byte piece were two-way conflicts)
-      const int pk = K / 4;
-      __syncthreads();
-      // A quad's row, channels and (kg_same: the five outputs share strides, as the op
-      // allocates them) its element offset once for all five: per (gradient, quad) the index
-      // split, the pick of the source rows and the output's 64-bit offsets cost ~40 instructions
-      // (ncu: grad's last region, 9 % of its instructions).
-      const int src[kNumKGrads] = {L.gr, L.w, L.gk, L.ga, L.gb};  // in kGrad order: r, w, k, a, b
-      static_assert(kGradR == 0 && kGradW == 1 && kGradK == 2 && kGradA == 3 && kGradB == 4, "kGrad order");
-      for (int e = threadIdx.x; e < C * pk; e += NT) {
-        const int i = e / pk, ch = (e - i * pk) * 4;
-        if (i >= nrow) continue;
-        const int64_t t = c.s.bos + t0 + i, off = voff(p.kgd[0], c.s.b, t, c.h, ch);
-#pragma unroll
-        for (int gi = 0; gi < kNumKGrads; ++gi) {
-          const VecArg& o = p.kgd[gi];
-          const float4 f = ld4(sm + src[gi] + i * KP + ch);
-          T* const dst = static_cast<T*>(const_cast<void*>(o.ptr)) + (p.kg_same ? off : voff(o, c.s.b, t, c.h, ch));
-          if constexpr (std::is_same<T, float>::value) {
-            *reinterpret_cast<float4*>(dst) = f;
-          } else {
-            const T v[4] = {from_f<T>(f.x), from_f<T>(f.y), from_f<T>(f.z), from_f<T>(f.w)};
-            uint2 raw;
-            memcpy(&raw, v, sizeof(raw));
-            *reinterpret_cast<uint2*>(dst) = raw;
-          }
-        }
-      }
-      return;
-    }
-    for (int i = threadIdx.x / 64; i < nrow; i += NT / 64) {
-      const int64_t t = c.s.bos + t0 + i;
-      for (int d = threadIdx.x % 64; d < K; d += 64) {
-        const int at = i * KP + d;
-        put_kg(kGradR, t, d, sm[L.gr + at]), put_kg(kGradK, t, d, sm[L.gk + at]);
-        put_kg(kGradA, t, d, sm[L.ga + at]), put_kg(kGradB, t, d, sm[L.gb + at]);
-      }
-    }
+    kvector_grads<TC>(sm, L, rho);
+    store_kvector_grads<T>(sm, L, p, c, t0, nrow);
   }
 }
 

@@ -1,7 +1,39 @@
-// Launches of the chunked RWKV7 kernels (dplr_chunk.cuh), kept apart so that the kernels also
-// compile as host code (tests/cuda_emu runs them on the CPU).
+// CUDA engine for the chunked RWKV7 algebra of kernels/dplr_chunk.h (the steps of
+// cpu/dplr_chunk.cpp in fp32). Exact SIMT FMA everywhere for fp32 inputs; for bf16 / fp16 inputs
+// every product with a state, a 16 x 16 matrix or across the columns runs on TF32 tensor cores
+// (fp32 accumulators and states; X and every exponent stay SIMT fp32, the pair matrices too
+// unless a chunk's decays allow their fp32-accurate 3xTF32 form). The launch compiles K = 64
+// and 128 as constants (launch_k).
+//
+// Forward, two kernels:
+//   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
+//          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
+//          sum_{j < s < i} w_s elementwise: never a difference, never positive, so any w in
+//          [-inf, 0] is exact; for bf16 / fp16, a chunk whose every channel's total decay is
+//          >= -60 takes 3xTF32 products of factored rows instead, pair_matrices_tc), X =
+//          (I - A_ab)^-1 by forward substitution, then W, Q~, K^, B^, gamma, U0, O0 into the
+//          workspace (DplrWorkspaceLayout).
+//   state  (N, H, V / 32)   the sequential pass over chunks with the K x 32 state slice in shared
+//          memory: U = U0 + W S, o = O0 + scale Q~ S, S+ = gamma S + K^^T V + B^^T U. The next
+//          chunk's workspace block is copied asynchronously while this one is used, so a step
+//          costs its arithmetic, not a memory latency. Writes the chunk-start states (`hst`)
+//          when asked: the training forward keeps them, and its workspace with the pair
+//          matrices and X, for its backward (DplrChunkPass::kept).
+// (prep in dplr_chunk_prep.cuh, the sweeps in dplr_chunk_sweep.cuh, the grad kernel in
+// dplr_chunk_grad.cuh; their parts: dplr_chunk_layout.cuh (shared-memory layout, glossary of the
+// short names), dplr_chunk_loads.cuh, dplr_chunk_pairs.cuh, dplr_chunk_tiles.cuh.)
+// Backward: unless the training forward kept its states and workspace, prep and the forward
+// sweep for them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per
+// (chunk slot, head, tile of dplr_chunk_cols(K) columns) makes that chunk's gradients with the
+// rows, pair matrices and the K x cols state and its gradient in shared memory. With V in one tile its K-vector gradients go
+// straight to the outputs; else they are per-tile partial sums, added into zero-filled slabs two
+// tiles per slab (DplrArgs::kg_pair). No host synchronisation: CUDA-graph safe.
+//
+// The launches are kept apart from the kernels so that the kernels also compile as host code
+// (tests/cuda_emu runs them on the CPU).
 #pragma once
 #include "dplr_chunk_grad.cuh"
+#include "dplr_chunk_prep.cuh"
 #include "dplr_chunk_sweep.cuh"
 
 namespace fla {
@@ -30,7 +62,7 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   if (!(p.backward() && p.kept))
     e = launch_with_smem(prep_kernel<T, KC>, dim3(unsigned(slots), p.H), NT, Smem(p.K, false).bytes(), p, stream);
   if (e != cudaSuccess) return e;
-  const size_t sweep_bytes = StateSmem(DplrWs(p.K, p.V), p.K, !std::is_same<T, float>::value).bytes();
+  const size_t sweep_bytes = StateSmem(DplrWorkspaceLayout(p.K, p.V), p.K, !std::is_same<T, float>::value).bytes();
   const dim3 sweeps(unsigned(int64_t(p.N) * p.H * state_tiles(p.V)));
   if (!p.backward()) return launch_with_smem(sweep_kernel<T, false, true, KC>, sweeps, NTS, sweep_bytes, p, stream);
   // The forward sweep of a backward call writes only hst (its o and hT are off), unless the
@@ -46,7 +78,8 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
 }
 
 // K = 64 (RWKV-7's head size) and 128 with every index derived from K a compile-time constant:
-// ncu had integer multiply-adds at 22-35 % of the sweep's and prep's instructions.
+// with a runtime K, the integer multiply-adds of the shared-memory and workspace indices are a
+// large share of the sweep's and prep's instructions.
 template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;

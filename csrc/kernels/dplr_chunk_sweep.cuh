@@ -1,13 +1,14 @@
-// The sequential passes of the chunked RWKV7 engine (dplr_chunk.cuh): the forward sweep (o, the
-// chunk-start states) and its transpose, the reverse sweep (dS+ at every chunk end).
+// The sequential passes of the chunked RWKV7 engine (dplr_chunk_launch.cuh): the forward sweep
+// (o, the chunk-start states) and its transpose, the reverse sweep (dS+ at every chunk end).
 #pragma once
-#include "dplr_chunk.cuh"
+#include "async_copy.cuh"
+#include "dplr_chunk_layout.cuh"
 
 namespace fla {
 namespace dplr_chunk_detail {
 
 constexpr int SX = kDplrSweepCols, NTS = 256;  // state columns and threads per CTA
-constexpr int SXP = DplrWs::UP;  // row stride of the staged U0 / O0
+constexpr int SXP = DplrWorkspaceLayout::UP;  // row stride of the staged U0 / O0
 static_assert(NTS == C * SX / 2, "phase A (SIMT): one thread per row and column pair");
 FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
 // The column arrays hold the state and the chunk's rows transposed, columns x and x + 8 of each
@@ -20,13 +21,12 @@ FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
 //                R = 2 K8 rounded up to 32, and in odd pairs the 16-byte pieces (channel pairs)
 //                XOR 5, so that both 16-byte reads are conflict-free: phase A's (pieces 2q,
 //                2q + 1 of pairs p, p + 1: XOR 1 would do) and phase B's (pieces q + 0..3: XOR 4
-//                would do); at R = 2 K8 + 4 phase B's were two-way (ncu: 12 % of the sweep's
-//                shared wavefronts excess, the kernel at 81 % of L1 throughput).
+//                would do); at R = 2 K8 + 4 phase B's are two-way conflicts, and the sweep is
+//                bound by shared-memory throughput.
 //   UT, VT [16][32]  U^T (or T^T) and v^T (or (scale dO)^T), [16][2] per pair, 16-byte pieces
 //                swizzled by the pair: cidx()
-// (the [K][SX] layout read four 4-byte words per lane and k-step, ncu had shared loads at ~40 %
-// of the sweep's instructions; [SX][K] with 16-byte loads needed 4 register moves per mma:
-// NOTES c19).
+// (a [K][SX] layout reads four 4-byte words per lane and k-step, so shared loads would dominate
+// the sweep's instructions; [SX][K] with 16-byte loads needs 4 register moves per mma).
 FLA_HD int pair_of(int x) { return (x >> 4) * 8 + (x & 7); }
 FLA_HD int sidx(int R, int x, int d, bool sw) {
   const int p = pair_of(x), piece = (d >> 1) ^ (sw ? 5 * (p & 1) : 0);
@@ -36,14 +36,15 @@ FLA_HD int cidx(int x, int j) {
   const int p = pair_of(x), f = 2 * j + ((x >> 3) & 1);
   return p * 2 * C + ((((f >> 2) ^ (p & 1) ^ (((p >> 1) & 3) << 1)) << 2) | (f & 3));
 }
-// Shared memory (floats): ST, UT, VT, then two stages of a chunk's workspace block as DplrWs lays
-// it out (K-part, then this tile's U0, O0 [C][SXP]), then the stages' mbarriers (bulk copies).
+// Shared memory (floats): ST, UT, VT, then two stages of a chunk's workspace block as
+// DplrWorkspaceLayout lays it out (K-part, then this tile's U0, O0 [C][SXP]), then the stages'
+// mbarriers (bulk copies).
 struct StateSmem {
   int R, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, bars, total;
-  FLA_HD StateSmem(const DplrWs& ws, int K, bool tc) : R(tc ? (2 * ((K + 7) / 8 * 8) + 31) / 32 * 32 : 2 * ((K + 7) / 8 * 8) + 4) {
+  FLA_HD StateSmem(const DplrWorkspaceLayout& ws, int K, bool tc) : R(tc ? (2 * ((K + 7) / 8 * 8) + 31) / 32 * 32 : 2 * ((K + 7) / 8 * 8) + 4) {
     S = 0, U = SX / 2 * R, Vt = U + SX * C, buf = Vt + SX * C;
-    sW = int(ws.W()), sQ = int(ws.Q()), sKh = int(ws.Kh()), sBh = int(ws.Bh()), sGam = int(ws.gam());
-    sU0 = int(ws.kpart()), sO0 = sU0 + C * SXP, stage = sO0 + C * SXP;
+    sW = int(ws.w_at()), sQ = int(ws.q_at()), sKh = int(ws.khat_at()), sBh = int(ws.bhat_at()), sGam = int(ws.gamma_at());
+    sU0 = int(ws.kpart_floats()), sO0 = sU0 + C * SXP, stage = sO0 + C * SXP;
     bars = (buf + 2 * stage + 1) / 2 * 2;  // 8-byte aligned
     total = bars + 4;
   }
@@ -55,15 +56,15 @@ struct StateSmem {
 // asynchronously while the current one is used. The backward pass is the forward's transpose:
 //   forward  (REV = false)  T = W S, U = U0 + T, o = O0 + scale Q~ S;  S  = gamma S + K^^T V + B^^T U
 //   backward (REV = true)   T = B^ D;                                  D  = gamma D + Q~^T (scale dO) + W^T T
-// (D = dS+ at a chunk's end, ALGORITHMS.md §6.4: dS = gamma dS+ + scale R^^T dO + W^T dU with
+// (D = dS+ at a chunk's end, docs/algorithms.md §6.4: dS = gamma dS+ + scale R^^T dO + W^T dU with
 // dU = scale A_rb^T dO + B^ dS+, and Q~ = R^ + A_rb W.) Computed transposed: phase A T^T = S^T
 // X_A^T (X_A = W, Q~ or B^: rows [i][d]), phase B S^T = gamma S^T + V^T X1 + U^T X2 (X1, X2 =
 // K^, B^ or Q~, W: rows [j][d]). The forward stores the chunk-start states in hst (when asked)
 // and the final one after them; the backward stores every D in dhst; both from phase B's
 // registers.
-// Tried (NOTES c9, c13): 16 columns on 128 threads (SIMT: 15 % slower; TF32: equal at K = 64,
-// 35 % slower at K = 128), three workspace stages instead of two (SIMT: 8 % slower;
-// TF32: equal, NOTES c17).
+// Why 32 columns on 256 threads and two workspace stages: 16 columns on 128 threads is slower
+// (SIMT, and TF32 at K = 128: the K-part of the workspace is fetched whole per CTA for half the
+// work), and a third stage is no faster (two already hide the fetch).
 // OUT: the forward computes o (false in the forward sweep of a backward call, which only makes
 // hst: no O0 copies, no Q~ S).
 // KC: as prep_kernel's.
@@ -73,7 +74,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const int K = KC ? KC : p.K;
-  const DplrWs ws(K, p.V);
+  const DplrWorkspaceLayout ws(K, p.V);
   const StateSmem L(ws, K, TC);
   const int R = L.R, K8 = (K + 7) / 8 * 8, tiles = state_tiles(p.V);
   const int tile = blockIdx.x % tiles, nh = blockIdx.x / tiles, h = nh % p.H, n = nh / p.H;
@@ -89,20 +90,20 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 
   const bool want_o = OUT && p.o.on();
   // Step `step`'s workspace blocks are the first ones plus s slots (REV: minus).
-  const int64_t block_step = int64_t(p.H) * ws.per(), ublock_step = int64_t(p.H) * ws.uper();
+  const int64_t block_step = int64_t(p.H) * ws.floats_per_chunk(), ublock_step = int64_t(p.H) * ws.uo_floats_per_chunk();
   const int64_t slot_first = nch > 0 ? slot_of(chunk_of(0)) * p.H + h : 0;
-  const float* const block0 = wsb + slot_first * ws.per();
-  const float* const ublock0 = REV ? nullptr : static_cast<const float*>(p.uo) + slot_first * ws.uper() + ws.utile(tile);
+  const float* const block0 = wsb + slot_first * ws.floats_per_chunk();
+  const float* const ublock0 = REV ? nullptr : static_cast<const float*>(p.uo) + slot_first * ws.uo_floats_per_chunk() + ws.uo_tile_at(tile);
   uint64_t* const bars = reinterpret_cast<uint64_t*>(sm + L.bars);
   // The K-part (the reverse sweep skips K^, which it does not read) and this tile's U0 (and, for
-  // o, O0) block: both laid out in the workspace as here (DplrWs).
-  const int64_t kcut = REV ? ws.Kh() : ws.kpart(), kskip = REV ? ws.Bh() : ws.kpart();
+  // o, O0) block: both laid out in the workspace as here (DplrWorkspaceLayout).
+  const int64_t kcut = REV ? ws.khat_at() : ws.kpart_floats(), kskip = REV ? ws.bhat_at() : ws.kpart_floats();
   const int64_t un = REV ? 0 : (want_o ? 2 : 1) * C * SXP;
 #if FLA_BULK_COPY
   // Two or three bulk copies issued by one thread, completing on the stage's mbarrier: the
-  // cp.async form below cost every thread ~130 instructions a step, a third of the sweep's
-  // (ncu); a bulk copy per row (97 a step) was slower still (the copy engine's cost per copy).
-  const unsigned fetch_bytes = unsigned(4 * (kcut + ws.kpart() - kskip + un));
+  // cp.async form below costs every thread ~130 instructions a step; a bulk copy per row (97 a
+  // step) pays the copy engine's cost per copy 97 times.
+  const unsigned fetch_bytes = unsigned(4 * (kcut + ws.kpart_floats() - kskip + un));
   auto fetch = [&](int64_t step) {
     if (threadIdx.x != 0) return;
     float* const dst = sm + L.buf + (step & 1) * L.stage;
@@ -111,7 +112,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     fence_proxy_async();  // this stage's reads in step - 1 (ordered by its closing barrier)
     mbar_expect_tx(bar, fetch_bytes);
     bulk_copy(dst, src, unsigned(4 * kcut), bar);
-    if (kskip < ws.kpart()) bulk_copy(dst + kskip, src + kskip, unsigned(4 * (ws.kpart() - kskip)), bar);
+    if (kskip < ws.kpart_floats()) bulk_copy(dst + kskip, src + kskip, unsigned(4 * (ws.kpart_floats() - kskip)), bar);
     if (un) bulk_copy(dst + L.sU0, ublock0 + step * ublock_step, unsigned(4 * un), bar);
   };
   auto fetch_wait = [&](int64_t step) { mbar_wait(bars + (step & 1), unsigned(step >> 1) & 1u); };
@@ -120,7 +121,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   auto fetch = [&](int64_t step) {
     float* const dst = sm + L.buf + (step & 1) * L.stage;
     const float* const src = block0 + (REV ? -step : step) * block_step;
-    for (int64_t e = 4 * threadIdx.x; e < ws.kpart(); e += 4 * NTS)
+    for (int64_t e = 4 * threadIdx.x; e < ws.kpart_floats(); e += 4 * NTS)
       if (e < kcut || e >= kskip) copy16(dst + e, src + e, true);
     const float* const usrc = un ? ublock0 + step * ublock_step : nullptr;
     for (int e = 4 * threadIdx.x; e < un; e += 4 * NTS) copy16(dst + L.sU0 + e, usrc + e, true);
@@ -133,8 +134,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   (void)bars;
 #endif
   // Step `step`'s rows of v (forward) or dO (backward) at this tile's columns, two per thread (0
-  // outside), kept in T until the next step stores them: converting right after the load made
-  // every step wait for it (ncu: 18 % of the sweep's stall samples on that conversion).
+  // outside), kept in T until the next step stores them: converting right after the load would
+  // make every step wait for it.
   // Row pointers at the sequence's first chunk, a chunk's offset once per step.
   const VecArg& src_rows = REV ? p.dout : p.v;
   const int64_t chunk_stride = int64_t(C) * src_rows.st;
@@ -181,15 +182,15 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   // Lane offsets formed once (the swizzle repeats every 32 channels): phase A's B piece of row
   // arow (kb = 0 or 16 mod 32), phase B's B rows x1 / x2 + 4q + r at channel 8 (warp / 2) + g.
   const int x1 = REV ? C : 2 * C, x2 = REV ? 0 : 3 * C;  // K-part rows (K^, B^ or Q~, W)
-  const int arow = xrow + i0 + g, aoff0 = ws.kat(arow, 4 * q), aoff1 = ws.kat(arow, 16 + 4 * q);
+  const int arow = xrow + i0 + g, aoff0 = ws.krow_at(arow, 4 * q), aoff1 = ws.krow_at(arow, 16 + 4 * q);
   int boff1[4], boff2[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r)
-    boff1[r] = ws.kat(x1 + 4 * q + r, 8 * (warp / 2) + g), boff2[r] = ws.kat(x2 + 4 * q + r, 8 * (warp / 2) + g);
+    boff1[r] = ws.krow_at(x1 + 4 * q + r, 8 * (warp / 2) + g), boff2[r] = ws.krow_at(x2 + 4 * q + r, 8 * (warp / 2) + g);
   // Phase A's o elements (rows i0 + 2q + {0, 1}, columns 16 (warp % 2) + g + {0, 8}) and phase
   // B's state elements (channels 8 (warp / 2) + 2q + {0, 1}, the same columns) from row 0 of the
   // sequence / slot 0 and channel 0 of the head: a step adds its chunk's offset (64-bit index
-  // arithmetic per element was a third of the sweep's instructions: ncu).
+  // arithmetic per element would cost more instructions than the stores).
   const int lx = m0 + g;
   const bool lx0 = lx < nc, lx1 = lx + 8 < nc;
   T* const o_lane = want_o ? o_at + int64_t(8 * (warp / 2 % 2) + 2 * q) * p.o.st + int64_t(lx) * p.o.sd : nullptr;
@@ -226,7 +227,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
           }
         } else {
           warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? ST[sidx(R, m0 + r, k, TC)] : 0.f; },
-                   [&](int k, int c) { return k < K ? A[ws.kat(xrow + i0 + c, k)] : 0.f; });
+                   [&](int k, int c) { return k < K ? A[ws.krow_at(xrow + i0 + c, k)] : 0.f; });
         }
         if (warp < 4) {
           const int x = m0 + g, i = i0 + 2 * q;  // acc: (x, i), (x, i + 1), (x + 8, i), (x + 8, i + 1)
@@ -253,7 +254,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       const float *ar = cur + L.sW, *s0 = ST + sidx(R, xp, 0, TC), *s1 = ST + sidx(R, xp + 1, 0, TC);
       const int srow = REV ? 3 * C + i : i;
       // 16-byte pieces of the swizzled rows (channels [K, KP4) of the rows and [K, K8) of the
-      // state are 0); the swizzle index per channel made fp32 sweeps 25 % slower.
+      // state are 0): a swizzle index per channel would be integer work on every multiply-add.
       const float *ra = ar + srow * ws.KS, *rq = ar + (C + i) * ws.KS;
       const int swa = dplr_kswz(srow), swq = dplr_kswz(C + i);
       float t0 = 0.f, t1 = 0.f, q0 = 0.f, q1 = 0.f;

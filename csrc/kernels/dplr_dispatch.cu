@@ -3,11 +3,6 @@
 
 namespace fla {
 
-FLA_DECLARE_LAUNCH(launch_dplr, DplrPass)
-
-const char* dplr_cuda(const DplrPass& p, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  return launch_for_dtype(p.dtype, [&](auto t) { return launch_dplr<decltype(t)>(p, s); });
-}
+FLA_ENGINE_ENTRY(dplr_cuda, launch_dplr, DplrPass)
 
 }  // namespace fla

@@ -5,7 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "recurrent.h"  // DType, VecArg, MatArg
+#include "tensor_args.h"  // DType, VecArg, MatArg
 
 namespace fla {
 namespace elements {

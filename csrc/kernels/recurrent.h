@@ -13,37 +13,21 @@
 #pragma once
 #include <cstdint>
 
-#include "sequence.h"  // FLA_HD
+#include "sequence.h"     // FLA_HD
+#include "tensor_args.h"  // DType, VecArg, MatArg
 
 namespace fla {
 
-enum class DType : int { f32 = 0, bf16 = 1, f16 = 2, f64 = 3 };
 // When a step reads the state relative to its decay and its write. The last two read the state
 // without the step's own write (a bonus x, y with u = 1 adds that term to `out`): the exact
-// decay-gradient sweeps (ALGORITHMS.md §3) use them so that no O(1) self term enters ws / acc,
+// decay-gradient sweeps (docs/algorithms.md §3) use them so that no O(1) self term enters ws / acc,
 // where it would cancel to a rounding residue larger than the true gradient once every decay is
 // strong. DecayReadWrite's zeta is taken before the last write; ReadWriteDecay's Consume leaves
 // the first step's read (of h0 = dHT) out of acc. The two omitted terms are equal: they cancel.
 enum class Order : int { ReadFirst = 0, ReadLast = 1, DecayLast = 2, DecayReadWrite = 3,
                          ReadWriteDecay = 4 };
 
-// A per-step vector stored as [B, T, H, D] (any strides, in elements). The batch index is the
-// sequence index without cu_seqlens and 0 with it; t is the absolute time index.
-struct VecArg {
-  const void* ptr = nullptr;
-  int64_t sb = 0, st = 0, sh = 0, sd = 1;
-  FLA_HD bool on() const { return ptr != nullptr; }
-};
-
-// "acc" buffers (states, workspaces) are fp32, or fp64 when the inputs are fp64 (CPU only).
-// A per-(sequence, head) acc matrix [N, H, rows, cols] (any strides): states and their grads.
-struct MatArg {
-  void* ptr = nullptr;
-  int64_t sn = 0, sh = 0, sr = 0, sc = 0;
-  FLA_HD bool on() const { return ptr != nullptr; }
-};
-
-// What the sweep does besides `out`, for the decay gradient (ALGORITHMS.md §5.3 closed form):
+// What the sweep does besides `out`, for the decay gradient (docs/algorithms.md §5.3 closed form):
 //   Produce: ws_t = z_t * scale * p_t (fp32), and zeta[c] = sum_r S_final[r][c] * zdot[r][c].
 //   Consume: dlambda_t = acc after acc -= z_t * scale * p_t, then acc += ws_t, acc starting at
 //            zeta (ws_inclusive: acc += ws_t comes first); also du[c] += bonus_scale * s_t * y_t[c] * z_t[c].

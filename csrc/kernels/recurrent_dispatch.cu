@@ -3,11 +3,6 @@
 
 namespace fla {
 
-FLA_DECLARE_LAUNCH(launch_recurrent, RecurrentPass)
-
-const char* recurrent_cuda(const RecurrentPass& p, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  return launch_for_dtype(p.dtype, [&](auto t) { return launch_recurrent<decltype(t)>(p, s); });
-}
+FLA_ENGINE_ENTRY(recurrent_cuda, launch_recurrent, RecurrentPass)
 
 }  // namespace fla

@@ -7,9 +7,9 @@
 namespace fla {
 
 // The compile-time shapes: 8 rows per thread up to Dr = 64 (8 warps per head at K = 64 hide
-// more latency than 4 warps of 16 rows: bf16 fwd B8 T4096 H16 3.17 -> 2.52 ms on an H100), then
-// 16 and 32 rows with 8 row groups. One-token sweeps that the decode kernel cannot take (V % 4,
-// strided states, gate gradients) keep 16 rows: more loads in flight (65 -> 54 us on an H100).
+// more latency than 4 warps of 16 rows), then 16 and 32 rows with 8 row groups. One-token sweeps
+// that the decode kernel cannot take (V % 4, strided states, gate gradients) keep 16 rows: more
+// loads in flight per thread, where a single token gives no sequential work to hide them behind.
 template <typename T>
 cudaError_t launch_recurrent(const RecurrentPass& p, cudaStream_t stream) {
   if (decode_detail::fits(p)) return decode_detail::launch<T>(p, stream);

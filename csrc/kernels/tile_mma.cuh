@@ -160,8 +160,8 @@ __device__ __forceinline__ void warp_mma(float* acc, int kn, A a, B b) {
 // warp_mma for operands in memory with row strides and nothing to mask: A(r, k) = a[r * lda + k]
 // (TA: a[k * lda + r]), B(k, n) = b[k * ldb + n] (TB: b[n * ldb + k]), every element with k < kn
 // (a multiple of 8) readable. The lane's addresses are formed once and stepped: the per-element
-// index arithmetic and bounds selects of the functor form were most of the RWKV7 sweep's
-// instructions (ncu: integer multiply-adds 25-39 % of its issue slots).
+// index arithmetic and bounds selects of the functor form would be most of the instructions of
+// a kernel like the RWKV7 sweep (integer multiply-adds, not mma).
 // RA / RB: that operand holds TF32 values already (tf32_round, or widened bf16 / fp16), read
 // without the rounding add.
 template <bool TA = false, bool TB = false, bool RA = false, bool RB = false>
@@ -188,7 +188,7 @@ __device__ __forceinline__ void warp_mma_ld(float* acc, int kn, const float* a, 
 __device__ __forceinline__ int nt_perm(int g) { return (g >> 1) + 4 * (g & 1); }
 // warp_mma_nt_tiles: the same for nb <= NB n-tiles of B at once (tile t's rows at b + 8 t ldb,
 // into acc[t]): each A fragment is loaded once for all of them (shared-memory bytes, not
-// instructions, bound the RWKV7 gradient kernel: ncu's L1 throughput was 80 %).
+// instructions, bound the RWKV7 gradient kernel).
 template <bool RA = false, bool RB = false, int NB = 1>
 __device__ __forceinline__ void warp_mma_nt_tiles(float (*acc)[4], int nb, int kn, const float* a, int lda,
                                                   const float* b, int ldb) {

@@ -1,11 +1,14 @@
-// The chunk engine's CUDA kernels (csrc/kernels/chunk.cuh, chunk_state.cuh) for chunk_gla (key-
+// The chunk engine's CUDA kernels (csrc/kernels/chunk*.cuh) for chunk_gla (key-
 // or value-side decay) and chunk_rwkv6 run on the CPU by emu.h, in the launch sequences of
 // chunk_launch.cuh and chunk_vdecay.cuh, with the
-// workspaces laid out as csrc/ops/chunk.cpp does and every output and workspace NaN-poisoned
+// workspaces laid out as csrc/ops/chunk_gla_rwkv6.cpp does and every output and workspace NaN-poisoned
 // first. Built and compared with the CPU backend by tests/test_cuda_emu.py.
 #include <torch/extension.h>
 
 #include "emu_args.h"
+#include "chunk_intra.cuh"
+#include "chunk_out.cuh"
+#include "chunk_grad_qk.cuh"
 #include "chunk_state.cuh"
 
 namespace fla::chunk_detail {

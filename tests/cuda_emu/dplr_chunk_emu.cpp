@@ -5,6 +5,7 @@
 
 #include "emu_args.h"
 #include "dplr_chunk_grad.cuh"
+#include "dplr_chunk_prep.cuh"
 #include "dplr_chunk_sweep.cuh"
 
 namespace fla::dplr_chunk_detail {
@@ -42,8 +43,8 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   p.r = vec(r), p.w = vec(w), p.k = vec(k), p.v = vec(v), p.a = vec(a), p.b = vec(b);
   if (h0.numel()) p.h0 = mat(h0);
   const int64_t slots = chunk_slots<C>(N, T, varlen);
-  const DplrWs ws(K, V);
-  Tensor wsb = poison({slots * H * ws.per()}), uob = poison({slots * H * ws.uper()}), hst = poison({slots, H, K, V});
+  const DplrWorkspaceLayout ws(K, V);
+  Tensor wsb = poison({slots * H * ws.floats_per_chunk()}), uob = poison({slots * H * ws.uo_floats_per_chunk()}), hst = poison({slots, H, K, V});
   p.ws = wsb.data_ptr(), p.uo = uob.data_ptr();
   Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V}), dhst = poison({slots, H, K, V});
   // As the CUDA op lays them out (csrc/ops/chunk_rwkv7.cpp): two column tiles add into one
@@ -51,7 +52,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   const int tiles = dplr_chunk_tiles(K, V), pair = tiles > 1 ? 2 : 0;
   std::vector<Tensor> kgd;
   // dw into a view with its own row stride: the gradient stores' per-output offsets (the op's
-  // outputs share strides: DplrChunkPass::kg_same, covered by the GPU tests)
+  // outputs share strides: DplrChunkPaths::grads_share_offsets, covered by the GPU tests)
   for (int g = 0; g < kNumKGrads; ++g)
     kgd.push_back(g == kGradW ? poison({B, T, H, 2 * K}, r.scalar_type()).narrow(3, 0, K)
                               : poison(r.sizes(), r.scalar_type()));

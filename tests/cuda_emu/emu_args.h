@@ -4,7 +4,7 @@
 #include <torch/extension.h>
 
 #include "emu.h"
-#include "recurrent.h"  // VecArg, MatArg
+#include "tensor_args.h"  // VecArg, MatArg
 
 namespace emu {
 
