@@ -226,7 +226,7 @@ def chunk_slots(d: Diag, C: int = CHUNK) -> int:
 def rwkv7_saved_floats(d: Diag) -> int:
     """The length of chunk_rwkv7's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): the
     chunk-start states of 16-row chunks, padded to a multiple of 4 floats, then the per-chunk
-    workspace (kernels/dplr_chunk.h DplrWs: W, Q~, K^, B^ [16][ks], gamma, the pair matrices
+    workspace (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^ [16][ks], gamma, the pair matrices
     and X [5][16][20])."""
     slots = chunk_slots(d, DPLR_CHUNK)
     ks, kp4 = (d.K + 31) // 32 * 32, (d.K + 3) // 4 * 4
@@ -262,7 +262,7 @@ def _chunk_workspaces(d: Diag, q, hst, amat, value_side: bool) -> None:
 
 def rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first, *, backward=False,
           grad_o=None, grad_final_state=None, hst=None, amat=None) -> Diag:
-    """check_rwkv6 (ops/rwkv6.cpp): the diagonal-gate checks plus the bonus u [H, K]."""
+    """check_rwkv6 (ops/fused_recurrent_rwkv6.cpp): the diagonal-gate checks plus the bonus u [H, K]."""
     defined(r, "r")
     defined(w, "w")
     d = diag(r, "r", k, v, w, "w", scale, initial_state, cu_seqlens, head_first)
@@ -284,7 +284,7 @@ def rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first, *, backwa
 
 def gla(q, k, v, g, gv, scale, initial_state, cu_seqlens, head_first, *, chunk: bool,
         backward=False, grad_o=None, grad_final_state=None, hst=None, amat=None) -> Diag:
-    """GLA (ops/gla.cpp check_gla, ops/chunk.cpp check_gv): a key-side decay g (gk in the fused
+    """GLA (ops/fused_recurrent_gla.cpp check_gla, ops/chunk_gla_rwkv6.cpp check_gv): a key-side decay g (gk in the fused
     mode) like q and a value-side decay gv like v, both optional; a wide q (float32 with bf16 /
     fp16 k, v). The CUDA chunk engine takes one of the two decays."""
     d = diag(q, "q", k, v, g, "g" if chunk else "gk", scale, initial_state, cu_seqlens,
@@ -304,7 +304,7 @@ def gla(q, k, v, g, gv, scale, initial_state, cu_seqlens, head_first, *, chunk: 
 
 def rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first, *, backward=False,
           grad_o=None, grad_final_state=None, saved=None) -> Diag:
-    """check_rwkv7 (ops/rwkv7.cpp): the diagonal-gate checks plus a, b shaped like r; the chunked
+    """check_rwkv7 (ops/fused_recurrent_rwkv7.cpp): the diagonal-gate checks plus a, b shaped like r; the chunked
     backward's `saved` (read on CUDA only, when there are rows)."""
     defined(r, "r")
     defined(w, "w")
@@ -321,7 +321,7 @@ def rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first, *, bac
 
 def gsa_core(q, k, v, s, g, scale, hk0, hv0, cu_seqlens, head_first, *, backward=False, p=None,
              grad_o=None, grad_hk=None, grad_hv=None, hst1=None, hst2=None, amat2=None):
-    """chunk_gsa_core's checks (ops/gsa_chunk.cpp), named as its two GLA passes name them:
+    """chunk_gsa_core's checks (ops/chunk_gsa_core.cpp), named as its two GLA passes name them:
     pass 1 is GLA(q, k, v := s, gv := g) with initial state hk0, pass 2 GLA(q := p, k := s, v, g)
     with hv0, p the softmax [B, T, H, M] in q's dtype. Returns the passes' sizes (d1, d2)."""
     d1 = diag(q, "q", k, s, None, "g", scale, hk0, cu_seqlens, head_first)

@@ -1,4 +1,4 @@
-"""The chunk algebra of ALGORITHMS.md §4 (GLA) and §5 (RWKV6) in float64, with its intermediates.
+"""The chunk algebra of docs/algorithms.md §4 (GLA) and §5 (RWKV6) in float64, with its intermediates.
 
 This is the stage-by-stage oracle for the chunk kernels (§8.1): per chunk of C rows it forms the
 decay exponents as *additive segment sums* (§2.6: partial sums of lambda <= 0 are only ever

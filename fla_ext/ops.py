@@ -380,7 +380,7 @@ def chunk_rwkv7(
     .. math:: h_t = \mathrm{diag}(e^{w_t}) h_{t-1} + b_t (a_t^\top h_{t-1}) + k_t v_t^\top,\quad
               o_t = s\, h_t^\top r_t
 
-    computed in the WY/UT form over 16-row chunks (ALGORITHMS.md §6). Every decay factor is a
+    computed in the WY/UT form over 16-row chunks (docs/algorithms.md §6). Every decay factor is a
     sum of log decays, never a difference, so any ``w <= 0`` including ``-inf`` is exact.
 
     Args:

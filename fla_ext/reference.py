@@ -1,4 +1,4 @@
-"""Float64 oracles: the plain recurrences and hand-written BPTT (ALGORITHMS.md §8.1).
+"""Float64 oracles: the plain recurrences and hand-written BPTT (docs/algorithms.md §8.1).
 
 Independent of every kernel's algebra (no chunking, no closed forms), validated against finite
 differences in tests/test_reference.py. All functions take fla-layout tensors ``[B, T, H, D]``

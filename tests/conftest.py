@@ -18,7 +18,7 @@ DEVICES = [
         pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),
 ]
 
-# ALGORITHMS.md §8.3: (tol for values, tol for decay gradients, atol escape for ~0 references).
+# docs/algorithms.md §8.3: (tol for values, tol for decay gradients, atol escape for ~0 references).
 TOL = {
     torch.float64: (1e-10, 1e-10, 1e-12),
     torch.float32: (1e-5, 5e-5, 1e-6),
@@ -48,7 +48,7 @@ def assert_compiles_same(f, ins, wrt, device):
 
 
 def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float, atol: float):
-    """ALGORITHMS.md §8.2: rel L2 <= tol or max|x - ref| <= atol; never NaN/Inf."""
+    """docs/algorithms.md §8.2: rel L2 <= tol or max|x - ref| <= atol; never NaN/Inf."""
     assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
     xd = x.detach().double().cpu()
     assert torch.isfinite(xd).all(), f"{name}: {(~torch.isfinite(xd)).sum().item()} non-finite values"

@@ -106,7 +106,7 @@ def leaves(x: Dict) -> Dict:
 def run_and_check(fam: Family, mode: str, x: Dict, *, dht_on=True, gen=None, tol_scale=1.0,
                   **kw):
     """Forward, final state and every gradient of `mode` vs the float64 oracle, with the
-    ALGORITHMS.md §8.3 tolerances of the input dtype. kw: scale, cu_seqlens, head_first.
+    docs/algorithms.md §8.3 tolerances of the input dtype. kw: scale, cu_seqlens, head_first.
     Returns (o, ht, {name: grad})."""
     tol, tol_decay, atol = TOL[x["k"].dtype]
     tol, tol_decay = tol * tol_scale, tol_decay * tol_scale

@@ -1,4 +1,4 @@
-"""Random inputs shared by the op tests: ALGORITHMS.md §8.4 gate regimes, both layouts, strided."""
+"""Random inputs shared by the op tests: docs/algorithms.md §8.4 gate regimes, both layouts, strided."""
 import math
 
 import torch
@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 
 def log_decay(kind: str, shape, gen) -> torch.Tensor:
-    """ALGORITHMS.md §8.4 gate regimes (float32, on the CPU)."""
+    """docs/algorithms.md §8.4 gate regimes (float32, on the CPU)."""
     T = shape[1]
     if kind == "typical":
         return F.logsigmoid(torch.randn(shape, generator=gen))

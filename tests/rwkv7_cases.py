@@ -92,7 +92,7 @@ def make(B, T, H, K, V, dtype, device, gen, *, lr="rwkv", **kw):
 
 def run_and_check(mode, r, w, k, v, a, b, h0, *, dht_on=True, scale=None, reverse=False, cu=None,
                   head_first=False, gen=None, tol_scale=1.0):
-    """o, final state and every gradient of `mode` vs the float64 oracle with the ALGORITHMS.md
+    """o, final state and every gradient of `mode` vs the float64 oracle with the docs/algorithms.md
     §8.3 tolerances of the dtype; returns (o, ht)."""
     dtype = r.dtype
     tol, tol_dw, atol = TOL[dtype]

@@ -27,20 +27,29 @@ def _t(gen, *shape, device="cpu", dtype=torch.float32, decay=False):
     return x.to(device, dtype)
 
 
+def _acts(B, T, H, device, gen, dtype, **dims):
+    """[B, T, H, D] activations by name: dims maps a name to D, or to (D, "decay") for a log
+    decay."""
+    out = {}
+    for name, d in dims.items():
+        d, decay = (d[0], True) if isinstance(d, tuple) else (d, False)
+        out[name] = _t(gen, B, T, H, d, device=device, dtype=dtype, decay=decay)
+    return out
+
+
 def _rwkv6(B, T, H, device, gen, dtype=torch.float32, K=K, V=V):
-    mk = lambda d, decay=False: _t(gen, B, T, H, d, device=device, dtype=dtype, decay=decay)  # noqa: E731
-    return dict(r=mk(K), k=mk(K), v=mk(V), w=mk(K, True), u=_t(gen, H, K, device=device, dtype=dtype))
+    x = _acts(B, T, H, device, gen, dtype, r=K, k=K, v=V, w=(K, "decay"))
+    return dict(x, u=_t(gen, H, K, device=device, dtype=dtype))
 
 
 def _gla(B, T, H, device, gen, dtype=torch.float32, K=K, V=V):
-    mk = lambda d, decay=False: _t(gen, B, T, H, d, device=device, dtype=dtype, decay=decay)  # noqa: E731
-    return dict(q=mk(K), k=mk(K), v=mk(V), g=mk(K, True))
+    return _acts(B, T, H, device, gen, dtype, q=K, k=K, v=V, g=(K, "decay"))
 
 
 def _rwkv7(B, T, H, device, gen, dtype=torch.float32, K=K, V=V):
-    mk = lambda d, decay=False: _t(gen, B, T, H, d, device=device, dtype=dtype, decay=decay)  # noqa: E731
-    kk = torch.nn.functional.normalize(mk(K).float(), dim=-1).to(dtype)
-    return dict(r=mk(K), w=mk(K, True), k=mk(K), v=mk(V), a=-kk, b=(kk * 0.5))
+    x = _acts(B, T, H, device, gen, dtype, r=K, w=(K, "decay"), k=K, v=V, kk=K)
+    kk = torch.nn.functional.normalize(x.pop("kk").float(), dim=-1).to(dtype)
+    return dict(x, a=-kk, b=(kk * 0.5))
 
 
 def _rwkv7_mul(B, T, H, device, gen, dtype=torch.float32, K=K, V=V):
@@ -50,8 +59,7 @@ def _rwkv7_mul(B, T, H, device, gen, dtype=torch.float32, K=K, V=V):
 
 
 def _gsa(B, T, H, device, gen, dtype=torch.float32, K=K, V=V):
-    mk = lambda d, decay=False: _t(gen, B, T, H, d, device=device, dtype=dtype, decay=decay)  # noqa: E731
-    return dict(q=mk(K), k=mk(K), v=mk(V), s=mk(M), g=mk(M, True))
+    return _acts(B, T, H, device, gen, dtype, q=K, k=K, v=V, s=M, g=(M, "decay"))
 
 
 def _args(x, names):

@@ -1,4 +1,4 @@
-"""fla::chunk_gla and fla::chunk_rwkv6 (the chunked algorithm, 64-row chunks: ALGORITHMS.md
+"""fla::chunk_gla and fla::chunk_rwkv6 (the chunked algorithm, 64-row chunks: docs/algorithms.md
 §4-§5, and chunk_gla's value-side decay gv of §7.1, alone and with g): forward and every
 gradient vs the float64 oracle, vs the fused recurrent mode, the §8.4 stress suite and varlen,
 GSA's two passes, on CPU and CUDA."""
@@ -65,7 +65,7 @@ def test_matches_fused(device, fam, w_kind, cu, gen):
 
 
 # ---------------------------------------------------------------------------------------------
-# Stress suite (ALGORITHMS.md §8.4)
+# Stress suite (docs/algorithms.md §8.4)
 
 # float64 runs on the CPU only (the CUDA kernels take fp32/bf16/fp16), so it is not generated
 # for CUDA rather than skipped there.
@@ -221,7 +221,7 @@ def test_no_rows(device, fam, gen):
 
 
 # ---------------------------------------------------------------------------------------------
-# The value-side decay gv (ALGORITHMS.md §7.1): the shapes the brief names, GSA-strength decays,
+# The value-side decay gv (docs/algorithms.md §7.1): the shapes the brief names, GSA-strength decays,
 # GSA's two passes end to end
 
 VALUE_FAMILIES = [p for p in CHUNK_FAMILIES if p.values[0] in (GLA_GV, GLA_KV)]
@@ -258,7 +258,7 @@ def test_gsa_strength_decay(device, dtype, fam, kind, gen):
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("with_state", [False, True], ids=["h0none", "h0"])
 def test_gsa_two_passes(device, dtype, with_state, gen):
-    """GSA (ALGORITHMS.md §7) built from two chunk_gla calls, pass 1 with gv = g over the slots,
+    """GSA (docs/algorithms.md §7) built from two chunk_gla calls, pass 1 with gv = g over the slots,
     a float32 softmax, pass 2 with g: the output, both final states and every gradient
     (q, k, v, s, g, hk0, hv0) vs the float64 GSA oracle."""
     B, T, H, K, M, V = 1, 100, 2, 32, 16, 24

@@ -1,5 +1,5 @@
 """The float64 chunk algebra (fla_ext.chunk_reference) equals the recurrent oracle, stress
-decays included, and its chunk-start states are the recurrence's states (ALGORITHMS.md §8.1)."""
+decays included, and its chunk-start states are the recurrence's states (docs/algorithms.md §8.1)."""
 import math
 
 import pytest

@@ -3,7 +3,7 @@ arguments, fla's state dict loaded into ours with strict=True, give the same out
 gradients, and (GLA, GSA) the same cached decoding.
 
 Metric: relative L2 error ||ours - fla|| / ||fla|| (conftest.rel_err), of the outputs and of
-dL/dx, bounded as ALGORITHMS.md §8.3 bounds values and gradients. bf16: 1e-2 and 2e-2 (the two
+dL/dx, bounded as docs/algorithms.md §8.3 bounds values and gradients. bf16: 1e-2 and 2e-2 (the two
 sides round activations to bf16 at different points; measured <= 6.5e-3 and 1.02e-2). fp32 on
 the CPU: 2e-5 (fla in the interpreter computes in true fp32; measured <= 4e-7 and 2.3e-6, the
 RWKV6 input gradient). fp32 on CUDA: 5e-3 and 1e-2, because fla's chunk kernels multiply fp32 in
@@ -149,7 +149,7 @@ def test_cached_decoding_matches_fla(case):
     """fla's layer with fla's Cache and ours with ours: a 20-token prompt, then 4 single tokens,
     then 3 at once (fp32). The short-conv caches are fla's layout and agree exactly up to
     rounding. The recurrent states agree up to layout, so they do not move between the two:
-    fla 0.6.0 keeps GLA's value-first [N, H, V, K] (ours [N, H, K, V], LAYERS.md) and, with
+    fla 0.6.0 keeps GLA's value-first [N, H, V, K] (ours [N, H, K, V], docs/layers.md) and, with
     num_kv_heads < num_heads, GSA's per query head (ours per kv head)."""
     fla_cache = pytest.importorskip("fla.models.utils")  # needs transformers
     theirs, mine = pair(*CASES[case], torch.float32)

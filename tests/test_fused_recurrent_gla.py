@@ -132,7 +132,7 @@ def test_varlen(device, cu, dtype, decays, gen):
 @pytest.mark.parametrize("w_kind", STRESS)
 @pytest.mark.parametrize("decays", DECAYS)
 def test_stress_gates(device, dtype, w_kind, decays, gen):
-    """ALGORITHMS.md §8.4 gate regimes on the decays of the case (with both: both stressed).
+    """docs/algorithms.md §8.4 gate regimes on the decays of the case (with both: both stressed).
 
     Written reason for the one wider tolerance: with gk and gv both U(-30, 0) every state entry
     decays by gk + gv, so the true dgk / dgv are ~10x smaller than with one side, while the closed
@@ -170,7 +170,7 @@ def test_stress_long(device, T, w_kind, decays, gen):
 @pytest.mark.parametrize("g_fill", [-1e4, -math.inf])
 @pytest.mark.parametrize("side", ["gk", "gv"])
 def test_analytic_hard_decay(device, g_fill, side, gen):
-    """ALGORITHMS.md §8.4 item 2, on either side: o_t = s (q_t.k_t) v_t, hT = k_{T-1} v_{T-1}^T,
+    """docs/algorithms.md §8.4 item 2, on either side: o_t = s (q_t.k_t) v_t, hT = k_{T-1} v_{T-1}^T,
     dh0 = 0, and the hard decay's own gradient is exactly 0."""
     q, k, v, _, h0 = make_diag(2, 11, 2, 16, 8, torch.float32, device, gen)
     g = torch.full_like(q if side == "gk" else v, g_fill)

@@ -107,7 +107,7 @@ def test_varlen_int32_head_first(device, gen):
 
 
 # ---------------------------------------------------------------------------------------------
-# Stress suite (ALGORITHMS.md §8.4): no NaN/Inf, errors within §8.3 tolerances.
+# Stress suite (docs/algorithms.md §8.4): no NaN/Inf, errors within §8.3 tolerances.
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -135,7 +135,7 @@ def test_stress_long(device, T, w_kind, gen):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("w_fill", [-1e4, -math.inf])
 def test_analytic_hard_decay(device, w_fill, gen):
-    """ALGORITHMS.md §8.4 item 2: with exp(w) = 0 only the previous token and the bonus remain."""
+    """docs/algorithms.md §8.4 item 2: with exp(w) = 0 only the previous token and the bonus remain."""
     B, T, H, K, V = 2, 11, 2, 16, 8
     r, k, v, _, u, h0 = make(B, T, H, K, V, torch.float32, device, gen)
     w = torch.full_like(r, w_fill)

@@ -1,4 +1,4 @@
-"""fla::chunk_gsa and fla::fused_recurrent_gsa (ALGORITHMS.md §7): forward, both final states
+"""fla::chunk_gsa and fla::fused_recurrent_gsa (docs/algorithms.md §7): forward, both final states
 and every gradient (q, k, v, s, g, hk0, hv0) vs the float64 oracle; grouped heads, both layouts,
 varlen, fla's g=None gate, the §8.4 stress suite with GSA's strong slot gates, chunk ==
 recurrent, on CPU and CUDA."""

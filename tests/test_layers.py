@@ -1,4 +1,4 @@
-"""Drop-in layers (LAYERS.md, issue 6): parameter names and shapes as fla's, a fresh layer gives
+"""Drop-in layers (docs/layers.md, issue 6): parameter names and shapes as fla's, a fresh layer gives
 finite outputs and gradients, decoding with the cache reproduces the full forward, left padding
 equals running each sequence alone, chunk and recurrent modes agree."""
 import pytest
@@ -158,7 +158,7 @@ def test_rwkv7_parameters_match_fla():
     assert names1["w_lora.lora.2.weight"] == (64, 32) and names1["g_lora.lora.2.weight"] == (64, 32)
     assert "g_lora.lora.2.bias" not in names1
     big = RWKV7Attention(hidden_size=1024, head_dim=64, layer_idx=0, num_hidden_layers=24)
-    # LAYERS.md §2.1: half-to-even rounding gives 64 (not 96) at C = 1024
+    # docs/layers.md §2.1: half-to-even rounding gives 64 (not 96) at C = 1024
     assert (big.decay_low_rank_dim, big.gate_low_rank_dim, big.a_low_rank_dim,
             big.v_low_rank_dim) == (64, 160, 64, 64)
 

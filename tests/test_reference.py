@@ -1,4 +1,4 @@
-"""The float64 oracles in fla_ext.reference, validated on their own (ALGORITHMS.md §8.1, §8.4 item 2).
+"""The float64 oracles in fla_ext.reference, validated on their own (docs/algorithms.md §8.1, §8.4 item 2).
 
 Every hand-written BPTT (rwkv6_bwd, gla_bwd with gk, gv or both, rwkv7_bwd, gsa_bwd) is checked against central finite
 differences of L = <dO, O> + <dHT, hT> (summed over both GSA states) w.r.t. every input, initial
@@ -343,7 +343,7 @@ def test_varlen_matches_separate_sequences(family):
 
 
 # ------------------------------------------------------------------------------------------------
-# ALGORITHMS.md §8.4 item 2: log decay -1e4 everywhere (exp underflows to exactly 0)
+# docs/algorithms.md §8.4 item 2: log decay -1e4 everywhere (exp underflows to exactly 0)
 # ------------------------------------------------------------------------------------------------
 
 def _order(L, reverse):

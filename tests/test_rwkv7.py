@@ -1,6 +1,6 @@
 """The RWKV7 checks both modes run (fla::chunk_rwkv7 and fla::fused_recurrent_rwkv7), written once
 and parametrized over the mode: forward and every gradient vs the float64 oracle (grid, state
-options, fp16, varlen), the ALGORITHMS.md §8.4 stress suite, gradcheck, real-op checks, errors.
+options, fp16, varlen), the docs/algorithms.md §8.4 stress suite, gradcheck, real-op checks, errors.
 CPU and CUDA (the same tests, marked `cuda`). What one mode has alone stays in its own module."""
 import itertools
 import math
@@ -105,7 +105,7 @@ def test_varlen_int32_head_first(mode, device, gen):
 
 
 # ---------------------------------------------------------------------------------------------
-# Stress suite (ALGORITHMS.md §8.4): generic log decays (0, near 0, typical, U(-5,0), U(-30,0),
+# Stress suite (docs/algorithms.md §8.4): generic log decays (0, near 0, typical, U(-5,0), U(-30,0),
 # -1e4, -inf, mixed, spikes at rows = 0 and 15 mod 16, RWKV-7's own range, 16-step sums at the
 # CUDA chunk path's factoring bound), with and without
 # h0 and dht (chunk); the low-rank regimes (iclr 0 / 1: ||b a^T|| = 1; generic a, b); long T.

@@ -1,4 +1,4 @@
-// CPU backend of the chunk engine (kernels/chunk.h): the chunked algorithm of ALGORITHMS.md
+// CPU backend of the chunk engine (kernels/chunk.h): the chunked algorithm of docs/algorithms.md
 // §4.1/§4.2 (GLA), §5.1/§5.2 (RWKV6) and §7.1/§7.2 (value-side decay) as written, one
 // (sequence, head) per task. Key-side (g) and value-side (gv) decays may be on together: the
 // pair terms then carry a key factor inside the score a_ij and a value factor per column. It is what

@@ -1,7 +1,7 @@
 // CPU backend of the chunked RWKV7 engine (kernels/dplr_chunk.h): the WY/UT algebra of
-// ALGORITHMS.md §6 as written, one (sequence, head, column tile) per task, all chunk math in
+// docs/algorithms.md §6 as written, one (sequence, head, column tile) per task, all chunk math in
 // double. Every decay exponent is a running sum of log decays <= 0 (§2.6), so w = -inf and mixed
-// -1e4/-0.05 gates are exact. It is what the CUDA kernels (kernels/dplr_chunk.cuh, the same
+// -1e4/-0.05 gates are exact. It is what the CUDA kernels (kernels/dplr_chunk_*.cuh, the same
 // steps in fp32) are compared with.
 #include <ATen/Parallel.h>
 

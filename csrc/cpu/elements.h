@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../kernels/recurrent.h"
+#include "../kernels/tensor_args.h"
 
 namespace fla::cpu {
 

@@ -1,4 +1,4 @@
-// Chunked GLA and RWKV6 ops (ALGORITHMS.md §4-§5, §7.1): one chunk engine (kernels/chunk.h) with
+// Chunked GLA and RWKV6 ops (docs/algorithms.md §4-§5, §7.1): one chunk engine (kernels/chunk.h) with
 // an inclusive (GLA) or exclusive-plus-bonus (RWKV6) reader. GLA's decays are optional and on
 // either side of the state: g (keys, [.., K]) and gv (values, [.., V]; GSA pass 1).
 #pragma once
@@ -11,7 +11,7 @@ namespace fla::ops {
 
 using ChunkRunner = void (*)(const ChunkPass&);
 
-// One chunk pass of the engine (ops/chunk.cpp), for the families built on it (GLA, RWKV6, GSA).
+// One chunk pass of the engine (ops/chunk_gla_rwkv6.cpp), for the families built on it (GLA, RWKV6, GSA).
 // Forward: (o, final state, hst, amat), the last two empty unless `keep`; o_acc: o in the acc type
 // (float32, float64 for float64 inputs) from the accumulators. Under autograd on CUDA a forward
 // keeps its workspaces for the backward (keeps_workspaces): a key-side pass hst and amat, a

@@ -1,4 +1,4 @@
-// Chunked GLA and RWKV6 (ALGORITHMS.md §4-§5). The forward is one chunk pass (state pass, pair
+// Chunked GLA and RWKV6 (docs/algorithms.md §4-§5). The forward is one chunk pass (state pass, pair
 // matrices, then the per-chunk outputs); the backward runs the reverse state pass for dHst, then
 // the per-chunk gradients. The CUDA engine builds each chunk's pair matrix once into a workspace
 // (amat, fp32 [slots, H, 64, 64]) that its out kernels read. Under autograd on CUDA a key-side
@@ -8,10 +8,8 @@
 // Backends: cpu/chunk.cpp (float64 exponents, the algebra as written) and kernels/chunk*.cu.
 #include "chunk.h"
 
-#include "autograd_state.h"
 #include "rwkv6.h"
 
-#include <torch/autograd.h>
 #include <torch/library.h>
 
 namespace fla::ops {
@@ -104,10 +102,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
                           const std::optional<Tensor>& h0, const std::optional<Tensor>& hst_in,
                           const std::optional<Tensor>& amat_in, const char* qn,
                           ChunkRunner run, bool dq_acc) {
-  check_activation(grad_o, "grad_o", q, qn);
-  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
-                    shape_str(v), ", got ", shape_str(grad_o));
-  if (has(dht)) check_state(*dht, "grad_final_state", q, a.N, a.H, a.K, a.V);
+  check_incoming_grads(a, grad_o, dht, q, qn, v);
   const auto acc = q.options().dtype(acc_type(q));
   const bool vside = value_side_only(g, gv);
   ChunkGrads r;  // a wide q's grad_o (float32 like its o) is rounded to k's dtype below
@@ -248,132 +243,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv6_bwd(
   auto g = chunk_backward(a, Reader::Exclusive, r, k, v, w, Tensor(), a.uc, grad_o,
                           grad_final_state, initial_state, hst, amat, "r", run, false);
   return {g.dq, g.dk, g.dv, g.dg, g.du.to(u.scalar_type()), g.dh0};
-}
-
-// ---------------------------------------------------------------------------------------------
-// Autograd: the backward ops are called through the dispatcher (traceable by torch.compile).
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-
-class ChunkGla : public torch::autograd::Function<ChunkGla> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const std::optional<Tensor>& g,
-                               const std::optional<Tensor>& gv, std::optional<double> scale,
-                               const std::optional<Tensor>& initial_state,
-                               bool output_final_state, const std::optional<Tensor>& cu_seqlens,
-                               bool head_first, bool train) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::chunk_gla", "")
-                         .typed<decltype(chunk_gla_impl<nullptr>)>();
-    static auto op_train = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("fla::chunk_gla_train", "")
-                               .typed<decltype(chunk_gla_train_impl<nullptr>)>();
-    auto [o, hT, hst, amat] = forward_op(train, op, op_train, q, k, v, g, gv, scale,
-                                         initial_state, output_final_state, cu_seqlens,
-                                         head_first);
-    ctx->save_for_backward(
-        {q, k, v, opt(g), opt(gv), opt(initial_state), opt(cu_seqlens), hst, amat});
-    SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
-    if (!output_final_state) ctx->mark_non_differentiable({hT});
-    return {o, hT};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_order_backward("chunk_gla", ctx, grads, [&]() -> variable_list {
-      static auto op = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("fla::chunk_gla_bwd", "")
-                           .typed<decltype(chunk_gla_bwd_impl<nullptr>)>();
-      const auto s = ctx->get_saved_variables();
-      const auto f = SweepFlags::load(ctx);
-      // o has q's dtype (float32 for a wide q)
-      Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2], s[0].scalar_type());
-      auto [dq, dk, dv, dg, dgv, dh0] =
-          op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
-                  some(s[6]), f.head_first, s[7], s[8]);
-      return {dq,       dk,       dv, s[3].defined() ? dg : Tensor(), s[4].defined() ? dgv : Tensor(),
-              Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-    });
-  }
-};
-
-class ChunkRwkv6 : public torch::autograd::Function<ChunkRwkv6> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& r, const Tensor& k,
-                               const Tensor& v, const Tensor& w, const Tensor& u,
-                               std::optional<double> scale,
-                               const std::optional<Tensor>& initial_state,
-                               bool output_final_state, const std::optional<Tensor>& cu_seqlens,
-                               bool head_first, bool train) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::chunk_rwkv6", "")
-                         .typed<decltype(chunk_rwkv6_impl<nullptr>)>();
-    static auto op_train = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("fla::chunk_rwkv6_train", "")
-                               .typed<decltype(chunk_rwkv6_train_impl<nullptr>)>();
-    auto [o, hT, hst, amat] = forward_op(train, op, op_train, r, k, v, w, u, scale,
-                                         initial_state, output_final_state, cu_seqlens,
-                                         head_first);
-    ctx->save_for_backward({r, k, v, w, u, opt(initial_state), opt(cu_seqlens), hst, amat});
-    SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
-    if (!output_final_state) ctx->mark_non_differentiable({hT});
-    return {o, hT};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_order_backward("chunk_rwkv6", ctx, grads, [&]() -> variable_list {
-      static auto op = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("fla::chunk_rwkv6_bwd", "")
-                           .typed<decltype(chunk_rwkv6_bwd_impl<nullptr>)>();
-      const auto s = ctx->get_saved_variables();
-      const auto f = SweepFlags::load(ctx);
-      Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
-      auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, f.dht(grads),
-                                               f.scale, some(s[5]), some(s[6]), f.head_first,
-                                               s[7], s[8]);
-      return {dr,       dk,       dv,       dw,       du, Tensor(), s[5].defined() ? dh0 : Tensor(),
-              Tensor(), Tensor(), Tensor(), Tensor()};
-    });
-  }
-};
-
-std::tuple<Tensor, Tensor> chunk_gla_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                              const std::optional<Tensor>& g,
-                                              const std::optional<Tensor>& gv,
-                                              std::optional<double> scale,
-                                              const std::optional<Tensor>& initial_state,
-                                              bool output_final_state,
-                                              const std::optional<Tensor>& cu_seqlens,
-                                              bool head_first) {
-  check_defined({{q, "q"}, {k, "k"}, {v, "v"}});
-  auto out = ChunkGla::apply(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
-                             head_first, training(q, k, v, g, gv, initial_state));
-  return {out[0], out[1]};
-}
-
-std::tuple<Tensor, Tensor> chunk_rwkv6_autograd(const Tensor& r, const Tensor& k,
-                                                const Tensor& v, const Tensor& w,
-                                                const Tensor& u, std::optional<double> scale,
-                                                const std::optional<Tensor>& initial_state,
-                                                bool output_final_state,
-                                                const std::optional<Tensor>& cu_seqlens,
-                                                bool head_first) {
-  check_defined({{r, "r"}, {k, "k"}, {v, "v"}, {w, "w"}, {u, "u"}});
-  auto out = ChunkRwkv6::apply(r, k, v, w, u, scale, initial_state, output_final_state,
-                               cu_seqlens, head_first, training(r, k, v, w, u, initial_state));
-  return {out[0], out[1]};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fla, Autograd, m) {
-  m.impl("chunk_gla", &chunk_gla_autograd);
-  m.impl("chunk_rwkv6", &chunk_rwkv6_autograd);
 }
 
 }  // namespace fla::ops

@@ -1,13 +1,11 @@
-// GSA's chunked core (ops/gsa.h, ALGORITHMS.md §7): pass 1 (value-side decay) writes ok in float32
+// GSA's chunked core (ops/gsa.h, docs/algorithms.md §7): pass 1 (value-side decay) writes ok in float32
 // from the accumulators; the float32 softmax p feeds pass 2 in the inputs' dtype (as fla does);
 // pass 2's backward writes dp in float32, the softmax backward forms dok = p ⊙ (dp − ⟨p, dp⟩) in
 // float32 and rounds the result (after the cancellation, not before) for pass 1's backward.
 // A training forward keeps p and the passes' workspaces (pass 1: hst; pass 2: hst and amat).
 #include "gsa.h"
 
-#include "autograd_state.h"
 
-#include <torch/autograd.h>
 #include <torch/library.h>
 
 namespace fla::ops {
@@ -75,72 +73,5 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
                                  grad_hk, hk0, hst1, std::nullopt, "q", run, false);
   return {r1.dq, r1.dk, r2.dv, r1.dv + r2.dk, r1.dgv + r2.dg, r1.dh0, r2.dh0};
 }
-
-// ---------------------------------------------------------------------------------------------
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-class ChunkGsaCore : public torch::autograd::Function<ChunkGsaCore> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const Tensor& s, const Tensor& g,
-                               std::optional<double> scale, const std::optional<Tensor>& hk0,
-                               const std::optional<Tensor>& hv0, bool output_final_state,
-                               const std::optional<Tensor>& cu_seqlens, bool head_first,
-                               bool train) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::chunk_gsa_core", "")
-                         .typed<decltype(chunk_gsa_core_impl<nullptr>)>();
-    static auto op_train = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("fla::chunk_gsa_core_train", "")
-                               .typed<decltype(chunk_gsa_core_train_impl<nullptr>)>();
-    auto [o, hk, hv, p, hst1, hst2, amat2] = forward_op(
-        train, op, op_train, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first);
-    ctx->save_for_backward({q, k, v, s, g, opt(hk0), opt(hv0), opt(cu_seqlens), p, hst1, hst2, amat2});
-    SweepFlags{scale, false, head_first, output_final_state}.save(ctx);
-    if (!output_final_state) ctx->mark_non_differentiable({hk, hv});
-    return {o, hk, hv};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_order_backward("chunk_gsa", ctx, grads, [&]() -> variable_list {
-      static auto op = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("fla::chunk_gsa_core_bwd", "")
-                           .typed<decltype(chunk_gsa_core_bwd_impl<nullptr>)>();
-      const auto x = ctx->get_saved_variables();
-      const auto f = SweepFlags::load(ctx);
-      const Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(x[2]);
-      auto state_grad = [&](int i) {
-        return f.has_ht && grads[i].defined() ? std::optional<Tensor>(grads[i]) : std::nullopt;
-      };
-      auto [dq, dk, dv, ds, dg, dhk0, dhv0] =
-          op.call(x[0], x[1], x[2], x[3], x[4], x[8], go, state_grad(1), state_grad(2), f.scale,
-                  some(x[5]), some(x[6]), some(x[7]), f.head_first, some(x[9]), some(x[10]),
-                  some(x[11]));
-      return {dq,       dk,       dv,
-              ds,       dg,       Tensor(),
-              x[5].defined() ? dhk0 : Tensor(), x[6].defined() ? dhv0 : Tensor(),
-              Tensor(), Tensor(), Tensor(), Tensor()};
-    });
-  }
-};
-
-std::tuple<Tensor, Tensor, Tensor> chunk_gsa_core_autograd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& s, const Tensor& g,
-    std::optional<double> scale, const std::optional<Tensor>& hk0,
-    const std::optional<Tensor>& hv0, bool output_final_state,
-    const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  check_defined({{q, "q"}, {k, "k"}, {v, "v"}, {s, "s"}, {g, "g"}});
-  auto out = ChunkGsaCore::apply(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
-                                 head_first, training(q, k, v, s, g, hk0, hv0));
-  return {out[0], out[1], out[2]};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fla, Autograd, m) { m.impl("chunk_gsa_core", &chunk_gsa_core_autograd); }
 
 }  // namespace fla::ops

@@ -1,4 +1,4 @@
-// Chunked RWKV7 (ALGORITHMS.md §6, WY/UT form): the same map as fused_recurrent_rwkv7 computed
+// Chunked RWKV7 (docs/algorithms.md §6, WY/UT form): the same map as fused_recurrent_rwkv7 computed
 // chunk-parallel by the engine of kernels/dplr_chunk.h. A recording forward on CUDA
 // (chunk_rwkv7_train) keeps the chunk-start states and its per-chunk workspace for the backward
 // (`saved`), as chunk_gla / chunk_rwkv6 keep theirs; otherwise the backward recomputes them. This
@@ -8,7 +8,7 @@
 
 #include <array>
 
-#include "rwkv7_autograd.h"
+#include "rwkv7.h"
 
 namespace fla::ops {
 namespace {
@@ -18,14 +18,14 @@ int64_t dplr_chunk_slots(const DiagArgs& d) {
   return chunk_slots<kDplrChunk>(int(d.N), int(d.T), d.cu.defined());
 }
 
-// The CUDA engine's per-chunk workspaces, fp32 (DplrWs: ws, and uo for the forward sweeps),
+// The CUDA engine's per-chunk workspaces, fp32 (DplrWorkspaceLayout: ws, and uo for the forward sweeps),
 // and the chunk-start states [slots, H, K, V] (acc type; the slot after a sequence's last chunk:
 // its final state), in floats.
 int64_t dplr_ws_floats(const DiagArgs& d) {
-  return dplr_chunk_slots(d) * d.H * DplrWs(int(d.K), int(d.V)).per();
+  return dplr_chunk_slots(d) * d.H * DplrWorkspaceLayout(int(d.K), int(d.V)).floats_per_chunk();
 }
 int64_t dplr_uo_floats(const DiagArgs& d) {
-  return dplr_chunk_slots(d) * d.H * DplrWs(int(d.K), int(d.V)).uper();
+  return dplr_chunk_slots(d) * d.H * DplrWorkspaceLayout(int(d.K), int(d.V)).uo_floats_per_chunk();
 }
 std::vector<int64_t> dplr_state_sizes(const DiagArgs& d) {
   return {dplr_chunk_slots(d), d.H, d.K, d.V};
@@ -101,11 +101,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     DplrChunkRunner run) {
   c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
-  check_activation(grad_o, "grad_o", r, "r");
-  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
-                    shape_str(v), ", got ", shape_str(grad_o));
+  check_incoming_grads(d, grad_o, grad_final_state, r, "r", v);
   const bool has_dht = has(grad_final_state), has_h0 = has(initial_state);
-  if (has_dht) check_state(*grad_final_state, "grad_final_state", r, d.N, d.H, d.K, d.V);
 
   const auto acc = r.options().dtype(acc_type(r));
   // The K-vector gradients: on CUDA with V in one column tile, straight into the outputs
@@ -148,53 +145,5 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   auto grad = [&](int g) { return pair ? kgrad_sum(kg, g, r) : kgd[g]; };
   return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
 }
-
-// ---------------------------------------------------------------------------------------------
-// Autograd (rwkv7_autograd.h): the backward is the fla::chunk_rwkv7_bwd op.
-namespace {
-
-struct ChunkOps {  // fused_recurrent's argument lists; `reverse` is always false here
-  static constexpr const char* name = "chunk_rwkv7";
-  // forward_op: the _train op (it also returns `saved`) when recording.
-  static std::tuple<Tensor, Tensor, Tensor> fwd(
-      bool train, const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
-      const Tensor& a, const Tensor& b, std::optional<double> scale,
-      const std::optional<Tensor>& h0, bool output_final_state, bool /*reverse*/,
-      const std::optional<Tensor>& cu_seqlens, bool head_first) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::chunk_rwkv7", "")
-                         .typed<decltype(chunk_rwkv7_impl<nullptr>)>();
-    static auto op_train = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("fla::chunk_rwkv7_train", "")
-                               .typed<decltype(chunk_rwkv7_train_impl<nullptr>)>();
-    return forward_op(train, op, op_train, r, w, k, v, a, b, scale, h0, output_final_state,
-                      cu_seqlens, head_first);
-  }
-  static auto bwd(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
-                  const Tensor& a, const Tensor& b, const Tensor& grad_o,
-                  const std::optional<Tensor>& dht, std::optional<double> scale,
-                  const std::optional<Tensor>& h0, bool /*reverse*/,
-                  const std::optional<Tensor>& cu_seqlens, bool head_first, const Tensor& saved) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::chunk_rwkv7_bwd", "")
-                         .typed<decltype(chunk_rwkv7_bwd_impl<nullptr>)>();
-    return op.call(r, w, k, v, a, b, grad_o, dht, scale, h0, cu_seqlens, head_first, some(saved));
-  }
-};
-
-std::tuple<Tensor, Tensor> chunk_rwkv7_autograd(
-    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
-    const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  check_defined({{r, "r"}, {w, "w"}, {k, "k"}, {v, "v"}, {a, "a"}, {b, "b"}});
-  auto out = Rwkv7Function<ChunkOps>::apply(r, w, k, v, a, b, scale, initial_state,
-                                            output_final_state, false, cu_seqlens, head_first,
-                                            training(r, w, k, v, a, b, initial_state));
-  return {out[0], out[1]};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fla, Autograd, m) { m.impl("chunk_rwkv7", &chunk_rwkv7_autograd); }
 
 }  // namespace fla::ops

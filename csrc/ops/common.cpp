@@ -69,6 +69,10 @@ at::ScalarType acc_type(const Tensor& activation) {
   return activation.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+c10::OperatorHandle fla_op(const std::string& name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(("fla::" + name).c_str(), "");
+}
+
 void check_device(const Tensor& t, const char* name, c10::Device device) {
   TORCH_CHECK(t.device() == device, "fla_ext: `", name, "` is on ", t.device(),
               " but the inputs are on ", device);
@@ -226,6 +230,16 @@ DiagArgs check_diag(const Tensor& q, const char* qn, const Tensor& k, const Tens
     if (has(h0)) check_finite(*h0, "initial_state");
   }
   return a;
+}
+
+void check_incoming_grads(const DiagArgs& a, const Tensor& grad_o,
+                          const std::optional<Tensor>& grad_final_state, const Tensor& ref,
+                          const char* ref_name, const Tensor& v) {
+  check_activation(grad_o, "grad_o", ref, ref_name);
+  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
+                    shape_str(v), ", got ", shape_str(grad_o));
+  if (has(grad_final_state))
+    check_state(*grad_final_state, "grad_final_state", ref, a.N, a.H, a.K, a.V);
 }
 
 Tensor kernel_input(const DiagArgs& a, const Tensor& x, const Tensor& k) {

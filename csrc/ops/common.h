@@ -1,6 +1,7 @@
 // Argument checking and tensor -> kernel-view helpers shared by every op family.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <initializer_list>
 #include <optional>
@@ -94,6 +95,13 @@ void check_head_dim(int64_t d, const char* what);
 void check_same_shape(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name,
                       const Layout& L);
 
+// A backward's incoming gradients: grad_o like the op's output (the shape of v, the dtype and
+// device of `ref`, the op's first activation) and grad_final_state like its final state.
+struct DiagArgs;
+void check_incoming_grads(const DiagArgs& a, const Tensor& grad_o,
+                          const std::optional<Tensor>& grad_final_state, const Tensor& ref,
+                          const char* ref_name, const Tensor& v);
+
 // FLA_EXT_CHECKS value checks (they read device memory).
 void check_finite(const Tensor& t, const char* name);
 void check_log_decay(const Tensor& w, const char* name);  // no NaN, <= 0 (-inf allowed)
@@ -102,6 +110,11 @@ void check_cu_values(const Tensor& cu, int64_t T);  // int64 cu_seqlens, on any 
 std::string shape_str(const Tensor& t);
 
 inline bool has(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
+// An optional tensor argument as a tensor (undefined when absent).
+inline Tensor opt(const std::optional<Tensor>& t) { return has(t) ? *t : Tensor(); }
+
+// The dispatcher's handle of the op fla::<name> (every op is registered when the library loads).
+c10::OperatorHandle fla_op(const std::string& name);
 
 // The checked shapes of a diagonal-gate op: reader q and key k [B, T, H, K], values v
 // [B, T, H, V], log decay g like q (or undefined: no decay), initial state [N, H, K, V].

@@ -1,10 +1,10 @@
-// GLA (ALGORITHMS.md §4), fused recurrent, with fla's key- and value-side decays:
+// GLA (docs/algorithms.md §4), fused recurrent, with fla's key- and value-side decays:
 //   h_t = diag(exp(gk_t)) h_{t-1} diag(exp(gv_t)) + k_t v_t^T,   o_t = scale * h_t^T q_t
 // (inclusive read). gk [.., K] and gv [.., V] are each optional: None means no decay on that side.
 //
 // Forward is one sweep (ReadLast) decaying rows by gk and columns by gv. Backward is three sweeps
 // of the same engine (kernels/recurrent.h), four with gv; the two decays commute, so each sweep
-// carries both and each decay gradient comes from its own closed form (ALGORITHMS.md §3):
+// carries both and each decay gradient comes from its own closed form (docs/algorithms.md §3):
 //   A  (op direction, S = h^T):  dq = scale h_t dO_t; with gk: ws_k = q * dq, zeta_k = rowsum(h_T * dh_T)
 //   A' (op direction, S = h, gv only):  o recomputed in fp32; ws_v = dO * o, zeta_v = colsum(h_T * dh_T)
 //   B  (reverse, S = dh, DecayLast: D += scale q dO^T, read, D = decay(D)):  dv, dh0; with gv:
@@ -14,9 +14,7 @@
 // Both are exact-zero where the step's factor exp(g_t) == 0 (a -inf log decay stays exact).
 #include "gla.h"
 
-#include "autograd_state.h"
 
-#include <torch/autograd.h>
 #include <torch/library.h>
 
 namespace fla::ops {
@@ -74,12 +72,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
   const Tensor g = opt(gk), gvt = opt(gv);
   const auto a = check_gla(q, k, v, g, gvt, scale, initial_state, cu_seqlens, head_first);
   const Layout& L = a.L;
-  check_activation(grad_o, "grad_o", q, "q");
-  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
-                    shape_str(v), ", got ", shape_str(grad_o));
+  check_incoming_grads(a, grad_o, grad_final_state, q, "q", v);
   const bool has_dht = has(grad_final_state), has_h0 = has(initial_state);
   const bool gated_k = g.defined(), gated_v = gvt.defined();
-  if (has_dht) check_state(*grad_final_state, "grad_final_state", q, a.N, a.H, a.K, a.V);
 
   const auto acc = q.options().dtype(acc_type(q));
   Tensor dq = new_output(q.sizes(), q.options()), dk = new_output(k.sizes(), k.options());
@@ -165,67 +160,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_gla_b
   }
   run(pc);
   return {dq, dk, dv, dgk, dgv, dh0};
-}
-
-// ---------------------------------------------------------------------------------------------
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-class FusedRecurrentGla : public torch::autograd::Function<FusedRecurrentGla> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const std::optional<Tensor>& gk,
-                               const std::optional<Tensor>& gv, std::optional<double> scale,
-                               const std::optional<Tensor>& initial_state,
-                               bool output_final_state, bool reverse,
-                               const std::optional<Tensor>& cu_seqlens, bool head_first) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::fused_recurrent_gla", "")
-                         .typed<decltype(fused_recurrent_gla_impl<nullptr>)>();
-    auto [o, hT] = op.call(q, k, v, gk, gv, scale, initial_state, output_final_state, reverse,
-                           cu_seqlens, head_first);
-    ctx->save_for_backward({q, k, v, opt(gk), opt(gv), opt(initial_state), opt(cu_seqlens)});
-    SweepFlags{scale, reverse, head_first, output_final_state}.save(ctx);
-    if (!output_final_state) ctx->mark_non_differentiable({hT});
-    return {o, hT};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_order_backward("fused_recurrent_gla", ctx, grads, [&]() -> variable_list {
-      static auto op = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("fla::fused_recurrent_gla_bwd", "")
-                           .typed<decltype(fused_recurrent_gla_bwd_impl<nullptr>)>();
-      const auto s = ctx->get_saved_variables();
-      const auto f = SweepFlags::load(ctx);
-      // o has q's dtype (float32 for a wide q)
-      Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2], s[0].scalar_type());
-      auto [dq, dk, dv, dgk, dgv, dh0] =
-          op.call(s[0], s[1], s[2], some(s[3]), some(s[4]), go, f.dht(grads), f.scale, some(s[5]),
-                  f.reverse, some(s[6]), f.head_first);
-      return {dq, dk, dv, s[3].defined() ? dgk : Tensor(), s[4].defined() ? dgv : Tensor(),
-              Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-    });
-  }
-};
-
-std::tuple<Tensor, Tensor> fused_recurrent_gla_autograd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& gk,
-    const std::optional<Tensor>& gv, std::optional<double> scale,
-    const std::optional<Tensor>& initial_state, bool output_final_state, bool reverse,
-    const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  check_defined({{q, "q"}, {k, "k"}, {v, "v"}});
-  auto out = FusedRecurrentGla::apply(q, k, v, gk, gv, scale, initial_state, output_final_state,
-                                      reverse, cu_seqlens, head_first);
-  return {out[0], out[1]};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fla, Autograd, m) {
-  m.impl("fused_recurrent_gla", &fused_recurrent_gla_autograd);
 }
 
 }  // namespace fla::ops

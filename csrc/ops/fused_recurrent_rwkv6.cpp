@@ -1,4 +1,4 @@
-// RWKV6 (ALGORITHMS.md §5): o_t = scale * (h_{t-1} + diag(u) k_t v_t^T)^T r_t,
+// RWKV6 (docs/algorithms.md §5): o_t = scale * (h_{t-1} + diag(u) k_t v_t^T)^T r_t,
 // h_t = diag(exp(w_t)) h_{t-1} + k_t v_t^T.
 //
 // Forward is one sweep. Backward is three sweeps of the same engine (kernels/recurrent.h):
@@ -9,9 +9,7 @@
 // which never divides by a decay, so w = -inf (a hard reset) is exact.
 #include "rwkv6.h"
 
-#include "autograd_state.h"
 
-#include <torch/autograd.h>
 #include <torch/library.h>
 
 namespace fla::ops {
@@ -80,11 +78,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
   c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto a = check_rwkv6(r, k, v, w, u, scale, initial_state, cu_seqlens, head_first);
   const Layout& L = a.L;
-  check_activation(grad_o, "grad_o", r, "r");
-  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
-                    shape_str(v), ", got ", shape_str(grad_o));
+  check_incoming_grads(a, grad_o, grad_final_state, r, "r", v);
   const bool has_dht = has(grad_final_state);
-  if (has_dht) check_state(*grad_final_state, "grad_final_state", r, a.N, a.H, a.K, a.V);
   const bool has_h0 = has(initial_state);
 
   const auto f32 = r.options().dtype(acc_type(r));
@@ -135,68 +130,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurrent_rwkv6
 
   Tensor du = du_part.sum(0).to(u.scalar_type());
   return {dr, dk, dv, dw, du, dh0};
-}
-
-// ---------------------------------------------------------------------------------------------
-// Autograd: the backward is the fla::fused_recurrent_rwkv6_bwd op, called through the dispatcher
-// so that torch.compile traces it like any other op.
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-class FusedRecurrentRwkv6 : public torch::autograd::Function<FusedRecurrentRwkv6> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& r, const Tensor& k,
-                               const Tensor& v, const Tensor& w, const Tensor& u,
-                               std::optional<double> scale,
-                               const std::optional<Tensor>& initial_state,
-                               bool output_final_state, bool reverse,
-                               const std::optional<Tensor>& cu_seqlens, bool head_first) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::fused_recurrent_rwkv6", "")
-                         .typed<decltype(fused_recurrent_rwkv6_impl<nullptr>)>();
-    auto [o, hT] = op.call(r, k, v, w, u, scale, initial_state, output_final_state, reverse,
-                           cu_seqlens, head_first);
-    ctx->save_for_backward({r, k, v, w, u, opt(initial_state), opt(cu_seqlens)});
-    SweepFlags{scale, reverse, head_first, output_final_state}.save(ctx);
-    if (!output_final_state) ctx->mark_non_differentiable({hT});
-    return {o, hT};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_order_backward("fused_recurrent_rwkv6", ctx, grads, [&]() -> variable_list {
-      static auto op = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("fla::fused_recurrent_rwkv6_bwd", "")
-                           .typed<decltype(fused_recurrent_rwkv6_bwd_impl<nullptr>)>();
-      const auto s = ctx->get_saved_variables();
-      const auto f = SweepFlags::load(ctx);
-      Tensor go = grads[0].defined() ? grads[0] : at::zeros_like(s[2]);
-      auto [dr, dk, dv, dw, du, dh0] = op.call(s[0], s[1], s[2], s[3], s[4], go, f.dht(grads),
-                                               f.scale, some(s[5]), f.reverse, some(s[6]),
-                                               f.head_first);
-      return {dr, dk, dv, dw, du, Tensor(), s[5].defined() ? dh0 : Tensor(), Tensor(), Tensor(), Tensor(),
-              Tensor()};
-    });
-  }
-};
-
-std::tuple<Tensor, Tensor> fused_recurrent_rwkv6_autograd(
-    const Tensor& r, const Tensor& k, const Tensor& v, const Tensor& w, const Tensor& u,
-    std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
-    bool head_first) {
-  check_defined({{r, "r"}, {k, "k"}, {v, "v"}, {w, "w"}, {u, "u"}});
-  auto out = FusedRecurrentRwkv6::apply(r, k, v, w, u, scale, initial_state, output_final_state,
-                                        reverse, cu_seqlens, head_first);
-  return {out[0], out[1]};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fla, Autograd, m) {
-  m.impl("fused_recurrent_rwkv6", &fused_recurrent_rwkv6_autograd);
 }
 
 }  // namespace fla::ops

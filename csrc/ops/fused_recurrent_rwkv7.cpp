@@ -1,4 +1,4 @@
-// RWKV7 (ALGORITHMS.md §6), fused recurrent: h_t = diag(exp(w_t)) h_{t-1} + b_t (a_t^T h_{t-1})
+// RWKV7 (docs/algorithms.md §6), fused recurrent: h_t = diag(exp(w_t)) h_{t-1} + b_t (a_t^T h_{t-1})
 // + k_t v_t^T, o_t = scale * h_t^T r_t (inclusive read). The engine (kernels/dplr.h) runs the
 // forward, and the backward as checkpointed recompute plus a reverse sweep; this file checks the
 // arguments, lays out the workspaces and adds the per-column-tile partial gradients.
@@ -6,7 +6,6 @@
 
 #include <torch/library.h>
 
-#include "rwkv7_autograd.h"
 
 namespace fla::ops {
 
@@ -89,11 +88,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
     const std::optional<Tensor>& cu_seqlens, bool head_first, DplrRunner run) {
   c10::OptionalDeviceGuard guard(device_of(r, "r"));
   const auto d = check_rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first);
-  check_activation(grad_o, "grad_o", r, "r");
-  TORCH_CHECK_VALUE(grad_o.sizes() == v.sizes(), "fla_ext: `grad_o` must have the shape of `v` ",
-                    shape_str(v), ", got ", shape_str(grad_o));
+  check_incoming_grads(d, grad_o, grad_final_state, r, "r", v);
   const bool has_dht = has(grad_final_state), has_h0 = has(initial_state);
-  if (has_dht) check_state(*grad_final_state, "grad_final_state", r, d.N, d.H, d.K, d.V);
 
   const auto acc = r.options().dtype(acc_type(r));
   const int tiles = dplr_tiles(int(d.V));
@@ -117,50 +113,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
 
   auto grad = [&](int g) { return kgrad_sum(kg, g, r); };
   return {grad(kGradR), grad(kGradW), grad(kGradK), dv, grad(kGradA), grad(kGradB), dh0};
-}
-
-// ---------------------------------------------------------------------------------------------
-// Autograd (rwkv7_autograd.h): the backward is the fla::fused_recurrent_rwkv7_bwd op.
-namespace {
-
-struct FusedOps {  // keeps no workspace: the backward reruns the forward sweep (checkpoints)
-  static constexpr const char* name = "fused_recurrent_rwkv7";
-  template <class... A>
-  static std::tuple<Tensor, Tensor, Tensor> fwd(bool /*train*/, A&&... args) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::fused_recurrent_rwkv7", "")
-                         .typed<decltype(fused_recurrent_rwkv7_impl<nullptr>)>();
-    auto [o, hT] = op.call(std::forward<A>(args)...);
-    return {o, hT, Tensor()};
-  }
-  static auto bwd(const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
-                  const Tensor& a, const Tensor& b, const Tensor& grad_o,
-                  const std::optional<Tensor>& dht, std::optional<double> scale,
-                  const std::optional<Tensor>& h0, bool reverse,
-                  const std::optional<Tensor>& cu_seqlens, bool head_first, const Tensor& /*ws*/) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fla::fused_recurrent_rwkv7_bwd", "")
-                         .typed<decltype(fused_recurrent_rwkv7_bwd_impl<nullptr>)>();
-    return op.call(r, w, k, v, a, b, grad_o, dht, scale, h0, reverse, cu_seqlens, head_first);
-  }
-};
-
-std::tuple<Tensor, Tensor> fused_recurrent_rwkv7_autograd(
-    const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
-    const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,
-    bool output_final_state, bool reverse, const std::optional<Tensor>& cu_seqlens,
-    bool head_first) {
-  check_defined({{r, "r"}, {w, "w"}, {k, "k"}, {v, "v"}, {a, "a"}, {b, "b"}});
-  auto out = Rwkv7Function<FusedOps>::apply(r, w, k, v, a, b, scale, initial_state,
-                                            output_final_state, reverse, cu_seqlens, head_first,
-                                            false);
-  return {out[0], out[1]};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fla, Autograd, m) {
-  m.impl("fused_recurrent_rwkv7", &fused_recurrent_rwkv7_autograd);
 }
 
 }  // namespace fla::ops

@@ -1,4 +1,4 @@
-// GLA fused-recurrent ops (ALGORITHMS.md §4): sweeps of the recurrent engine. gk (key side) and
+// GLA fused-recurrent ops (docs/algorithms.md §4): sweeps of the recurrent engine. gk (key side) and
 // gv (value side) are optional log decays.
 #pragma once
 #include <tuple>

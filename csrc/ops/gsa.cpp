@@ -1,4 +1,4 @@
-// Gated Slot Attention (ALGORITHMS.md §7): two passes of the diagonal-gate engine around a float32
+// Gated Slot Attention (docs/algorithms.md §7): two passes of the diagonal-gate engine around a float32
 // softmax over the M slots. Pass 1 is GLA with the decay on the value (slot) side, pass 2 GLA with
 // it on the key side. The GSA ops are CompositeImplicitAutograd: argument checks naming GSA's
 // arguments, fla's g=None gate and grouped heads, then
@@ -124,9 +124,7 @@ std::tuple<Tensor, Tensor, Tensor> chunk_gsa(
     const std::optional<Tensor>& g, std::optional<double> scale, const std::optional<Tensor>& hk0,
     const std::optional<Tensor>& hv0, bool output_final_state,
     const std::optional<Tensor>& cu_seqlens, bool head_first) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fla::chunk_gsa_core", "")
-                       .typed<decltype(chunk_gsa_core_impl<nullptr>)>();
+  static auto op = fla_op("chunk_gsa_core").typed<decltype(chunk_gsa_core_impl<nullptr>)>();
   return gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first,
              [](auto&&... x) { return op.call(x...); });
 }

@@ -1,4 +1,4 @@
-// GSA's chunked core (ops/gsa_chunk.cpp): both GLA passes and the softmax between them as one op
+// GSA's chunked core (ops/chunk_gsa_core.cpp): both GLA passes and the softmax between them as one op
 // with its own backward, so that the slot logits ok and their gradient dp go between the passes
 // in float32 straight from the engine's accumulators (ChunkPass o_acc / dq_acc), with no casts.
 // fla::chunk_gsa (ops/gsa.cpp) checks the arguments, forms fla's g=None gate and repeats grouped

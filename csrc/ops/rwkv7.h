@@ -1,4 +1,4 @@
-// RWKV7 (DPLR) ops, fused recurrent (rwkv7.cpp) and chunked (chunk_rwkv7.cpp): argument
+// RWKV7 (DPLR) ops, fused recurrent (fused_recurrent_rwkv7.cpp) and chunked (chunk_rwkv7.cpp): argument
 // checks, kernel views, workspaces, dispatch.
 #pragma once
 #include <tuple>
@@ -65,7 +65,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> fused_recurre
 
 // The chunked forward; `keep` (the training forward on CUDA) also returns what its backward
 // reuses, `saved` (fp32, flat): the chunk-start states [chunk_slots<kDplrChunk>, H, K, V], then
-// the engine's per-chunk workspace (DplrWs, the pair matrices included); else an empty tensor.
+// the engine's per-chunk workspace (DplrWorkspaceLayout, the pair matrices included); else an empty tensor.
 std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
     const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a,
     const Tensor& b, std::optional<double> scale, const std::optional<Tensor>& initial_state,

@@ -1,4 +1,4 @@
-"""GatedSlotAttention, fla's drop-in (LAYERS.md §3): same constructor, parameter names, shapes,
+"""GatedSlotAttention, fla's drop-in (docs/layers.md §3): same constructor, parameter names, shapes,
 forward and cache; the op is fla_ext's chunk_gsa / fused_recurrent_gsa."""
 import warnings
 from typing import Optional

@@ -1,4 +1,4 @@
-"""fla's LoRA (LAYERS.md §0): Sequential(Linear(in -> r, no bias), act, Linear(r -> out, bias)) as
+"""fla's LoRA (docs/layers.md §0): Sequential(Linear(in -> r, no bias), act, Linear(r -> out, bias)) as
 `lora`, with fla's init: the first factor 0, the second orthogonal with gain
 0.1 * sqrt(r / out) (r > out) or 0.1, the bias 0; float32 values copied into any dtype."""
 import math

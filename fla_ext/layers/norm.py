@@ -1,4 +1,4 @@
-"""fla's RMSNorm (LAYERS.md §0): float32 weight of ones, normalised in float32, output in the
+"""fla's RMSNorm (docs/layers.md §0): float32 weight of ones, normalised in float32, output in the
 input's dtype; `gate` multiplies swish(gate) in (fla's FusedRMSNormGated)."""
 from typing import Optional
 

@@ -1,9 +1,9 @@
-"""RWKV6Attention, fla's drop-in (LAYERS.md §1): fla's constructor, parameter names, shapes,
+"""RWKV6Attention, fla's drop-in (docs/layers.md §1): fla's constructor, parameter names, shapes,
 forward and cache; the op is fla_ext's chunk_rwkv6 / fused_recurrent_rwkv6.
 
 Initialisation follows the official RWKV-6 recipe (RWKV-LM, RWKV_Tmix_x060 and
 generate_init_weight), not fla's: fla leaves every token-shift mix at 0, the bonus at 0 and the
-decay at exp(-1) for every channel and layer (LAYERS.md §1.2). The recipe depends on the layer's
+decay at exp(-1) for every channel and layer (docs/layers.md §1.2). The recipe depends on the layer's
 depth, so the constructor takes `num_hidden_layers` (fla's layer does not; its model does).
 Everything is computed in float32 and copied into the parameters, so a bfloat16 module gets the
 same values rounded once."""

@@ -1,8 +1,8 @@
-"""RWKV7Attention, fla's drop-in (LAYERS.md §2): fla's constructor, parameter names, shapes,
+"""RWKV7Attention, fla's drop-in (docs/layers.md §2): fla's constructor, parameter names, shapes,
 forward (value residual `v_first`, 4-tuple return) and cache; the ops are fla_ext's chunk_rwkv7
 (training, or T >= 64) and fused_recurrent_rwkv7 (decoding; unlike fla's, it has a backward).
 
-Initialisation: the official RWKV-7 recipe, which fla's matches (LAYERS.md §2.2), without fla's
+Initialisation: the official RWKV-7 recipe, which fla's matches (docs/layers.md §2.2), without fla's
 failure modes: it always runs (no `layer_idx` -> layer 0 with a warning), a single-layer model
 (L = 1) gets the first layer's ratios instead of a division by zero, and every value is computed in
 float32 and copied into the parameter, so a bfloat16 module gets the orthogonal projections too

@@ -1,4 +1,4 @@
-"""fla's token shift (LAYERS.md §0): delta = previous token - current token, the RWKV layers'
+"""fla's token shift (docs/layers.md §0): delta = previous token - current token, the RWKV layers'
 time mix, and the cache it leaves (each sequence's last token)."""
 from typing import Optional
 

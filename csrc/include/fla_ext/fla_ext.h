@@ -11,6 +11,13 @@
 #include <tuple>
 
 namespace fla_ext {
+namespace detail {
+// The typed dispatcher handle of a registered fla op.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+}  // namespace detail
 
 // RWKV6 fused recurrent op; see fla_ext.ops.fused_recurrent_rwkv6 for shapes. Returns
 // (o, final_state); final_state is an empty tensor unless output_final_state.
@@ -21,12 +28,10 @@ inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_rwkv6(
     bool output_final_state = false, bool reverse = false,
     const std::optional<at::Tensor>& cu_seqlens = std::nullopt, bool head_first = false) {
   static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fla::fused_recurrent_rwkv6", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(
+      detail::op<std::tuple<at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, std::optional<double>, const std::optional<at::Tensor>&, bool,
-              bool, const std::optional<at::Tensor>&, bool)>();
+              bool, const std::optional<at::Tensor>&, bool)>("fla::fused_recurrent_rwkv6");
   return op.call(r, k, v, w, u, scale, initial_state, output_final_state, reverse, cu_seqlens,
                  head_first);
 }
@@ -41,13 +46,11 @@ inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_gla(
     bool output_final_state = false, bool reverse = false,
     const std::optional<at::Tensor>& cu_seqlens = std::nullopt, bool head_first = false) {
   static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fla::fused_recurrent_gla", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(
+      detail::op<std::tuple<at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
               std::optional<double>, const std::optional<at::Tensor>&, bool, bool,
-              const std::optional<at::Tensor>&, bool)>();
+              const std::optional<at::Tensor>&, bool)>("fla::fused_recurrent_gla");
   return op.call(q, k, v, gk, gv, scale, initial_state, output_final_state, reverse, cu_seqlens,
                  head_first);
 }
@@ -61,13 +64,11 @@ inline std::tuple<at::Tensor, at::Tensor> chunk_gla(
     const std::optional<at::Tensor>& initial_state = std::nullopt,
     bool output_final_state = false, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
     bool head_first = false) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fla::chunk_gla", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(
+  static auto op = detail::op<std::tuple<at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                            std::optional<double>, const std::optional<at::Tensor>&, bool,
-                           const std::optional<at::Tensor>&, bool)>();
+                           const std::optional<at::Tensor>&, bool)>("fla::chunk_gla");
   return op.call(q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens,
                  head_first);
 }
@@ -79,13 +80,11 @@ inline std::tuple<at::Tensor, at::Tensor> chunk_rwkv6(
     const std::optional<at::Tensor>& initial_state = std::nullopt,
     bool output_final_state = false, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
     bool head_first = false) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fla::chunk_rwkv6", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(
+  static auto op = detail::op<std::tuple<at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, std::optional<double>,
                            const std::optional<at::Tensor>&, bool,
-                           const std::optional<at::Tensor>&, bool)>();
+                           const std::optional<at::Tensor>&, bool)>("fla::chunk_rwkv6");
   return op.call(r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
                  head_first);
 }
@@ -100,13 +99,11 @@ inline std::tuple<at::Tensor, at::Tensor> fused_recurrent_rwkv7(
     bool output_final_state = true, bool reverse = false,
     const std::optional<at::Tensor>& cu_seqlens = std::nullopt, bool head_first = false) {
   static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fla::fused_recurrent_rwkv7", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(
+      detail::op<std::tuple<at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, const at::Tensor&, std::optional<double>,
               const std::optional<at::Tensor>&, bool, bool, const std::optional<at::Tensor>&,
-              bool)>();
+              bool)>("fla::fused_recurrent_rwkv7");
   return op.call(r, w, k, v, a, b, scale, initial_state, output_final_state, reverse, cu_seqlens,
                  head_first);
 }
@@ -120,12 +117,10 @@ inline std::tuple<at::Tensor, at::Tensor> chunk_rwkv7(
     bool output_final_state = false, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
     bool head_first = false) {
   static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fla::chunk_rwkv7", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(
+      detail::op<std::tuple<at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, const at::Tensor&, std::optional<double>,
-              const std::optional<at::Tensor>&, bool, const std::optional<at::Tensor>&, bool)>();
+              const std::optional<at::Tensor>&, bool, const std::optional<at::Tensor>&, bool)>("fla::chunk_rwkv7");
   return op.call(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
                  head_first);
 }
@@ -140,14 +135,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_gsa(
     const std::optional<at::Tensor>& hk0 = std::nullopt,
     const std::optional<at::Tensor>& hv0 = std::nullopt, bool output_final_state = false,
     const std::optional<at::Tensor>& cu_seqlens = std::nullopt, bool head_first = false) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fla::chunk_gsa", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+  static auto op = detail::op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const std::optional<at::Tensor>&,
                            std::optional<double>, const std::optional<at::Tensor>&,
                            const std::optional<at::Tensor>&, bool,
-                           const std::optional<at::Tensor>&, bool)>();
+                           const std::optional<at::Tensor>&, bool)>("fla::chunk_gsa");
   return op.call(q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens, head_first);
 }
 
@@ -158,14 +151,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_recurrent_gsa(
     const std::optional<at::Tensor>& hv0 = std::nullopt, bool output_final_state = false,
     bool reverse = false, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
     bool head_first = false) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fla::fused_recurrent_gsa", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+  static auto op = detail::op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const std::optional<at::Tensor>&,
                            std::optional<double>, const std::optional<at::Tensor>&,
                            const std::optional<at::Tensor>&, bool, bool,
-                           const std::optional<at::Tensor>&, bool)>();
+                           const std::optional<at::Tensor>&, bool)>("fla::fused_recurrent_gsa");
   return op.call(q, k, v, s, g, scale, hk0, hv0, output_final_state, reverse, cu_seqlens,
                  head_first);
 }
