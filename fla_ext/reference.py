@@ -1,7 +1,7 @@
 """Float64 oracles: the plain recurrences and hand-written BPTT (docs/algorithms.md §8.1).
 
 Independent of every kernel's algebra (no chunking, no closed forms), validated against finite
-differences in tests/test_reference.py. All functions take fla-layout tensors ``[B, T, H, D]``
+differences in tests/oracle/test_reference.py. All functions take fla-layout tensors ``[B, T, H, D]``
 (or ``head_first=True``), any dtype (upcast exactly to float64), optional ``cu_seqlens``, and
 return float64 results in the input layout. States are ``[N, H, K, V]``.
 

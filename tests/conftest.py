@@ -1,8 +1,15 @@
+"""Shared fixtures and tolerances. Test layout: ops/ (one file per family and mode: both modes of a
+family side by side), oracle/ (the float64 references), layers/, and at this level the checks that
+hold for every op (errors, safety, fake kernels, registration, the CUDA emulator); helpers that
+build inputs and cases live in support/ (importable by name from every test)."""
 import os
+import sys
 import zlib
 
 # Outputs are NaN-filled before kernels run, so an element a kernel forgets to write fails.
 os.environ.setdefault("FLA_EXT_POISON", "1")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

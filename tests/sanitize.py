@@ -18,7 +18,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # safety_cases, and the in-place build of fla_ext
+sys.path[:0] = [os.path.join(HERE, "support"), os.path.dirname(HERE)]  # safety_cases; fla_ext
 os.environ.pop("FLA_EXT_CHECKS", None)  # malformed cu_seqlens must reach the kernels
 
 import torch  # noqa: E402

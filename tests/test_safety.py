@@ -1,7 +1,7 @@
 """No input corrupts memory or returns garbage silently: malformed cu_seqlens raise (CPU always;
 CUDA with its host copy or value checks), empty inputs give the exact state pass-through, a
 double backward raises naming the op, value checks name the user's argument, and the check
-switch takes only the values it documents. Every public op, through tests/safety_cases.py."""
+switch takes only the values it documents. Every public op, through tests/support/safety_cases.py."""
 import os
 
 import pytest

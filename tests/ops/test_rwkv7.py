@@ -212,7 +212,7 @@ def test_backward_deterministic(mode, device, gen):
 
 # ---------------------------------------------------------------------------------------------
 # Real ops: opcheck (schema, fake kernel, autograd registration) and torch.compile fullgraph
-# (CUDA graph capture: test_chunk_rwkv7.py).
+# (CUDA graph capture: test_rwkv7_chunk.py).
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
 @pytest.mark.parametrize("device", DEVICES)

@@ -64,7 +64,7 @@ RWKV6 = Family(
 # GLA with the value-side decay gv [.., V] (GSA pass 1), alone and with g (the chunk mode on the
 # CPU backend only: CUDA refuses both together). gv alone is compared with fused_recurrent_gla
 # too; with both decays fused_recurrent's fp32 decay gradients have their own wider tolerance
-# (tests/test_fused_recurrent_gla.py), so that pair is checked against the oracle only.
+# (tests/ops/test_gla_fused.py), so that pair is checked against the oracle only.
 GLA_GV = Family(
     "gla_gv", ("q", "k", "v", "gv"),
     dict(chunk=lambda q, k, v, gv, **kw: fla_ext.chunk_gla(q, k, v, gv=gv, **kw),
