@@ -62,7 +62,7 @@ const Handles& handles(int i) {
 
 int op_index(const c10::OperatorName& name) {
   for (int i = 0; i < kNumOps; ++i)
-    if (name.name == std::string("fla::") + kOps[i].op) return i;
+    if (handles(i).forward.operator_name() == name) return i;
   TORCH_INTERNAL_ASSERT(false, "fla_ext: no autograd entry for ", name.name);
 }
 
@@ -117,8 +117,8 @@ class OpFunction : public torch::autograd::Function<OpFunction> {
     variable_list out;
     for (size_t i = 0; i < outputs; ++i) out.push_back(stack[i].toTensor());
     const int fs = arg_index(schema.arguments(), "output_final_state");
-    if (fs >= 0 && !args[fs].toBool())
-      for (size_t i = 1; i < outputs; ++i) ctx->mark_non_differentiable({out[i]});
+    if (fs >= 0 && !args[fs].toBool())  // the state outputs are then empty placeholders
+      ctx->mark_non_differentiable(variable_list(out.begin() + 1, out.end()));
     return out;
   }
 

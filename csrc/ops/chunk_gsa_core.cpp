@@ -5,7 +5,6 @@
 // A training forward keeps p and the passes' workspaces (pass 1: hst; pass 2: hst and amat).
 #include "gsa.h"
 
-
 #include <torch/library.h>
 
 namespace fla::ops {

@@ -84,12 +84,12 @@ void check_defined(std::initializer_list<std::pair<const Tensor&, const char*>> 
 }
 
 c10::Device device_of(const Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.defined(), "fla_ext: `", name, "` must be a tensor, got None");
+  check_defined({{t, name}});
   return t.device();
 }
 
 void check_activation(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name) {
-  TORCH_CHECK_VALUE(t.defined(), "fla_ext: `", name, "` must be a tensor, got None");
+  check_defined({{t, name}});
   TORCH_CHECK_VALUE(t.dim() == 4, "fla_ext: `", name, "` must be 4-D, got shape ", shape_str(t));
   const auto dt = t.scalar_type();
   const bool ok = dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf ||
@@ -110,8 +110,7 @@ Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int6
   TORCH_CHECK_VALUE(c.dim() == 1 && c.size(0) >= 2,
                     "fla_ext: `cu_seqlens` must be 1-D with at least 2 entries, got shape ",
                     shape_str(c));
-  TORCH_CHECK(c.device() == ref.device(), "fla_ext: `cu_seqlens` is on ", c.device(),
-              " but the inputs are on ", ref.device());
+  check_device(c, "cu_seqlens", ref.device());
   TORCH_CHECK_VALUE(B == 1, "fla_ext: with `cu_seqlens` the batch size must be 1, got B = ", B);
   TORCH_CHECK_VALUE(c.size(0) - 1 <= std::numeric_limits<int>::max(),
                     "fla_ext: `cu_seqlens` has too many sequences (", c.size(0) - 1, ")");
@@ -126,8 +125,7 @@ Tensor check_cu_seqlens(const std::optional<Tensor>& cu, const Tensor& ref, int6
 
 void check_state(const Tensor& s, const char* name, const Tensor& ref, int64_t N, int64_t H,
                  int64_t R, int64_t C, const char* dims) {
-  TORCH_CHECK(s.device() == ref.device(), "fla_ext: `", name, "` is on ", s.device(),
-              " but the inputs are on ", ref.device());
+  check_device(s, name, ref.device());
   TORCH_CHECK_VALUE(s.scalar_type() == acc_type(ref), "fla_ext: `", name, "` must be ",
                     acc_type(ref), " (states are float32; float64 for float64 inputs), got ",
                     s.scalar_type());
@@ -261,8 +259,7 @@ const Tensor* kept_workspace(const std::optional<Tensor>& t, at::IntArrayRef siz
   check_device(*t, name, opts.device());
   if (t->numel() == 0) return nullptr;
   const auto dtype = c10::typeMetaToScalarType(opts.dtype());
-  TORCH_CHECK_VALUE(t->sizes() == sizes && t->scalar_type() == dtype &&
-                        t->device() == opts.device() && t->is_contiguous(),
+  TORCH_CHECK_VALUE(t->sizes() == sizes && t->scalar_type() == dtype && t->is_contiguous(),
                     "fla_ext: `", name, "` must be the ", dtype, " workspace ", sizes, " on ",
                     opts.device(), " returned by the _train op, got ", t->scalar_type(), " ",
                     shape_str(*t), " on ", t->device());

@@ -70,7 +70,7 @@ std::pair<Tensor, Tensor> additive_gate(const Tensor& s, const GsaArgs& a, at::S
     std::tie(sk, g) = a.T ? one(x) : std::pair{x, x};
   } else {  // per sequence: the running sum restarts at each start (reads cu_seqlens on the host)
     const Tensor cu = a.cu.cpu();
-    check_cu_values(cu, a.T);  // read on the host anyway: checked at no extra cost
+    if (!a.cu.is_cpu()) check_cu_values(cu, a.T);  // a GPU one may be unchecked: now on the host
     const int64_t* c = cu.data_ptr<int64_t>();
     std::vector<Tensor> ss, gs;
     for (int64_t n = 0; n < a.N; ++n)
