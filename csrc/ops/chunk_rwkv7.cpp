@@ -6,7 +6,9 @@
 // per-column-tile partial gradients.
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <vector>
 
 #include "rwkv7.h"
 
@@ -68,6 +70,133 @@ Tensor dplr_states(const DiagArgs& d, const Tensor& r, bool needed) {
   return new_output(needed ? dplr_state_sizes(d) : std::vector<int64_t>{0}, acc);
 }
 
+// One forward of the engine over (r .. b) as `d` describes them: o, and hT when given, written.
+// `saved` (a training forward's) also receives the chunk-start states and the workspace.
+void forward_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
+                  const Tensor& a, const Tensor& b, const std::optional<Tensor>& h0, const Tensor& o,
+                  const Tensor* hT, Tensor* saved, DplrChunkRunner run) {
+  Tensor ws, uo;
+  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, h0, ws, uo, saved, true);
+  p.o = d.L.vec(o);
+  if (hT) p.hT = mat(*hT);
+  run(p);
+}
+
+// ---- The inference forward in windows of the time axis ----
+// The CUDA workspaces grow with T (DplrWorkspaceLayout: ~16x an input's bytes at K = V = 64), so a
+// forward that keeps nothing for a backward runs the engine over windows of the time axis
+// whenever one pass would take more workspace than the budget, carrying each sequence's state
+// from one window into the next as its initial state. The sequences' chunks restart at the same
+// rows (cuts sit at multiples of kDplrChunk from a sequence's start), so the windows compute what
+// one pass computes. The same windows run on every device (the CPU engine needs no workspace),
+// so that the CPU tests cover them.
+
+// Workspace bytes of a forward over `slots` chunk slots.
+int64_t forward_workspace_bytes(const DiagArgs& d, int64_t slots) {
+  const DplrWorkspaceLayout L(int(d.K), int(d.V));
+  return slots * d.H * (L.floats_per_chunk() + L.uo_floats_per_chunk()) * int64_t(sizeof(float));
+}
+
+// FLA_EXT_WORKSPACE_MIB, else the larger of 64 MiB and 32 fp32 states per sequence: O(N H K V),
+// and a window of several hundred rows at the usual sizes (few launches per forward).
+int64_t forward_workspace_budget(const DiagArgs& d) {
+  const int64_t mib = workspace_budget_mib();
+  if (mib >= 0) return mib << 20;
+  return std::max<int64_t>(int64_t(64) << 20, 32 * d.N * d.H * d.K * d.V * int64_t(sizeof(float)));
+}
+
+struct ForwardWindow {
+  int64_t t0, t1;  // its rows of the time axis (of the packed axis with cu_seqlens)
+  int64_t n0, n1;  // its sequences: those with rows in [t0, t1), and empty ones at those rows
+  bool continues;  // sequence n0 began in an earlier window: it starts from the carried state
+  bool carries;    // its last sequence (every sequence without cu_seqlens) goes on in the next one
+};
+
+struct ForwardWindows {
+  std::vector<ForwardWindow> list;  // empty: one pass fits the budget
+  Tensor cu_host;                   // cu_seqlens on the host (varlen windows)
+};
+
+// The windows of a forward. Reads cu_seqlens on the host (a device copy: a synchronisation, only
+// for a forward that needs windows), and checks its values there.
+ForwardWindows plan_forward_windows(const DiagArgs& d) {
+  const bool varlen = d.cu.defined();
+  const int64_t budget = forward_workspace_budget(d);
+  if (forward_workspace_bytes(d, chunk_slots<kDplrChunk>(int(d.N), int(d.T), varlen)) <= budget) return {};
+  const int64_t slots = std::max<int64_t>(1, budget / forward_workspace_bytes(d, 1));
+  ForwardWindows plan;
+  auto& out = plan.list;
+  if (!varlen) {  // a window of c chunks takes N (c + 1) slots
+    const int64_t rows = kDplrChunk * std::max<int64_t>(1, slots / d.N - 1);
+    for (int64_t t0 = 0; t0 < d.T; t0 += rows) {
+      const int64_t t1 = std::min(d.T, t0 + rows);
+      out.push_back({t0, t1, 0, d.N, t0 > 0, t1 < d.T});
+    }
+    return plan;
+  }
+  // Varlen windows take rows / C + 2 (sequences) + 1 slots (chunk_slots): up to slots / 3 rows in
+  // chunks and slots / 3 sequences each.
+  plan.cu_host = d.cu.to(at::kCPU);
+  check_cu_values(plan.cu_host, d.T);
+  const int64_t* cu = plan.cu_host.data_ptr<int64_t>();
+  const int64_t rows = kDplrChunk * std::max<int64_t>(1, slots / 3), max_seqs = std::max<int64_t>(1, slots / 3);
+  int64_t t0 = 0, n = 0;
+  while (n < d.N) {
+    ForwardWindow win{t0, t0, n, n, cu[n] < t0, false};
+    while (n < d.N && win.n1 - win.n0 < max_seqs) {
+      const int64_t start = std::max(cu[n], t0), room = t0 + rows - start;
+      if (cu[n + 1] - start <= room) {
+        win.t1 = cu[n + 1], win.n1 = ++n;
+        continue;
+      }
+      // Sequence n does not fit: cut it at its last chunk boundary in the room (past `start`
+      // whenever it is the window's first sequence: room = rows >= C and t0 - cu[n] a multiple of C).
+      const int64_t cut = cu[n] + (start + room - cu[n]) / kDplrChunk * kDplrChunk;
+      if (cut > start) win.t1 = cut, win.n1 = n + 1, win.carries = true;
+      break;
+    }
+    out.push_back(win);
+    t0 = win.t1;
+  }
+  return plan;
+}
+
+void forward_in_windows(const DiagArgs& d, const ForwardWindows& windows, const Tensor& r,
+                        const Tensor& w, const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
+                        const std::optional<Tensor>& h0, const Tensor& o, const Tensor& hT,
+                        bool output_final_state, DplrChunkRunner run) {
+  const int64_t tdim = d.L.head_first ? 2 : 1;
+  const bool varlen = d.cu.defined();
+  const auto acc = r.options().dtype(acc_type(r));
+  Tensor carry;  // the carried states: the last sequence's [1, H, K, V] (varlen), or all N
+  for (const ForwardWindow& win : windows.list) {
+    const int64_t rows = win.t1 - win.t0, seqs = win.n1 - win.n0;
+    auto part = [&](const Tensor& x) { return x.narrow(tdim, win.t0, rows); };
+    DiagArgs dw = d;
+    dw.T = rows, dw.N = seqs;
+    if (varlen) {
+      const Tensor local = (windows.cu_host.narrow(0, win.n0, seqs + 1).clamp(win.t0, win.t1) - win.t0).contiguous();
+      dw.cu = local.to(d.cu.device());
+    }
+    std::optional<Tensor> h0w;
+    if (win.continues) {
+      Tensor s = has(h0) ? h0->narrow(0, win.n0, seqs).clone() : at::zeros({seqs, d.H, d.K, d.V}, acc);
+      s.narrow(0, 0, carry.size(0)).copy_(carry);
+      h0w = s;
+    } else if (has(h0)) {
+      h0w = h0->narrow(0, win.n0, seqs);
+    }
+    const int64_t carried = !win.carries ? 0 : varlen ? 1 : seqs;
+    const bool finals = output_final_state || win.carries;
+    Tensor hTw = new_output({finals ? seqs : 0, d.H, d.K, d.V}, acc);
+    forward_pass(dw, part(r), part(w), part(k), part(v), part(a), part(b), h0w, part(o),
+                 finals ? &hTw : nullptr, nullptr, run);
+    if (output_final_state && seqs > carried)
+      hT.narrow(0, win.n0, seqs - carried).copy_(hTw.narrow(0, 0, seqs - carried));
+    if (carried) carry = hTw.narrow(0, seqs - carried, carried);
+  }
+}
+
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
@@ -80,16 +209,20 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
   Tensor o = d.L.empty_like_with_dim(v, d.V, r.scalar_type());
   Tensor hT = new_output({output_final_state ? d.N : 0, d.H, d.K, d.V},
                          r.options().dtype(acc_type(r)));
+  if (!keep) {
+    const auto windows = plan_forward_windows(d);
+    if (!windows.list.empty()) {
+      forward_in_windows(d, windows, r, w, k, v, a, b, initial_state, o, hT, output_final_state, run);
+      return {o, hT, new_output({0}, r.options().dtype(at::kFloat))};
+    }
+  }
   // The forward sweep stores the states, prep its workspace with the pair matrices (kernels'
   // DplrChunkPass::kept); every float is written (gap slots 0: an op output).
-  Tensor ws, saved = new_output({keep ? saved_floats(d) : 0}, r.options().dtype(at::kFloat));
+  Tensor saved = new_output({keep ? saved_floats(d) : 0}, r.options().dtype(at::kFloat));
   const int64_t states = dplr_state_floats(d), pad = saved_states_floats(d) - states;
   if (keep && pad > 0) saved.narrow(0, states, pad).zero_();  // no kernel writes the padding
-  Tensor uo;
-  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, keep ? &saved : nullptr, true);
-  p.o = d.L.vec(o);
-  if (output_final_state) p.hT = mat(hT);
-  run(p);
+  forward_pass(d, r, w, k, v, a, b, initial_state, o, output_final_state ? &hT : nullptr,
+               keep ? &saved : nullptr, run);
   return {o, hT, saved};
 }
 

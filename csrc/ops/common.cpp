@@ -1,6 +1,7 @@
 #include "common.h"
 
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -24,6 +25,17 @@ bool parse_checks_flag(const char* raw) {
 bool value_checks_enabled() {
   if (value_checks_done_depth > 0) return false;
   return parse_checks_flag(std::getenv("FLA_EXT_CHECKS"));
+}
+
+int64_t workspace_budget_mib() {
+  const char* v = std::getenv("FLA_EXT_WORKSPACE_MIB");
+  if (!v || !*v) return -1;
+  char* end = nullptr;
+  errno = 0;
+  const long long mib = std::strtoll(v, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && errno == 0 && mib >= 0 && mib < (int64_t(1) << 40),
+                    "fla_ext: FLA_EXT_WORKSPACE_MIB must be a non-negative integer (MiB), got '", v, "'");
+  return mib;
 }
 
 ValueChecksDone::ValueChecksDone() { ++value_checks_done_depth; }

@@ -23,6 +23,10 @@ constexpr int64_t kMaxHeadDim = 256;
 // (a host sync, so off by default and never inside CUDA-graph capture). False inside a
 // ValueChecksDone scope.
 bool value_checks_enabled();
+// FLA_EXT_WORKSPACE_MIB: the most workspace (MiB) an inference forward may take at once (it then
+// runs in windows of the time axis); -1 when unset. Any value but a non-negative integer is an
+// error naming the variable.
+int64_t workspace_budget_mib();
 // A composite op (GSA) that has value-checked its own arguments under their user-facing names
 // holds one of these while it calls the ops it is made of, so their checks neither repeat nor
 // name internal tensors.

@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Time an op over the grid of model shapes of its issue, with its peers in the same run.
+
+    python benchmarks/grid.py chunk_rwkv7 --wind /path/to/wind_rwkv   # fla_ext, fla, wind_rwkv
+    python benchmarks/grid.py chunk_rwkv7 --k 128 --no-fla            # a part of the grid
+    python benchmarks/grid.py chunk_rwkv7 --quick --device cpu         # smoke test of the script
+
+Writes rows ``{op, impl, gpu, B, T, H, K, V, dtype, mode, ms, peak_mib}`` into
+``<out>/<gpu>_<op>_grid.json`` (rows of another run with the same key are replaced, so parts of
+the grid can run as separate processes: wind_rwkv compiles one head size per process) and a plot
+next to it. Modes: ``fwd`` (a training forward: inputs require grad), ``fwdbwd`` (forward and
+backward, every input gradient), ``fwd_nograd`` (inference, under ``torch.no_grad``).
+``peak_mib``: the most memory allocated during one call beyond what was allocated before it
+(inputs and incoming gradients are not counted). Timing: bench_ops.Timer (median of many reps,
+L2 flushed before each). RWKV7 runs with an initial state in and the final state out (and their
+gradients), w = -e^-0.5 sigmoid(x) (RWKV-7's range), a = -kk, b = kk * iclr.
+
+Peers: fla (``fla.ops.rwkv7.chunk_rwkv7``, when importable) and wind_rwkv's chunked CUDA kernel
+(``--wind``: the root of a wind_rwkv checkout, compiled here for the points' head size; bf16,
+K = V, T a multiple of 16; its log decay is log(-w), its states bf16).
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_ops  # noqa: E402  (Timer, _peak_mb, _free, _version)
+import fla_ext  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("fwd", "fwdbwd", "fwd_nograd")
+
+# (B, H, K, T, dtype) of each issue's grid; K = V.
+GRIDS = {
+    "chunk_rwkv7": [(8, 16, 64, 4096, "bf16"), (8, 32, 64, 4096, "bf16"), (8, 64, 64, 4096, "bf16"),
+                    (16, 64, 64, 4096, "bf16"), (1, 32, 64, 32768, "bf16"),
+                    (8, 8, 128, 4096, "bf16"), (8, 16, 128, 4096, "bf16"), (8, 32, 128, 4096, "bf16"),
+                    (8, 16, 64, 4096, "fp32")],
+}
+QUICK = [(1, 2, 16, 64, "fp32")]
+
+
+def rwkv7_inputs(B, T, H, K, dtype, device, requires_grad):
+    g = lambda *s: torch.randn(*s, device=device)
+    kk = torch.nn.functional.normalize(g(B, T, H, K), dim=-1)
+    x = dict(r=g(B, T, H, K).to(dtype), w=(-0.6065 * torch.sigmoid(g(B, T, H, K))).to(dtype),
+             k=g(B, T, H, K).to(dtype), v=g(B, T, H, K).to(dtype), a=(-kk).to(dtype),
+             b=(kk * torch.rand(B, T, H, K, device=device)).to(dtype), h0=g(B, H, K, K))
+    for t in x.values():
+        t.requires_grad_(requires_grad)
+    return x
+
+
+def wind_module(root: str, head_size: int):
+    """wind_rwkv's chunked CUDA op, compiled for `head_size` (one per process)."""
+    sys.path.insert(0, root)
+    from wind_rwkv.rwkv7.chunked_cuda import chunked_cuda as wc
+    wc.load_chunked_cuda(head_size)
+    return wc
+
+
+def rwkv7_impls(x, args, K, dtype) -> Dict[str, Optional[Callable]]:
+    """impl -> forward call returning (o, final state), or a reason string when absent."""
+    r, w, k, v, a, b, h0 = (x[n] for n in ("r", "w", "k", "v", "a", "b", "h0"))
+    impls: Dict[str, object] = {
+        "fla_ext": lambda: fla_ext.chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=h0,
+                                               output_final_state=True)}
+    if not args.no_fla:
+        try:
+            from fla.ops.rwkv7 import chunk_rwkv7 as fla_op
+            impls["fla"] = lambda: fla_op(r, w, k, v, a, b, scale=1.0, initial_state=h0,
+                                          output_final_state=True)
+        except Exception as exc:
+            impls["fla"] = f"not importable: {type(exc).__name__}"
+    if args.wind:
+        if dtype != torch.bfloat16 or r.shape[1] % 16 or args.device != "cuda":
+            impls["wind_rwkv"] = "bf16, T % 16 == 0, CUDA only"
+        else:
+            wc = wind_module(args.wind, K)
+            # wind's decay is exp(-exp(w')): w' = log(-w); its state is bf16 and the op's input
+            ww = torch.log(-w.detach().float()).to(dtype).requires_grad_(w.requires_grad)
+            s0 = h0.detach().to(dtype).requires_grad_(h0.requires_grad)
+            x["w_wind"], x["s0_wind"] = ww, s0
+            impls["wind_rwkv"] = lambda: wc.attn_chunked_cuda(r, ww, k, v, a, b, s0)
+    return impls
+
+
+def measure(fn, mode, leaves, timer, device):
+    """(ms, peak_mib) of one mode of a forward call `fn` returning (o, final state)."""
+    if mode == "fwd_nograd":
+        def call():
+            with torch.no_grad():
+                fn()
+    elif mode == "fwd":
+        call = fn
+    else:
+        with torch.no_grad():
+            o, s = fn()
+            do, ds = torch.randn_like(o), torch.randn_like(s)
+            del o, s
+
+        def call():
+            o, s = fn()
+            torch.autograd.backward([o, s], [do, ds])
+    ms = timer(call, grad_to_none=leaves if mode == "fwdbwd" else ())
+    for t in leaves:
+        t.grad = None
+    _, extra = bench_ops._peak_mb(call, device)
+    for t in leaves:
+        t.grad = None
+    return ms, extra
+
+
+def run_point(op, point, args, timer, device, gpu) -> List[dict]:
+    B, H, K, T, dt = point
+    dtype = DTYPES[dt]
+    rows = []
+    for mode in args.modes:
+        torch.manual_seed(0)
+        x = rwkv7_inputs(B, T, H, K, dtype, device, mode != "fwd_nograd")
+        impls = rwkv7_impls(x, args, K, dtype)
+        for impl, fn in impls.items():
+            row = dict(op=op, impl=impl, gpu=gpu, B=B, T=T, H=H, K=K, V=K, dtype=dt, mode=mode,
+                       ms=None, peak_mib=None)
+            if isinstance(fn, str):
+                row["missing"] = fn
+            else:
+                leaves = [t for n, t in x.items() if t.requires_grad and
+                          (n not in ("w", "h0") or impl != "wind_rwkv") and
+                          (not n.endswith("_wind") or impl == "wind_rwkv")]
+                try:
+                    row["ms"], row["peak_mib"] = measure(fn, mode, leaves, timer, device)
+                except Exception as exc:  # e.g. out of memory: reported, the run goes on
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            peak = "" if row["peak_mib"] is None else f"  {row['peak_mib']:9.1f} MiB"
+            print(f"{op} B{B} T{T} H{H} K{K} {dt} {mode:10s} {impl:9s} "
+                  + (f"{row['ms']:9.3f} ms{peak}" if row["ms"] is not None
+                     else row.get("missing") or row.get("error")), flush=True)
+            rows.append(row)
+        del x, impls
+        gc.collect()
+        bench_ops._free(device)
+    return rows
+
+
+KEY = ("op", "impl", "gpu", "B", "T", "H", "K", "V", "dtype", "mode")
+
+
+def merge(path, rows, meta):
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f).get("rows", [])
+    keys = {tuple(r[k] for k in KEY) for r in rows}
+    merged = [r for r in old if tuple(r[k] for k in KEY) not in keys] + rows
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=merged), f, indent=1)
+    return merged
+
+
+def plot(rows, path) -> Optional[str]:
+    """Per mode, time per grid point for each impl (log scale)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        return f"plot skipped ({type(exc).__name__})"
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    impls = sorted({r["impl"] for r in rows}, key=lambda s: (s != "fla_ext", s))
+    fig, axes = plt.subplots(len(modes), 1, figsize=(12, 3.6 * len(modes)), squeeze=False)
+    for ax, mode in zip(axes[:, 0], modes):
+        pts = sorted({(r["B"], r["T"], r["H"], r["K"], r["dtype"]) for r in rows if r["mode"] == mode},
+                     key=lambda p: (p[4], p[3], p[0] * p[2] * p[1]))
+        width = 0.8 / max(1, len(impls))
+        for i, impl in enumerate(impls):
+            ms = {(r["B"], r["T"], r["H"], r["K"], r["dtype"]): r["ms"] for r in rows
+                  if r["mode"] == mode and r["impl"] == impl}
+            ax.bar([j + (i - (len(impls) - 1) / 2) * width for j in range(len(pts))],
+                   [ms.get(p) or 0 for p in pts], width, label=impl)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{mode}: ms")
+        ax.set_xticks(range(len(pts)))
+        ax.set_xticklabels([f"B{b} H{h} K{k}\nT{t} {d}" for b, t, h, k, d in pts], fontsize=7)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{rows[0]['op']} on {rows[0]['gpu']} (median ms, lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("op", choices=sorted(GRIDS))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--k", type=int, nargs="+", help="only the points with these head sizes")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--wind", help="root of a wind_rwkv checkout (its chunked CUDA kernel)")
+    p.add_argument("--quick", action="store_true", help="one tiny point, few reps")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a results file")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            print(plot(json.load(f)["rows"], args.replot[:-5] + ".png") or "plotted")
+        return
+    device = torch.device(args.device)
+    points = QUICK if args.quick else [pt for pt in GRIDS[args.op] if not args.k or pt[2] in args.k]
+    timer = bench_ops.Timer(device, 2 if args.quick else 25, 10 if args.quick else 300,
+                            3 if args.quick else 20, 2000)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    tag = gpu.lower().replace("nvidia", "").strip().split()[0] if device.type == "cuda" else "cpu"
+    meta = dict(torch=torch.__version__, fla=bench_ops._version("fla"), fla_ext=fla_ext.__version__,
+                timing=timer.method, gpu=gpu)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{tag}_{args.op}_grid.json")
+    for pt in points:  # merged point by point: a run cut short keeps what it measured
+        merged = merge(path, run_point(args.op, pt, args, timer, device, gpu), meta)
+    msg = plot(merged, path[:-5] + ".png")
+    print(f"wrote {path}" + (f" ({msg})" if msg else " and its plot"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""chunk_rwkv7's inference forward in windows of the time axis (csrc/ops/chunk_rwkv7.cpp): a
+forward that keeps nothing for a backward runs the engine over windows whenever one pass would
+take more workspace than FLA_EXT_WORKSPACE_MIB (default: the larger of 64 MiB and 32 states per
+sequence). Budget 0 gives the smallest windows (one chunk, or a few sequences), so every cut kind
+shows: sequences cut once and many times, windows of several sequences, empty sequences, a window
+of empty sequences only. CPU and CUDA (the same windows run on both)."""
+import pytest
+import torch
+
+from conftest import DEVICES, HAS_CUDA, TOL, assert_close
+from fla_ext import chunk_rwkv7, reference
+from rwkv7_cases import CHUNK, make, run_and_check
+
+CASES = {  # (B, T, H, K, V), cu_seqlens
+    "dense": ((2, 100, 2, 32, 20), None),
+    "dense_T16": ((1, 48, 1, 16, 8), None),
+    "varlen": ((1, 150, 2, 24, 40), [0, 7, 7, 40, 41, 150]),
+    "varlen_empty_tail": ((1, 90, 1, 16, 16), [0, 50, 90, 90, 90]),
+    "varlen_many_short": ((1, 40, 1, 8, 8), [0, 1, 2, 3, 5, 8, 13, 21, 34, 40]),
+}
+
+
+@pytest.fixture
+def windows(monkeypatch):
+    monkeypatch.setenv("FLA_EXT_WORKSPACE_MIB", "0")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
+@pytest.mark.parametrize("h0_on", [True, False], ids=["h0", "no_h0"])
+def test_windows_match_oracle(device, case, head_first, h0_on, windows, monkeypatch, gen):
+    """o and the final states of a windowed no-grad forward equal the float64 oracle (fp32, 1e-5)
+    and the one-pass forward."""
+    shape, cu = CASES[case]
+    if cu is not None and head_first:
+        pytest.skip("varlen takes [1, T, H, D]")
+    N = len(cu) - 1 if cu else shape[0]
+    r, w, k, v, a, b, h0 = make(*shape, torch.float32, device, gen, w_kind="mixedinf", N=N,
+                                head_first=head_first, h0=h0_on)
+    cu_t = torch.tensor(cu, device=device) if cu else None
+    with torch.no_grad():
+        o, ht = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0, output_final_state=True,
+                            cu_seqlens=cu_t, head_first=head_first)
+    o_ref, ht_ref = reference.rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=h0, cu_seqlens=cu_t,
+                                    head_first=head_first)
+    tol, _, atol = TOL[torch.float32]
+    assert_close("o", o, o_ref, tol, atol)
+    assert_close("ht", ht, ht_ref, tol, atol)
+    # the one-pass forward: the windows restart the chunks at the same rows
+    monkeypatch.delenv("FLA_EXT_WORKSPACE_MIB")
+    with torch.no_grad():
+        o1, ht1 = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0, output_final_state=True,
+                              cu_seqlens=cu_t, head_first=head_first)
+    assert_close("o vs one pass", o, o1, 1e-6, 1e-7)
+    assert_close("ht vs one pass", ht, ht1, 1e-6, 1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_windows_bf16_without_final_state(device, windows, gen):
+    r, w, k, v, a, b, h0 = make(2, 70, 2, 64, 64, torch.bfloat16, device, gen, N=2)
+    with torch.no_grad():
+        o, ht = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0)
+    assert ht is None
+    tol, _, atol = TOL[torch.bfloat16]
+    assert_close("o", o, reference.rwkv7(r, w, k, v, a, b, initial_state=h0)[0], tol, atol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_under_windows(device, windows, gen):
+    """A call that records a backward is unchanged by the budget: forward and every gradient."""
+    r, w, k, v, a, b, h0 = make(1, 90, 2, 16, 24, torch.float32, device, gen, N=3)
+    cu = torch.tensor([0, 33, 33, 90], device=device)
+    run_and_check(CHUNK, r, w, k, v, a, b, h0, scale=1.0, cu=cu, gen=gen)
+
+
+def test_budget_variable_is_checked(monkeypatch, gen):
+    r, w, k, v, a, b, _ = make(1, 20, 1, 8, 8, torch.float32, "cpu", gen, h0=False)
+    for bad in ("abc", "-1", "1.5"):
+        monkeypatch.setenv("FLA_EXT_WORKSPACE_MIB", bad)
+        with pytest.raises(ValueError, match="FLA_EXT_WORKSPACE_MIB"):
+            chunk_rwkv7(r, w, k, v, a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_inference_memory_does_not_grow_with_T(monkeypatch, gen):
+    """The no-grad forward's peak extra memory is the output plus the budget and a few states
+    (one pass would take ~16x the output in workspaces here)."""
+    monkeypatch.setenv("FLA_EXT_WORKSPACE_MIB", "4")
+    B, T, H, K, V = 1, 16384, 4, 64, 64
+    r, w, k, v, a, b, h0 = make(B, T, H, K, V, torch.bfloat16, "cuda", gen, N=B)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        o, ht = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0, output_final_state=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    state = B * H * K * V * 4
+    assert extra <= o.numel() * o.element_size() + (4 << 20) + 8 * state + (1 << 20), extra
+    # the windows' values are checked against the oracle above; here against one pass
+    monkeypatch.delenv("FLA_EXT_WORKSPACE_MIB")
+    with torch.no_grad():
+        o1, ht1 = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0, output_final_state=True)
+    assert_close("o vs one pass", o, o1, 1e-2, 1e-2)
+    assert_close("ht vs one pass", ht, ht1, 1e-5, 1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_windows_check_device_cu_seqlens(windows, gen):
+    """Windows read cu_seqlens on the host, so a malformed GPU one is an error there."""
+    r, w, k, v, a, b, _ = make(1, 40, 1, 8, 8, torch.float32, "cuda", gen, h0=False)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        chunk_rwkv7(r, w, k, v, a, b, cu_seqlens=torch.tensor([0, 30, 20, 40], device="cuda"))
+
+
+def _big_gpu():
+    return HAS_CUDA and torch.cuda.get_device_properties(0).total_memory > 60 * 2**30
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _big_gpu(), reason="needs a CUDA device with > 60 GiB")
+def test_inputs_over_2_31_elements():
+    """Inputs of more than 2^31 elements (bf16, B = 1, T ~ 2^20, H = 32, K = V = 64): the no-grad
+    forward runs in windows (one pass would ask for ~70 GB of workspace) and equals the same
+    forward run as two halves chained through the state."""
+    B, H, K = 1, 32, 64
+    T = 2**31 // (H * K) + 16
+    dt = torch.bfloat16
+
+    def randn():
+        return torch.randn(B, T, H, K, device="cuda", dtype=dt)
+    r, k, v = randn(), randn(), randn()
+    w = randn().sigmoid_().mul_(-0.6065)
+    a = torch.nn.functional.normalize(randn(), dim=-1).neg_()
+    b = (-a) * torch.rand(B, T, H, K, device="cuda", dtype=dt)
+    assert r.numel() > 2**31
+    with torch.no_grad():
+        o, ht = chunk_rwkv7(r, w, k, v, a, b, output_final_state=True)
+        half = T // 2 // 16 * 16
+        parts = [x[:, :half] for x in (r, w, k, v, a, b)]
+        o1, h1 = chunk_rwkv7(*parts, output_final_state=True)
+        parts = [x[:, half:] for x in (r, w, k, v, a, b)]
+        o2, h2 = chunk_rwkv7(*parts, initial_state=h1, output_final_state=True)
+    for name, x, y in [("o head", o[:, :64], o1[:, :64]), ("o cut", o[:, half:half + 64], o2[:, :64]),
+                       ("o tail", o[:, -64:], o2[:, -64:]), ("ht", ht, h2)]:
+        assert_close(name, x, y, 1e-3, 1e-3)
+    assert torch.isfinite(o[:, ::4096]).all()
