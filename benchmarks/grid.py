@@ -6,8 +6,9 @@
     python benchmarks/grid.py chunk_rwkv7 --quick --device cpu         # smoke test of the script
 
 Writes rows ``{op, impl, gpu, B, T, H, K, V, dtype, mode, ms, peak_mib}`` into
-``<out>/<gpu>_<op>_grid.json`` (rows of another run with the same key are replaced, so parts of
-the grid can run as separate processes: wind_rwkv compiles one head size per process) and a plot
+``<out>/<gpu>_<op>_grid.json`` (row by row, replacing rows of another run with the same key, so parts
+of the grid can run as separate processes: wind_rwkv compiles one head size per process, for
+over two minutes) and a plot
 next to it. Modes: ``fwd`` (a training forward: inputs require grad), ``fwdbwd`` (forward and
 backward, every input gradient), ``fwd_nograd`` (inference, under ``torch.no_grad``).
 ``peak_mib``: the most memory allocated during one call beyond what was allocated before it
@@ -24,7 +25,7 @@ import gc
 import json
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -116,10 +117,9 @@ def measure(fn, mode, leaves, timer, device):
     return ms, extra
 
 
-def run_point(op, point, args, timer, device, gpu) -> List[dict]:
+def run_point(op, point, args, timer, device, gpu, emit) -> None:
     B, H, K, T, dt = point
     dtype = DTYPES[dt]
-    rows = []
     for mode in args.modes:
         torch.manual_seed(0)
         x = rwkv7_inputs(B, T, H, K, dtype, device, mode != "fwd_nograd")
@@ -141,11 +141,10 @@ def run_point(op, point, args, timer, device, gpu) -> List[dict]:
             print(f"{op} B{B} T{T} H{H} K{K} {dt} {mode:10s} {impl:9s} "
                   + (f"{row['ms']:9.3f} ms{peak}" if row["ms"] is not None
                      else row.get("missing") or row.get("error")), flush=True)
-            rows.append(row)
+            emit(row)
         del x, impls
         gc.collect()
         bench_ops._free(device)
-    return rows
 
 
 KEY = ("op", "impl", "gpu", "B", "T", "H", "K", "V", "dtype", "mode")
@@ -200,6 +199,7 @@ def main(argv=None):
     p.add_argument("op", choices=sorted(GRIDS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--k", type=int, nargs="+", help="only the points with these head sizes")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="only the points of these dtypes")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--wind", help="root of a wind_rwkv checkout (its chunked CUDA kernel)")
@@ -212,7 +212,8 @@ def main(argv=None):
             print(plot(json.load(f)["rows"], args.replot[:-5] + ".png") or "plotted")
         return
     device = torch.device(args.device)
-    points = QUICK if args.quick else [pt for pt in GRIDS[args.op] if not args.k or pt[2] in args.k]
+    points = QUICK if args.quick else [pt for pt in GRIDS[args.op] if (not args.k or pt[2] in args.k)
+                                       and (not args.dtypes or pt[4] in args.dtypes)]
     timer = bench_ops.Timer(device, 2 if args.quick else 25, 10 if args.quick else 300,
                             3 if args.quick else 20, 2000)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -221,9 +222,12 @@ def main(argv=None):
                 timing=timer.method, gpu=gpu)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{tag}_{args.op}_grid.json")
-    for pt in points:  # merged point by point: a run cut short keeps what it measured
-        merged = merge(path, run_point(args.op, pt, args, timer, device, gpu), meta)
-    msg = plot(merged, path[:-5] + ".png")
+    def emit(row):  # merged row by row: a run cut short keeps what it measured
+        merge(path, [row], meta)
+    for pt in points:
+        run_point(args.op, pt, args, timer, device, gpu, emit)
+    with open(path) as f:
+        msg = plot(json.load(f)["rows"], path[:-5] + ".png")
     print(f"wrote {path}" + (f" ({msg})" if msg else " and its plot"))
 
 

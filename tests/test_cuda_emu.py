@@ -119,6 +119,27 @@ def test_chunk_rwkv7_kernels_descending_warps(descending, shape, dtype, tol, gen
     check(descending, shape, "mixedinf", None, gen, dtype, tol)
 
 
+@pytest.mark.parametrize("descending", ["emu"], indirect=True)
+@pytest.mark.parametrize("shape,w_kind,cu,lr", [
+    ((2, 40, 2, 64, 64), "rwkv7", None, "rwkv"),       # RWKV-7's decays: factored pair matrices
+    ((1, 45, 1, 64, 64), "mixedinf", None, "rwkv"),    # -inf and strong decays: the exact pairs
+    ((1, 50, 1, 64, 64), "edge60", None, "rwkv"),      # chunk totals near the bound
+    ((1, 90, 1, 64, 64), "u5", [0, 7, 7, 40, 90], "rwkv"),  # varlen, an empty sequence, both paths
+    ((1, 48, 1, 64, 64), "zero", None, "repeated"),    # X from cancelling terms
+], ids=["rwkv7", "mixedinf", "edge60", "varlen", "repeated"])
+def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, gen):
+    """The fused inference forward (one CTA per sequence and head, no workspace; bf16, K = V =
+    64) against the CPU op on the same bf16 inputs, warps in descending order between barriers."""
+    N = len(cu) - 1 if cu else shape[0]
+    *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr=lr)
+    cu_t = torch.tensor(cu) if cu else None
+    o, ht = chunk_rwkv7(*ins, scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
+    cu_e = cu_t if cu else torch.empty(0, dtype=torch.int64)
+    eo, eht = descending.run_fused(*ins, h0, 0.7, cu_e)
+    assert_close("o", eo, o, 1e-2, 1e-6)
+    assert_close("ht", eht, ht, 1e-2, 1e-6)
+
+
 def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):
     B = shape[0]
     N = len(cu) - 1 if cu else B

@@ -125,6 +125,13 @@ struct DplrChunkPaths {
   bool grads_share_offsets = false;
 };
 
+// Whether a CUDA forward of this dtype and head sizes that stores no chunk-start state (an
+// inference forward) can run the fused kernel (dplr_chunk_fused.cuh): one CTA per (sequence,
+// head), no workspace.
+FLA_HD bool dplr_fused_forward(DType dtype, int K, int V, bool stores_states) {
+  return !stores_states && (dtype == DType::bf16 || dtype == DType::f16) && K == 64 && V == 64;
+}
+
 struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients
   // Backward workspace (acc, contiguous [chunk_slots<kDplrChunk>(N, T, varlen), H, K, V]): the
   // chunk-start states and, in the slot after a sequence's last chunk, its final state. A CUDA
@@ -142,6 +149,9 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   void* uo = nullptr;
   void* dhst = nullptr;
   DplrChunkPaths paths;  // CUDA: set by the launch
+  // CUDA forward: run the fused kernel (the op decides, where dplr_fused_forward allows it; no
+  // workspace is then set).
+  bool fused = false;
 };
 
 void dplr_chunk_cpu(const DplrChunkPass& p);

@@ -5,6 +5,9 @@
 // unless a chunk's decays allow their fp32-accurate 3xTF32 form). The launch compiles K = 64
 // and 128 as constants (launch_k).
 //
+// Inference forward (no chunk-start states stored) where the op sets DplrChunkPass::fused (bf16 /
+// fp16, K = V = 64, enough (sequence, head) pairs): fused_forward_kernel (dplr_chunk_fused.cuh),
+// one CTA per (sequence, head), no workspace.
 // Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
 //          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
@@ -32,6 +35,9 @@
 // The launches are kept apart from the kernels so that the kernels also compile as host code
 // (tests/cuda_emu runs them on the CPU).
 #pragma once
+#include <type_traits>
+
+#include "dplr_chunk_fused.cuh"
 #include "dplr_chunk_grad.cuh"
 #include "dplr_chunk_prep.cuh"
 #include "dplr_chunk_sweep.cuh"
@@ -83,6 +89,10 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
 template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
+  if constexpr (!std::is_same<T, float>::value)
+    if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V, p.hst != nullptr))
+      return launch_with_smem(fused_forward_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H)), dplr_fused_detail::NTF,
+                              dplr_fused_detail::FusedSmem::bytes(), p, stream);
   return p.K == 64 ? launch_k<T, 64>(p, stream) : p.K == 128 ? launch_k<T, 128>(p, stream) : launch_k<T, 0>(p, stream);
 }
 

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <array>
 #include <vector>
 
@@ -38,6 +39,20 @@ int64_t dplr_state_floats(const DiagArgs& d) { return dplr_chunk_slots(d) * d.H 
 int64_t saved_states_floats(const DiagArgs& d) { return (dplr_state_floats(d) + 3) / 4 * 4; }
 int64_t saved_floats(const DiagArgs& d) { return saved_states_floats(d) + dplr_ws_floats(d); }
 
+// Whether a CUDA forward runs the fused kernel (no workspace): one that keeps nothing (`keeps`: a
+// training forward) where kernels/dplr_chunk.h dplr_fused_forward allows it and it is the faster
+// one: with at least kFusedMinTasks (sequence, head) pairs, a CTA each (fewer leave SMs idle for
+// its sequential walk, where the two-kernel forward spreads every chunk over the GPU; the
+// crossover is between 128 and 256 on an H100's 132 SMs: benchmarks/NOTES.md c22).
+// FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice (benchmarks compare the two).
+constexpr int64_t kFusedMinTasks = 192;
+bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
+  if (!r.is_cuda() || !dplr_fused_forward(kernel_dtype(r), int(d.K), int(d.V), keeps)) return false;
+  const char* force = std::getenv("FLA_EXT_RWKV7_FUSED");
+  if (force && *force) return force[0] == '1';
+  return d.N * d.H >= kFusedMinTasks;
+}
+
 // `ws` receives the CUDA engine's per-chunk workspace, unless `saved` holds it, and `uo` its
 // U0 / O0 workspace when a forward sweep runs (`sweep`: any call without `saved`, and the
 // training forward); both kept alive by the caller until the pass has run (the CPU engine needs
@@ -48,7 +63,8 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
                          const Tensor* saved, bool sweep) {
   DplrChunkPass p;
   set_dplr_args(p, d, r, w, k, v, a, b, h0);
-  if (!r.is_cuda()) return p;
+  p.fused = sweep && fused_forward(d, r, saved != nullptr);
+  if (!r.is_cuda() || p.fused) return p;
   if (saved) {
     p.hst = saved->data_ptr();
     p.ws = saved->data_ptr<float>() + saved_states_floats(d);
@@ -209,7 +225,7 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
   Tensor o = d.L.empty_like_with_dim(v, d.V, r.scalar_type());
   Tensor hT = new_output({output_final_state ? d.N : 0, d.H, d.K, d.V},
                          r.options().dtype(acc_type(r)));
-  if (!keep) {
+  if (!keep && !fused_forward(d, r, false)) {
     const auto windows = plan_forward_windows(d);
     if (!windows.list.empty()) {
       forward_in_windows(d, windows, r, w, k, v, a, b, initial_state, o, hT, output_final_state, run);

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "emu_args.h"
+#include "dplr_chunk_fused.cuh"
 #include "dplr_chunk_grad.cuh"
 #include "dplr_chunk_prep.cuh"
 #include "dplr_chunk_sweep.cuh"
@@ -12,6 +13,9 @@ namespace fla::dplr_chunk_detail {
 float sm[64 * 1024];     // extern __shared__ of the kernels: one CTA at a time
 float4 sm4[16 * 1024];
 }  // namespace fla::dplr_chunk_detail
+namespace fla {
+float4 fused_sm4[(dplr_fused_detail::FusedSmem::total + 3) / 4];  // fused_forward_kernel's
+}  // namespace fla
 
 namespace {
 using namespace fla;
@@ -92,6 +96,26 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   return {g(kGradR), g(kGradW), g(kGradK), dv, g(kGradA), g(kGradB), dh0};
 }
 
+// The fused inference forward (dplr_chunk_fused.cuh), bf16, K = V = 64: [o, hT].
+std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
+                              double scale, Tensor cu) {
+  const bool varlen = cu.numel() > 0;
+  const int T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
+  const int N = varlen ? int(cu.numel()) - 1 : r.size(0);
+  DplrChunkPass p;
+  p.dtype = DType::bf16;
+  p.N = N, p.H = H, p.T = T, p.K = K, p.V = V, p.scale = scale;
+  p.cu_seqlens = varlen ? cu.data_ptr<int64_t>() : nullptr;
+  p.r = vec(r), p.w = vec(w), p.k = vec(k), p.v = vec(v), p.a = vec(a), p.b = vec(b);
+  if (h0.numel()) p.h0 = mat(h0);
+  TORCH_CHECK(dplr_fused_forward(p.dtype, K, V, false), "not a fused-forward shape");
+  Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V});
+  p.o = vec(o), p.hT = mat(hT), p.fused = true;
+  emu::launch(dim3(unsigned(N * H)), dplr_fused_detail::NTF,
+              [&] { emu::poisoned_cta([&] { fused_forward_kernel<__nv_bfloat16>(p); }, fused_sm4); });
+  return {o, hT};
+}
+
 std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
   const int64_t K = r.size(3);  // the launch's constant-K builds (dplr_chunk_launch.cuh)
@@ -107,5 +131,6 @@ std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run);
+  m.def("run_fused", &run_fused);
   m.def("set_warp_order", [](int order) { emu::warp_order = order; });
 }

@@ -1,9 +1,11 @@
-"""chunk_rwkv7's inference forward in windows of the time axis (csrc/ops/chunk_rwkv7.cpp): a
-forward that keeps nothing for a backward runs the engine over windows whenever one pass would
-take more workspace than FLA_EXT_WORKSPACE_MIB (default: the larger of 64 MiB and 32 states per
-sequence). Budget 0 gives the smallest windows (one chunk, or a few sequences), so every cut kind
-shows: sequences cut once and many times, windows of several sequences, empty sequences, a window
-of empty sequences only. CPU and CUDA (the same windows run on both)."""
+"""chunk_rwkv7's inference forward (a forward that keeps nothing for a backward):
+* on CUDA with bf16 / fp16 and K = V = 64, the fused kernel (kernels/dplr_chunk_fused.cuh: one CTA
+  per sequence and head, no workspace);
+* otherwise the engine in windows of the time axis (csrc/ops/chunk_rwkv7.cpp) whenever one pass
+  would take more workspace than FLA_EXT_WORKSPACE_MIB (default: the larger of 64 MiB and 32
+  states per sequence). Budget 0 gives the smallest windows (one chunk, or a few sequences), so
+  every cut kind shows: sequences cut once and many times, windows of several sequences, empty
+  sequences, a window of empty sequences only. CPU and CUDA (the same windows run on both)."""
 import pytest
 import torch
 
@@ -148,3 +150,41 @@ def test_inputs_over_2_31_elements():
                        ("o tail", o[:, -64:], o2[:, -64:]), ("ht", ht, h2)]:
         assert_close(name, x, y, 1e-3, 1e-3)
     assert torch.isfinite(o[:, ::4096]).all()
+
+
+FUSED_CASES = {  # (B, T, H, K, V), cu_seqlens, w_kind
+    "rwkv7": ((2, 100, 3, 64, 64), None, "rwkv7"),
+    "mixedinf": ((1, 90, 2, 64, 64), None, "mixedinf"),
+    "varlen": ((1, 150, 2, 64, 64), [0, 7, 7, 40, 41, 150], "u5"),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+@pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen):
+    """The fused no-grad forward (forced: these shapes have fewer (sequence, head) pairs than the
+    op's threshold) equals the float64 oracle (bf16 / fp16 tolerance) and the training forward
+    (prep and the sweep) on the same inputs."""
+    monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
+    shape, cu, w_kind = FUSED_CASES[case]
+    if cu is not None and head_first:
+        pytest.skip("varlen takes [1, T, H, D]")
+    N = len(cu) - 1 if cu else shape[0]
+    r, w, k, v, a, b, h0 = make(*shape, dtype, "cuda", gen, w_kind=w_kind, N=N, head_first=head_first)
+    cu_t = torch.tensor(cu, device="cuda") if cu else None
+    kw = dict(scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu_t,
+              head_first=head_first)
+    with torch.no_grad():
+        o, ht = chunk_rwkv7(r, w, k, v, a, b, **kw)
+    o_ref, ht_ref = reference.rwkv7(r, w, k, v, a, b, scale=0.7, initial_state=h0, cu_seqlens=cu_t,
+                                    head_first=head_first)
+    tol, _, atol = TOL[dtype]
+    assert_close("o", o, o_ref, tol, atol)
+    assert_close("ht", ht, ht_ref, tol, atol)
+    ins = [x.clone().requires_grad_(True) for x in (r, w, k, v, a, b)]
+    o2, ht2 = chunk_rwkv7(*ins, **kw)  # the training forward: the two-kernel path
+    assert_close("o vs training forward", o, o2.detach(), tol, atol)
+    assert_close("ht vs training forward", ht, ht2.detach(), tol, atol)
