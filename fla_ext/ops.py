@@ -52,6 +52,18 @@ def _optional_tensors(**named) -> None:
                 f"fla_ext: `{name}` must be a torch.Tensor or None, got {type(x).__name__}")
 
 
+def _state_in(state, state_v_first: bool):
+    """An initial state given as fla's ``state_v_first`` [N, H, V, K], as the ops read it: a
+    transposed view (the kernels take any strides)."""
+    if state_v_first and isinstance(state, torch.Tensor):
+        return state.transpose(-1, -2)
+    return state
+
+
+def _state_out(state, state_v_first: bool):
+    return state.transpose(-1, -2).contiguous() if state_v_first else state
+
+
 def fused_recurrent_rwkv6(
     r: torch.Tensor,
     k: torch.Tensor,
@@ -118,10 +130,12 @@ def fused_recurrent_gla(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     reverse: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     head_first: bool = False,
     *,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    transpose_state_layout: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""Gated linear attention, step by step (fused recurrent kernel), with fla's key-side and
     value-side decays:
@@ -138,6 +152,8 @@ def fused_recurrent_gla(
         scale: defaults to ``K ** -0.5``.
         initial_state: float32 ``[N, H, K, V]``; output_final_state, reverse, cu_seqlens,
             head_first: as in :func:`fused_recurrent_rwkv6`.
+        state_v_first: as in fla: the initial and final states are ``[N, H, V, K]`` (the
+            transposed layout). ``transpose_state_layout``: fla's older name for it.
 
     Returns:
         ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
@@ -155,10 +171,16 @@ def fused_recurrent_gla(
     if gv is not None:
         _require_tensors(gv=gv)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
+    if transpose_state_layout is not None:
+        if state_v_first:
+            raise ValueError("fla_ext: pass `state_v_first` or its older name "
+                             "`transpose_state_layout`, not both")
+        state_v_first = bool(transpose_state_layout)
     o, ht = torch.ops.fla.fused_recurrent_gla(
-        q, k, v, gk, gv, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
+        q, k, v, gk, gv, scale, _state_in(initial_state, state_v_first), output_final_state,
+        reverse, cu_seqlens, head_first
     )
-    return o, (ht if output_final_state else None)
+    return o, (_state_out(ht, state_v_first) if output_final_state else None)
 
 
 def chunk_gla(
@@ -166,14 +188,15 @@ def chunk_gla(
     k: torch.Tensor,
     v: torch.Tensor,
     g: Optional[torch.Tensor] = None,
-    gv: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
-    head_first: bool = False,
-    *,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    *,
+    gv: Optional[torch.Tensor] = None,
+    head_first: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""Gated linear attention, chunk-parallel (for training), with a key-side and/or a
     value-side decay:
@@ -193,6 +216,10 @@ def chunk_gla(
             On CUDA, ``g`` and ``gv`` are not yet accepted together (the CPU backend takes both).
         scale (default ``K ** -0.5``), initial_state (``[N, H, K, V]``), output_final_state,
             cu_seqlens, head_first: as in :func:`fused_recurrent_rwkv6`.
+        state_v_first: as in fla: the initial and final states are ``[N, H, V, K]``.
+        cu_seqlens_cpu: the host copy of a CUDA ``cu_seqlens`` (as in fla): its values are
+            checked without a device synchronisation.
+        The positional order is fla's (``gv`` and ``head_first`` are keyword-only).
 
     Returns:
         ``(o, final_state)``; ``o`` is ``[B, T, H, V]`` in q's dtype.
@@ -213,9 +240,10 @@ def chunk_gla(
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g, gv=gv)
     o, ht = torch.ops.fla.chunk_gla(
-        q, k, v, g, gv, scale, initial_state, output_final_state, cu_seqlens, head_first
+        q, k, v, g, gv, scale, _state_in(initial_state, state_v_first), output_final_state,
+        cu_seqlens, head_first
     )
-    return o, (ht if output_final_state else None)
+    return o, (_state_out(ht, state_v_first) if output_final_state else None)
 
 
 def chunk_rwkv6(
@@ -228,13 +256,17 @@ def chunk_rwkv6(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
     head_first: bool = False,
     *,
-    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV6, chunk-parallel (for training): the same map as :func:`fused_recurrent_rwkv6`
     (exclusive read plus the bonus ``u``), computed chunk by chunk with never-positive decay
-    exponents. Arguments and returns as in :func:`fused_recurrent_rwkv6` (no ``reverse``)."""
+    exponents. Arguments and returns as in :func:`fused_recurrent_rwkv6` (no ``reverse``), in
+    fla's positional order; ``cu_seqlens_cpu``: the host copy of a CUDA ``cu_seqlens``;
+    ``chunk_size``: fla's tuning hint, accepted and without effect (the kernels' chunk is their
+    own)."""
     _require_tensors(r=r, k=k, v=v, w=w, u=u)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     o, ht = torch.ops.fla.chunk_rwkv6(
@@ -434,9 +466,12 @@ def chunk_gsa(
     scale: Optional[float] = None,
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     output_final_state: bool = False,
+    checkpoint_level: int = 2,
     cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
     head_first: bool = False,
-    **kwargs,
+    *,
+    chunk_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
     r"""Gated Slot Attention, chunk-parallel (for training): two GLA passes sharing the slot gate
     ``g`` around a float32 softmax over the M slots:
@@ -458,10 +493,10 @@ def chunk_gsa(
         scale: defaults to ``K ** -0.5``.
         initial_state: None or ``(hk0, hv0)``, float32 ``[N, H, K, M]`` and ``[N, H, M, V]``.
         output_final_state, cu_seqlens, head_first: as in :func:`chunk_gla`.
-        kwargs: fla's ``cu_seqlens_cpu`` (the host copy of a CUDA ``cu_seqlens``, whose values
-            are then checked); ``checkpoint_level`` and ``chunk_size`` are accepted for drop-in
-            use and have no effect (a training forward keeps the float32 softmax and,
-            on CUDA, the passes' chunk-start states and pair matrices).
+        cu_seqlens_cpu: fla's host copy of a CUDA ``cu_seqlens`` (its values are then checked).
+        checkpoint_level, chunk_size: accepted for drop-in use (fla's positional order) and
+            without effect: a training forward keeps the float32 softmax and, on CUDA, the
+            passes' chunk-start states and pair matrices.
 
     Returns:
         ``(o, (hk, hv))``: ``o`` ``[B, T, HQ, V]``; the final states, or ``(None, None)``.
@@ -474,11 +509,8 @@ def chunk_gsa(
         >>> g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, M))
         >>> o, (hk, hv) = fla_ext.chunk_gsa(q, k, v, s, g, output_final_state=True)
     """
-    unknown = set(kwargs) - {"checkpoint_level", "cu_seqlens_cpu", "chunk_size"}
-    if unknown:
-        raise TypeError(f"fla_ext: chunk_gsa() got unexpected keyword arguments {sorted(unknown)}")
     _require_tensors(q=q, k=k, v=v, s=s)
-    _check_host_cu_seqlens(cu_seqlens, kwargs.get("cu_seqlens_cpu"), q, head_first)
+    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
     hk0, hv0 = _gsa_states(initial_state)
     o, hk, hv = torch.ops.fla.chunk_gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state,

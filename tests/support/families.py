@@ -73,7 +73,7 @@ GLA_GV = Family(
     lambda q, k, v, gv, do, dht, **kw: reference.gla_bwd(q, k, v, None, do, dht, gv=gv, **kw))
 GLA_KV = Family(
     "gla_kv", ("q", "k", "v", "g", "gv"),
-    dict(chunk=lambda q, k, v, g, gv, **kw: fla_ext.chunk_gla(q, k, v, g, gv, **kw)),
+    dict(chunk=lambda q, k, v, g, gv, **kw: fla_ext.chunk_gla(q, k, v, g, gv=gv, **kw)),
     reference.gla,
     lambda q, k, v, g, gv, do, dht, **kw: reference.gla_bwd(q, k, v, g, do, dht, gv=gv, **kw),
     cuda=False)

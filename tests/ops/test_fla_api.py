@@ -1,0 +1,114 @@
+"""fla 0.6.0's call signatures for the diagonal family (issue: fla API parity): every positional
+parameter of fla's chunk_ / fused_recurrent_ {gla, rwkv6, gsa} sits at fla's position here, every
+keyword fla accepts is accepted, and `state_v_first` ([N, H, V, K] states) means what it means in
+fla. The table is fla 0.6.0's (read from its source); where fla is importable the live signatures
+are compared too."""
+import inspect
+
+import pytest
+import torch
+
+import fla_ext
+from conftest import DEVICES, assert_close
+from inputs import make_diag
+
+# op -> (fla's positional parameters in order, fla's other keywords it reads from **kwargs)
+FLA_060 = {
+    "chunk_gla": (["q", "k", "v", "g", "scale", "initial_state", "output_final_state",
+                   "state_v_first", "cu_seqlens", "cu_seqlens_cpu"], []),
+    "fused_recurrent_gla": (["q", "k", "v", "gk", "gv", "scale", "initial_state",
+                             "output_final_state", "reverse", "state_v_first", "cu_seqlens"],
+                            ["transpose_state_layout"]),
+    "chunk_rwkv6": (["r", "k", "v", "w", "u", "scale", "initial_state", "output_final_state",
+                     "cu_seqlens", "cu_seqlens_cpu"], ["chunk_size"]),
+    "fused_recurrent_rwkv6": (["r", "k", "v", "w", "u", "scale", "initial_state",
+                               "output_final_state", "reverse", "cu_seqlens"], []),
+    "chunk_gsa": (["q", "k", "v", "s", "g", "scale", "initial_state", "output_final_state",
+                   "checkpoint_level", "cu_seqlens", "cu_seqlens_cpu"], ["chunk_size"]),
+    "fused_recurrent_gsa": (["q", "k", "v", "s", "g", "scale", "initial_state",
+                             "output_final_state", "reverse", "cu_seqlens"], []),
+}
+
+
+def positional(fn):
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+
+@pytest.mark.parametrize("op", list(FLA_060))
+def test_fla_positional_order_and_keywords(op):
+    ours = getattr(fla_ext, op)
+    fla_pos, fla_kw = FLA_060[op]
+    assert positional(ours)[:len(fla_pos)] == fla_pos
+    params = inspect.signature(ours).parameters
+    for name in fla_kw:
+        assert name in params, f"{op} does not accept fla's keyword {name!r}"
+
+
+@pytest.mark.parametrize("op", list(FLA_060))
+def test_live_fla_signature(op):
+    mod = {"gla": "fla.ops.gla", "rwkv6": "fla.ops.rwkv6", "gsa": "fla.ops.gsa"}[op.split("_")[-1]]
+    fla_ops = pytest.importorskip(mod)
+    fla_fn = getattr(fla_ops, op)
+    fla_pos = positional(fla_fn)
+    assert positional(getattr(fla_ext, op))[:len(fla_pos)] == fla_pos
+
+
+GLA_MODES = {
+    "chunk": lambda *a, **kw: fla_ext.chunk_gla(*a, **kw),
+    "fused": lambda q, k, v, g, **kw: fla_ext.fused_recurrent_gla(q, k, v, gk=g, **kw),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", list(GLA_MODES))
+def test_state_v_first(device, mode, gen):
+    """[N, H, V, K] states in and out (K != V), equal to the [K, V] call transposed, gradients
+    included."""
+    q, k, v, g, h0 = make_diag(1, 50, 2, 12, 20, torch.float32, device, gen, N=2)
+    cu = torch.tensor([0, 17, 50], device=device)
+    f = GLA_MODES[mode]
+    h0_vk = h0.transpose(-1, -2).contiguous().requires_grad_(True)
+    h0_kv = h0.clone().requires_grad_(True)
+    o1, ht1 = f(q, k, v, g, initial_state=h0_vk, output_final_state=True, state_v_first=True,
+                cu_seqlens=cu)
+    o2, ht2 = f(q, k, v, g, initial_state=h0_kv, output_final_state=True, cu_seqlens=cu)
+    assert ht1.shape == (2, 2, 20, 12) and ht1.is_contiguous()
+    assert_close("o", o1, o2, 1e-6, 1e-7)
+    assert_close("ht", ht1, ht2.transpose(-1, -2), 1e-6, 1e-7)
+    dht = torch.randn(ht1.shape, generator=gen).to(ht1)
+    (o1.sum() + (ht1 * dht).sum()).backward()
+    (o2.sum() + (ht2 * dht.transpose(-1, -2)).sum()).backward()
+    assert_close("dh0", h0_vk.grad, h0_kv.grad.transpose(-1, -2), 1e-6, 1e-7)
+
+
+def test_transpose_state_layout_alias(gen):
+    q, k, v, g, h0 = make_diag(2, 9, 1, 4, 6, torch.float32, "cpu", gen)
+    h0_vk = h0.transpose(-1, -2).contiguous()
+    o1, ht1 = fla_ext.fused_recurrent_gla(q, k, v, g, initial_state=h0_vk, output_final_state=True,
+                                          transpose_state_layout=True)
+    o2, ht2 = fla_ext.fused_recurrent_gla(q, k, v, g, initial_state=h0_vk, output_final_state=True,
+                                          state_v_first=True)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    torch.testing.assert_close(ht1, ht2, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="transpose_state_layout"):
+        fla_ext.fused_recurrent_gla(q, k, v, g, state_v_first=True, transpose_state_layout=True)
+
+
+def test_fla_positional_calls(gen):
+    """Calls written for fla's positional order run with fla's meaning."""
+    q, k, v, g, h0 = make_diag(1, 20, 2, 8, 8, torch.float32, "cpu", gen, N=2)
+    cu = torch.tensor([0, 5, 20])
+    o, ht = fla_ext.chunk_gla(q, k, v, g, 0.5, h0, True, False, cu, cu)
+    o_ref, ht_ref = fla_ext.fused_recurrent_gla(q, k, v, g, None, 0.5, h0, True, False, False, cu)
+    assert_close("o", o, o_ref, 1e-5, 1e-6)
+    assert_close("ht", ht, ht_ref, 1e-5, 1e-6)
+    u = torch.randn(2, 8, generator=gen)
+    o, _ = fla_ext.chunk_rwkv6(q, k, v, g, u, 0.5, h0, False, cu, cu, chunk_size=64)
+    o_ref, _ = fla_ext.fused_recurrent_rwkv6(q, k, v, g, u, 0.5, h0, False, False, cu)
+    assert_close("o rwkv6", o, o_ref, 1e-5, 1e-6)
+    s = torch.randn(1, 20, 2, 4, generator=gen)
+    gs = torch.nn.functional.logsigmoid(torch.randn(1, 20, 2, 4, generator=gen))
+    o, _ = fla_ext.chunk_gsa(q, k, v, s, gs, 0.5, None, False, 2, cu, cu)
+    o_ref, _ = fla_ext.fused_recurrent_gsa(q, k, v, s, gs, 0.5, None, False, False, cu)
+    assert_close("o gsa", o, o_ref, 1e-5, 1e-6)
