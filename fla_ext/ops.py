@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import cp as _cp
 from .checks import check_cu_seqlens_values, check_finite, checks_enabled, set_checks
 
 __all__ = [
@@ -78,6 +79,7 @@ def fused_recurrent_rwkv6(
     head_first: bool = False,
     *,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    cp_context=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV6 recurrence, step by step (fused recurrent kernel):
 
@@ -113,6 +115,10 @@ def fused_recurrent_rwkv6(
         >>> o, ht = fused_recurrent_rwkv6(r, k, v, w, u, output_final_state=True)
     """
     _require_tensors(r=r, k=k, v=v, w=w, u=u)
+    if cp_context is not None:
+        _cp.check_inputs(cp_context, r, head_first, cu_seqlens, reverse, name="r")
+        return _cp.rwkv6(fused_recurrent_rwkv6, cp_context, r, k, v, w, u, scale, initial_state,
+                         output_final_state)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     o, ht = torch.ops.fla.fused_recurrent_rwkv6(
         r, k, v, w, u, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
@@ -136,6 +142,7 @@ def fused_recurrent_gla(
     *,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     transpose_state_layout: Optional[bool] = None,
+    cp_context=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""Gated linear attention, step by step (fused recurrent kernel), with fla's key-side and
     value-side decays:
@@ -166,6 +173,12 @@ def fused_recurrent_gla(
         >>> o, ht = fused_recurrent_gla(q, k, v, gv=gv, output_final_state=True)
     """
     _require_tensors(q=q, k=k, v=v)
+    if cp_context is not None:
+        _cp.check_inputs(cp_context, q, head_first, cu_seqlens, reverse, name="q")
+        o, ht = _cp.gla(fused_recurrent_gla, cp_context, q, k, v, gk, gv, scale,
+                        _state_in(initial_state, state_v_first or bool(transpose_state_layout)),
+                        output_final_state, {})
+        return o, (_state_out(ht, state_v_first or bool(transpose_state_layout)) if output_final_state else None)
     if gk is not None:
         _require_tensors(gk=gk)
     if gv is not None:
@@ -197,6 +210,7 @@ def chunk_gla(
     *,
     gv: Optional[torch.Tensor] = None,
     head_first: bool = False,
+    cp_context=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""Gated linear attention, chunk-parallel (for training), with a key-side and/or a
     value-side decay:
@@ -237,6 +251,11 @@ def chunk_gla(
         >>> ok, hk = fla_ext.chunk_gla(q, k, s, gv=g, output_final_state=True)  # GSA pass 1
     """
     _require_tensors(q=q, k=k, v=v)
+    if cp_context is not None:
+        _cp.check_inputs(cp_context, q, head_first, cu_seqlens, name="q")
+        o, ht = _cp.gla(chunk_gla, cp_context, q, k, v, g, gv, scale,
+                        _state_in(initial_state, state_v_first), output_final_state, {})
+        return o, (_state_out(ht, state_v_first) if output_final_state else None)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g, gv=gv)
     o, ht = torch.ops.fla.chunk_gla(
@@ -260,6 +279,7 @@ def chunk_rwkv6(
     head_first: bool = False,
     *,
     chunk_size: Optional[int] = None,
+    cp_context=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV6, chunk-parallel (for training): the same map as :func:`fused_recurrent_rwkv6`
     (exclusive read plus the bonus ``u``), computed chunk by chunk with never-positive decay
@@ -268,6 +288,10 @@ def chunk_rwkv6(
     ``chunk_size``: fla's tuning hint, accepted and without effect (the kernels' chunk is their
     own)."""
     _require_tensors(r=r, k=k, v=v, w=w, u=u)
+    if cp_context is not None:
+        _cp.check_inputs(cp_context, r, head_first, cu_seqlens, name="r")
+        return _cp.rwkv6(chunk_rwkv6, cp_context, r, k, v, w, u, scale, initial_state,
+                         output_final_state)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     o, ht = torch.ops.fla.chunk_rwkv6(
         r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, head_first
@@ -290,6 +314,7 @@ def fused_recurrent_rwkv7(
     reverse: bool = False,
     *,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    cp_context=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV7 recurrence (diagonal plus low rank), step by step (fused recurrent kernel):
 
@@ -328,6 +353,10 @@ def fused_recurrent_rwkv7(
         >>> o, ht = fused_recurrent_rwkv7(r, w, k, v, -kk, kk * iclr, scale=1.0)
     """
     _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
+    if cp_context is not None:
+        _cp.check_inputs(cp_context, r, head_first, cu_seqlens, reverse, name="r")
+        return _cp.rwkv7(fused_recurrent_rwkv7, cp_context, r, w, k, v, a, b, scale, initial_state,
+                         output_final_state)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     o, ht = torch.ops.fla.fused_recurrent_rwkv7(
         r, w, k, v, a, b, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
@@ -350,6 +379,7 @@ def fused_mul_recurrent_rwkv7(
     head_first: bool = False,
     *,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    cp_context=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV-7 with the low-rank pair formed from ``kk`` and ``a`` (fla's inference entry point):
     :func:`fused_recurrent_rwkv7` with ``a_op = -kk`` and ``b_op = kk * a``, i.e.
@@ -374,6 +404,10 @@ def fused_mul_recurrent_rwkv7(
         ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
     """
     _require_tensors(r=r, w=w, k=k, v=v, kk=kk, a=a)
+    if cp_context is not None:
+        _cp.check_inputs(cp_context, r, head_first, cu_seqlens, reverse, name="r")
+        return _cp.rwkv7(fused_recurrent_rwkv7, cp_context, r, w, k, v, -kk, kk * a, scale,
+                         initial_state, output_final_state)
     if kk.shape != a.shape:
         raise ValueError(f"fla_ext: `kk` {tuple(kk.shape)} and `a` {tuple(a.shape)} must have "
                          "the same shape")
@@ -430,16 +464,18 @@ def chunk_rwkv7(
         safe_gate, chunk_size, disable_recompute, lower_bound: fla's tuning hints, accepted so
             that fla call sites run unchanged and ignored: no bound on ``w`` is needed here,
             and the chunk size is the kernel's own.
-        cp_context: fla's context parallelism; not supported (must be None).
+        cp_context: a context from :func:`fla_ext.cp.build_cp_context`: this call is one rank's
+            slice of a packed batch split across a process group (fla_ext/cp.py).
 
     Returns:
         ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
     """
     _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
-    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     if cp_context is not None:
-        raise NotImplementedError("fla_ext: chunk_rwkv7 does not support `cp_context` (context "
-                                  "parallelism); pass None")
+        _cp.check_inputs(cp_context, r, head_first, cu_seqlens, name="r")
+        return _cp.rwkv7(chunk_rwkv7, cp_context, r, w, k, v, a, b, scale, initial_state,
+                         output_final_state)
+    _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
     o, ht = torch.ops.fla.chunk_rwkv7(
         r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, head_first
     )
@@ -472,6 +508,7 @@ def chunk_gsa(
     head_first: bool = False,
     *,
     chunk_size: Optional[int] = None,
+    cp_context=None,
 ) -> Tuple[torch.Tensor, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
     r"""Gated Slot Attention, chunk-parallel (for training): two GLA passes sharing the slot gate
     ``g`` around a float32 softmax over the M slots:
@@ -510,6 +547,9 @@ def chunk_gsa(
         >>> o, (hk, hv) = fla_ext.chunk_gsa(q, k, v, s, g, output_final_state=True)
     """
     _require_tensors(q=q, k=k, v=v, s=s)
+    if cp_context is not None:
+        _cp.check_inputs(cp_context, q, head_first, cu_seqlens, name="q")
+        return _cp.gsa(chunk_gla, cp_context, q, k, v, s, g, scale, initial_state, output_final_state)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
     hk0, hv0 = _gsa_states(initial_state)
@@ -532,6 +572,7 @@ def fused_recurrent_gsa(
     head_first: bool = False,
     *,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    cp_context=None,
 ) -> Tuple[torch.Tensor, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
     r"""Gated Slot Attention step by step (decoding, and the check of :func:`chunk_gsa`): the same
     map and arguments as :func:`chunk_gsa`, plus ``reverse`` (run each sequence backwards in time),
@@ -544,6 +585,10 @@ def fused_recurrent_gsa(
         ...                                           output_final_state=True)  # one decode step
     """
     _require_tensors(q=q, k=k, v=v, s=s)
+    if cp_context is not None:
+        _cp.check_inputs(cp_context, q, head_first, cu_seqlens, reverse, name="q")
+        return _cp.gsa(fused_recurrent_gla, cp_context, q, k, v, s, g, scale, initial_state,
+                       output_final_state)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
     hk0, hv0 = _gsa_states(initial_state)

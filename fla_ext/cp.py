@@ -1,0 +1,362 @@
+"""Context parallelism: one packed sequence batch split across the ranks of a process group.
+
+fla's convention: the packed B = 1 batch described by ``cu_seqlens`` (T tokens in all) is cut into
+``world_size`` equal contiguous slices, rank r holding tokens ``[r T / W, (r + 1) T / W)``. Each
+rank passes its slice of every ``[1, T, H, *]`` input together with the context from
+:func:`build_cp_context` and gets its slice of the output::
+
+    ctx = fla_ext.cp.build_cp_context(cu_seqlens, group=None)        # the global cu_seqlens
+    o, ht = fla_ext.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True,
+                              cp_context=ctx)                         # q, k, v, g: this rank's slice
+
+How (docs/design.md §10): a sequence cut at a slice boundary needs, on the later rank, the state
+its earlier part ends in. The state a slice ends in is affine in the state it starts from:
+``S_end = M S_in + S0``, with ``S0`` the end state from a zero start (or from the sequence's own
+initial state where it begins) and ``M`` the slice's transition: diagonal for GLA, RWKV6 and GSA
+(the summed log decays), a K x K matrix for RWKV7 (the product of its transitions, obtained by
+running the op on the identity with v = 0). Each rank runs its slice once (every sequence that
+begins on it gets its true initial state), all-gathers ``S0`` and ``M`` of the sequence cut at
+its end, chains its predecessors' to get the true start state of the sequence cut at its
+beginning, and runs that sequence's rows again from it. Autograd carries the backward through
+the same steps: the all-gather's backward is an all-reduce that hands each rank the gradient of
+its ``S0`` and ``M`` from the ranks after it. No rank waits on a ring.
+
+Conventions:
+* ``initial_state`` is the global ``[N, H, K, V]`` (the same on every rank); its gradient on each
+  rank is that rank's contribution (rows of the sequences beginning there), to be summed over
+  ranks like a data-parallel gradient. So are shared parameters' (RWKV6's ``u``).
+* ``output_final_state``: every rank returns the global final states ``[N, H, K, V]`` (replicated,
+  all-reduced). The global loss is the sum of the ranks' losses, so a replicated output should
+  enter it on one rank (or scaled by 1 / W).
+* Every rank must run the backward of its outputs (the collectives' backwards are collectives
+  too), as with DistributedDataParallel; each output depends on both collectives, so a loss of
+  either output on every rank is enough.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .checks import check_cu_seqlens_values
+
+__all__ = ["CPContext", "build_cp_context"]
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """What a rank holds of the global batch (every rank knows every rank's)."""
+    start: int        # its first global row
+    end: int          # one past its last
+    n0: int           # its sequences: global indices [n0, n1) (empty ones at its rows included)
+    n1: int
+    first_in: bool    # sequence n0 began on an earlier rank
+    last_out: bool    # sequence n1 - 1 goes on to a later rank
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """The context of one packed batch split across a process group (build_cp_context)."""
+    group: Optional[object]
+    rank: int
+    world_size: int
+    cu_seqlens_global: torch.Tensor   # int64, host
+    slices: Tuple[RankSlice, ...]     # one per rank
+    cu_seqlens: torch.Tensor          # this rank's local cu_seqlens, on the inputs' device
+    cu_seqlens_cpu: torch.Tensor      # its host copy
+    device: torch.device = field(default=torch.device("cpu"))
+
+    @property
+    def here(self) -> RankSlice:
+        return self.slices[self.rank]
+
+    @property
+    def num_sequences(self) -> int:
+        return self.cu_seqlens_global.numel() - 1
+
+    @property
+    def local_rows(self) -> int:
+        return self.here.end - self.here.start
+
+
+def _slices(cu: List[int], world: int) -> Tuple[RankSlice, ...]:
+    T, N = cu[-1], len(cu) - 1
+    per = T // world
+    out = []
+    for r in range(world):
+        start, end = r * per, (r + 1) * per
+        last = r == world - 1
+
+        def here(n):  # sequence n has rows in [start, end), or is empty at a row of it
+            if cu[n] == cu[n + 1]:
+                return start <= cu[n] < end or (last and cu[n] == end)
+            return cu[n] < end and cu[n + 1] > start
+        seqs = [n for n in range(N) if here(n)]
+        n0, n1 = (seqs[0], seqs[-1] + 1) if seqs else (0, 0)
+        out.append(RankSlice(start, end, n0, n1, bool(seqs) and cu[n0] < start,
+                             bool(seqs) and cu[n1] > end))
+    return tuple(out)
+
+
+def build_cp_context(cu_seqlens: torch.Tensor, group=None,
+                     cu_seqlens_cpu: Optional[torch.Tensor] = None) -> CPContext:
+    """The context parallelism context of the packed batch ``cu_seqlens`` (int64 ``[N + 1]``, the
+    global boundaries, on the device of the inputs) split over ``group`` (a
+    ``torch.distributed`` process group; default the world). ``cu_seqlens_cpu``: its host copy,
+    else it is copied (once). T = ``cu_seqlens[-1]`` must be a positive multiple of the world
+    size."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fla_ext.cp: torch.distributed is not initialised")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"fla_ext.cp: `cu_seqlens` must be a tensor, got {type(cu_seqlens).__name__}")
+    host = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).detach().cpu().to(torch.int64)
+    if host.dim() != 1 or host.numel() < 2:
+        raise ValueError(f"fla_ext.cp: `cu_seqlens` must be 1-D with at least 2 entries, got shape "
+                         f"{tuple(host.shape)}")
+    T = int(host[-1])
+    check_cu_seqlens_values(host, T, "cu_seqlens_cpu" if cu_seqlens_cpu is not None else "cu_seqlens")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if T <= 0 or T % world:
+        raise ValueError(f"fla_ext.cp: the total length T = {T} must be a positive multiple of the "
+                         f"world size {world} (each rank holds T / {world} rows)")
+    slices = _slices(host.tolist(), world)
+    s = slices[rank]
+    local = (host[s.n0:s.n1 + 1].clamp(s.start, s.end) - s.start).contiguous()
+    return CPContext(group, rank, world, host, slices, local.to(cu_seqlens.device), local,
+                     cu_seqlens.device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Differentiable collectives (gloo and NCCL: all_gather and all_reduce only)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g[dist.get_rank(ctx.group)], None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+# ------------------------------------------------------------------------------------------------
+# The algorithm, for any family: `run(rows, cu, h0)` runs the op on rows [0, rows) of the local
+# slice with local boundaries cu (host list) and initial states h0 ([n, *state] or None),
+# returning (o, final states [n, *state]); `transition(rows)` the map M of rows [0, rows) as a
+# flat tensor, `apply(M, S)` M applied to a state [*state].
+
+
+def run(ctx: CPContext, *, run_rows: Callable, transition: Callable, apply: Callable,
+        state_shape, state_dtype, initial_state, output_final_state: bool):
+    if not isinstance(ctx, CPContext):
+        raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
+                        f"{type(ctx).__name__}")
+    s = ctx.here
+    dev = ctx.device
+    nl = s.n1 - s.n0
+    cu = ctx.cu_seqlens_cpu.tolist()
+    state_numel = 1
+    for d in state_shape:
+        state_numel *= d
+    zeros = lambda n: torch.zeros(n, *state_shape, dtype=state_dtype, device=dev)  # noqa: E731
+
+    # 1. The slice with every sequence's start state known here (a sequence continuing from an
+    #    earlier rank starts from zero in this pass).
+    h0 = None
+    if initial_state is not None or s.first_in:
+        h0 = initial_state[s.n0:s.n1] if initial_state is not None else zeros(nl)
+        if s.first_in:
+            h0 = torch.cat([zeros(1), h0[1:]])
+    o, ht = run_rows(ctx.local_rows, cu, h0)
+
+    # 2. What the sequence cut at this slice's end needs from here: S0, and M where it also began
+    #    before this slice (it then spans the whole slice).
+    through = s.first_in and s.last_out and nl == 1
+    payload_s0 = ht[-1].reshape(-1) if s.last_out else zeros(1).reshape(-1)
+    payload_m = (transition(ctx.local_rows).reshape(-1) if through
+                 else torch.zeros(transition.numel, dtype=state_dtype, device=dev))
+    payload = torch.cat([payload_s0.to(state_dtype), payload_m.to(state_dtype)])
+    if torch.is_grad_enabled() and not payload.requires_grad:
+        # a rank whose payload is constant (zeros) still takes part in the backward's all-reduce
+        payload.requires_grad_(True)
+    gathered = _AllGather.apply(payload, ctx.group)
+    anchor = gathered.sum() * 0  # every rank's outputs depend on the gather: its backward runs
+
+    # 3. The first sequence's true start state, chained over the ranks before this one; its rows
+    #    run again from it.
+    if s.first_in:
+        r0 = ctx.rank - 1
+        while ctx.slices[r0].first_in:  # back to the rank where the sequence began
+            r0 -= 1
+        state = gathered[r0, :state_numel].reshape(state_shape)
+        for r in range(r0 + 1, ctx.rank):  # ranks it passes through
+            m = gathered[r, state_numel:]
+            state = apply(m, state) + gathered[r, :state_numel].reshape(state_shape)
+        rows = cu[1]
+        o_first, ht_first = run_rows(rows, [0, rows], state.unsqueeze(0))
+        o = torch.cat([o_first, o[:, rows:]], dim=1) if rows < ctx.local_rows else o_first
+        ht = torch.cat([ht_first, ht[1:]]) if nl > 1 else ht_first
+    o = o + anchor.to(o.dtype)
+
+    if not output_final_state:
+        return o, None
+    # 4. Final states: the rows of the sequences ending here, the rest 0, summed over ranks.
+    ends = nl - (1 if s.last_out else 0)
+    full = torch.zeros(ctx.num_sequences, *state_shape, dtype=state_dtype, device=dev)
+    if ends > 0:
+        full = torch.cat([full[:s.n0], ht[:ends].to(state_dtype), full[s.n0 + ends:]])
+    full = _AllReduce.apply(full + anchor.to(state_dtype), ctx.group)
+    # o depends on the all-reduce too: a rank whose loss takes only o runs its backward as well,
+    # so that every rank makes the same collective calls in the same order
+    return o + (full.sum() * 0).to(o.dtype), full
+
+
+# ------------------------------------------------------------------------------------------------
+# Families
+
+
+class _Transition:
+    """A slice's state map M as the callable run() takes, with its flat size known in advance."""
+    def __init__(self, fn, numel):
+        self.fn, self.numel = fn, numel
+
+    def __call__(self, rows):
+        return self.fn(rows)
+
+
+def _rows(x: Optional[torch.Tensor], rows: int):
+    return None if x is None else x[:, :rows]
+
+
+def check_inputs(ctx, x: torch.Tensor, head_first: bool, cu_seqlens, reverse=False, name="the inputs"):
+    """What an op checks of a call with ``cp_context`` before anything runs."""
+    if not isinstance(ctx, CPContext):
+        raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
+                        f"{type(ctx).__name__}")
+    if head_first:
+        raise NotImplementedError("fla_ext: `cp_context` takes [1, T, H, D] inputs (head_first=False)")
+    if cu_seqlens is not None:
+        raise ValueError("fla_ext: with `cp_context`, pass no `cu_seqlens`: the context carries the "
+                         "boundaries (build_cp_context takes the global cu_seqlens)")
+    if reverse:
+        raise NotImplementedError("fla_ext: `cp_context` with reverse=True is not supported")
+    if x.dim() != 4 or x.shape[0] != 1 or x.shape[1] != ctx.local_rows:
+        raise ValueError(f"fla_ext: with `cp_context`, `{name}` must be this rank's slice [1, "
+                         f"{ctx.local_rows}, H, D], got {tuple(x.shape)}")
+
+
+def _diag_transition(gk, gv, H, K, V, dtype):
+    """GLA / RWKV6 / GSA pass: M = (exp(sum gk) over K, exp(sum gv) over V), flat [H, K + V]."""
+    def fn(rows):
+        dk = torch.ones(H, K, dtype=dtype, device=(gk if gk is not None else gv).device)
+        dv = torch.ones(H, V, dtype=dtype, device=dk.device)
+        if gk is not None:
+            dk = torch.exp(gk[0, :rows].to(dtype).sum(0))
+        if gv is not None:
+            dv = torch.exp(gv[0, :rows].to(dtype).sum(0))
+        return torch.cat([dk, dv], dim=-1)
+    return _Transition(fn, H * (K + V))
+
+
+def _diag_apply(H, K, V):
+    def apply(m, state):
+        m = m.reshape(H, K + V)
+        return m[:, :K, None] * state * m[:, None, K:]
+    return apply
+
+
+def gla(op, ctx, q, k, v, gk, gv, scale, initial_state, output_final_state, extra):
+    """chunk_gla / fused_recurrent_gla (``op``: the public function) under ``ctx``."""
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    def run_rows(rows, cu, h0):
+        cu_t = torch.tensor(cu, dtype=torch.int64)
+        return op(_rows(q, rows), _rows(k, rows), _rows(v, rows), _rows(gk, rows), gv=_rows(gv, rows),
+                  scale=scale, initial_state=h0, output_final_state=True,
+                  cu_seqlens=cu_t.to(q.device), cu_seqlens_cpu=cu_t, **extra)
+    return run(ctx, run_rows=run_rows, transition=_diag_transition(gk, gv, H, K, V, acc),
+               apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
+               initial_state=initial_state, output_final_state=output_final_state)
+
+
+def rwkv6(op, ctx, r, k, v, w, u, scale, initial_state, output_final_state):
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    acc = torch.float64 if r.dtype == torch.float64 else torch.float32
+
+    def run_rows(rows, cu, h0):
+        cu_t = torch.tensor(cu, dtype=torch.int64)
+        return op(_rows(r, rows), _rows(k, rows), _rows(v, rows), _rows(w, rows), u, scale=scale,
+                  initial_state=h0, output_final_state=True, cu_seqlens=cu_t.to(r.device),
+                  cu_seqlens_cpu=cu_t)
+    return run(ctx, run_rows=run_rows, transition=_diag_transition(w, None, H, K, V, acc),
+               apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
+               initial_state=initial_state, output_final_state=output_final_state)
+
+
+def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
+    """chunk_rwkv7 / fused_recurrent_rwkv7: M = the product of the slice's transitions
+    (diag(e^w) + b a^T), the final state of the op run on the identity with v = 0."""
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    acc = torch.float64 if r.dtype == torch.float64 else torch.float32
+
+    def call(rows, cu, h0, vv):
+        cu_t = torch.tensor(cu, dtype=torch.int64)
+        return op(_rows(r, rows), _rows(w, rows), _rows(k, rows), vv, _rows(a, rows), _rows(b, rows),
+                  scale=scale, initial_state=h0, output_final_state=True,
+                  cu_seqlens=cu_t.to(r.device), cu_seqlens_cpu=cu_t)
+
+    def run_rows(rows, cu, h0):
+        return call(rows, cu, h0, _rows(v, rows))
+
+    def transition(rows):
+        eye = torch.eye(K, dtype=acc, device=r.device).expand(1, H, K, K).contiguous()
+        zero_v = torch.zeros(1, rows, H, K, dtype=v.dtype, device=v.device)
+        return call(rows, [0, rows], eye, zero_v)[1][0]
+
+    def apply(m, state):
+        return torch.matmul(m.reshape(H, K, K), state)
+    return run(ctx, run_rows=run_rows, transition=_Transition(transition, H * K * K), apply=apply,
+               state_shape=(H, K, V), state_dtype=acc, initial_state=initial_state,
+               output_final_state=output_final_state)
+
+
+def gsa(gla_op, ctx, q, k, v, s, g, scale, initial_state, output_final_state):
+    """chunk_gsa / fused_recurrent_gsa as its two GLA passes around the float32 softmax over
+    slots, each pass under ``ctx``."""
+    if g is None:
+        raise NotImplementedError("fla_ext: GSA with g=None (fla's ABC form: slot keys normalised by "
+                                  "a log-cumsum-exp over the whole sequence) is not supported with "
+                                  "`cp_context`; pass g")
+    if q.shape[2] != k.shape[2]:
+        raise NotImplementedError("fla_ext: GSA with grouped query heads is not supported with "
+                                  "`cp_context`")
+    hk0, hv0 = initial_state if initial_state is not None else (None, None)
+    K = q.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    # the slot logits in float32 for bf16 / fp16 inputs (a wide q), as the GSA op keeps them
+    ok, hk = gla(gla_op, ctx, q.float(), k, s, None, g, scale, hk0, output_final_state, {})
+    p = torch.softmax(ok.float(), dim=-1).to(q.dtype)
+    o, hv = gla(gla_op, ctx, p, s, v, g, None, 1.0, hv0, output_final_state, {})
+    return o, ((hk, hv) if output_final_state else (None, None))

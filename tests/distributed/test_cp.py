@@ -1,0 +1,176 @@
+"""Context parallelism (fla_ext/cp.py) on the CPU with torch.distributed's gloo backend, world sizes
+2, 3 and 4 in spawned processes: for every op of every family, each rank's slice of the output
+and of every input gradient, the replicated final states, and the summed contributions to the
+replicated inputs' gradients (initial states, RWKV6's u) equal the single-process op on the
+whole batch (fp32, 1e-5). The batch has sequences cut at and between slice boundaries, an empty
+sequence, and one sequence over several ranks; initial and final states on and off."""
+import os
+import socket
+import sys
+import traceback
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "support"))
+sys.path.insert(0, os.path.dirname(HERE))
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+T = 48  # divisible by 2, 3 and 4
+BATCHES = {  # global cu_seqlens
+    # a sequence over every rank, cut at the boundaries
+    "one": [0, T],
+    # cut at and between boundaries, an empty sequence, a sequence spanning ranks
+    "mixed": [0, 5, 12, 12, 29, 40, 48],
+}
+
+
+def _inputs(family, H, K, V, gen, h0_on):
+    n = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).float()  # noqa: E731
+    logd = lambda *s: torch.nn.functional.logsigmoid(n(*s) + 1.5)  # noqa: E731
+    x = {}
+    if family in ("gla", "rwkv6"):
+        x = dict(q=n(1, T, H, K), k=n(1, T, H, K), v=n(1, T, H, V), g=logd(1, T, H, K))
+        if family == "rwkv6":
+            x["u"] = n(H, K)
+        if h0_on:
+            x["h0"] = n(0, H, K, V)  # sized later per batch
+    elif family == "gla_gv":
+        x = dict(q=n(1, T, H, K), k=n(1, T, H, K), v=n(1, T, H, V), gv=logd(1, T, H, V))
+    elif family == "rwkv7":
+        kk = torch.nn.functional.normalize(n(1, T, H, K), dim=-1)
+        x = dict(r=n(1, T, H, K), w=-0.6 * torch.sigmoid(n(1, T, H, K)), k=n(1, T, H, K),
+                 v=n(1, T, H, V), a=-kk, b=kk * torch.rand(1, T, H, K, generator=gen))
+    elif family == "gsa":
+        x = dict(q=n(1, T, H, K), k=n(1, T, H, K), v=n(1, T, H, V), s=n(1, T, H, 6),
+                 g=logd(1, T, H, 6))
+    return x
+
+
+OPS = {  # name -> (family, call(fla_ext, x, h0, **kw) -> (o, final))
+    "chunk_gla": ("gla", lambda F, x, h0, **kw: F.chunk_gla(x["q"], x["k"], x["v"], x["g"], initial_state=h0, **kw)),
+    "chunk_gla_gv": ("gla_gv", lambda F, x, h0, **kw: F.chunk_gla(x["q"], x["k"], x["v"], gv=x["gv"], initial_state=h0, **kw)),
+    "fused_recurrent_gla": ("gla", lambda F, x, h0, **kw: F.fused_recurrent_gla(x["q"], x["k"], x["v"], x["g"], initial_state=h0, **kw)),
+    "chunk_gla_v_first": ("gla", lambda F, x, h0, **kw: F.chunk_gla(
+        x["q"], x["k"], x["v"], x["g"], initial_state=None if h0 is None else h0.transpose(-1, -2),
+        state_v_first=True, **kw)),
+    "chunk_rwkv6": ("rwkv6", lambda F, x, h0, **kw: F.chunk_rwkv6(x["q"], x["k"], x["v"], x["g"], x["u"], initial_state=h0, **kw)),
+    "fused_recurrent_rwkv6": ("rwkv6", lambda F, x, h0, **kw: F.fused_recurrent_rwkv6(x["q"], x["k"], x["v"], x["g"], x["u"], initial_state=h0, **kw)),
+    "chunk_rwkv7": ("rwkv7", lambda F, x, h0, **kw: F.chunk_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
+    "fused_recurrent_rwkv7": ("rwkv7", lambda F, x, h0, **kw: F.fused_recurrent_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
+    "chunk_gsa": ("gsa", lambda F, x, h0, **kw: F.chunk_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], initial_state=h0, **kw)),
+    "fused_recurrent_gsa": ("gsa", lambda F, x, h0, **kw: F.fused_recurrent_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], initial_state=h0, **kw)),
+}
+REPLICATED = ("u",)  # inputs every rank holds whole
+
+
+def _states(family, N, H, K, V, gen):
+    n = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).float()  # noqa: E731
+    if family == "gsa":
+        return (n(N, H, K, 6), n(N, H, 6, V))
+    return n(N, H, K, V)
+
+
+def _flat(final):
+    if final is None:
+        return []
+    return [f for f in final if f is not None] if isinstance(final, tuple) else [final]
+
+
+def _case(F, op, batch, h0_on, fin_on, rank, world):
+    family, call = OPS[op]
+    H, K, V = 2, 8, 4 if family != "rwkv7" else 6
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((op, batch, h0_on, fin_on)).encode()))  # same on every rank
+    cu = BATCHES[batch]
+    N = len(cu) - 1
+    x = {k: v for k, v in _inputs(family, H, K, V, gen, False).items()}
+    h0 = _states(family, N, H, K, V, gen) if h0_on else None
+    o_w = torch.randn(1, T, H, V, generator=gen)
+    # reference: one process, the whole batch
+    xr = {k: t.clone().requires_grad_(True) for k, t in x.items()}
+    h0r = tuple(t.clone().requires_grad_(True) for t in h0) if isinstance(h0, tuple) else \
+        (h0.clone().requires_grad_(True) if h0 is not None else None)
+    cu_t = torch.tensor(cu)
+    o, fin = call(F, xr, h0r, output_final_state=fin_on, cu_seqlens=cu_t)
+    fin_w = [torch.randn(f.shape, generator=gen) for f in _flat(fin)] if fin_on else []
+    loss = (o * o_w).sum() + sum((f * w).sum() for f, w in zip(_flat(fin), fin_w))
+    loss.backward()
+
+    # context parallel: this rank's slice
+    ctx = F.cp.build_cp_context(cu_t)
+    a, b = ctx.here.start, ctx.here.end
+    xc = {k: (t.clone() if k in REPLICATED else t[:, a:b].clone()).requires_grad_(True) for k, t in x.items()}
+    h0c = tuple(t.clone().requires_grad_(True) for t in h0) if isinstance(h0, tuple) else \
+        (h0.clone().requires_grad_(True) if h0 is not None else None)
+    oc, finc = call(F, xc, h0c, output_final_state=fin_on, cp_context=ctx)
+    lossc = (oc * o_w[:, a:b]).sum()
+    if rank == 0:  # the replicated final states enter the global loss once
+        lossc = lossc + sum((f * w).sum() for f, w in zip(_flat(finc), fin_w))
+    lossc.backward()
+
+    def close(name, got, want):
+        err = (got.double() - want.double()).norm() / max(want.double().norm(), 1e-30)
+        assert err <= 1e-5 or (got - want).abs().max() <= 1e-6, f"{op} {batch} {name}: rel err {err:.2e}"
+    close("o", oc, o[:, a:b].detach())
+    for i, (fc, f) in enumerate(zip(_flat(finc), _flat(fin))):
+        close(f"final[{i}]", fc, f.detach())
+    for k in x:
+        g = xc[k].grad
+        if k in REPLICATED:
+            g = g.clone()
+            dist.all_reduce(g)
+            close(f"d{k} (summed)", g, xr[k].grad)
+        else:
+            close(f"d{k}", g, xr[k].grad[:, a:b])
+    for i, (hc, hr) in enumerate(zip(_flat(h0c), _flat(h0r))):
+        g = hc.grad.clone() if hc.grad is not None else torch.zeros_like(hc)
+        dist.all_reduce(g)
+        close(f"dh0[{i}] (summed)", g, hr.grad)
+
+
+def _worker(rank, world, port, ops, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        import fla_ext as F
+        for op in ops:
+            for batch in BATCHES:
+                for h0_on, fin_on in [(True, True), (False, False), (False, True)]:
+                    _case(F, op, batch, h0_on, fin_on, rank, world)
+    except Exception:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world, ops):
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, ops, errors)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    msgs = []
+    while not errors.empty():
+        msgs.append(errors.get())
+    assert not msgs, "\n".join(msgs)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_cp_equals_one_process(world):
+    _spawn(world, list(OPS))
