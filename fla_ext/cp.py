@@ -360,3 +360,46 @@ def gsa(gla_op, ctx, q, k, v, s, g, scale, initial_state, output_final_state):
     p = torch.softmax(ok.float(), dim=-1).to(q.dtype)
     o, hv = gla(gla_op, ctx, p, s, v, g, None, 1.0, hv0, output_final_state, {})
     return o, ((hk, hv) if output_final_state else (None, None))
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers: token shift and short convolutions read the rows before the slice
+
+
+def layer_inputs(layer, ctx, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens):
+    """What a layer checks of a call with ``cp_context``; returns this slice's (cu_seqlens,
+    cu_seqlens_cpu)."""
+    who = type(layer).__name__
+    if not isinstance(ctx, CPContext):
+        raise TypeError(f"fla_ext: {who}: `cp_context` must come from fla_ext.cp.build_cp_context, "
+                        f"got {type(ctx).__name__}")
+    if attention_mask is not None or cu_seqlens is not None:
+        raise ValueError(f"fla_ext: {who}: with `cp_context`, pass neither attention_mask nor "
+                         "cu_seqlens (the context carries the sequences)")
+    if past_key_values is not None or use_cache:
+        raise NotImplementedError(f"fla_ext: {who}: a cache is not supported with `cp_context`")
+    if hidden_states.dim() != 3 or hidden_states.shape[:2] != (1, ctx.local_rows):
+        raise ValueError(f"fla_ext: {who}: with `cp_context`, hidden_states must be this rank's "
+                         f"slice [1, {ctx.local_rows}, hidden_size], got {tuple(hidden_states.shape)}")
+    return ctx.cu_seqlens, ctx.cu_seqlens_cpu
+
+
+def halo(ctx: CPContext, x: torch.Tensor, width: int) -> torch.Tensor:
+    """The ``width`` rows before this slice of the sequence that continues into it, as the
+    per-sequence cache of token shift / a short convolution: [local sequences, width, C], zero
+    for the other sequences and before that sequence's first row. x: this slice [1, rows, C].
+    Differentiable (the rows' gradient goes back to the rank that holds them)."""
+    s = ctx.here
+    if ctx.local_rows < width:
+        raise NotImplementedError(f"fla_ext: `cp_context` needs at least {width} rows per rank "
+                                  f"here (a {width}-row look-back), got {ctx.local_rows}")
+    tail = x[0, ctx.local_rows - width:]
+    if torch.is_grad_enabled() and not tail.requires_grad:
+        tail = tail.detach().requires_grad_(True)
+    rows = _AllGather.apply(tail, ctx.group)  # [world, width, C]
+    cache = torch.zeros(s.n1 - s.n0, width, x.shape[-1], dtype=x.dtype, device=x.device)
+    if s.first_in:
+        first_row = int(ctx.cu_seqlens_global[s.n0])
+        keep = torch.arange(s.start - width, s.start, device=x.device) >= first_row
+        cache = torch.cat([(rows[ctx.rank - 1] * keep[:, None].to(x.dtype)).unsqueeze(0), cache[1:]])
+    return cache + rows.sum() * 0  # every rank's result depends on the gather

@@ -146,16 +146,21 @@ def add_qkv_convs(layer: nn.Module, q_dim: int, k_dim: int, v_dim: int, conv_siz
 
 
 def project_qkv(layer: nn.Module, x: torch.Tensor, last, use_cache, cu_seqlens,
-                cu_seqlens_cpu=None):
+                cu_seqlens_cpu=None, cp_context=None):
     """The q, k, v projections of x, through the layer's short convolutions when it has them
     (fla: before any feature map; the gates read x itself), split into heads: q
     [.., num_heads, head_k_dim], k [.., num_kv_heads, head_k_dim], v [.., num_kv_heads,
-    head_v_dim]. Returns (q, k, v, the conv_state tuple to cache or None)."""
+    head_v_dim]. Returns (q, k, v, the conv_state tuple to cache or None). With a cp_context
+    (fla_ext.cp) each convolution reads the rows before the slice from the previous rank."""
     q, k, v = layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)
     conv_state = None
     if layer.use_short_conv:
         caches = (last or {}).get("conv_state") or (None, None, None)
         convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+        if cp_context is not None:  # the rows before the slice, from the previous rank
+            from .. import cp
+            caches = tuple(cp.halo(cp_context, t, conv.kernel_size[0]).transpose(1, 2)
+                           for conv, t in zip(convs, (q, k, v)))
         out = [conv(t, cache=c, output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
                     cu_seqlens_cpu=cu_seqlens_cpu)
                for conv, t, c in zip(convs, (q, k, v), caches)]

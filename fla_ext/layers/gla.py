@@ -16,6 +16,7 @@ from .checks import check_forward
 from .conv import add_qkv_convs, project_qkv
 from .norm import RMSNorm
 from .padding import repad, unpad_inputs
+from .. import cp as _cp
 
 _ACT = {"swish": F.silu, "silu": F.silu, "sigmoid": torch.sigmoid, "relu": F.relu,
         "gelu": F.gelu, "tanh": torch.tanh}
@@ -93,12 +94,16 @@ class GatedLinearAttention(nn.Module):
         A cache (past_key_values) needs layer_idx and belongs to one batch of N sequences.
         Every input is checked first (layers/checks.py)."""
         cu_seqlens, cu_seqlens_cpu = kwargs.get("cu_seqlens"), kwargs.get("cu_seqlens_cpu")
+        cp_context = kwargs.get("cp_context")
+        if cp_context is not None:  # this rank's slice of a batch split across ranks (fla_ext.cp)
+            cu_seqlens, cu_seqlens_cpu = _cp.layer_inputs(self, cp_context, hidden_states, attention_mask,
+                                                          past_key_values, use_cache, cu_seqlens)
         last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
                              cu_seqlens_cpu, left_padded=False)
         B, T, _ = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
         x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask, cu_seqlens)
-        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens, cu_seqlens_cpu)
+        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens, cu_seqlens_cpu, cp_context)
         gk = self.gk_proj(x).unflatten(-1, (self.num_kv_heads, self.head_k_dim))
         if self.num_kv_groups > 1:  # kv head i feeds query heads i*g .. i*g+g-1 (as fla)
             k, v, gk = (t.repeat_interleave(self.num_kv_groups, 2) for t in (k, v, gk))
@@ -110,6 +115,8 @@ class GatedLinearAttention(nn.Module):
         state = last["recurrent_state"] if last else None
         kw = dict(initial_state=state, output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
                   cu_seqlens_cpu=cu_seqlens_cpu)
+        if cp_context is not None:
+            kw = dict(cp_context=cp_context)
         if mode == "fused_recurrent":
             o, ht = fused_recurrent_gla(q, k, v, gk=gk, **kw)
         else:

@@ -13,6 +13,7 @@ from .checks import check_forward
 from .conv import add_qkv_convs, project_qkv
 from .norm import RMSNorm
 from .padding import repad, unpad_inputs
+from .. import cp as _cp
 
 
 class _T2R(nn.Module):
@@ -95,13 +96,17 @@ class GatedSlotAttention(nn.Module):
         """As :meth:`GatedLinearAttention.forward` (the same mask, cu_seqlens and cache rules:
         padded tokens are removed, wherever they are)."""
         cu_seqlens, cu_seqlens_cpu = kwargs.get("cu_seqlens"), kwargs.get("cu_seqlens_cpu")
+        cp_context = kwargs.get("cp_context")
+        if cp_context is not None:  # this rank's slice of a batch split across ranks (fla_ext.cp)
+            cu_seqlens, cu_seqlens_cpu = _cp.layer_inputs(self, cp_context, hidden_states, attention_mask,
+                                                          past_key_values, use_cache, cu_seqlens)
         last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
                              cu_seqlens_cpu, left_padded=False)
         B, T, _ = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
         x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask, cu_seqlens)
 
-        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens, cu_seqlens_cpu)
+        q, k, v, conv_state = project_qkv(self, x, last, use_cache, cu_seqlens, cu_seqlens_cpu, cp_context)
         f = self.f_proj(x)
         f = f.unflatten(-1, (self.num_kv_heads, self.num_slots))
         q, k = self.feature_map(q), self.feature_map(k)
@@ -111,10 +116,13 @@ class GatedSlotAttention(nn.Module):
         # The ops take grouped heads (k, v, s, f per key head): no repeat here.
         state = last["recurrent_state"] if last is not None else None
         op = chunk_gsa if mode == "chunk" else fused_recurrent_gsa
-        o, (hk, hv) = op(q, k, v, s, f, scale=self.scale,
-                         initial_state=tuple(state) if state is not None else None,
-                         output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
-                         cu_seqlens_cpu=cu_seqlens_cpu)
+        if cp_context is not None:
+            o, (hk, hv) = op(q, k, v, s, f, scale=self.scale, cp_context=cp_context)
+        else:
+            o, (hk, hv) = op(q, k, v, s, f, scale=self.scale,
+                             initial_state=tuple(state) if state is not None else None,
+                             output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
+                             cu_seqlens_cpu=cu_seqlens_cpu)
         if past_key_values is not None:
             past_key_values.update(self.layer_idx, recurrent_state=(hk, hv) if use_cache else None,
                                    conv_state=conv_state, offset=T)

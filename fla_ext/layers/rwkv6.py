@@ -21,6 +21,7 @@ from .init import rwkv_orthogonal_
 from .lora import LoRA
 from .padding import kept_tokens
 from .shift import token_shift
+from .. import cp as _cp
 
 
 class LerpLinear(nn.Module):
@@ -135,7 +136,10 @@ class RWKV6Attention(nn.Module):
         kwargs ``cu_seqlens_cpu`` is its host copy (values checked without a device sync).
         A cache (past_key_values) needs layer_idx and belongs to one batch of N sequences.
         Every input is checked first (layers/checks.py)."""
-        cu_seqlens_cpu = kwargs.get("cu_seqlens_cpu")
+        cu_seqlens_cpu, cp_context = kwargs.get("cu_seqlens_cpu"), kwargs.get("cp_context")
+        if cp_context is not None:  # this rank's slice of a batch split across ranks (fla_ext.cp)
+            cu_seqlens, cu_seqlens_cpu = _cp.layer_inputs(self, cp_context, hidden_states, attention_mask,
+                                                          past_key_values, use_cache, cu_seqlens)
         last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
                              cu_seqlens_cpu, left_padded=True)
         B, T, C = hidden_states.shape
@@ -144,7 +148,10 @@ class RWKV6Attention(nn.Module):
         if attention_mask is not None:
             keep = kept_tokens(attention_mask, T).unsqueeze(-1)
             x = x * keep.to(x.dtype)
-        delta, conv_state = token_shift(x, cu_seqlens, last["conv_state"] if last else None)
+        shift_cache = last["conv_state"] if last else None
+        if cp_context is not None:  # the row before the slice, from the previous rank
+            shift_cache = _cp.halo(cp_context, x, 1)[:, -1]
+        delta, conv_state = token_shift(x, cu_seqlens, shift_cache)
 
         R = self.proj_low_rank_dim
         z = self.x_proj[1](self.x_proj[0](x, delta)).view(B, T, 5, R)
@@ -163,9 +170,12 @@ class RWKV6Attention(nn.Module):
         w = -torch.exp(w)
         state = last["recurrent_state"] if last is not None else None
         op = chunk_rwkv6 if mode == "chunk" else fused_recurrent_rwkv6
-        o, ht = op(r, k, v, w, self.bonus, scale=1.0, initial_state=state,
-                   output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
-                   cu_seqlens_cpu=cu_seqlens_cpu)
+        if cp_context is not None:
+            o, ht = op(r, k, v, w, self.bonus, scale=1.0, cp_context=cp_context)
+        else:
+            o, ht = op(r, k, v, w, self.bonus, scale=1.0, initial_state=state,
+                       output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
+                       cu_seqlens_cpu=cu_seqlens_cpu)
         if past_key_values is not None:
             past_key_values.update(self.layer_idx, recurrent_state=ht if use_cache else None,
                                    conv_state=conv_state if use_cache else None, offset=T)

@@ -22,6 +22,7 @@ from .init import rwkv_orthogonal_
 from .lora import LoRA
 from .padding import kept_tokens
 from .shift import token_shift
+from .. import cp as _cp
 
 _EXP_MINUS_HALF = math.exp(-0.5)  # the log decay is -e^-0.5 * sigmoid(.) in (-0.6065, 0)
 
@@ -141,7 +142,10 @@ class RWKV7Attention(nn.Module):
         :meth:`RWKV6Attention.forward`: left padding only, since padded tokens are zeroed, not
         removed. v_first: layer 0's values, [B, T, value_dim] like this layer's v (needed from
         layer 1 on; layer 0 makes it and ignores one given)."""
-        cu_seqlens_cpu = kwargs.get("cu_seqlens_cpu")
+        cu_seqlens_cpu, cp_context = kwargs.get("cu_seqlens_cpu"), kwargs.get("cp_context")
+        if cp_context is not None:  # this rank's slice of a batch split across ranks (fla_ext.cp)
+            cu_seqlens, cu_seqlens_cpu = _cp.layer_inputs(self, cp_context, hidden_states, attention_mask,
+                                                          past_key_values, use_cache, cu_seqlens)
         last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
                              cu_seqlens_cpu, left_padded=True)
         B, T, C = hidden_states.shape
@@ -151,7 +155,10 @@ class RWKV7Attention(nn.Module):
         am = (kept_tokens(attention_mask, T).unsqueeze(-1).to(hidden_states.dtype)
               if attention_mask is not None else None)
         x = hidden_states * am if am is not None else hidden_states
-        delta, conv_state = token_shift(x, cu_seqlens, last["conv_state"] if last else None)
+        shift_cache = last["conv_state"] if last else None
+        if cp_context is not None:  # the row before the slice, from the previous rank
+            shift_cache = _cp.halo(cp_context, x, 1)[:, -1]
+        delta, conv_state = token_shift(x, cu_seqlens, shift_cache)
         xr, xw, xk, xv, xa, xg = (torch.addcmul(x, delta, m) for m in
                                   (self.x_r, self.x_w, self.x_k, self.x_v, self.x_a, self.x_g))
         r = self.r_proj(xr)
@@ -177,6 +184,8 @@ class RWKV7Attention(nn.Module):
         state = last["recurrent_state"] if last else None
         kw = dict(scale=1.0, initial_state=state, output_final_state=bool(use_cache),
                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        if cp_context is not None:
+            kw = dict(scale=1.0, cp_context=cp_context)
         if self.training or T >= 64:
             o, ht = chunk_rwkv7(r, w, k, v, -kk, kk * a, **kw)
         else:

@@ -155,11 +155,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _spawn(world, ops):
+def _spawn(world, ops, worker=_worker):
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, ops, errors)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, ops, errors)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -174,3 +174,86 @@ def _spawn(world, ops):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_cp_equals_one_process(world):
     _spawn(world, list(OPS))
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers: a 2-layer stack of each type (token shift, short convolutions and RWKV-7's v_first read
+# across the slice boundaries) trained one step: outputs, input gradients and the summed
+# parameter gradients equal one process.
+
+def _stack(kind):
+    from fla_ext.layers import GatedLinearAttention, GatedSlotAttention, RWKV6Attention, RWKV7Attention
+    torch.manual_seed(7)
+    C = 32
+    make = {
+        "gla": lambda i: GatedLinearAttention(hidden_size=C, num_heads=2, use_short_conv=True,
+                                              conv_size=4, layer_idx=i),
+        "gsa": lambda i: GatedSlotAttention(hidden_size=C, num_heads=2, num_slots=8,
+                                            use_short_conv=True, conv_size=4, layer_idx=i),
+        "rwkv6": lambda i: RWKV6Attention(hidden_size=C, num_heads=2, proj_low_rank_dim=8,
+                                          gate_low_rank_dim=16, layer_idx=i),
+        "rwkv7": lambda i: RWKV7Attention(hidden_size=C, head_dim=16, layer_idx=i, num_hidden_layers=2,
+                                          decay_low_rank_dim=8, gate_low_rank_dim=8,
+                                          a_low_rank_dim=8, v_low_rank_dim=8),
+    }[kind]
+    return torch.nn.ModuleList([make(0), make(1)]), C
+
+
+def _run_stack(layers, x, **kw):
+    v_first = None
+    for layer in layers:
+        if isinstance(layer, __import__("fla_ext").layers.RWKV7Attention):
+            o, _, _, v_first = layer(x, v_first=v_first, **kw)
+        else:
+            o = layer(x, **kw)[0]
+        x = x + o
+    return x
+
+
+def _layer_case(kind, batch, rank, world):
+    import fla_ext as F
+    layers, C = _stack(kind)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, batch)).encode()))
+    x = torch.randn(1, T, C, generator=gen)
+    w = torch.randn(1, T, C, generator=gen)
+    cu = torch.tensor(BATCHES[batch])
+    xr = x.clone().requires_grad_(True)
+    (_run_stack(layers, xr, cu_seqlens=cu) * w).sum().backward()
+    ref_out = _run_stack(layers, x, cu_seqlens=cu).detach()
+    ref_grads = {n: p.grad.clone() for n, p in layers.named_parameters() if p.grad is not None}
+    layers.zero_grad(set_to_none=True)
+
+    ctx = F.cp.build_cp_context(cu)
+    a, b = ctx.here.start, ctx.here.end
+    xc = x[:, a:b].clone().requires_grad_(True)
+    out = _run_stack(layers, xc, cp_context=ctx)
+    (out * w[:, a:b]).sum().backward()
+
+    def close(name, got, want):
+        err = (got.double() - want.double()).norm() / max(want.double().norm(), 1e-30)
+        assert err <= 1e-5 or (got - want).abs().max() <= 1e-6, f"{kind} {batch} {name}: rel err {err:.2e}"
+    close("out", out, ref_out[:, a:b])
+    close("dx", xc.grad, xr.grad[:, a:b])
+    for n, p in layers.named_parameters():
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        close(f"d{n} (summed)", g, ref_grads.get(n, torch.zeros_like(p)))
+
+
+def _layer_worker(rank, world, port, kinds, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        for kind in kinds:
+            for batch in BATCHES:
+                _layer_case(kind, batch, rank, world)
+    except Exception:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cp_layers_equal_one_process(world):
+    _spawn(world, ["gla", "gsa", "rwkv6", "rwkv7"], worker=_layer_worker)
