@@ -257,3 +257,64 @@ def _layer_worker(rank, world, port, kinds, errors):
 @pytest.mark.parametrize("world", [2, 3])
 def test_cp_layers_equal_one_process(world):
     _spawn(world, ["gla", "gsa", "rwkv6", "rwkv7"], worker=_layer_worker)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data-parallel wrappers over context-parallel layers: DistributedDataParallel and FSDP2
+# (fully_shard) around a 2-layer RWKV-7 stack, one step on gloo; their averaged gradients times
+# the world size equal one process's.
+
+class _Stack(torch.nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x, **kw):
+        return _run_stack(self.layers, x, **kw)
+
+
+def _wrapped_case(wrapper, rank, world):
+    import fla_ext as F
+    layers, C = _stack("rwkv7")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, T, C, generator=gen)
+    w = torch.randn(1, T, C, generator=gen)
+    cu = torch.tensor(BATCHES["mixed"])
+    (_run_stack(layers, x, cu_seqlens=cu) * w).sum().backward()
+    ref = {"layers." + n: p.grad.clone() for n, p in layers.named_parameters()}
+    layers.zero_grad(set_to_none=True)
+    model = _Stack(layers)
+    if wrapper == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+    ctx = F.cp.build_cp_context(cu)
+    a, b = ctx.here.start, ctx.here.end
+    (model(x[:, a:b], cp_context=ctx) * w[:, a:b]).sum().backward()
+    params = model.module.named_parameters() if wrapper == "ddp" else model.named_parameters()
+    for n, p in params:
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        want = ref[n]
+        err = (g.double() * world - want.double()).norm() / max(want.double().norm(), 1e-30)
+        assert err <= 1e-5, f"{wrapper} d{n}: rel err {err:.2e}"
+
+
+def _wrapped_worker(rank, world, port, wrappers, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        for wrapper in wrappers:
+            _wrapped_case(wrapper, rank, world)
+    except Exception:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_cp_under_data_parallel_wrappers(wrapper):
+    _spawn(2, [wrapper], worker=_wrapped_worker)
