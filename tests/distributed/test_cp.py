@@ -133,16 +133,21 @@ def _case(F, op, batch, h0_on, fin_on, rank, world):
         close(f"dh0[{i}] (summed)", g, hr.grad)
 
 
-def _worker(rank, world, port, ops, errors):
+def _op_cases(op, rank, world):
+    import fla_ext as F
+    for batch in BATCHES:
+        for h0_on, fin_on in [(True, True), (False, False), (False, True)]:
+            _case(F, op, batch, h0_on, fin_on, rank, world)
+
+
+def _worker(rank, world, port, cases, items, errors):
+    """One rank: a gloo group of `world` processes, cases(item, rank, world) for every item."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        import fla_ext as F
-        for op in ops:
-            for batch in BATCHES:
-                for h0_on, fin_on in [(True, True), (False, False), (False, True)]:
-                    _case(F, op, batch, h0_on, fin_on, rank, world)
+        for item in items:
+            cases(item, rank, world)
     except Exception:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
     finally:
@@ -155,11 +160,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _spawn(world, ops, worker=_worker):
+def _spawn(world, cases, items):
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, ops, errors)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, items, errors))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -173,7 +179,7 @@ def _spawn(world, ops, worker=_worker):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_cp_equals_one_process(world):
-    _spawn(world, list(OPS))
+    _spawn(world, _op_cases, list(OPS))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,23 +246,14 @@ def _layer_case(kind, batch, rank, world):
         close(f"d{n} (summed)", g, ref_grads.get(n, torch.zeros_like(p)))
 
 
-def _layer_worker(rank, world, port, kinds, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        for kind in kinds:
-            for batch in BATCHES:
-                _layer_case(kind, batch, rank, world)
-    except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-    finally:
-        dist.destroy_process_group()
+def _layer_cases(kind, rank, world):
+    for batch in BATCHES:
+        _layer_case(kind, batch, rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_cp_layers_equal_one_process(world):
-    _spawn(world, ["gla", "gsa", "rwkv6", "rwkv7"], worker=_layer_worker)
+    _spawn(world, _layer_cases, ["gla", "gsa", "rwkv6", "rwkv7"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,19 +299,6 @@ def _wrapped_case(wrapper, rank, world):
         assert err <= 1e-5, f"{wrapper} d{n}: rel err {err:.2e}"
 
 
-def _wrapped_worker(rank, world, port, wrappers, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        for wrapper in wrappers:
-            _wrapped_case(wrapper, rank, world)
-    except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_cp_under_data_parallel_wrappers(wrapper):
-    _spawn(2, [wrapper], worker=_wrapped_worker)
+    _spawn(2, _wrapped_case, [wrapper])
