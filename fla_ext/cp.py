@@ -167,6 +167,15 @@ class _AllReduce(torch.autograd.Function):
 # flat tensor, `apply(M, S)` M applied to a state [*state].
 
 
+def _begin_rank(ctx: CPContext) -> int:
+    """The rank where the sequence continuing into this slice began: back over the ranks whose
+    first sequence is it (they hold only rows of it)."""
+    n, r0 = ctx.here.n0, ctx.rank - 1
+    while ctx.slices[r0].first_in and ctx.slices[r0].n0 == n:
+        r0 -= 1
+    return r0
+
+
 def run(ctx: CPContext, *, run_rows: Callable, transition: Callable, apply: Callable,
         state_shape, state_dtype, initial_state, output_final_state: bool):
     if not isinstance(ctx, CPContext):
@@ -206,9 +215,7 @@ def run(ctx: CPContext, *, run_rows: Callable, transition: Callable, apply: Call
     # 3. The first sequence's true start state, chained over the ranks before this one; its rows
     #    run again from it.
     if s.first_in:
-        r0 = ctx.rank - 1
-        while ctx.slices[r0].first_in:  # back to the rank where the sequence began
-            r0 -= 1
+        r0 = _begin_rank(ctx)
         state = gathered[r0, :state_numel].reshape(state_shape)
         for r in range(r0 + 1, ctx.rank):  # ranks it passes through
             m = gathered[r, state_numel:]
@@ -342,24 +349,61 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
                output_final_state=output_final_state)
 
 
+def _additive_gate(ctx: CPContext, s: torch.Tensor, key_dtype):
+    """GSA's g = None (fla's ABC) under ``ctx``: with z_t = log sum_{tau <= t} exp(s_tau) over the
+    whole sequence, slot keys exp(s_t - z_t) and gate g_t = z_{t-1} - z_t (0 at the sequence's
+    first row), as the GSA op forms them. The running log-sum-exp of the sequence continuing into
+    this slice starts from the earlier ranks' totals (one all-gather)."""
+    sl = ctx.here
+    x = s.float()
+    cu = ctx.cu_seqlens_cpu.tolist()
+    parts = [torch.logcumsumexp(x[:, cu[i]:cu[i + 1]], 1) for i in range(len(cu) - 1)]
+    # each rank's total over its last sequence's rows, where that sequence goes on
+    H, M = x.shape[2], x.shape[3]
+    total = parts[-1][0, -1] if sl.last_out else torch.full((H, M), -torch.inf, device=x.device)
+    if torch.is_grad_enabled() and not total.requires_grad:
+        total = total.detach().requires_grad_(True)
+    totals = _AllGather.apply(total.contiguous(), ctx.group)  # [world, H, M]
+    z_in = None
+    if sl.first_in:
+        r0 = _begin_rank(ctx)
+        z_in = torch.logsumexp(totals[r0:ctx.rank], 0)
+        parts[0] = torch.logaddexp(parts[0], z_in)
+    keys, gates = [], []
+    for i, z in enumerate(parts):
+        xi = x[:, cu[i]:cu[i + 1]]
+        start = z_in if (i == 0 and z_in is not None) else torch.full((H, M), -torch.inf, device=x.device)
+        prev = torch.cat([start.reshape(1, 1, H, M), z[:, :-1]], 1)
+        keys.append(torch.exp(xi - z))
+        gates.append(torch.where(torch.isinf(prev), torch.zeros_like(z), prev - z))
+    # every rank's result depends on the gather (-inf totals of ranks with no sequence going on
+    # are left out of the zero-weighted sum: -inf * 0 is NaN)
+    anchor = torch.where(torch.isfinite(totals), totals, torch.zeros_like(totals)).sum() * 0
+    return (torch.cat(keys, 1) + anchor).to(key_dtype), (torch.cat(gates, 1) + anchor).to(s.dtype)
+
+
 def gsa(gla_op, ctx, q, k, v, s, g, scale, initial_state, output_final_state):
     """chunk_gsa / fused_recurrent_gsa as its two GLA passes around the float32 softmax over
-    slots, each pass under ``ctx``."""
+    slots, each pass under ``ctx``; grouped query heads by repeating k, v, s, g (and the states)
+    for the heads of their group, as the GSA op does."""
     if g is None:
-        raise NotImplementedError("fla_ext: GSA with g=None (fla's ABC form: slot keys normalised by "
-                                  "a log-cumsum-exp over the whole sequence) is not supported with "
-                                  "`cp_context`; pass g")
-    if q.shape[2] != k.shape[2]:
-        raise NotImplementedError("fla_ext: GSA with grouped query heads is not supported with "
-                                  "`cp_context`")
+        s, g = _additive_gate(ctx, s, k.dtype)
+    G = q.shape[2] // k.shape[2]
+    rep = (lambda t, d: t.repeat_interleave(G, d)) if G > 1 else (lambda t, d: t)  # noqa: E731
+    k, v, s, g = (rep(t, 2) for t in (k, v, s, g))
     hk0, hv0 = initial_state if initial_state is not None else (None, None)
+    hk0, hv0 = (None if h is None else rep(h, 1) for h in (hk0, hv0))
     K = q.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     # the slot logits in float32 for bf16 / fp16 inputs (a wide q), as the GSA op keeps them
     ok, hk = gla(gla_op, ctx, q.float(), k, s, None, g, scale, hk0, output_final_state, {})
     p = torch.softmax(ok.float(), dim=-1).to(q.dtype)
     o, hv = gla(gla_op, ctx, p, s, v, g, None, 1.0, hv0, output_final_state, {})
-    return o, ((hk, hv) if output_final_state else (None, None))
+    if not output_final_state:
+        return o, (None, None)
+    if G > 1:  # every query head of a group holds the same states: one per group
+        hk, hv = hk[:, ::G].contiguous(), hv[:, ::G].contiguous()
+    return o, (hk, hv)
 
 
 # ------------------------------------------------------------------------------------------------

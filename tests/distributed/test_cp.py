@@ -49,6 +49,8 @@ def _inputs(family, H, K, V, gen, h0_on):
     elif family == "gsa":
         x = dict(q=n(1, T, H, K), k=n(1, T, H, K), v=n(1, T, H, V), s=n(1, T, H, 6),
                  g=logd(1, T, H, 6))
+    elif family == "gsa_abc":  # g = None, grouped query heads (2 per key head)
+        x = dict(q=n(1, T, 2 * H, K), k=n(1, T, H, K), v=n(1, T, H, V), s=n(1, T, H, 6))
     return x
 
 
@@ -65,13 +67,15 @@ OPS = {  # name -> (family, call(fla_ext, x, h0, **kw) -> (o, final))
     "fused_recurrent_rwkv7": ("rwkv7", lambda F, x, h0, **kw: F.fused_recurrent_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
     "chunk_gsa": ("gsa", lambda F, x, h0, **kw: F.chunk_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], initial_state=h0, **kw)),
     "fused_recurrent_gsa": ("gsa", lambda F, x, h0, **kw: F.fused_recurrent_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], initial_state=h0, **kw)),
+    "chunk_gsa_abc": ("gsa_abc", lambda F, x, h0, **kw: F.chunk_gsa(x["q"], x["k"], x["v"], x["s"], None, initial_state=h0, **kw)),
+    "fused_recurrent_gsa_abc": ("gsa_abc", lambda F, x, h0, **kw: F.fused_recurrent_gsa(x["q"], x["k"], x["v"], x["s"], initial_state=h0, **kw)),
 }
 REPLICATED = ("u",)  # inputs every rank holds whole
 
 
 def _states(family, N, H, K, V, gen):
     n = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).float()  # noqa: E731
-    if family == "gsa":
+    if family.startswith("gsa"):
         return (n(N, H, K, 6), n(N, H, 6, V))
     return n(N, H, K, V)
 
@@ -90,13 +94,13 @@ def _case(F, op, batch, h0_on, fin_on, rank, world):
     N = len(cu) - 1
     x = {k: v for k, v in _inputs(family, H, K, V, gen, False).items()}
     h0 = _states(family, N, H, K, V, gen) if h0_on else None
-    o_w = torch.randn(1, T, H, V, generator=gen)
     # reference: one process, the whole batch
     xr = {k: t.clone().requires_grad_(True) for k, t in x.items()}
     h0r = tuple(t.clone().requires_grad_(True) for t in h0) if isinstance(h0, tuple) else \
         (h0.clone().requires_grad_(True) if h0 is not None else None)
     cu_t = torch.tensor(cu)
     o, fin = call(F, xr, h0r, output_final_state=fin_on, cu_seqlens=cu_t)
+    o_w = torch.randn(o.shape, generator=gen)
     fin_w = [torch.randn(f.shape, generator=gen) for f in _flat(fin)] if fin_on else []
     loss = (o * o_w).sum() + sum((f * w).sum() for f, w in zip(_flat(fin), fin_w))
     loss.backward()
