@@ -15,12 +15,14 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)" pytest ninja numpy expecttest matplotlib tqdm
+	$(PY) -m pip install -q "$(TORCH_PIN)" pytest ninja numpy expecttest matplotlib tqdm "transformers==5.24.0"
 	touch $@
 
 # In-place build: ninja keeps it incremental. (`pip install --no-build-isolation -e .` also works.)
 build: $(VENV)/.deps
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) setup.py -q build_ext --inplace
+	@# the venv's python finds the in-place package without PYTHONPATH (examples, your scripts)
+	@$(PY) -c "import os, site; open(os.path.join(site.getsitepackages()[0], 'fla_ext_dev.pth'), 'w').write('$(CURDIR)\n')"
 
 demo: build
 	$(PY) examples/demo.py

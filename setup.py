@@ -8,6 +8,7 @@ Knobs (environment):
 """
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -105,10 +106,32 @@ def extension():
     return ext("fla_ext._C", sources, extra_compile_args=args, include_dirs=[os.path.join(ROOT, "csrc")])
 
 
+def version() -> str:
+    with open(os.path.join(ROOT, "fla_ext", "_version.py")) as f:
+        return re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """Also records the torch the library is built against (fla_ext/_build_info.py), so that an
+    import under another torch fails with a message that says so instead of a missing symbol."""
+
+    def run(self):
+        super().run()
+        info = (f'"""Written by setup.py at build time."""\n'
+                f'TORCH_VERSION = "{torch.__version__}"\n'
+                f'CUDA_VERSION = {torch.version.cuda!r}\n')
+        dirs = {os.path.join(ROOT, "fla_ext")} if self.inplace else set()
+        dirs.add(os.path.join(self.build_lib, "fla_ext"))
+        for d in dirs:
+            if os.path.isdir(d):
+                with open(os.path.join(d, "_build_info.py"), "w") as f:
+                    f.write(info)
+
+
 setup(
     name="fla_ext",
-    version="0.1.0",
+    version=version(),
     packages=find_packages(include=["fla_ext", "fla_ext.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )
