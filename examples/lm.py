@@ -69,49 +69,65 @@ class TinyLM(nn.Module):
         return self.norm(x) @ self.embed.weight.T
 
 
-def main() -> None:
-    import argparse
+def train_rwkv7_lm(steps: int, device, report=None) -> dict:
+    """Trains a small ``fla_ext.models.RWKV7ForCausalLM`` (transformers' conventions) on
+    arithmetic sequences mod the vocabulary (each token follows from the two before it), then
+    continues held-out sequences with cached greedy ``generate()`` and checks the
+    save_pretrained / AutoModelForCausalLM round trip. report(step, loss) after each step."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
 
     from fla_ext.models import RWKV7Config, RWKV7ForCausalLM
 
-    p = argparse.ArgumentParser(description="train a small RWKV7ForCausalLM, then generate")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args()
     torch.manual_seed(0)
     vocab, half = 64, 24
     config = RWKV7Config(hidden_size=128, num_hidden_layers=2, head_dim=32, vocab_size=vocab,
                          decay_low_rank_dim=16, gate_low_rank_dim=32, a_low_rank_dim=16,
                          v_low_rank_dim=16, bos_token_id=0, eos_token_id=None)
-    model = RWKV7ForCausalLM(config).to(args.device)
+    model = RWKV7ForCausalLM(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
-    def batch(n=16):  # arithmetic sequences mod vocab: each token follows from the two before it
-        start = torch.randint(0, vocab, (n, 1), device=args.device)
-        step = torch.randint(1, 8, (n, 1), device=args.device)
-        return (start + step * torch.arange(2 * half, device=args.device)) % vocab
-    for step in range(args.steps):
+    def batch(n=16):
+        start = torch.randint(0, vocab, (n, 1), device=device)
+        step = torch.randint(1, 8, (n, 1), device=device)
+        return (start + step * torch.arange(2 * half, device=device)) % vocab
+    losses = []
+    for step in range(steps):
         x = batch()
         loss = model(x, labels=x).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % 10 == 0 or step == args.steps - 1:
-            print(f"step {step:3d}  loss {loss.item():.3f}")
+        losses.append(loss.item())
+        if report:
+            report(step, losses[-1])
     model.eval()
     full = batch(4)
-    prompt = full[:, :half]
-    out = model.generate(prompt, max_new_tokens=half, do_sample=False, pad_token_id=0)
-    right = (out[:, half:] == full[:, half:]).float().mean().item()
-    print(f"greedy continuation (cached generate) correct: {right:.2f}")
+    out = model.generate(full[:, :half], max_new_tokens=half, do_sample=False, pad_token_id=0)
+    correct = (out[:, half:] == full[:, half:]).float().mean().item()
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
-        again = AutoModelForCausalLM.from_pretrained(d).to(args.device).eval()
-        same = torch.equal(again(prompt).logits, model(prompt).logits)
-    print(f"save_pretrained / AutoModelForCausalLM.from_pretrained round trip identical: {same}")
+        again = AutoModelForCausalLM.from_pretrained(d).to(device).eval()
+        with torch.no_grad():
+            same = torch.equal(again(full).logits, model(full).logits)
+    return dict(losses=losses, correct=correct, same=same,
+                params=sum(p.numel() for p in model.parameters()))
+
+
+def main() -> None:
+    import argparse
+    p = argparse.ArgumentParser(description="train a small RWKV7ForCausalLM, then generate")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+
+    def report(step, loss):
+        if step % 10 == 0 or step == args.steps - 1:
+            print(f"step {step:3d}  loss {loss:.3f}", flush=True)
+    r = train_rwkv7_lm(args.steps, args.device, report)
+    print(f"greedy continuation (cached generate) correct: {r['correct']:.2f}")
+    print(f"save_pretrained / AutoModelForCausalLM.from_pretrained round trip identical: {r['same']}")
 
 
 if __name__ == "__main__":
