@@ -177,12 +177,12 @@ def _begin_rank(ctx: CPContext) -> int:
 
 
 def run(ctx: CPContext, *, run_rows: Callable, transition: Callable, apply: Callable,
-        state_shape, state_dtype, initial_state, output_final_state: bool):
+        state_shape, state_dtype, initial_state, output_final_state: bool, device):
     if not isinstance(ctx, CPContext):
         raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
                         f"{type(ctx).__name__}")
     s = ctx.here
-    dev = ctx.device
+    dev = device  # the inputs' (the context's cu_seqlens may sit elsewhere)
     nl = s.n1 - s.n0
     cu = ctx.cu_seqlens_cpu.tolist()
     state_numel = 1
@@ -305,7 +305,7 @@ def gla(op, ctx, q, k, v, gk, gv, scale, initial_state, output_final_state, extr
                   cu_seqlens=cu_t.to(q.device), cu_seqlens_cpu=cu_t, **extra)
     return run(ctx, run_rows=run_rows, transition=_diag_transition(gk, gv, H, K, V, acc),
                apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
-               initial_state=initial_state, output_final_state=output_final_state)
+               initial_state=initial_state, output_final_state=output_final_state, device=k.device)
 
 
 def rwkv6(op, ctx, r, k, v, w, u, scale, initial_state, output_final_state):
@@ -319,7 +319,7 @@ def rwkv6(op, ctx, r, k, v, w, u, scale, initial_state, output_final_state):
                   cu_seqlens_cpu=cu_t)
     return run(ctx, run_rows=run_rows, transition=_diag_transition(w, None, H, K, V, acc),
                apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
-               initial_state=initial_state, output_final_state=output_final_state)
+               initial_state=initial_state, output_final_state=output_final_state, device=k.device)
 
 
 def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
@@ -346,7 +346,7 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
         return torch.matmul(m.reshape(H, K, K), state)
     return run(ctx, run_rows=run_rows, transition=_Transition(transition, H * K * K), apply=apply,
                state_shape=(H, K, V), state_dtype=acc, initial_state=initial_state,
-               output_final_state=output_final_state)
+               output_final_state=output_final_state, device=k.device)
 
 
 def _additive_gate(ctx: CPContext, s: torch.Tensor, key_dtype):
