@@ -88,7 +88,7 @@ OPS = {
         torch.ops.fla.chunk_gla.default, torch.ops.fla.chunk_gla_bwd.default,
         lambda s: (s.q, s.k, s.v, s.w, s.wv, None, s.s0, s.fin, s.cu, s.hf),
         lambda s, do, dht: (s.q, s.k, s.v, s.w, s.wv, do, dht, 0.5, s.s0, s.cu, s.hf),
-        lambda q, k, v, w, u, s0, wv: fla_ext.chunk_gla(q, k, v, w, wv, initial_state=s0,
+        lambda q, k, v, w, u, s0, wv: fla_ext.chunk_gla(q, k, v, w, gv=wv, initial_state=s0,
                                                         output_final_state=True),
         wrt=(0, 1, 2, 3, 5, 6), cuda=False),
 }

@@ -33,7 +33,7 @@ def test_fla_call_site(device, gen):
     o_ref, ht_ref = reference.rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=h0, cu_seqlens=cu)
     assert_close("o", o, o_ref, 1e-5, 1e-6)
     assert_close("ht", ht, ht_ref, 1e-5, 1e-6)
-    with pytest.raises(NotImplementedError, match="cp_context"):
+    with pytest.raises(TypeError, match="build_cp_context"):  # a context is fla_ext.cp's
         chunk_rwkv7(r, w, k, v, a, b, cp_context=object())
 
 
