@@ -46,6 +46,10 @@ def _inputs(family, H, K, V, gen, h0_on):
         kk = torch.nn.functional.normalize(n(1, T, H, K), dim=-1)
         x = dict(r=n(1, T, H, K), w=-0.6 * torch.sigmoid(n(1, T, H, K)), k=n(1, T, H, K),
                  v=n(1, T, H, V), a=-kk, b=kk * torch.rand(1, T, H, K, generator=gen))
+    elif family == "rwkv7_mul":  # fused_mul_recurrent_rwkv7's (kk, a = iclr) form
+        x = dict(r=n(1, T, H, K), w=-0.6 * torch.sigmoid(n(1, T, H, K)), k=n(1, T, H, K),
+                 v=n(1, T, H, V), kk=torch.nn.functional.normalize(n(1, T, H, K), dim=-1),
+                 a=torch.rand(1, T, H, K, generator=gen))
     elif family == "gsa":
         x = dict(q=n(1, T, H, K), k=n(1, T, H, K), v=n(1, T, H, V), s=n(1, T, H, 6),
                  g=logd(1, T, H, 6))
@@ -65,6 +69,7 @@ OPS = {  # name -> (family, call(fla_ext, x, h0, **kw) -> (o, final))
     "fused_recurrent_rwkv6": ("rwkv6", lambda F, x, h0, **kw: F.fused_recurrent_rwkv6(x["q"], x["k"], x["v"], x["g"], x["u"], initial_state=h0, **kw)),
     "chunk_rwkv7": ("rwkv7", lambda F, x, h0, **kw: F.chunk_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
     "fused_recurrent_rwkv7": ("rwkv7", lambda F, x, h0, **kw: F.fused_recurrent_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
+    "fused_mul_recurrent_rwkv7": ("rwkv7_mul", lambda F, x, h0, **kw: F.fused_mul_recurrent_rwkv7(x["r"], x["w"], x["k"], x["v"], x["kk"], x["a"], initial_state=h0, **kw)),
     "chunk_gsa": ("gsa", lambda F, x, h0, **kw: F.chunk_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], initial_state=h0, **kw)),
     "fused_recurrent_gsa": ("gsa", lambda F, x, h0, **kw: F.fused_recurrent_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], initial_state=h0, **kw)),
     "chunk_gsa_abc": ("gsa_abc", lambda F, x, h0, **kw: F.chunk_gsa(x["q"], x["k"], x["v"], x["s"], None, initial_state=h0, **kw)),
@@ -88,7 +93,7 @@ def _flat(final):
 
 def _case(F, op, batch, h0_on, fin_on, rank, world):
     family, call = OPS[op]
-    H, K, V = 2, 8, 4 if family != "rwkv7" else 6
+    H, K, V = 2, 8, 4 if not family.startswith("rwkv7") else 6
     gen = torch.Generator().manual_seed(zlib.crc32(repr((op, batch, h0_on, fin_on)).encode()))  # same on every rank
     cu = BATCHES[batch]
     N = len(cu) - 1
