@@ -59,7 +59,8 @@ def rwkv7_inputs(B, T, H, K, dtype, device, requires_grad):
 
 def wind_module(root: str, head_size: int):
     """wind_rwkv's chunked CUDA op, compiled for `head_size` (one per process)."""
-    sys.path.insert(0, root)
+    if root not in sys.path:  # called per point and mode
+        sys.path.insert(0, root)
     from wind_rwkv.rwkv7.chunked_cuda import chunked_cuda as wc
     wc.load_chunked_cuda(head_size)
     return wc

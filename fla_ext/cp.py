@@ -32,7 +32,7 @@ Conventions:
   too), as with DistributedDataParallel; each output depends on both collectives, so a loss of
   either output on every rank is enough.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -64,7 +64,6 @@ class CPContext:
     slices: Tuple[RankSlice, ...]     # one per rank
     cu_seqlens: torch.Tensor          # this rank's local cu_seqlens, on the inputs' device
     cu_seqlens_cpu: torch.Tensor      # its host copy
-    device: torch.device = field(default=torch.device("cpu"))
 
     @property
     def here(self) -> RankSlice:
@@ -122,8 +121,7 @@ def build_cp_context(cu_seqlens: torch.Tensor, group=None,
     slices = _slices(host.tolist(), world)
     s = slices[rank]
     local = (host[s.n0:s.n1 + 1].clamp(s.start, s.end) - s.start).contiguous()
-    return CPContext(group, rank, world, host, slices, local.to(cu_seqlens.device), local,
-                     cu_seqlens.device)
+    return CPContext(group, rank, world, host, slices, local.to(cu_seqlens.device), local)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,6 +250,12 @@ class _Transition:
         return self.fn(rows)
 
 
+def _local_cu(cu, device) -> dict:
+    """The keywords that hand a piece of the slice its boundaries (host list `cu`) on `device`."""
+    host = torch.tensor(cu, dtype=torch.int64)
+    return dict(cu_seqlens=host.to(device), cu_seqlens_cpu=host)
+
+
 def _rows(x: Optional[torch.Tensor], rows: int):
     return None if x is None else x[:, :rows]
 
@@ -299,10 +303,9 @@ def gla(op, ctx, q, k, v, gk, gv, scale, initial_state, output_final_state, extr
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def run_rows(rows, cu, h0):
-        cu_t = torch.tensor(cu, dtype=torch.int64)
         return op(_rows(q, rows), _rows(k, rows), _rows(v, rows), _rows(gk, rows), gv=_rows(gv, rows),
-                  scale=scale, initial_state=h0, output_final_state=True,
-                  cu_seqlens=cu_t.to(q.device), cu_seqlens_cpu=cu_t, **extra)
+                  scale=scale, initial_state=h0, output_final_state=True, **_local_cu(cu, q.device),
+                  **extra)
     return run(ctx, run_rows=run_rows, transition=_diag_transition(gk, gv, H, K, V, acc),
                apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
                initial_state=initial_state, output_final_state=output_final_state, device=k.device)
@@ -313,10 +316,8 @@ def rwkv6(op, ctx, r, k, v, w, u, scale, initial_state, output_final_state):
     acc = torch.float64 if r.dtype == torch.float64 else torch.float32
 
     def run_rows(rows, cu, h0):
-        cu_t = torch.tensor(cu, dtype=torch.int64)
         return op(_rows(r, rows), _rows(k, rows), _rows(v, rows), _rows(w, rows), u, scale=scale,
-                  initial_state=h0, output_final_state=True, cu_seqlens=cu_t.to(r.device),
-                  cu_seqlens_cpu=cu_t)
+                  initial_state=h0, output_final_state=True, **_local_cu(cu, r.device))
     return run(ctx, run_rows=run_rows, transition=_diag_transition(w, None, H, K, V, acc),
                apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
                initial_state=initial_state, output_final_state=output_final_state, device=k.device)
@@ -329,10 +330,8 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
     acc = torch.float64 if r.dtype == torch.float64 else torch.float32
 
     def call(rows, cu, h0, vv):
-        cu_t = torch.tensor(cu, dtype=torch.int64)
         return op(_rows(r, rows), _rows(w, rows), _rows(k, rows), vv, _rows(a, rows), _rows(b, rows),
-                  scale=scale, initial_state=h0, output_final_state=True,
-                  cu_seqlens=cu_t.to(r.device), cu_seqlens_cpu=cu_t)
+                  scale=scale, initial_state=h0, output_final_state=True, **_local_cu(cu, r.device))
 
     def run_rows(rows, cu, h0):
         return call(rows, cu, h0, _rows(v, rows))

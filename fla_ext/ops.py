@@ -173,12 +173,6 @@ def fused_recurrent_gla(
         >>> o, ht = fused_recurrent_gla(q, k, v, gv=gv, output_final_state=True)
     """
     _require_tensors(q=q, k=k, v=v)
-    if cp_context is not None:
-        _cp.check_inputs(cp_context, q, head_first, cu_seqlens, reverse, name="q")
-        o, ht = _cp.gla(fused_recurrent_gla, cp_context, q, k, v, gk, gv, scale,
-                        _state_in(initial_state, state_v_first or bool(transpose_state_layout)),
-                        output_final_state, {})
-        return o, (_state_out(ht, state_v_first or bool(transpose_state_layout)) if output_final_state else None)
     if gk is not None:
         _require_tensors(gk=gk)
     if gv is not None:
@@ -189,6 +183,11 @@ def fused_recurrent_gla(
             raise ValueError("fla_ext: pass `state_v_first` or its older name "
                              "`transpose_state_layout`, not both")
         state_v_first = bool(transpose_state_layout)
+    if cp_context is not None:
+        _cp.check_inputs(cp_context, q, head_first, cu_seqlens, reverse, name="q")
+        o, ht = _cp.gla(fused_recurrent_gla, cp_context, q, k, v, gk, gv, scale,
+                        _state_in(initial_state, state_v_first), output_final_state, {})
+        return o, (_state_out(ht, state_v_first) if output_final_state else None)
     o, ht = torch.ops.fla.fused_recurrent_gla(
         q, k, v, gk, gv, scale, _state_in(initial_state, state_v_first), output_final_state,
         reverse, cu_seqlens, head_first
