@@ -10,16 +10,17 @@ rank passes its slice of every ``[1, T, H, *]`` input together with the context 
                               cp_context=ctx)                         # q, k, v, g: this rank's slice
 
 How (docs/design.md §10): a sequence cut at a slice boundary needs, on the later rank, the state
-its earlier part ends in. The state a slice ends in is affine in the state it starts from:
-``S_end = M S_in + S0``, with ``S0`` the end state from a zero start (or from the sequence's own
-initial state where it begins) and ``M`` the slice's transition: diagonal for GLA, RWKV6 and GSA
-(the summed log decays), a K x K matrix for RWKV7 (the product of its transitions, obtained by
-running the op on the identity with v = 0). Each rank runs its slice once (every sequence that
-begins on it gets its true initial state), all-gathers ``S0`` and ``M`` of the sequence cut at
-its end, chains its predecessors' to get the true start state of the sequence cut at its
-beginning, and runs that sequence's rows again from it. Autograd carries the backward through
-the same steps: the all-gather's backward is an all-reduce that hands each rank the gradient of
-its ``S0`` and ``M`` from the ranks after it. No rank waits on a ring.
+its earlier part ends in. Everything a slice does with its start state is linear in it: the end
+state is ``S_end = M S_in + S0`` and each row's output ``o_t = o0_t + readout_t(S_in)``, with
+``S0``, ``o0`` the results from a zero start (or from the sequence's own initial state where it
+begins) and ``M`` the slice's state map: diagonal for GLA, RWKV6 and GSA (the summed log
+decays), a K x K matrix for RWKV7 (the product of its transitions, from the op run on the
+identity with v = 0, whose output is RWKV7's readout). Each rank runs its slice once from zero
+and forms its readout and M, all-gathers ``S0`` and ``M`` of the sequence cut at its end, chains
+its predecessors' to get the true start state of the sequence cut at its beginning, and adds
+what that state contributes: no rank runs its rows twice, and none waits on a ring. Autograd
+carries the backward through the same steps: the all-gather's backward is an all-reduce that
+hands each rank the gradient of its ``S0`` and ``M`` from the ranks after it.
 
 Conventions:
 * ``initial_state`` is the global ``[N, H, K, V]`` (the same on every rank); its gradient on each
@@ -38,6 +39,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ._fake_checks import MAX_HEAD_DIM
 from .checks import check_cu_seqlens_values
 
 __all__ = ["CPContext", "build_cp_context"]
@@ -158,11 +160,29 @@ class _AllReduce(torch.autograd.Function):
         return g, None
 
 
+class _After(torch.autograd.Function):
+    """``x`` itself, made to depend on ``deps`` in autograd: the backward of x's consumers then
+    reaches the collectives that produced deps on every rank (their backwards are collectives
+    that all ranks must enter), with no pass over x."""
+    @staticmethod
+    def forward(ctx, x, *deps):
+        ctx.deps = [(d.shape, d.dtype, d.device) for d in deps]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, *[torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.deps])
+
+
 # ------------------------------------------------------------------------------------------------
-# The algorithm, for any family: `run(rows, cu, h0)` runs the op on rows [0, rows) of the local
-# slice with local boundaries cu (host list) and initial states h0 ([n, *state] or None),
-# returning (o, final states [n, *state]); `transition(rows)` the map M of rows [0, rows) as a
-# flat tensor, `apply(M, S)` M applied to a state [*state].
+# The algorithm, for any family: `run_slice(cu, h0, first_in)` runs the op on the local slice
+# with local boundaries cu (host list) and initial states h0 ([n, *state] or None), returning
+# (o, final states [n, *state], readout, M); where first_in, readout and M describe how the
+# first sequence's rows [0, cu[1]) carry a start state S through: readout(S) is what S adds to
+# their outputs, M (flat, `m_numel` long) their state map; `apply(M, S)` is M applied to S.
+# Every piece of a family's state recurrence is linear in the start state, so the output of a
+# sequence continuing into this slice is its zero-start output plus readout(S_in), and its end
+# state M S_in plus its zero-start end state: nothing runs again once S_in is known.
 
 
 def _begin_rank(ctx: CPContext) -> int:
@@ -174,7 +194,7 @@ def _begin_rank(ctx: CPContext) -> int:
     return r0
 
 
-def run(ctx: CPContext, *, run_rows: Callable, transition: Callable, apply: Callable,
+def run(ctx: CPContext, *, run_slice: Callable, m_numel: int, apply: Callable,
         state_shape, state_dtype, initial_state, output_final_state: bool, device):
     if not isinstance(ctx, CPContext):
         raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
@@ -188,41 +208,42 @@ def run(ctx: CPContext, *, run_rows: Callable, transition: Callable, apply: Call
         state_numel *= d
     zeros = lambda n: torch.zeros(n, *state_shape, dtype=state_dtype, device=dev)  # noqa: E731
 
-    # 1. The slice with every sequence's start state known here (a sequence continuing from an
-    #    earlier rank starts from zero in this pass).
+    # 1. The slice with every sequence's start state known here; the sequence continuing from an
+    #    earlier rank starts from zero, and its rows' readout and state map are formed, all before
+    #    any rank waits on another.
     h0 = None
     if initial_state is not None or s.first_in:
         h0 = initial_state[s.n0:s.n1] if initial_state is not None else zeros(nl)
         if s.first_in:
             h0 = torch.cat([zeros(1), h0[1:]])
-    o, ht = run_rows(ctx.local_rows, cu, h0)
+    o, ht, readout, m_first = run_slice(cu, h0, s.first_in)
+    first_rows = cu[1]
 
     # 2. What the sequence cut at this slice's end needs from here: S0, and M where it also began
     #    before this slice (it then spans the whole slice).
     through = s.first_in and s.last_out and nl == 1
     payload_s0 = ht[-1].reshape(-1) if s.last_out else zeros(1).reshape(-1)
-    payload_m = (transition(ctx.local_rows).reshape(-1) if through
-                 else torch.zeros(transition.numel, dtype=state_dtype, device=dev))
+    payload_m = (m_first.reshape(-1) if through
+                 else torch.zeros(m_numel, dtype=state_dtype, device=dev))
     payload = torch.cat([payload_s0.to(state_dtype), payload_m.to(state_dtype)])
     if torch.is_grad_enabled() and not payload.requires_grad:
         # a rank whose payload is constant (zeros) still takes part in the backward's all-reduce
         payload.requires_grad_(True)
     gathered = _AllGather.apply(payload, ctx.group)
-    anchor = gathered.sum() * 0  # every rank's outputs depend on the gather: its backward runs
 
-    # 3. The first sequence's true start state, chained over the ranks before this one; its rows
-    #    run again from it.
+    # 3. The first sequence's true start state, chained over the ranks before this one, and what
+    #    it adds to that sequence's rows and end state.
     if s.first_in:
         r0 = _begin_rank(ctx)
         state = gathered[r0, :state_numel].reshape(state_shape)
         for r in range(r0 + 1, ctx.rank):  # ranks it passes through
             m = gathered[r, state_numel:]
             state = apply(m, state) + gathered[r, :state_numel].reshape(state_shape)
-        rows = cu[1]
-        o_first, ht_first = run_rows(rows, [0, rows], state.unsqueeze(0))
-        o = torch.cat([o_first, o[:, rows:]], dim=1) if rows < ctx.local_rows else o_first
+        o_first = (o[:, :first_rows] + readout(state)).to(o.dtype)
+        o = torch.cat([o_first, o[:, first_rows:]], dim=1) if first_rows < ctx.local_rows else o_first
+        ht_first = (apply(m_first, state) + ht[0].to(state_dtype)).to(ht.dtype).unsqueeze(0)
         ht = torch.cat([ht_first, ht[1:]]) if nl > 1 else ht_first
-    o = o + anchor.to(o.dtype)
+    o = _After.apply(o, gathered)  # every rank's outputs depend on the gather: its backward runs
 
     if not output_final_state:
         return o, None
@@ -231,23 +252,23 @@ def run(ctx: CPContext, *, run_rows: Callable, transition: Callable, apply: Call
     full = torch.zeros(ctx.num_sequences, *state_shape, dtype=state_dtype, device=dev)
     if ends > 0:
         full = torch.cat([full[:s.n0], ht[:ends].to(state_dtype), full[s.n0 + ends:]])
-    full = _AllReduce.apply(full + anchor.to(state_dtype), ctx.group)
+    full = _AllReduce.apply(_After.apply(full, gathered), ctx.group)
     # o depends on the all-reduce too: a rank whose loss takes only o runs its backward as well,
     # so that every rank makes the same collective calls in the same order
-    return o + (full.sum() * 0).to(o.dtype), full
+    return _After.apply(o, full), full
 
 
 # ------------------------------------------------------------------------------------------------
 # Families
 
 
-class _Transition:
-    """A slice's state map M as the callable run() takes, with its flat size known in advance."""
-    def __init__(self, fn, numel):
-        self.fn, self.numel = fn, numel
-
-    def __call__(self, rows):
-        return self.fn(rows)
+def _run_then_carry(run_rows, carry):
+    """run_slice from `run_rows(rows, cu, h0)` -> (o, final states), the op on the slice's first
+    `rows` rows, and `carry(rows)` -> (readout, M) of the first sequence's rows."""
+    def run_slice(cu, h0, first_in):
+        o, ht = run_rows(cu[-1], cu, h0)
+        return (o, ht, *carry(cu[1])) if first_in else (o, ht, None, None)
+    return run_slice
 
 
 def _local_cu(cu, device) -> dict:
@@ -277,17 +298,115 @@ def check_inputs(ctx, x: torch.Tensor, head_first: bool, cu_seqlens, reverse=Fal
                          f"{ctx.local_rows}, H, D], got {tuple(x.shape)}")
 
 
-def _diag_transition(gk, gv, H, K, V, dtype):
-    """GLA / RWKV6 / GSA pass: M = (exp(sum gk) over K, exp(sum gv) over V), flat [H, K + V]."""
+_SCAN_BLOCK = 256
+
+
+def _scan_rows(x):
+    """Inclusive running sums of x [rows, ...] over dim 0 in two levels (within blocks of 256
+    rows, then over the blocks' totals): torch scans an outer dimension with a loop over its
+    length, so one level over a long slice is a long serial chain."""
+    rows = x.shape[0]
+    if rows <= _SCAN_BLOCK:
+        return torch.cumsum(x, 0)
+    nb = -(-rows // _SCAN_BLOCK)
+    padded = torch.cat([x, x.new_zeros(nb * _SCAN_BLOCK - rows, *x.shape[1:])])
+    y = padded.view(nb, _SCAN_BLOCK, *x.shape[1:]).cumsum(1)
+    before = y[:, -1].cumsum(0)  # the blocks' running totals (-inf stays -inf: no +inf anywhere)
+    y[1:] += before[:-1].unsqueeze(1)
+    return y.view(nb * _SCAN_BLOCK, *x.shape[1:])[:rows]
+
+
+def _running_sum(g, rows, dtype, exclusive=False):
+    """The running sums of g[0, :rows] ([1, T, H, D]) over time, [rows, H, D] in ``dtype``.
+    ``exclusive``: the sum of the rows before each."""
+    run = _scan_rows(g[0, :rows].to(dtype))
+    if exclusive:  # shifted, not run - g: that is NaN where the decay is -inf
+        run = torch.cat([torch.zeros_like(run[:1]), run[:-1]])
+    return run
+
+
+def _reverse_running_sum(x):
+    return torch.flip(_scan_rows(torch.flip(x, [0])), [0])
+
+
+class _DiagReader(torch.autograd.Function):
+    """scale q_t * e^G_t over rows [0, rows), G the running sums of gk (exclusive: of the rows
+    before), [rows, H, K] float32 (float64 for float64 inputs): how row t reads a start state.
+    Keeps only its output for the backward."""
+    @staticmethod
+    def forward(ctx, q, gk, scale, exclusive, rows, dtype):
+        decay = torch.exp(_running_sum(gk, rows, dtype, exclusive)).mul_(scale)
+        reader = q[0, :rows] * decay
+        ctx.save_for_backward(q, gk, reader)
+        ctx.scale, ctx.exclusive, ctx.rows = scale, exclusive, rows
+        return reader
+
+    @staticmethod
+    def backward(ctx, dreader):
+        q, gk, reader = ctx.saved_tensors
+        rows = ctx.rows
+        decay = torch.exp(_running_sum(gk, rows, reader.dtype, ctx.exclusive)).mul_(ctx.scale)
+        dq_rows = (dreader * decay).to(q.dtype)
+        dsum = dreader * reader  # d/d(the running sum)
+        if ctx.exclusive:  # row t's sum holds the rows before it
+            dsum = torch.cat([dsum[1:], torch.zeros_like(dsum[:1])])
+        dgk_rows = _reverse_running_sum(dsum).to(gk.dtype)
+        if rows == q.shape[1]:
+            return dq_rows.unsqueeze(0), dgk_rows.unsqueeze(0), None, None, None, None
+        dq, dgk = torch.zeros_like(q), torch.zeros_like(gk)
+        dq[0, :rows], dgk[0, :rows] = dq_rows, dgk_rows
+        return dq, dgk, None, None, None, None
+
+
+_SPLIT_ROWS = 1024
+
+
+class _ReadState(torch.autograd.Function):
+    """reader [rows, H, K] times state [H, K, V], per head: [rows, H, V]. The state's gradient,
+    a sum over all rows, runs as many products over blocks of rows (one over a long slice
+    leaves most of the GPU idle) and is formed first: the ranks before this one wait on it."""
+    @staticmethod
+    def forward(ctx, reader, state):
+        ctx.save_for_backward(reader, state)
+        return torch.matmul(reader.transpose(0, 1), state).transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reader, state = ctx.saved_tensors
+        grad = grad.to(state.dtype)
+        rows = reader.shape[0]
+        whole = rows // _SPLIT_ROWS * _SPLIT_ROWS
+        dstate = torch.einsum("thk,thv->hkv", reader[whole:], grad[whole:])
+        if whole:
+            split = lambda x: x[:whole].view(whole // _SPLIT_ROWS, _SPLIT_ROWS, *x.shape[1:])  # noqa: E731
+            dstate = dstate + torch.einsum("sthk,sthv->shkv", split(reader), split(grad)).sum(0)
+        dreader = torch.matmul(grad.transpose(0, 1), state.transpose(1, 2)).transpose(0, 1)
+        return dreader, dstate
+
+
+def _diag_carry(q, gk, gv, scale, H, K, V, dtype, exclusive_reader=False):
+    """GLA / RWKV6 / GSA pass, S_t = diag(e^gk_t) S_{t-1} diag(e^gv_t) + k_t v_t^T read by
+    o_t = scale q_t^T S_t (RWKV6: S_{t-1}, the exclusive reader): a start state S reaches row t
+    as diag(e^Gk_t) S diag(e^Gv_t), G the running sums of the log decays (never positive, so
+    the exponentials cannot overflow). M = (e^Gk, e^Gv) at the last row, flat [H, K + V].
+    The readers are formed before the all-gather, while other ranks still run their slices."""
     def fn(rows):
-        dk = torch.ones(H, K, dtype=dtype, device=(gk if gk is not None else gv).device)
-        dv = torch.ones(H, V, dtype=dtype, device=dk.device)
+        dev = q.device
         if gk is not None:
-            dk = torch.exp(gk[0, :rows].to(dtype).sum(0))
-        if gv is not None:
-            dv = torch.exp(gv[0, :rows].to(dtype).sum(0))
-        return torch.cat([dk, dv], dim=-1)
-    return _Transition(fn, H * (K + V))
+            reader = _DiagReader.apply(q, gk, scale, exclusive_reader, rows, dtype)
+        else:
+            reader = q[0, :rows].to(dtype) * scale
+        value_decay = None if gv is None else torch.exp(_running_sum(gv, rows, dtype))
+
+        def readout(state):  # [H, K, V] -> [1, rows, H, V]
+            out = _ReadState.apply(reader, state)
+            return (out if value_decay is None else out * value_decay).unsqueeze(0)
+        dk = (torch.exp(gk[0, :rows].to(dtype).sum(0)) if gk is not None
+              else torch.ones(H, K, dtype=dtype, device=dev))
+        dv = (torch.exp(gv[0, :rows].to(dtype).sum(0)) if gv is not None
+              else torch.ones(H, V, dtype=dtype, device=dev))
+        return readout, torch.cat([dk, dv], dim=-1)
+    return fn
 
 
 def _diag_apply(H, K, V):
@@ -301,31 +420,38 @@ def gla(op, ctx, q, k, v, gk, gv, scale, initial_state, output_final_state, extr
     """chunk_gla / fused_recurrent_gla (``op``: the public function) under ``ctx``."""
     H, K, V = k.shape[2], k.shape[3], v.shape[3]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = K ** -0.5 if scale is None else scale
 
     def run_rows(rows, cu, h0):
         return op(_rows(q, rows), _rows(k, rows), _rows(v, rows), _rows(gk, rows), gv=_rows(gv, rows),
                   scale=scale, initial_state=h0, output_final_state=True, **_local_cu(cu, q.device),
                   **extra)
-    return run(ctx, run_rows=run_rows, transition=_diag_transition(gk, gv, H, K, V, acc),
-               apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
+    return run(ctx, run_slice=_run_then_carry(run_rows, _diag_carry(q, gk, gv, scale, H, K, V, acc)),
+               m_numel=H * (K + V), apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
                initial_state=initial_state, output_final_state=output_final_state, device=k.device)
 
 
 def rwkv6(op, ctx, r, k, v, w, u, scale, initial_state, output_final_state):
     H, K, V = k.shape[2], k.shape[3], v.shape[3]
     acc = torch.float64 if r.dtype == torch.float64 else torch.float32
+    scale = K ** -0.5 if scale is None else scale
 
     def run_rows(rows, cu, h0):
         return op(_rows(r, rows), _rows(k, rows), _rows(v, rows), _rows(w, rows), u, scale=scale,
                   initial_state=h0, output_final_state=True, **_local_cu(cu, r.device))
-    return run(ctx, run_rows=run_rows, transition=_diag_transition(w, None, H, K, V, acc),
+    carry = _diag_carry(r, w, None, scale, H, K, V, acc, exclusive_reader=True)
+    return run(ctx, run_slice=_run_then_carry(run_rows, carry), m_numel=H * (K + V),
                apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
                initial_state=initial_state, output_final_state=output_final_state, device=k.device)
 
 
 def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
-    """chunk_rwkv7 / fused_recurrent_rwkv7: M = the product of the slice's transitions
-    (diag(e^w) + b a^T), the final state of the op run on the identity with v = 0."""
+    """chunk_rwkv7 / fused_recurrent_rwkv7. The rows' map P_t = the product of their transitions
+    (diag(e^w) + b a^T) acts on each value column of the state alike, so the op run from the
+    identity with v = 0 gives both what a start state S adds to row t (its output Y_t, times S)
+    and M = P at the last row (its final state). That run rides along as K more value columns
+    of the slice's own run (zero values, the identity as the first sequence's start state) where
+    K + V is a head dim the op takes, else it is a second run over the first sequence's rows."""
     H, K, V = k.shape[2], k.shape[3], v.shape[3]
     acc = torch.float64 if r.dtype == torch.float64 else torch.float32
 
@@ -333,17 +459,30 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
         return op(_rows(r, rows), _rows(w, rows), _rows(k, rows), vv, _rows(a, rows), _rows(b, rows),
                   scale=scale, initial_state=h0, output_final_state=True, **_local_cu(cu, r.device))
 
-    def run_rows(rows, cu, h0):
-        return call(rows, cu, h0, _rows(v, rows))
+    def run_slice(cu, h0, first_in):
+        rows = cu[-1]
+        if not first_in:
+            return (*call(rows, cu, h0, v), None, None)
+        eye = torch.eye(K, dtype=acc, device=r.device).expand(1, H, K, K)
+        if K + V <= MAX_HEAD_DIM:
+            v_more = torch.cat([v, torch.zeros(1, rows, H, K, dtype=v.dtype, device=v.device)], -1)
+            h0_more = torch.cat([h0, torch.cat([eye, eye.new_zeros(h0.shape[0] - 1, H, K, K)])], -1)
+            o_more, ht_more = call(rows, cu, h0_more, v_more)
+            o, ht = o_more[..., :V], ht_more[..., :V]
+            reader, m = o_more[:, :cu[1], :, V:], ht_more[0, :, :, V:]
+        else:
+            o, ht = call(rows, cu, h0, v)
+            zero_v = torch.zeros(1, cu[1], H, K, dtype=v.dtype, device=v.device)
+            reader, m = call(cu[1], cu[:2], eye.contiguous(), zero_v)
+            m = m[0]
 
-    def transition(rows):
-        eye = torch.eye(K, dtype=acc, device=r.device).expand(1, H, K, K).contiguous()
-        zero_v = torch.zeros(1, rows, H, K, dtype=v.dtype, device=v.device)
-        return call(rows, [0, rows], eye, zero_v)[1][0]
+        def readout(state):  # [H, K, V] -> [1, rows, H, V]
+            return torch.einsum("bthk,hkv->bthv", reader.to(acc), state)
+        return o, ht, readout, m
 
     def apply(m, state):
         return torch.matmul(m.reshape(H, K, K), state)
-    return run(ctx, run_rows=run_rows, transition=_Transition(transition, H * K * K), apply=apply,
+    return run(ctx, run_slice=run_slice, m_numel=H * K * K, apply=apply,
                state_shape=(H, K, V), state_dtype=acc, initial_state=initial_state,
                output_final_state=output_final_state, device=k.device)
 
@@ -375,10 +514,9 @@ def _additive_gate(ctx: CPContext, s: torch.Tensor, key_dtype):
         prev = torch.cat([start.reshape(1, 1, H, M), z[:, :-1]], 1)
         keys.append(torch.exp(xi - z))
         gates.append(torch.where(torch.isinf(prev), torch.zeros_like(z), prev - z))
-    # every rank's result depends on the gather (-inf totals of ranks with no sequence going on
-    # are left out of the zero-weighted sum: -inf * 0 is NaN)
-    anchor = torch.where(torch.isfinite(totals), totals, torch.zeros_like(totals)).sum() * 0
-    return (torch.cat(keys, 1) + anchor).to(key_dtype), (torch.cat(gates, 1) + anchor).to(s.dtype)
+    # every rank's result depends on the gather
+    return (_After.apply(torch.cat(keys, 1).to(key_dtype), totals),
+            _After.apply(torch.cat(gates, 1).to(s.dtype), totals))
 
 
 def gsa(gla_op, ctx, q, k, v, s, g, scale, initial_state, output_final_state):
@@ -445,4 +583,4 @@ def halo(ctx: CPContext, x: torch.Tensor, width: int) -> torch.Tensor:
         first_row = int(ctx.cu_seqlens_global[s.n0])
         keep = torch.arange(s.start - width, s.start, device=x.device) >= first_row
         cache = torch.cat([(rows[ctx.rank - 1] * keep[:, None].to(x.dtype)).unsqueeze(0), cache[1:]])
-    return cache + rows.sum() * 0  # every rank's result depends on the gather
+    return _After.apply(cache, rows)  # every rank's result depends on the gather

@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end on the CPU (tiny shapes): benchmarks/grid.py writes the
 rows the issues ask for, merged into an existing file row by row; benchmarks/cp_overhead.py
-times an op with and without a one-rank context."""
+times an op with and without a one-rank context; benchmarks/cp_scale.py splits one sequence over
+two gloo ranks; benchmarks/model_step.py trains a tiny RWKV7ForCausalLM."""
 import json
 import os
 import subprocess
@@ -34,3 +35,25 @@ def test_cp_overhead_quick_cpu(tmp_path):
     rows = json.loads((tmp_path / "cpux1_cp_overhead.json").read_text())["rows"]
     assert [r["op"] for r in rows] == ["chunk_gla", "chunk_rwkv7"]
     assert all(r["ms_plain"] > 0 and r["ms_cp"] > 0 and r["gather_bytes_per_rank"] > 0 for r in rows)
+
+
+def test_cp_scale_quick_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cp_scale.py"), "--device", "cpu",
+                    "--quick", "--out", str(tmp_path)], check=True, env=env, capture_output=True, timeout=300)
+    rows = json.loads((tmp_path / "cpux2_cp.json").read_text())["rows"]
+    assert [(r["op"], r["world"]) for r in rows] == [("chunk_rwkv7", 1), ("chunk_gla", 1),
+                                                      ("chunk_rwkv7", 2), ("chunk_gla", 2)]
+    # one fwd+bwd at H = 2, K = V = 16 gathers S0 and M of one sequence (fp32): RWKV7's M is
+    # K x K, GLA's the K + V decays; the plain op on one rank moves nothing
+    assert [r["gather_bytes_per_rank"] for r in rows] == [0, 0, 2 * (256 + 256) * 4, 2 * (256 + 32) * 4]
+    assert all(r["ms"] > 0 for r in rows)
+
+
+def test_model_step_quick_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "model_step.py"), "--device", "cpu",
+                    "--quick", "--no-fla", "--out", str(tmp_path)], check=True, env=env, capture_output=True,
+                   timeout=300)
+    (row,) = json.loads((tmp_path / "cpu_rwkv7_lm_step.json").read_text())["rows"]
+    assert row["impl"] == "fla_ext" and row["tokens_per_s"] > 0 and row["last_loss"] < row["first_loss"]

@@ -1,23 +1,23 @@
-"""Context parallelism (fla_ext/cp.py) on the CPU with torch.distributed's gloo backend, world sizes
-2, 3 and 4 in spawned processes: for every op of every family, each rank's slice of the output
+"""Context parallelism (fla_ext/cp.py) in spawned process groups of world sizes 2, 3 and 4: on the
+CPU with gloo (`make test`), or with ``FLA_EXT_DIST_BACKEND=nccl`` on one GPU per rank (launch.py): for every op of every family, each rank's slice of the output
 and of every input gradient, the replicated final states, and the summed contributions to the
 replicated inputs' gradients (initial states, RWKV6's u) equal the single-process op on the
 whole batch (fp32, 1e-5). The batch has sequences cut at and between slice boundaries, an empty
 sequence, and one sequence over several ranks; initial and final states on and off."""
 import os
-import socket
 import sys
-import traceback
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "support"))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from launch import device, spawn  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -68,6 +68,8 @@ OPS = {  # name -> (family, call(fla_ext, x, h0, **kw) -> (o, final))
     "chunk_rwkv6": ("rwkv6", lambda F, x, h0, **kw: F.chunk_rwkv6(x["q"], x["k"], x["v"], x["g"], x["u"], initial_state=h0, **kw)),
     "fused_recurrent_rwkv6": ("rwkv6", lambda F, x, h0, **kw: F.fused_recurrent_rwkv6(x["q"], x["k"], x["v"], x["g"], x["u"], initial_state=h0, **kw)),
     "chunk_rwkv7": ("rwkv7", lambda F, x, h0, **kw: F.chunk_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
+    # K + V above the largest head dim: the identity run is a second call, not more columns
+    "chunk_rwkv7_wide": ("rwkv7", lambda F, x, h0, **kw: F.chunk_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
     "fused_recurrent_rwkv7": ("rwkv7", lambda F, x, h0, **kw: F.fused_recurrent_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
     "fused_mul_recurrent_rwkv7": ("rwkv7_mul", lambda F, x, h0, **kw: F.fused_mul_recurrent_rwkv7(x["r"], x["w"], x["k"], x["v"], x["kk"], x["a"], initial_state=h0, **kw)),
     "chunk_gsa": ("gsa", lambda F, x, h0, **kw: F.chunk_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], initial_state=h0, **kw)),
@@ -94,19 +96,23 @@ def _flat(final):
 def _case(F, op, batch, h0_on, fin_on, rank, world):
     family, call = OPS[op]
     H, K, V = 2, 8, 4 if not family.startswith("rwkv7") else 6
+    if op.endswith("_wide"):
+        H, K, V = 1, 130, 129
     gen = torch.Generator().manual_seed(zlib.crc32(repr((op, batch, h0_on, fin_on)).encode()))  # same on every rank
     cu = BATCHES[batch]
     N = len(cu) - 1
-    x = {k: v for k, v in _inputs(family, H, K, V, gen, False).items()}
+    dev = device(rank)
+    x = {k: v.to(dev) for k, v in _inputs(family, H, K, V, gen, False).items()}
     h0 = _states(family, N, H, K, V, gen) if h0_on else None
+    h0 = tuple(t.to(dev) for t in h0) if isinstance(h0, tuple) else (h0.to(dev) if h0 is not None else None)
     # reference: one process, the whole batch
     xr = {k: t.clone().requires_grad_(True) for k, t in x.items()}
     h0r = tuple(t.clone().requires_grad_(True) for t in h0) if isinstance(h0, tuple) else \
         (h0.clone().requires_grad_(True) if h0 is not None else None)
-    cu_t = torch.tensor(cu)
+    cu_t = torch.tensor(cu, device=dev)
     o, fin = call(F, xr, h0r, output_final_state=fin_on, cu_seqlens=cu_t)
-    o_w = torch.randn(o.shape, generator=gen)
-    fin_w = [torch.randn(f.shape, generator=gen) for f in _flat(fin)] if fin_on else []
+    o_w = torch.randn(o.shape, generator=gen).to(dev)
+    fin_w = [torch.randn(f.shape, generator=gen).to(dev) for f in _flat(fin)] if fin_on else []
     loss = (o * o_w).sum() + sum((f * w).sum() for f, w in zip(_flat(fin), fin_w))
     loss.backward()
 
@@ -149,46 +155,9 @@ def _op_cases(op, rank, world):
             _case(F, op, batch, h0_on, fin_on, rank, world)
 
 
-def _worker(rank, world, port, cases, items, errors):
-    """One rank: a gloo group of `world` processes, cases(item, rank, world) for every item."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        for item in items:
-            cases(item, rank, world)
-    except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(world, cases, items):
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, items, errors))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(600)
-    msgs = []
-    while not errors.empty():
-        msgs.append(errors.get())
-    assert not msgs, "\n".join(msgs)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_cp_equals_one_process(world):
-    _spawn(world, _op_cases, list(OPS))
+    spawn(world, _op_cases, list(OPS))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,11 +196,13 @@ def _run_stack(layers, x, **kw):
 
 def _layer_case(kind, batch, rank, world):
     import fla_ext as F
+    dev = device(rank)
     layers, C = _stack(kind)
+    layers.to(dev)
     gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, batch)).encode()))
-    x = torch.randn(1, T, C, generator=gen)
-    w = torch.randn(1, T, C, generator=gen)
-    cu = torch.tensor(BATCHES[batch])
+    x = torch.randn(1, T, C, generator=gen).to(dev)
+    w = torch.randn(1, T, C, generator=gen).to(dev)
+    cu = torch.tensor(BATCHES[batch], device=dev)
     xr = x.clone().requires_grad_(True)
     (_run_stack(layers, xr, cu_seqlens=cu) * w).sum().backward()
     ref_out = _run_stack(layers, x, cu_seqlens=cu).detach()
@@ -262,7 +233,7 @@ def _layer_cases(kind, rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_cp_layers_equal_one_process(world):
-    _spawn(world, _layer_cases, ["gla", "gsa", "rwkv6", "rwkv7"])
+    spawn(world, _layer_cases, ["gla", "gsa", "rwkv6", "rwkv7"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,17 +252,20 @@ class _Stack(torch.nn.Module):
 
 def _wrapped_case(wrapper, rank, world):
     import fla_ext as F
+    dev = device(rank)
     layers, C = _stack("rwkv7")
+    layers.to(dev)
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(1, T, C, generator=gen)
-    w = torch.randn(1, T, C, generator=gen)
-    cu = torch.tensor(BATCHES["mixed"])
+    x = torch.randn(1, T, C, generator=gen).to(dev)
+    w = torch.randn(1, T, C, generator=gen).to(dev)
+    cu = torch.tensor(BATCHES["mixed"], device=dev)
     (_run_stack(layers, x, cu_seqlens=cu) * w).sum().backward()
     ref = {"layers." + n: p.grad.clone() for n, p in layers.named_parameters()}
     layers.zero_grad(set_to_none=True)
     model = _Stack(layers)
     if wrapper == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[rank] if dev.type == "cuda" else None)
     else:
         from torch.distributed.fsdp import fully_shard
         for layer in layers:
@@ -310,4 +284,4 @@ def _wrapped_case(wrapper, rank, world):
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_cp_under_data_parallel_wrappers(wrapper):
-    _spawn(2, _wrapped_case, [wrapper])
+    spawn(2, _wrapped_case, [wrapper])
