@@ -8,7 +8,8 @@ split over W GPUs with NCCL (``cp_context``), for chunk_rwkv7 and chunk_gla.
 
 Each world runs in its own spawned process group, one process per GPU. Per row: the median over
 reps of the slowest rank's fwd+bwd (every rep starts at a barrier), the peak memory of the most
-loaded GPU (inputs, outputs and gradients included), the bytes each rank all-gathers and
+loaded GPU (inputs, outputs and gradients included), the largest relative error of any rank's
+output, final state or input gradient against the one-GPU op on the whole sequence, the bytes each rank all-gathers and
 all-reduces per fwd+bwd, and the longest T that fits: the peak measured at T and T / 2 fitted
 by a line in T, solved for the GPU's memory, and the longest of that length and 90%, 80%, ...
 of it (rounded down to 4096 W) that runs.
@@ -43,6 +44,31 @@ def slice_inputs(op, T, world, rank, H, K, dtype, device):
         return [leaf(n()), leaf(n()), leaf(n()), leaf(torch.nn.functional.logsigmoid(n() + 3))]
     kk = torch.nn.functional.normalize(n(), dim=-1)
     return [leaf(n()), leaf(-0.6 * torch.sigmoid(n())), leaf(n()), leaf(n()), leaf(-kk), leaf(kk * 0.5)]
+
+
+def check(op, T, world, rank, H, K, dtype, device):
+    """The largest relative L2 error of this rank's output slice, the final state and its input
+    gradients' slices against the one-GPU op on the whole sequence (every rank computes it)."""
+    gen = torch.Generator(device=device).manual_seed(7)
+    n = lambda: torch.randn(1, T, H, K, device=device, generator=gen)  # noqa: E731
+    if op == "chunk_gla":
+        xs = [n(), n(), n(), torch.nn.functional.logsigmoid(n() + 3)]
+    else:
+        kk = torch.nn.functional.normalize(n(), dim=-1)
+        xs = [n(), -0.6 * torch.sigmoid(n()), n(), n(), -kk, kk * 0.5]
+    xs = [x.to(dtype) for x in xs]
+    f = getattr(fla_ext, op)
+    full = [x.clone().requires_grad_(True) for x in xs]
+    o, ht = f(*full, output_final_state=True, cu_seqlens=torch.tensor([0, T], device=device))
+    (o.float().sum() + ht.sum()).backward()
+    a, b = rank * T // world, (rank + 1) * T // world
+    part = [x[:, a:b].clone().requires_grad_(True) for x in xs]
+    ctx = fla_ext.cp.build_cp_context(torch.tensor([0, T], device=device))
+    oc, htc = f(*part, output_final_state=True, cp_context=ctx)
+    (oc.float().sum() + htc.sum() / world).backward()  # the replicated final state: once in all
+    rel = lambda x, y: ((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item()  # noqa: E731
+    errs = [rel(oc, o[:, a:b]), rel(htc, ht)] + [rel(p.grad, x.grad[:, a:b]) for p, x in zip(part, full)]
+    return max(errs)
 
 
 def step_fn(op, x, ctx, cu):
@@ -158,6 +184,10 @@ def worker(rank, world, port, args, queue):
             row = dict(op=op, world=world, B=1, T=T, H=H, K=K, V=K, dtype=str(dtype).split(".")[-1],
                        ms=ms, peak_mib=most(peak) / 2**20, gather_bytes_per_rank=c.gather,
                        allreduce_bytes_per_rank=c.reduce)
+            if world > 1:
+                row["max_rel_err_vs_one_gpu"] = most(check(op, T, world, rank, H, K, dtype, device))
+                if row["max_rel_err_vs_one_gpu"] > (1e-2 if dtype != torch.float32 else 1e-5):
+                    raise AssertionError(f"{op} at world {world} differs from one GPU: {row}")
             if rank == 0:
                 queue.put(row)
                 print(json.dumps(row), flush=True)

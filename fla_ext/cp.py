@@ -39,7 +39,6 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._fake_checks import MAX_HEAD_DIM
 from .checks import check_cu_seqlens_values
 
 __all__ = ["CPContext", "build_cp_context"]
@@ -175,14 +174,14 @@ class _After(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------------
-# The algorithm, for any family: `run_slice(cu, h0, first_in)` runs the op on the local slice
-# with local boundaries cu (host list) and initial states h0 ([n, *state] or None), returning
-# (o, final states [n, *state], readout, M); where first_in, readout and M describe how the
-# first sequence's rows [0, cu[1]) carry a start state S through: readout(S) is what S adds to
-# their outputs, M (flat, `m_numel` long) their state map; `apply(M, S)` is M applied to S.
-# Every piece of a family's state recurrence is linear in the start state, so the output of a
-# sequence continuing into this slice is its zero-start output plus readout(S_in), and its end
-# state M S_in plus its zero-start end state: nothing runs again once S_in is known.
+# The algorithm, for any family: `run_rows(rows, cu, h0)` runs the op on rows [0, rows) of the
+# local slice with local boundaries cu (host list) and initial states h0 ([n, *state] or None),
+# returning (o, final states [n, *state]); `carry(rows)` describes how rows [0, rows) of the
+# first sequence carry a start state S through: (readout, M) with readout(S) what S adds to
+# those rows' outputs and M (flat, `m_numel` long) their state map; `apply(M, S)` is M applied
+# to S. Every piece of a family's state recurrence is linear in the start state, so the output
+# of a sequence continuing into this slice is its zero-start output plus readout(S_in), and its
+# end state M S_in plus its zero-start end state: nothing runs again once S_in is known.
 
 
 def _begin_rank(ctx: CPContext) -> int:
@@ -194,7 +193,7 @@ def _begin_rank(ctx: CPContext) -> int:
     return r0
 
 
-def run(ctx: CPContext, *, run_slice: Callable, m_numel: int, apply: Callable,
+def run(ctx: CPContext, *, run_rows: Callable, carry: Callable, m_numel: int, apply: Callable,
         state_shape, state_dtype, initial_state, output_final_state: bool, device):
     if not isinstance(ctx, CPContext):
         raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
@@ -216,8 +215,9 @@ def run(ctx: CPContext, *, run_slice: Callable, m_numel: int, apply: Callable,
         h0 = initial_state[s.n0:s.n1] if initial_state is not None else zeros(nl)
         if s.first_in:
             h0 = torch.cat([zeros(1), h0[1:]])
-    o, ht, readout, m_first = run_slice(cu, h0, s.first_in)
     first_rows = cu[1]
+    o, ht = run_rows(ctx.local_rows, cu, h0)
+    readout, m_first = carry(first_rows) if s.first_in else (None, None)
 
     # 2. What the sequence cut at this slice's end needs from here: S0, and M where it also began
     #    before this slice (it then spans the whole slice).
@@ -260,15 +260,6 @@ def run(ctx: CPContext, *, run_slice: Callable, m_numel: int, apply: Callable,
 
 # ------------------------------------------------------------------------------------------------
 # Families
-
-
-def _run_then_carry(run_rows, carry):
-    """run_slice from `run_rows(rows, cu, h0)` -> (o, final states), the op on the slice's first
-    `rows` rows, and `carry(rows)` -> (readout, M) of the first sequence's rows."""
-    def run_slice(cu, h0, first_in):
-        o, ht = run_rows(cu[-1], cu, h0)
-        return (o, ht, *carry(cu[1])) if first_in else (o, ht, None, None)
-    return run_slice
 
 
 def _local_cu(cu, device) -> dict:
@@ -389,7 +380,7 @@ def _diag_carry(q, gk, gv, scale, H, K, V, dtype, exclusive_reader=False):
     o_t = scale q_t^T S_t (RWKV6: S_{t-1}, the exclusive reader): a start state S reaches row t
     as diag(e^Gk_t) S diag(e^Gv_t), G the running sums of the log decays (never positive, so
     the exponentials cannot overflow). M = (e^Gk, e^Gv) at the last row, flat [H, K + V].
-    The readers are formed before the all-gather, while other ranks still run their slices."""
+    The reader is formed before the all-gather, while other ranks still run their slices."""
     def fn(rows):
         dev = q.device
         if gk is not None:
@@ -426,7 +417,7 @@ def gla(op, ctx, q, k, v, gk, gv, scale, initial_state, output_final_state, extr
         return op(_rows(q, rows), _rows(k, rows), _rows(v, rows), _rows(gk, rows), gv=_rows(gv, rows),
                   scale=scale, initial_state=h0, output_final_state=True, **_local_cu(cu, q.device),
                   **extra)
-    return run(ctx, run_slice=_run_then_carry(run_rows, _diag_carry(q, gk, gv, scale, H, K, V, acc)),
+    return run(ctx, run_rows=run_rows, carry=_diag_carry(q, gk, gv, scale, H, K, V, acc),
                m_numel=H * (K + V), apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
                initial_state=initial_state, output_final_state=output_final_state, device=k.device)
 
@@ -440,7 +431,7 @@ def rwkv6(op, ctx, r, k, v, w, u, scale, initial_state, output_final_state):
         return op(_rows(r, rows), _rows(k, rows), _rows(v, rows), _rows(w, rows), u, scale=scale,
                   initial_state=h0, output_final_state=True, **_local_cu(cu, r.device))
     carry = _diag_carry(r, w, None, scale, H, K, V, acc, exclusive_reader=True)
-    return run(ctx, run_slice=_run_then_carry(run_rows, carry), m_numel=H * (K + V),
+    return run(ctx, run_rows=run_rows, carry=carry, m_numel=H * (K + V),
                apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
                initial_state=initial_state, output_final_state=output_final_state, device=k.device)
 
@@ -449,9 +440,7 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
     """chunk_rwkv7 / fused_recurrent_rwkv7. The rows' map P_t = the product of their transitions
     (diag(e^w) + b a^T) acts on each value column of the state alike, so the op run from the
     identity with v = 0 gives both what a start state S adds to row t (its output Y_t, times S)
-    and M = P at the last row (its final state). That run rides along as K more value columns
-    of the slice's own run (zero values, the identity as the first sequence's start state) where
-    K + V is a head dim the op takes, else it is a second run over the first sequence's rows."""
+    and M = P at the last row (its final state)."""
     H, K, V = k.shape[2], k.shape[3], v.shape[3]
     acc = torch.float64 if r.dtype == torch.float64 else torch.float32
 
@@ -459,30 +448,21 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
         return op(_rows(r, rows), _rows(w, rows), _rows(k, rows), vv, _rows(a, rows), _rows(b, rows),
                   scale=scale, initial_state=h0, output_final_state=True, **_local_cu(cu, r.device))
 
-    def run_slice(cu, h0, first_in):
-        rows = cu[-1]
-        if not first_in:
-            return (*call(rows, cu, h0, v), None, None)
-        eye = torch.eye(K, dtype=acc, device=r.device).expand(1, H, K, K)
-        if K + V <= MAX_HEAD_DIM:
-            v_more = torch.cat([v, torch.zeros(1, rows, H, K, dtype=v.dtype, device=v.device)], -1)
-            h0_more = torch.cat([h0, torch.cat([eye, eye.new_zeros(h0.shape[0] - 1, H, K, K)])], -1)
-            o_more, ht_more = call(rows, cu, h0_more, v_more)
-            o, ht = o_more[..., :V], ht_more[..., :V]
-            reader, m = o_more[:, :cu[1], :, V:], ht_more[0, :, :, V:]
-        else:
-            o, ht = call(rows, cu, h0, v)
-            zero_v = torch.zeros(1, cu[1], H, K, dtype=v.dtype, device=v.device)
-            reader, m = call(cu[1], cu[:2], eye.contiguous(), zero_v)
-            m = m[0]
+    def run_rows(rows, cu, h0):
+        return call(rows, cu, h0, _rows(v, rows))
+
+    def carry(rows):
+        eye = torch.eye(K, dtype=acc, device=r.device).expand(1, H, K, K).contiguous()
+        zero_v = torch.zeros(1, rows, H, K, dtype=v.dtype, device=v.device)
+        reader, m = call(rows, [0, rows], eye, zero_v)
 
         def readout(state):  # [H, K, V] -> [1, rows, H, V]
-            return torch.einsum("bthk,hkv->bthv", reader.to(acc), state)
-        return o, ht, readout, m
+            return _ReadState.apply(reader[0].to(acc), state).unsqueeze(0)
+        return readout, m[0]
 
     def apply(m, state):
         return torch.matmul(m.reshape(H, K, K), state)
-    return run(ctx, run_slice=run_slice, m_numel=H * K * K, apply=apply,
+    return run(ctx, run_rows=run_rows, carry=carry, m_numel=H * K * K, apply=apply,
                state_shape=(H, K, V), state_dtype=acc, initial_state=initial_state,
                output_final_state=output_final_state, device=k.device)
 

@@ -68,8 +68,6 @@ OPS = {  # name -> (family, call(fla_ext, x, h0, **kw) -> (o, final))
     "chunk_rwkv6": ("rwkv6", lambda F, x, h0, **kw: F.chunk_rwkv6(x["q"], x["k"], x["v"], x["g"], x["u"], initial_state=h0, **kw)),
     "fused_recurrent_rwkv6": ("rwkv6", lambda F, x, h0, **kw: F.fused_recurrent_rwkv6(x["q"], x["k"], x["v"], x["g"], x["u"], initial_state=h0, **kw)),
     "chunk_rwkv7": ("rwkv7", lambda F, x, h0, **kw: F.chunk_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
-    # K + V above the largest head dim: the identity run is a second call, not more columns
-    "chunk_rwkv7_wide": ("rwkv7", lambda F, x, h0, **kw: F.chunk_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
     "fused_recurrent_rwkv7": ("rwkv7", lambda F, x, h0, **kw: F.fused_recurrent_rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], initial_state=h0, **kw)),
     "fused_mul_recurrent_rwkv7": ("rwkv7_mul", lambda F, x, h0, **kw: F.fused_mul_recurrent_rwkv7(x["r"], x["w"], x["k"], x["v"], x["kk"], x["a"], initial_state=h0, **kw)),
     "chunk_gsa": ("gsa", lambda F, x, h0, **kw: F.chunk_gsa(x["q"], x["k"], x["v"], x["s"], x["g"], initial_state=h0, **kw)),
@@ -96,8 +94,6 @@ def _flat(final):
 def _case(F, op, batch, h0_on, fin_on, rank, world):
     family, call = OPS[op]
     H, K, V = 2, 8, 4 if not family.startswith("rwkv7") else 6
-    if op.endswith("_wide"):
-        H, K, V = 1, 130, 129
     gen = torch.Generator().manual_seed(zlib.crc32(repr((op, batch, h0_on, fin_on)).encode()))  # same on every rank
     cu = BATCHES[batch]
     N = len(cu) - 1
