@@ -216,6 +216,35 @@ def worker(rank, world, port, args, queue):
         raise
 
 
+def plot(doc, path):
+    """ms, peak memory per GPU and the longest T against the number of GPUs, one line per op."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for op in sorted({r["op"] for r in doc["rows"]}):
+        rows = sorted((r for r in doc["rows"] if r["op"] == op), key=lambda r: r["world"])
+        ws = [r["world"] for r in rows]
+        axes[0].plot(ws, [r["ms"] for r in rows], "o-", label=op)
+        axes[1].plot(ws, [r["peak_mib"] / 1024 for r in rows], "o-", label=op)
+        if all(r.get("max_T") for r in rows):
+            axes[2].plot(ws, [r["max_T"] / 2**20 for r in rows], "o-", label=op)
+    t = doc["rows"][0]
+    for ax, title in zip(axes, [f"fwd+bwd ms, T = {t['T']}", "peak GiB per GPU", "longest T (Mi tokens)"]):
+        ax.set_title(title)
+        ax.set_xlabel("GPUs")
+        ax.set_xticks(sorted({r["world"] for r in doc["rows"]}))
+        ax.legend()
+    fig.suptitle(f"context parallelism, {doc['gpu']}, B = 1, H = {t['H']}, K = V = {t['K']}, {t['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -246,8 +275,13 @@ def main(argv=None):
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--T", type=int, default=None)
     p.add_argument("--no-max-t", dest="max_t", action="store_false")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a results file")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            print(plot(json.load(f), args.replot[:-len(".json")] + ".png"))
+        return 0
     args.ops = args.ops.split(",")
     args.heads, args.head_dim = (2, 16) if args.quick else (16, 64)
     args.T = args.T or (1024 if args.quick else 131072)
@@ -270,11 +304,11 @@ def main(argv=None):
     tag = gpu.lower().replace("nvidia", "").strip().split()[0] if args.device == "cuda" else "cpu"
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{tag}x{max(worlds)}_cp.json")
+    doc = dict(gpu=gpu, gpus=max(worlds), torch=torch.__version__,
+               timing="median over reps of the slowest rank, wall clock between barriers", rows=rows)
     with open(path, "w") as f:
-        json.dump(dict(gpu=gpu, gpus=max(worlds), torch=torch.__version__,
-                       timing="median over reps of the slowest rank, wall clock between barriers",
-                       rows=rows), f, indent=1)
-    print(f"wrote {path}")
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}", plot(doc, path[:-len(".json")] + ".png") if rows else "")
     return 1 if errors else 0
 
 
