@@ -6,9 +6,9 @@ the model must store the pairs in its recurrent state and read them back. Chance
 1 / (number of values). For every layer type the demo prints the parameter count, training
 tokens/s, the final loss, the recall accuracy on fresh sequences, and whether decoding token by
 token with the state cache reproduces the full-sequence predictions; it writes a PNG of the loss
-curves. Then it trains a small RWKV7ForCausalLM through fla_ext.models (transformers' model
-classes: loss from labels, cached generate(), save / AutoModelForCausalLM load) and plots its
-loss. Runs on the best device present (a few minutes on a laptop CPU with the defaults).
+curves. Then it trains small RWKV7ForCausalLM and GLAForCausalLM models through fla_ext.models
+(transformers' model classes: loss from labels, cached generate(), save / AutoModelForCausalLM
+load) and plots their losses. Runs on the best device present (a few minutes on a laptop CPU with the defaults).
 
     python examples/demo.py                      # all four layer types, defaults
     python examples/demo.py --layers rwkv7 --steps 600 --seq-len 128 --num-kv 16 --n-keys 64
@@ -118,7 +118,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="demo_out", help="folder for the loss-curve PNGs")
     ap.add_argument("--lm-steps", type=int, default=60,
-                    help="steps of the RWKV7ForCausalLM phase (0: skip it)")
+                    help="steps of each language-model phase (0: skip them)")
     args = ap.parse_args()
     device = torch.device(args.device)
     print(f"MQAR: {args.num_kv} key-value pairs, sequences of {args.seq_len} tokens, "
@@ -172,42 +172,46 @@ def main():
 
 
 def language_model(args, device):
-    """A small RWKV7ForCausalLM (fla_ext.models, transformers' conventions) trained through the
-    model class: loss, cached generate(), the save / Auto load round trip, a loss plot."""
+    """Small causal LMs of two families (fla_ext.models, transformers' conventions) trained through
+    the model classes: loss, cached generate(), the save / Auto load round trip, a loss plot."""
     try:
         import transformers  # noqa: F401
     except ImportError:
         print("\n(transformers not installed: `pip install fla_ext[models]` for the model classes)")
         return
-    from lm import train_rwkv7_lm
-    print(f"\nLanguage model: RWKV7ForCausalLM, {args.lm_steps} steps on arithmetic sequences")
-    try:
-        from tqdm import tqdm
-        pbar = tqdm(total=args.lm_steps, ncols=90)
+    from lm import train_lm
+    curves = {}
+    for family in ("rwkv7", "gla"):
+        print(f"\nLanguage model ({family}), {args.lm_steps} steps on arithmetic sequences")
+        try:
+            from tqdm import tqdm
+            pbar = tqdm(total=args.lm_steps, ncols=90)
 
-        def report(step, loss):
-            pbar.set_description(f"rwkv7 LM loss {loss:.3f}")
-            pbar.update(1)
-    except ImportError:
-        pbar = None
+            def report(step, loss):
+                pbar.set_description(f"{family} LM loss {loss:.3f}")
+                pbar.update(1)
+        except ImportError:
+            pbar = None
 
-        def report(step, loss):
-            if step % 20 == 0 or step == args.lm_steps - 1:
-                print(f"  step {step:4d}  loss {loss:.3f}", flush=True)
-    r = train_rwkv7_lm(args.lm_steps, device, report)
-    if pbar is not None:
-        pbar.close()
-    print(f"RWKV7ForCausalLM ({r['params']} parameters): loss {r['losses'][0]:.3f} -> "
-          f"{r['losses'][-1]:.3f}; cached greedy generate continues {r['correct']:.0%} of held-out "
-          f"tokens correctly; save_pretrained / AutoModelForCausalLM round trip identical: {r['same']}")
+            def report(step, loss):
+                if step % 20 == 0 or step == args.lm_steps - 1:
+                    print(f"  step {step:4d}  loss {loss:.3f}", flush=True)
+        r = train_lm(family, args.lm_steps, device, report)
+        if pbar is not None:
+            pbar.close()
+        curves[r["name"]] = r["losses"]
+        print(f"{r['name']} ({r['params']} parameters): loss {r['losses'][0]:.3f} -> "
+              f"{r['losses'][-1]:.3f}; cached greedy generate continues {r['correct']:.0%} of held-out "
+              f"tokens correctly; save_pretrained / AutoModelForCausalLM round trip identical: {r['same']}")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(r["losses"])
-        ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_yscale("log")
-        ax.set_title("RWKV7ForCausalLM training loss")
+        for name, losses in curves.items():
+            ax.plot(losses, label=name)
+        ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_yscale("log"), ax.legend()
+        ax.set_title("training loss through fla_ext.models")
         path = os.path.join(args.out, "lm_loss.png")
         fig.tight_layout(), fig.savefig(path, dpi=120)
         print(f"wrote {path}")

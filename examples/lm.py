@@ -2,7 +2,8 @@
 
 * ``TinyLM``: a small model built from fla_ext's layers (embedding, pre-norm blocks of a token
   mixer + SwiGLU MLP, norm, tied head), used by demo.py (MQAR training) and generate.py.
-* Run as a script: trains a small ``fla_ext.models.RWKV7ForCausalLM`` (transformers' conventions,
+* Run as a script: trains a small ``fla_ext.models.RWKV7ForCausalLM`` (``--family``: or RWKV6,
+  GSA, GLA; transformers' conventions,
   fla's config and parameter names; ``pip install fla_ext[models]``) for a few steps on a
   synthetic task (arithmetic sequences), prints the loss, generates with the cache and saves / reloads it through
   ``AutoModelForCausalLM``::
@@ -69,23 +70,33 @@ class TinyLM(nn.Module):
         return self.norm(x) @ self.embed.weight.T
 
 
-def train_rwkv7_lm(steps: int, device, report=None) -> dict:
-    """Trains a small ``fla_ext.models.RWKV7ForCausalLM`` (transformers' conventions) on
-    arithmetic sequences mod the vocabulary (each token follows from the two before it), then
-    continues held-out sequences with cached greedy ``generate()`` and checks the
-    save_pretrained / AutoModelForCausalLM round trip. report(step, loss) after each step."""
+SMALL = {  # a small model of each family, fla's config fields
+    "rwkv7": dict(hidden_size=128, num_hidden_layers=2, head_dim=32, decay_low_rank_dim=16,
+                  gate_low_rank_dim=32, a_low_rank_dim=16, v_low_rank_dim=16),
+    "rwkv6": dict(hidden_size=128, num_hidden_layers=2, num_heads=4, proj_low_rank_dim=16,
+                  gate_low_rank_dim=32),
+    "gsa": dict(hidden_size=128, num_hidden_layers=2, num_heads=4, num_slots=16),
+    "gla": dict(hidden_size=128, num_hidden_layers=2, num_heads=4),
+}
+
+
+def train_lm(family: str, steps: int, device, report=None) -> dict:
+    """Trains a small ``fla_ext.models`` causal LM of ``family`` (rwkv7, rwkv6, gsa, gla;
+    transformers' conventions) on arithmetic sequences mod the vocabulary (each token follows
+    from the two before it), then continues held-out sequences with cached greedy
+    ``generate()`` and checks the save_pretrained / AutoModelForCausalLM round trip.
+    report(step, loss) after each step."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
 
-    from fla_ext.models import RWKV7Config, RWKV7ForCausalLM
+    from fla_ext.models import FAMILIES
 
     torch.manual_seed(0)
     vocab, half = 64, 24
-    config = RWKV7Config(hidden_size=128, num_hidden_layers=2, head_dim=32, vocab_size=vocab,
-                         decay_low_rank_dim=16, gate_low_rank_dim=32, a_low_rank_dim=16,
-                         v_low_rank_dim=16, bos_token_id=0, eos_token_id=None)
-    model = RWKV7ForCausalLM(config).to(device)
+    config_class, _, lm_class = FAMILIES[family]
+    config = config_class(**SMALL[family], vocab_size=vocab, bos_token_id=0, eos_token_id=None)
+    model = lm_class(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def batch(n=16):
@@ -104,20 +115,23 @@ def train_rwkv7_lm(steps: int, device, report=None) -> dict:
             report(step, losses[-1])
     model.eval()
     full = batch(4)
-    out = model.generate(full[:, :half], max_new_tokens=half, do_sample=False, pad_token_id=0)
+    prompt = full[:, :half]  # every token real: with no mask, generate() would take token 0 for padding
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=half, do_sample=False,
+                         pad_token_id=0)
     correct = (out[:, half:] == full[:, half:]).float().mean().item()
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         again = AutoModelForCausalLM.from_pretrained(d).to(device).eval()
         with torch.no_grad():
             same = torch.equal(again(full).logits, model(full).logits)
-    return dict(losses=losses, correct=correct, same=same,
+    return dict(losses=losses, correct=correct, same=same, name=type(model).__name__,
                 params=sum(p.numel() for p in model.parameters()))
 
 
 def main() -> None:
     import argparse
-    p = argparse.ArgumentParser(description="train a small RWKV7ForCausalLM, then generate")
+    p = argparse.ArgumentParser(description="train a small fla_ext.models causal LM, then generate")
+    p.add_argument("--family", default="rwkv7", choices=sorted(SMALL))
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
@@ -125,7 +139,8 @@ def main() -> None:
     def report(step, loss):
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  loss {loss:.3f}", flush=True)
-    r = train_rwkv7_lm(args.steps, args.device, report)
+    r = train_lm(args.family, args.steps, args.device, report)
+    print(f"{r['name']}, {r['params']} parameters")
     print(f"greedy continuation (cached generate) correct: {r['correct']:.2f}")
     print(f"save_pretrained / AutoModelForCausalLM.from_pretrained round trip identical: {r['same']}")
 

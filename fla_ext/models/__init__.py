@@ -1,18 +1,35 @@
 """Language models in transformers' conventions (``pip install fla_ext[models]``), with fla's
-config fields and parameter names: ``RWKV7Config``, ``RWKV7Model``, ``RWKV7ForCausalLM``,
-registered with transformers' Auto classes under fla's model type (``rwkv7``)."""
+config fields and parameter names, for RWKV-7, RWKV-6, GSA and GLA: ``<Family>Config``,
+``<Family>Model``, ``<Family>ForCausalLM``, registered with transformers' Auto classes under fla's
+model types (``rwkv7``, ``rwkv6``, ``gsa``, ``gla``). Shared pieces: causal_lm.py (backbone,
+head, init), blocks.py (RWKV and gated-MLP blocks), channel_mix.py (RWKV's FFNs), losses.py."""
+from .blocks import GatedMLP
+from .channel_mix import RWKV6FeedForward, RWKV7FeedForward
+from .gla import GLABlock, GLAConfig, GLAForCausalLM, GLAModel
+from .gsa import GSABlock, GSAConfig, GSAForCausalLM, GSAModel
 from .losses import L2Wrap, chunked_cross_entropy
-from .rwkv7 import RWKV7Block, RWKV7Config, RWKV7FeedForward, RWKV7ForCausalLM, RWKV7Model
+from .rwkv6 import RWKV6Block, RWKV6Config, RWKV6ForCausalLM, RWKV6Model
+from .rwkv7 import RWKV7Block, RWKV7Config, RWKV7ForCausalLM, RWKV7Model
 
-__all__ = ["L2Wrap", "chunked_cross_entropy", "RWKV7Block", "RWKV7Config", "RWKV7FeedForward",
-           "RWKV7ForCausalLM", "RWKV7Model"]
+FAMILIES = {  # model type -> (config, model, causal LM)
+    "rwkv7": (RWKV7Config, RWKV7Model, RWKV7ForCausalLM),
+    "rwkv6": (RWKV6Config, RWKV6Model, RWKV6ForCausalLM),
+    "gsa": (GSAConfig, GSAModel, GSAForCausalLM),
+    "gla": (GLAConfig, GLAModel, GLAForCausalLM),
+}
+
+__all__ = ["FAMILIES", "GatedMLP", "L2Wrap", "chunked_cross_entropy", "RWKV6FeedForward",
+           "RWKV7FeedForward", "GLABlock", "GLAConfig", "GLAForCausalLM", "GLAModel", "GSABlock",
+           "GSAConfig", "GSAForCausalLM", "GSAModel", "RWKV6Block", "RWKV6Config", "RWKV6ForCausalLM",
+           "RWKV6Model", "RWKV7Block", "RWKV7Config", "RWKV7ForCausalLM", "RWKV7Model"]
 
 
 def _register() -> None:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-    AutoConfig.register(RWKV7Config.model_type, RWKV7Config, exist_ok=True)
-    AutoModel.register(RWKV7Config, RWKV7Model, exist_ok=True)
-    AutoModelForCausalLM.register(RWKV7Config, RWKV7ForCausalLM, exist_ok=True)
+    for config, model, lm in FAMILIES.values():
+        AutoConfig.register(config.model_type, config, exist_ok=True)
+        AutoModel.register(config, model, exist_ok=True)
+        AutoModelForCausalLM.register(config, lm, exist_ok=True)
 
 
 _register()

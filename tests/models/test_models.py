@@ -1,7 +1,8 @@
-"""fla_ext.models' RWKV7ForCausalLM through transformers (CPU): the loss from labels and its
-backward, cached greedy generate() equal to greedy over full forwards, save_pretrained /
-AutoModelForCausalLM.from_pretrained with identical logits, gradient checkpointing, left padding,
-the chunked cross-entropy, bf16."""
+"""fla_ext.models' four causal LMs (RWKV-7, RWKV-6, GSA, GLA) through transformers (CPU): the
+loss from labels and its backward, cached greedy generate() equal to greedy over full forwards,
+save_pretrained / AutoModelForCausalLM.from_pretrained with identical logits, gradient
+checkpointing, left padding, the chunked cross-entropy, bf16; fla's checkpoints where fla
+imports (the GPU machine)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,20 +11,30 @@ transformers = pytest.importorskip("transformers")
 from fla_ext import models  # noqa: E402
 
 
-def tiny(**kw):
-    cfg = dict(hidden_size=64, num_hidden_layers=2, head_dim=16, vocab_size=97, decay_low_rank_dim=8,
-               gate_low_rank_dim=8, a_low_rank_dim=8, v_low_rank_dim=8, attn_mode="chunk")
-    cfg.update(kw)
+CONFIGS = {  # tiny models of each family, fla's config fields
+    "rwkv7": dict(hidden_size=64, num_hidden_layers=2, head_dim=16, vocab_size=97, decay_low_rank_dim=8,
+                  gate_low_rank_dim=8, a_low_rank_dim=8, v_low_rank_dim=8),
+    "rwkv6": dict(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=97, proj_low_rank_dim=8,
+                  gate_low_rank_dim=16),
+    "gsa": dict(hidden_size=64, num_hidden_layers=2, num_heads=4, num_slots=8, vocab_size=97),
+    "gla": dict(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=97),
+}
+family = pytest.mark.parametrize("family", list(CONFIGS))
+
+
+def tiny(family, **kw):
+    config, _, lm = models.FAMILIES[family]
     torch.manual_seed(0)
-    model = models.RWKV7ForCausalLM(models.RWKV7Config(**cfg))
-    with torch.no_grad():  # the channel mix's value and the heads start at 0 / tiny: give them weight
+    model = lm(config(**{**CONFIGS[family], "fuse_norm": False, **kw}))
+    with torch.no_grad():  # zero-initialised weights (RWKV-7's channel-mix value): give them weight
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     return model.eval()
 
 
-def test_loss_and_backward():
-    m = tiny(use_l2warp=False)
+@family
+def test_loss_and_backward(family):
+    m = tiny(family, use_l2warp=False)
     x = torch.randint(0, 97, (2, 40))
     out = m(x, labels=x)
     want = F.cross_entropy(out.logits[:, :-1].reshape(-1, 97).float(), x[:, 1:].reshape(-1))
@@ -32,8 +43,9 @@ def test_loss_and_backward():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
 
 
-def test_chunked_cross_entropy_and_l2wrap():
-    m = tiny()
+@family
+def test_chunked_cross_entropy_and_l2wrap(family):
+    m = tiny(family, use_l2warp=True)
     x = torch.randint(0, 97, (2, 40))
     plain = m(x, labels=x)
     plain.loss.backward()
@@ -48,8 +60,9 @@ def test_chunked_cross_entropy_and_l2wrap():
         torch.testing.assert_close(p.grad, g[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_cached_generate_equals_greedy_full_forwards():
-    m = tiny()
+@family
+def test_cached_generate_equals_greedy_full_forwards(family):
+    m = tiny(family)
     x = torch.randint(0, 97, (2, 11))
     m.generation_config.eos_token_id = None  # no early stop: compare all 8 tokens
     got = m.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -61,19 +74,22 @@ def test_cached_generate_equals_greedy_full_forwards():
     assert torch.equal(got, seq)
 
 
-def test_save_and_auto_load(tmp_path):
-    m = tiny()
+@family
+def test_save_and_auto_load(family, tmp_path):
+    m = tiny(family)
     m.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(loaded) is models.RWKV7ForCausalLM
+    assert type(loaded) is type(m)
     x = torch.randint(0, 97, (1, 30))
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, m(x).logits, rtol=0, atol=0)
-    assert type(transformers.AutoConfig.from_pretrained(tmp_path)) is models.RWKV7Config
+    assert type(transformers.AutoConfig.from_pretrained(tmp_path)) is type(m.config)
+    assert type(transformers.AutoModel.from_pretrained(tmp_path)) is models.FAMILIES[family][1]
 
 
-def test_gradient_checkpointing_same_gradients():
-    m = tiny().train()
+@family
+def test_gradient_checkpointing_same_gradients(family):
+    m = tiny(family).train()
     x = torch.randint(0, 97, (1, 24))
     m(x, labels=x).loss.backward()
     g = {n: p.grad.clone() for n, p in m.named_parameters()}
@@ -84,8 +100,9 @@ def test_gradient_checkpointing_same_gradients():
         torch.testing.assert_close(p.grad, g[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
-def test_left_padding():
-    m = tiny()
+@family
+def test_left_padding(family):
+    m = tiny(family)
     a, b = torch.randint(1, 97, (1, 12)), torch.randint(1, 97, (1, 7))
     batch = torch.cat([a, torch.cat([torch.zeros(1, 5, dtype=torch.long), b], 1)])
     mask = torch.cat([torch.ones(1, 12), torch.cat([torch.zeros(1, 5), torch.ones(1, 7)], 1)]).long()
@@ -95,8 +112,9 @@ def test_left_padding():
     torch.testing.assert_close(padded[1, 5:], alone[0], rtol=1e-4, atol=1e-5)
 
 
-def test_bf16_finite():
-    m = tiny().to(torch.bfloat16)
+@family
+def test_bf16_finite(family):
+    m = tiny(family).to(torch.bfloat16)
     x = torch.randint(0, 97, (2, 70))
     out = m(x, labels=x)
     assert torch.isfinite(out.loss) and torch.isfinite(out.logits.float()).all()
@@ -120,20 +138,51 @@ def test_example_trains_and_generates():
 
 
 @pytest.mark.cuda
-def test_fla_checkpoint_loads_with_the_same_logits(tmp_path):
-    """A checkpoint saved by fla's RWKV7ForCausalLM (where fla imports: the GPU machine) loads
-    with no missing or unexpected key and gives fla's logits."""
+@family
+def test_fla_checkpoint_loads_with_the_same_logits(family, tmp_path):
+    """A checkpoint saved by fla's model of the same family (where fla imports: the GPU machine)
+    loads with no missing or unexpected key and gives fla's logits."""
     fla_models = pytest.importorskip("fla.models")
     if not torch.cuda.is_available():
         pytest.skip("fla's kernels need CUDA")
-    cfg = dict(hidden_size=64, num_hidden_layers=2, head_dim=16, vocab_size=97, decay_low_rank_dim=8,
-               gate_low_rank_dim=8, a_low_rank_dim=8, v_low_rank_dim=8, fuse_norm=False)
+    name = {"rwkv7": "RWKV7", "rwkv6": "RWKV6", "gsa": "GSA", "gla": "GLA"}[family]
+    cfg = dict(CONFIGS[family], fuse_norm=False)
     torch.manual_seed(0)
-    theirs = fla_models.RWKV7ForCausalLM(fla_models.RWKV7Config(**cfg)).cuda().eval()
+    theirs = getattr(fla_models, f"{name}ForCausalLM")(getattr(fla_models, f"{name}Config")(**cfg)).cuda().eval()
+    with torch.no_grad():  # weight in every parameter, so that each one matters to the logits
+        for p in theirs.parameters():
+            p.add_(0.02 * torch.randn_like(p))
     theirs.save_pretrained(tmp_path)
-    ours, info = models.RWKV7ForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    ours, info = models.FAMILIES[family][2].from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     x = torch.randint(0, 97, (2, 40), device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(ours.cuda().eval()(x).logits.float(), theirs(x).logits.float(),
                                    rtol=1e-3, atol=1e-3)
+
+
+@family
+def test_parameter_names_and_shapes_are_fla_s(family):
+    """Every parameter and buffer fla 0.6.0's model of the same config has, under the same name
+    and shape, and no other (the table was written from fla's classes: fla_state_dicts.json), so
+    its checkpoints load with no missing or unexpected key."""
+    import json
+    import os
+    with open(os.path.join(os.path.dirname(__file__), "fla_state_dicts.json")) as f:
+        want = json.load(f)["families"][family]
+    got = {k: list(v.shape) for k, v in tiny(family).state_dict().items()}
+    assert sorted(set(want) - set(got)) == [], "missing"
+    assert sorted(set(got) - set(want)) == [], "unexpected"
+    assert {k: got[k] for k in want} == want
+
+
+def test_example_prompt_with_token_zero():
+    """examples/lm.py's held-out prompts hold token 0, generate()'s pad_token_id: without an
+    explicit mask transformers took those tokens for padding in the middle of a row, which the
+    layers refuse (this run's prompts have them: it raised before the mask was passed)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "examples"))
+    from lm import train_lm
+    r = train_lm("rwkv7", 15, "cpu")
+    assert r["same"] and len(r["losses"]) == 15
