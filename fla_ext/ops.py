@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import cp as _cp
+from . import wide as _wide
 from .checks import check_cu_seqlens_values, check_finite, checks_enabled, set_checks
 
 __all__ = [
@@ -53,6 +54,11 @@ def _optional_tensors(**named) -> None:
                 f"fla_ext: `{name}` must be a torch.Tensor or None, got {type(x).__name__}")
 
 
+def _full_scale(scale, k):
+    """The scale of the whole head (K^-1/2 unless given), for an op run on key slices."""
+    return k.shape[-1] ** -0.5 if scale is None else scale
+
+
 def _state_in(state, state_v_first: bool):
     """An initial state given as fla's ``state_v_first`` [N, H, V, K], as the ops read it: a
     transposed view (the kernels take any strides)."""
@@ -89,7 +95,7 @@ def fused_recurrent_rwkv6(
     Args:
         r, k, w: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``w`` is the log decay
             (<= 0; ``-inf`` is a hard reset).
-        v: ``[B, T, H, V]``; K and V are independent (1..256).
+        v: ``[B, T, H, V]``; K and V are independent (1..512; above 256 as slices: fla_ext/wide.py).
         u: ``[H, K]`` bonus for the current token.
         scale: defaults to ``K ** -0.5``.
         initial_state: float32 ``[N, H, K, V]``.
@@ -120,6 +126,12 @@ def fused_recurrent_rwkv6(
         return _cp.rwkv6(fused_recurrent_rwkv6, cp_context, r, k, v, w, u, scale, initial_state,
                          output_final_state)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
+    if _wide.needs_slices(r.shape[-1], k.shape[-1], v.shape[-1]):
+        return _wide.by_slices(
+            lambda x, y, h0: torch.ops.fla.fused_recurrent_rwkv6(
+                x["r"], x["k"], y["v"], x["w"], x["u"], _full_scale(scale, k), h0, output_final_state,
+                reverse, cu_seqlens, head_first),
+            dict(r=r, k=k, w=w, u=u), dict(v=v), initial_state, output_final_state)
     o, ht = torch.ops.fla.fused_recurrent_rwkv6(
         r, k, v, w, u, scale, initial_state, output_final_state, reverse, cu_seqlens, head_first
     )
@@ -153,7 +165,7 @@ def fused_recurrent_gla(
     Args:
         q, k, gk: ``[B, T, H, K]`` (``[B, H, T, K]`` if ``head_first``); ``gk`` is the log decay
             on the key dimension (<= 0; ``-inf`` is a hard reset), or None for no decay.
-        v, gv: ``[B, T, H, V]``; K and V are independent (1..256). ``gv`` is the log decay on
+        v, gv: ``[B, T, H, V]``; K and V are independent (1..512; above 256 as slices: fla_ext/wide.py). ``gv`` is the log decay on
             the value dimension (<= 0, ``-inf`` allowed), or None. ``gk`` and ``gv`` may be given
             together; every gradient (``gk`` and ``gv`` included) is returned by autograd.
         scale: defaults to ``K ** -0.5``.
@@ -187,6 +199,14 @@ def fused_recurrent_gla(
         _cp.check_inputs(cp_context, q, head_first, cu_seqlens, reverse, name="q")
         o, ht = _cp.gla(fused_recurrent_gla, cp_context, q, k, v, gk, gv, scale,
                         _state_in(initial_state, state_v_first), output_final_state, {})
+        return o, (_state_out(ht, state_v_first) if output_final_state else None)
+    if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1]):
+        o, ht = _wide.by_slices(
+            lambda x, y, h0: torch.ops.fla.fused_recurrent_gla(
+                x["q"], x["k"], y["v"], x["gk"], y["gv"], _full_scale(scale, k), h0, output_final_state,
+                reverse, cu_seqlens, head_first),
+            dict(q=q, k=k, gk=gk), dict(v=v, gv=gv), _state_in(initial_state, state_v_first),
+            output_final_state)
         return o, (_state_out(ht, state_v_first) if output_final_state else None)
     o, ht = torch.ops.fla.fused_recurrent_gla(
         q, k, v, gk, gv, scale, _state_in(initial_state, state_v_first), output_final_state,
@@ -257,6 +277,14 @@ def chunk_gla(
         return o, (_state_out(ht, state_v_first) if output_final_state else None)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g, gv=gv)
+    if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1]):
+        o, ht = _wide.by_slices(
+            lambda x, y, h0: torch.ops.fla.chunk_gla(
+                x["q"], x["k"], y["v"], x["g"], y["gv"], _full_scale(scale, k), h0, output_final_state,
+                cu_seqlens, head_first),
+            dict(q=q, k=k, g=g), dict(v=v, gv=gv), _state_in(initial_state, state_v_first),
+            output_final_state)
+        return o, (_state_out(ht, state_v_first) if output_final_state else None)
     o, ht = torch.ops.fla.chunk_gla(
         q, k, v, g, gv, scale, _state_in(initial_state, state_v_first), output_final_state,
         cu_seqlens, head_first
@@ -292,6 +320,12 @@ def chunk_rwkv6(
         return _cp.rwkv6(chunk_rwkv6, cp_context, r, k, v, w, u, scale, initial_state,
                          output_final_state)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, r, head_first)
+    if _wide.needs_slices(r.shape[-1], k.shape[-1], v.shape[-1]):
+        return _wide.by_slices(
+            lambda x, y, h0: torch.ops.fla.chunk_rwkv6(
+                x["r"], x["k"], y["v"], x["w"], x["u"], _full_scale(scale, k), h0, output_final_state,
+                cu_seqlens, head_first),
+            dict(r=r, k=k, w=w, u=u), dict(v=v), initial_state, output_final_state)
     o, ht = torch.ops.fla.chunk_rwkv6(
         r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, head_first
     )

@@ -34,8 +34,8 @@ CASES = [
     (dict(u=torch.randn(3, 4)), ValueError, r"`u` must have shape \[H, K\] = \[2, 4\]"),
     (dict(v=torch.randn(2, 5, 2, 6, dtype=torch.float64)), ValueError, r"`v` has dtype Double but `r`"),
     (dict(r=torch.randint(0, 3, (2, 5, 2, 4))), ValueError, r"`r` must be float32, bfloat16 or float16"),
-    (dict(r=torch.randn(2, 5, 2, 300), k=torch.randn(2, 5, 2, 300), w=-torch.rand(2, 5, 2, 300),
-          u=torch.randn(2, 300)), ValueError, r"K \(last dim of r, k, w\) must be in \[1, 256\]"),
+    (dict(r=torch.randn(2, 5, 2, 520), k=torch.randn(2, 5, 2, 520), w=-torch.rand(2, 5, 2, 520),
+          u=torch.randn(2, 520)), ValueError, r"K \(last dim of r, k, w, u\) must be in \[1, 512\]"),
     (dict(initial_state=torch.randn(2, 2, 4, 5)), ValueError, r"`initial_state` must have shape \[N, H, K, V\] = \[2, 2, 4, 6\]"),
     (dict(initial_state=torch.randn(2, 2, 4, 6, dtype=torch.float64)), ValueError, r"`initial_state` must be Float"),
     (dict(cu_seqlens=torch.tensor([0, 5])), ValueError, r"batch size must be 1, got B = 2"),
@@ -69,8 +69,8 @@ GLA_CASES = [
     (dict(gv=-torch.rand(2, 5, 2, 6, dtype=torch.float64)), ValueError, r"`gv` has dtype Double but `v` has dtype Float"),
     (dict(gv=-torch.rand(2, 5, 6)), ValueError, r"`gv` must be 4-D"),
     (dict(gv=[0.0]), TypeError, r"`gv` must be a torch.Tensor or None, got list"),
-    (dict(q=torch.randn(2, 5, 2, 300), k=torch.randn(2, 5, 2, 300), g=-torch.rand(2, 5, 2, 300)),
-     ValueError, r"K \(last dim of q, k, g\) must be in \[1, 256\]"),
+    (dict(q=torch.randn(2, 5, 2, 520), k=torch.randn(2, 5, 2, 520), g=-torch.rand(2, 5, 2, 520)),
+     ValueError, r"K \(last dim of q, k, g\) must be in \[1, 512\]"),
     (dict(initial_state=torch.randn(3, 2, 4, 6)), ValueError, r"`initial_state` must have shape"),
 ]
 

@@ -261,8 +261,8 @@ def test_errors_and_inputs_unchanged(gen):
         fused_recurrent_gla(q, k, v, g, gv=0.5)
     with pytest.raises(ValueError, match=r"`gk` must have the shape of `q`"):
         fused_recurrent_gla(q, k, v, g[..., :3])
-    with pytest.raises(ValueError, match=r"K \(last dim of q, k, gk\) must be in \[1, 256\]"):
-        big = torch.randn(1, 2, 1, 300)
+    with pytest.raises(ValueError, match=r"K \(last dim of q, k, gk\) must be in \[1, 512\]"):
+        big = torch.randn(1, 2, 1, 520)
         fused_recurrent_gla(big, big, torch.randn(1, 2, 1, 4), -big.abs())
     with pytest.raises(TypeError, match="`q` must be a torch.Tensor"):
         fused_recurrent_gla(None, k, v, g)
