@@ -169,6 +169,19 @@ class CausalLMGenerationMixin(GenerationMixin):
                                       hidden_states=out.hidden_states)
 
 
+_BASE_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings")
+
+
+def set_fields(config, fields: dict) -> dict:
+    """A config constructor's arguments (its ``locals()``) as attributes under their names, as
+    fla's configs keep them; returns those that transformers' base config takes itself."""
+    fields = {k: v for k, v in fields.items() if k not in ("self", "kwargs", "__class__")}
+    for k, v in fields.items():
+        if k not in _BASE_FIELDS:
+            setattr(config, k, v)
+    return {k: fields[k] for k in _BASE_FIELDS}
+
+
 def config_base():
     """transformers' config base class (PreTrainedConfig in 5.x, PretrainedConfig in 4.x)."""
     try:

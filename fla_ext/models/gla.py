@@ -7,7 +7,8 @@ import torch.nn as nn
 
 from ..layers import GatedLinearAttention
 from .blocks import GatedMLPBlock
-from .causal_lm import CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, unsupported_attn
+from .causal_lm import (CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, set_fields,
+                        unsupported_attn)
 
 PreTrainedConfig = config_base()
 
@@ -35,19 +36,7 @@ class GLAConfig(PreTrainedConfig):
         unsupported_attn(attn, "GLA")
         if attnres_block_size is not None:
             raise NotImplementedError("fla_ext.models: GLAConfig(attnres_block_size=...) is not supported")
-        self.hidden_size, self.expand_k, self.expand_v = hidden_size, expand_k, expand_v
-        self.hidden_ratio, self.intermediate_size = hidden_ratio, intermediate_size
-        self.num_hidden_layers, self.num_heads, self.num_kv_heads = num_hidden_layers, num_heads, num_kv_heads
-        self.feature_map, self.attn_mode = feature_map, attn_mode
-        self.use_short_conv, self.conv_size, self.use_output_gate = use_short_conv, conv_size, use_output_gate
-        self.clamp_min, self.hidden_act, self.max_position_embeddings = clamp_min, hidden_act, max_position_embeddings
-        self.elementwise_affine, self.norm_eps = elementwise_affine, norm_eps
-        self.use_gk, self.use_gv, self.attn, self.use_cache = use_gk, use_gv, attn, use_cache
-        self.initializer_range, self.fuse_norm, self.fuse_swiglu = initializer_range, fuse_norm, fuse_swiglu
-        self.fuse_cross_entropy, self.fuse_linear_cross_entropy = fuse_cross_entropy, fuse_linear_cross_entropy
-        self.use_l2warp, self.vocab_size, self.attnres_block_size = use_l2warp, vocab_size, attnres_block_size
-        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        super().__init__(**set_fields(self, locals()), **kwargs)
 
 
 class GLABlock(GatedMLPBlock):

@@ -7,7 +7,8 @@ import torch.nn as nn
 
 from ..layers import GatedSlotAttention
 from .blocks import GatedMLPBlock
-from .causal_lm import CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, unsupported_attn
+from .causal_lm import (CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, set_fields,
+                        unsupported_attn)
 
 PreTrainedConfig = config_base()
 
@@ -36,21 +37,9 @@ class GSAConfig(PreTrainedConfig):
         if attnres_block_size is not None:
             raise NotImplementedError("fla_ext.models: GSAConfig(attnres_block_size=...) is not supported")
         # a saved config carries expand_k / expand_v (the attributes), a new one fla's spelling
-        exapnd_k, exapnd_v = kwargs.pop("expand_k", exapnd_k), kwargs.pop("expand_v", exapnd_v)
-        self.hidden_size, self.gate_logit_normalizer = hidden_size, gate_logit_normalizer
-        self.clamp_min, self.clamp_max = clamp_min, clamp_max
-        self.hidden_ratio, self.intermediate_size = hidden_ratio, intermediate_size
-        self.num_hidden_layers, self.num_heads, self.num_kv_heads = num_hidden_layers, num_heads, num_kv_heads
-        self.num_slots, self.use_short_conv, self.conv_size = num_slots, use_short_conv, conv_size
-        self.expand_k, self.expand_v = exapnd_k, exapnd_v
-        self.feature_map, self.use_output_gate, self.use_norm = feature_map, use_output_gate, use_norm
-        self.max_position_embeddings, self.hidden_act = max_position_embeddings, hidden_act
-        self.elementwise_affine, self.norm_eps, self.attn, self.use_cache = elementwise_affine, norm_eps, attn, use_cache
-        self.initializer_range, self.fuse_norm, self.fuse_swiglu = initializer_range, fuse_norm, fuse_swiglu
-        self.fuse_cross_entropy, self.fuse_linear_cross_entropy = fuse_cross_entropy, fuse_linear_cross_entropy
-        self.use_l2warp, self.vocab_size, self.attnres_block_size = use_l2warp, vocab_size, attnres_block_size
-        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        expand_k, expand_v = kwargs.pop("expand_k", exapnd_k), kwargs.pop("expand_v", exapnd_v)
+        del exapnd_k, exapnd_v
+        super().__init__(**set_fields(self, locals()), **kwargs)
 
 
 class GSABlock(GatedMLPBlock):

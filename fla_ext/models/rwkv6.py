@@ -7,7 +7,8 @@ import torch.nn as nn
 
 from ..layers import RWKV6Attention
 from .blocks import RWKVBlock
-from .causal_lm import CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, unsupported_attn
+from .causal_lm import (CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, set_fields,
+                        unsupported_attn)
 from .channel_mix import RWKV6FeedForward
 
 PreTrainedConfig = config_base()
@@ -28,17 +29,7 @@ class RWKV6Config(PreTrainedConfig):
                  fuse_norm: bool = True, fuse_cross_entropy: bool = True, fuse_linear_cross_entropy: bool = False,
                  use_l2warp: bool = False, vocab_size: int = 32000, **kwargs):
         unsupported_attn(attn, "RWKV6")
-        self.attn_mode, self.hidden_size, self.expand_k, self.expand_v = attn_mode, hidden_size, expand_k, expand_v
-        self.hidden_ratio, self.intermediate_size, self.norm_first = hidden_ratio, intermediate_size, norm_first
-        self.num_hidden_layers, self.num_heads = num_hidden_layers, num_heads
-        self.proj_low_rank_dim, self.gate_low_rank_dim = proj_low_rank_dim, gate_low_rank_dim
-        self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
-        self.norm_bias, self.norm_eps, self.attn, self.use_cache = norm_bias, norm_eps, attn, use_cache
-        self.initializer_range, self.fuse_norm = initializer_range, fuse_norm
-        self.fuse_cross_entropy, self.fuse_linear_cross_entropy = fuse_cross_entropy, fuse_linear_cross_entropy
-        self.use_l2warp, self.vocab_size = use_l2warp, vocab_size
-        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        super().__init__(**set_fields(self, locals()), **kwargs)
 
 
 class RWKV6Block(RWKVBlock):

@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from ..layers import RWKV7Attention
 from .blocks import RWKVBlock
-from .causal_lm import LMBackbone, CausalLMGenerationMixin, LMPreTrainedModel, config_base, unsupported_attn
+from .causal_lm import (CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, set_fields,
+                        unsupported_attn)
 from .channel_mix import RWKV7FeedForward
 
 PreTrainedConfig = config_base()
@@ -43,18 +44,7 @@ class RWKV7Config(PreTrainedConfig):
             value_dim = [value_dim] * num_hidden_layers
         if len(value_dim) != num_hidden_layers or any(v < hidden_size or v % hidden_size for v in value_dim):
             raise ValueError("fla_ext.models: value_dim must be a multiple of hidden_size (per layer)")
-        self.attn_mode, self.hidden_size, self.hidden_ratio = attn_mode, hidden_size, hidden_ratio
-        self.intermediate_size, self.num_hidden_layers = intermediate_size, num_hidden_layers
-        self.head_dim, self.num_heads, self.value_dim = head_dim, num_heads, value_dim
-        self.decay_low_rank_dim, self.gate_low_rank_dim = decay_low_rank_dim, gate_low_rank_dim
-        self.a_low_rank_dim, self.v_low_rank_dim = a_low_rank_dim, v_low_rank_dim
-        self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
-        self.norm_first, self.norm_bias, self.norm_eps, self.attn = norm_first, norm_bias, norm_eps, attn
-        self.use_cache, self.initializer_range, self.fuse_norm = use_cache, initializer_range, fuse_norm
-        self.fuse_cross_entropy, self.fuse_linear_cross_entropy = fuse_cross_entropy, fuse_linear_cross_entropy
-        self.use_l2warp, self.vocab_size = use_l2warp, vocab_size
-        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        super().__init__(**set_fields(self, locals()), **kwargs)
 
 
 class RWKV7Block(RWKVBlock):
