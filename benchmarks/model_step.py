@@ -57,7 +57,7 @@ def measure(impl, cfg, args, device, dtype):
         times.append(time.perf_counter() - t0)
     ms = statistics.median(times) * 1e3
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
-    del model, opt
+    model = opt = None  # free them before the next model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return dict(impl=impl, params=params, B=args.batch, T=args.seq, dtype=str(dtype).split(".")[-1],

@@ -4,7 +4,6 @@ Layouts: activations are ``[B, T, H, D]``, or ``[B, H, T, D]`` with ``head_first
 strides, never copied). States are float32 ``[N, H, K, V]``; N = B, or the number of sequences
 with ``cu_seqlens`` (then B must be 1). Log decays ``w <= 0`` multiply the state by ``exp(w)``.
 """
-import os
 from typing import Optional, Tuple
 
 import torch

@@ -36,6 +36,10 @@ class GatedMLPBlock(nn.Module):
     def make_attn(config, layer_idx):
         raise NotImplementedError
 
+    @staticmethod
+    def final_norm(config):  # the model's, after the last block
+        return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
@@ -66,15 +70,18 @@ class RWKVBlock(nn.Module):
     def make_ffn(config, layer_idx):
         raise NotImplementedError
 
+    @staticmethod
+    def final_norm(config):  # the model's, after the last block; the blocks' norms too
+        return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
-        norm = lambda: nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)  # noqa: E731
         if config.norm_first and layer_idx == 0:
-            self.pre_norm = norm()
-        self.attn_norm = norm()
+            self.pre_norm = self.final_norm(config)
+        self.attn_norm = self.final_norm(config)
         self.attn = self.make_attn(config, layer_idx)
-        self.ffn_norm = norm()
+        self.ffn_norm = self.final_norm(config)
         self.ffn = self.make_ffn(config, layer_idx)
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False, carry=None,

@@ -3,7 +3,6 @@
 the causal-LM head (the loss from labels, the chunked cross-entropy, generation with fla_ext's
 recurrent cache). A family defines its config, its block and three one-line classes."""
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -43,14 +42,10 @@ class LMPreTrainedModel(PreTrainedModel):
 
 class LMBackbone:
     """The model body, mixed into a family's ``PreTrainedModel``: ``block_class(config, i)``
-    blocks between the embeddings and ``make_norm(config)``. A block's forward takes
+    blocks between the embeddings and the block class's ``final_norm(config)``. A block's forward takes
     (h, attention_mask, cache, use_cache, carry, **kwargs) and returns (h, cache, carry);
     ``initial_carry(h)`` is what block 0 receives (None unless a family passes something on)."""
     block_class = None
-
-    @staticmethod
-    def make_norm(config):
-        raise NotImplementedError
 
     def initial_carry(self, h):
         return None
@@ -59,7 +54,7 @@ class LMBackbone:
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([self.block_class(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = self.make_norm(config)
+        self.norm = self.block_class.final_norm(config)
         self.gradient_checkpointing = False
         self.post_init()
 

@@ -3,8 +3,6 @@ names: embeddings, pre-norm blocks (fla_ext's GatedLinearAttention, a SwiGLU MLP
 RMSNorm and the head."""
 from typing import Optional
 
-import torch.nn as nn
-
 from ..layers import GatedLinearAttention
 from .blocks import GatedMLPBlock
 from .causal_lm import (CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, set_fields,
@@ -59,10 +57,6 @@ class GLAPreTrainedModel(LMPreTrainedModel):
 
 class GLAModel(LMBackbone, GLAPreTrainedModel):
     block_class = GLABlock
-
-    @staticmethod
-    def make_norm(config):
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
 
 
 class GLAForCausalLM(CausalLMGenerationMixin, GLAPreTrainedModel):

@@ -3,8 +3,6 @@ and parameter names: embeddings, pre-norm blocks (fla_ext's GatedSlotAttention, 
 the final RMSNorm and the head."""
 from typing import Optional
 
-import torch.nn as nn
-
 from ..layers import GatedSlotAttention
 from .blocks import GatedMLPBlock
 from .causal_lm import (CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, set_fields,
@@ -62,10 +60,6 @@ class GSAPreTrainedModel(LMPreTrainedModel):
 
 class GSAModel(LMBackbone, GSAPreTrainedModel):
     block_class = GSABlock
-
-    @staticmethod
-    def make_norm(config):
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
 
 
 class GSAForCausalLM(CausalLMGenerationMixin, GSAPreTrainedModel):

@@ -3,8 +3,6 @@ names: embeddings, RWKV blocks (time mix: fla_ext's RWKV6Attention; channel mix:
 squared-ReLU FFN with its receptance gate), the final LayerNorm and the head."""
 from typing import Optional
 
-import torch.nn as nn
-
 from ..layers import RWKV6Attention
 from .blocks import RWKVBlock
 from .causal_lm import (CausalLMGenerationMixin, LMBackbone, LMPreTrainedModel, config_base, set_fields,
@@ -55,10 +53,6 @@ class RWKV6PreTrainedModel(LMPreTrainedModel):
 
 class RWKV6Model(LMBackbone, RWKV6PreTrainedModel):
     block_class = RWKV6Block
-
-    @staticmethod
-    def make_norm(config):
-        return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
 
 
 class RWKV6ForCausalLM(CausalLMGenerationMixin, RWKV6PreTrainedModel):

@@ -87,10 +87,6 @@ class RWKV7PreTrainedModel(LMPreTrainedModel):
 class RWKV7Model(LMBackbone, RWKV7PreTrainedModel):
     block_class = RWKV7Block
 
-    @staticmethod
-    def make_norm(config):
-        return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
-
     def initial_carry(self, h):
         return torch.zeros_like(h)  # v_first, set by block 0
 
