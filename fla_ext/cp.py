@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_cu_seqlens_values
+from .gsa_passes import keys_and_gates, running_lse, two_passes
 
 __all__ = ["CPContext", "build_cp_context"]
 
@@ -468,14 +469,12 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
 
 
 def _additive_gate(ctx: CPContext, s: torch.Tensor, key_dtype):
-    """GSA's g = None (fla's ABC) under ``ctx``: with z_t = log sum_{tau <= t} exp(s_tau) over the
-    whole sequence, slot keys exp(s_t - z_t) and gate g_t = z_{t-1} - z_t (0 at the sequence's
-    first row), as the GSA op forms them. The running log-sum-exp of the sequence continuing into
-    this slice starts from the earlier ranks' totals (one all-gather)."""
+    """GSA's g = None (fla's ABC) under ``ctx`` (slot_gate.py): the running log-sum-exp of the
+    sequence continuing into this slice starts from the earlier ranks' totals (one all-gather)."""
     sl = ctx.here
     x = s.float()
     cu = ctx.cu_seqlens_cpu.tolist()
-    parts = [torch.logcumsumexp(x[:, cu[i]:cu[i + 1]], 1) for i in range(len(cu) - 1)]
+    parts = running_lse(x, cu, 1)
     # each rank's total over its last sequence's rows, where that sequence goes on
     H, M = x.shape[2], x.shape[3]
     total = parts[-1][0, -1] if sl.last_out else torch.full((H, M), -torch.inf, device=x.device)
@@ -487,40 +486,20 @@ def _additive_gate(ctx: CPContext, s: torch.Tensor, key_dtype):
         r0 = _begin_rank(ctx)
         z_in = torch.logsumexp(totals[r0:ctx.rank], 0)
         parts[0] = torch.logaddexp(parts[0], z_in)
-    keys, gates = [], []
-    for i, z in enumerate(parts):
-        xi = x[:, cu[i]:cu[i + 1]]
-        start = z_in if (i == 0 and z_in is not None) else torch.full((H, M), -torch.inf, device=x.device)
-        prev = torch.cat([start.reshape(1, 1, H, M), z[:, :-1]], 1)
-        keys.append(torch.exp(xi - z))
-        gates.append(torch.where(torch.isinf(prev), torch.zeros_like(z), prev - z))
+    keys, gates = keys_and_gates(x, parts, cu, 1, z_in)
     # every rank's result depends on the gather
-    return (_After.apply(torch.cat(keys, 1).to(key_dtype), totals),
-            _After.apply(torch.cat(gates, 1).to(s.dtype), totals))
+    return _After.apply(keys.to(key_dtype), totals), _After.apply(gates.to(s.dtype), totals)
 
 
 def gsa(gla_op, ctx, q, k, v, s, g, scale, initial_state, output_final_state):
     """chunk_gsa / fused_recurrent_gsa as its two GLA passes around the float32 softmax over
-    slots, each pass under ``ctx``; grouped query heads by repeating k, v, s, g (and the states)
-    for the heads of their group, as the GSA op does."""
+    slots (gsa_passes.py), each pass under ``ctx``."""
     if g is None:
         s, g = _additive_gate(ctx, s, k.dtype)
-    G = q.shape[2] // k.shape[2]
-    rep = (lambda t, d: t.repeat_interleave(G, d)) if G > 1 else (lambda t, d: t)  # noqa: E731
-    k, v, s, g = (rep(t, 2) for t in (k, v, s, g))
-    hk0, hv0 = initial_state if initial_state is not None else (None, None)
-    hk0, hv0 = (None if h is None else rep(h, 1) for h in (hk0, hv0))
-    K = q.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    # the slot logits in float32 for bf16 / fp16 inputs (a wide q), as the GSA op keeps them
-    ok, hk = gla(gla_op, ctx, q.float(), k, s, None, g, scale, hk0, output_final_state, {})
-    p = torch.softmax(ok.float(), dim=-1).to(q.dtype)
-    o, hv = gla(gla_op, ctx, p, s, v, g, None, 1.0, hv0, output_final_state, {})
-    if not output_final_state:
-        return o, (None, None)
-    if G > 1:  # every query head of a group holds the same states: one per group
-        hk, hv = hk[:, ::G].contiguous(), hv[:, ::G].contiguous()
-    return o, (hk, hv)
+    return two_passes(
+        lambda q_, k_, v_, gk, gv, scale_, h0: gla(gla_op, ctx, q_, k_, v_, gk, gv, scale_, h0,
+                                                   output_final_state, {}),
+        q, k, v, s, g, scale, initial_state, output_final_state, heads_dim=2)
 
 
 # ------------------------------------------------------------------------------------------------

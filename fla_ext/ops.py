@@ -10,6 +10,7 @@ import torch
 
 from . import cp as _cp
 from . import wide as _wide
+from .gsa_passes import slot_gate, two_passes
 from .checks import check_cu_seqlens_values, check_finite, checks_enabled, set_checks
 
 __all__ = [
@@ -525,6 +526,41 @@ def _gsa_states(initial_state) -> Tuple[Optional[torch.Tensor], Optional[torch.T
     return hk0, hv0
 
 
+def _gsa_by_passes(gla_op, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
+                   head_first, **more):
+    """GSA as its two GLA passes (gsa_passes.py) for head dims above the kernels' 256, each pass
+    as slices; the GSA-level shapes checked first, naming GSA's arguments."""
+    hd, td = (1, 2) if head_first else (2, 1)
+    lead = lambda t: tuple(t.shape[:hd]) + tuple(t.shape[hd + 1:-1])  # noqa: E731  (B, T)
+    for name, t in (("k", k), ("v", v), ("s", s), ("g", g)):
+        if t is not None and (t.dim() != 4 or lead(t) != lead(q)):
+            raise ValueError(f"fla_ext: `{name}` must be 4-D with the batch and time of `q`, got "
+                             f"{tuple(t.shape)} and {tuple(q.shape)}")
+    H = k.shape[hd]
+    if k.shape[-1] != q.shape[-1] or q.shape[hd] % H or v.shape[hd] != H or s.shape[hd] != H:
+        raise ValueError(f"fla_ext: GSA needs q [.., HQ, K], k [.., H, K], v [.., H, V], s [.., H, M] "
+                         f"with H dividing HQ; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, s {tuple(s.shape)}")
+    if g is not None and g.shape != s.shape:
+        raise ValueError(f"fla_ext: `g` must have the shape of `s` {tuple(s.shape)}, got {tuple(g.shape)}")
+    K, V, M = k.shape[-1], v.shape[-1], s.shape[-1]
+    for name, h, want in (("initial_state[0]", hk0, (H, K, M)), ("initial_state[1]", hv0, (H, M, V))):
+        if h is not None and (h.dim() != 4 or tuple(h.shape[1:]) != want):
+            raise ValueError(f"fla_ext: `{name}` must be [N, {', '.join(map(str, want))}], got {tuple(h.shape)}")
+    if g is None:
+        if more.get("reverse"):
+            raise NotImplementedError("fla_ext: fused_recurrent_gsa with g=None and reverse=True at head "
+                                      "dims above 256")
+        keys, g = slot_gate(s, cu_seqlens, head_first)
+        s, g = keys.to(k.dtype), g.to(s.dtype)
+    init = None if hk0 is None and hv0 is None else (hk0, hv0)
+    return two_passes(
+        lambda q_, k_, v_, gk, gv, scale_, h0: gla_op(
+            q_, k_, v_, gk, gv=gv, scale=scale_, initial_state=h0, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, head_first=head_first, **more),
+        q, k, v, s, g, scale, init, output_final_state, heads_dim=hd)
+
+
 def chunk_gsa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -556,7 +592,8 @@ def chunk_gsa(
     Args:
         q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; s (slot keys) and g (log
             decay over the slots, <= 0): ``[B, T, H, M]`` (``[B, H, T, *]`` if ``head_first``).
-            HQ may be a multiple of H (grouped heads, as in fla).
+            HQ may be a multiple of H (grouped heads, as in fla). K, V, M up to 512 (above 256
+            as the two GLA passes over slices).
         g: None reproduces fla (ABC without a learned gate): with ``z_t = logcumsumexp(s)`` per
             sequence, the slot keys become ``exp(s - z)`` and ``g_t = z_{t-1} - z_t``.
         scale: defaults to ``K ** -0.5``.
@@ -585,6 +622,9 @@ def chunk_gsa(
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
     hk0, hv0 = _gsa_states(initial_state)
+    if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1], s.shape[-1]):
+        return _gsa_by_passes(chunk_gla, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
+                              head_first)
     o, hk, hv = torch.ops.fla.chunk_gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state,
                                         cu_seqlens, head_first)
     return o, ((hk, hv) if output_final_state else (None, None))
@@ -624,6 +664,9 @@ def fused_recurrent_gsa(
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
     hk0, hv0 = _gsa_states(initial_state)
+    if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1], s.shape[-1]):
+        return _gsa_by_passes(fused_recurrent_gla, q, k, v, s, g, scale, hk0, hv0, output_final_state,
+                              cu_seqlens, head_first, reverse=reverse)
     o, hk, hv = torch.ops.fla.fused_recurrent_gsa(q, k, v, s, g, scale, hk0, hv0,
                                                   output_final_state, reverse, cu_seqlens,
                                                   head_first)

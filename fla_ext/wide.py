@@ -4,7 +4,8 @@ row k of S_t depends only on q, k, g at k and v; column v only on v, gv at v. So
 key slice i and value slice j gives the (i, j) block of the final state, and the output's value
 slice j is the sum over key slices of their outputs (o_t = scale sum_k q_tk S_tk, RWKV6's bonus
 term sum_k r_tk u_k k_tk v_t alike). The sum is taken in float32. Autograd runs the slices'
-backwards. RWKV7's keys mix (the a b^T transition), so its K stays at most 256 on CUDA."""
+backwards. GSA above 256 runs as its two GLA passes, each through here (gsa_passes.py). RWKV7's
+keys mix (the a b^T transition), so its K stays at most 256."""
 from typing import Callable, Dict, Optional
 
 import torch

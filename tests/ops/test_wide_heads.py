@@ -1,7 +1,10 @@
-"""Head dims above the kernels' 256 (fla runs GLA at 320 and 512): GLA (g, gv, both) and RWKV6,
-chunk and fused_recurrent, K and V up to 512 and unequal, against the float64 oracle: output,
-final state and every gradient, with an initial state, varlen and head_first (fla_ext/wide.py:
-the op over key and value slices)."""
+"""Head dims above the kernels' 256 (fla runs GLA at 320 and 512): GLA (g, gv, both), RWKV6 and
+GSA (K, V and the slots M), chunk and fused_recurrent, up to 512 and unequal, against the
+float64 oracle: output, final states and every gradient, with initial states, varlen, head_first,
+grouped heads, GSA's g=None and reverse (fla_ext/wide.py: the op over key and value slices;
+GSA as its two GLA passes, fla_ext/gsa_passes.py)."""
+import os
+import sys
 import zlib
 
 import pytest
@@ -9,6 +12,8 @@ import torch
 
 from conftest import DEVICES
 from families import CHUNK_FAMILIES, FUSED_FAMILIES, on_devices, run_and_check
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # test_gsa's make and oracle
 
 import fla_ext
 
@@ -51,3 +56,40 @@ def test_wide_heads_errors_name_the_argument():
                           torch.randn(1, 8, 1, 520).clamp(max=0))
     with pytest.raises(ValueError, match=r"`initial_state` must end in \[K, V\] = \[320, 64\]"):
         fla_ext.fused_recurrent_gla(q, q, v, g, initial_state=torch.zeros(1, 1, 64, 320))
+
+
+# GSA above 256 runs as its two GLA passes, each as slices: K, V and the slot count M.
+GSA_SHAPES = [(1, 17, 2, 1, 320, 64, 300), (2, 9, 2, 2, 48, 288, 16)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["chunk", "fused"])
+@pytest.mark.parametrize("shape", GSA_SHAPES, ids=lambda s: "B{}T{}HQ{}H{}K{}V{}M{}".format(*s))
+@pytest.mark.parametrize("with_g", [True, False], ids=["g", "gNone"])
+def test_wide_gsa_against_the_oracle(device, mode, shape, with_g):
+    import test_gsa
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((mode, shape, with_g)).encode()))
+    x = test_gsa.make(*shape, torch.float32, device, gen, g_kind="typical" if with_g else None)
+    test_gsa.run_and_check(mode, x, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wide_gsa_varlen_head_first_reverse(device):
+    import test_gsa
+    gen = torch.Generator().manual_seed(11)
+    cu = [0, 5, 5, 23]
+    x = test_gsa.make(1, 23, 2, 1, 16, 24, 260, torch.float32, device, gen, N=3, g_kind=None)
+    test_gsa.run_and_check("chunk", x, gen=gen, cu_seqlens=torch.tensor(cu, device=device))
+    x = test_gsa.make(2, 11, 2, 2, 270, 16, 8, torch.float32, device, gen, head_first=True)
+    test_gsa.run_and_check("fused", x, gen=gen, head_first=True)
+    x = test_gsa.make(1, 13, 2, 1, 16, 16, 290, torch.float32, device, gen)
+    test_gsa.run_and_check("fused", x, gen=gen, reverse=True)
+
+
+def test_wide_gsa_errors_name_the_argument():
+    q, k = torch.randn(1, 6, 2, 300), torch.randn(1, 6, 1, 300)
+    v, s = torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8)
+    with pytest.raises(ValueError, match=r"`g` must have the shape of `s`"):
+        fla_ext.chunk_gsa(q, k, v, s, -torch.rand(1, 6, 1, 9))
+    with pytest.raises(ValueError, match=r"`initial_state\[1\]` must be \[N, 1, 8, 8\]"):
+        fla_ext.chunk_gsa(q, k, v, s, initial_state=(torch.zeros(1, 1, 300, 8), torch.zeros(1, 1, 8, 9)))
