@@ -4,6 +4,7 @@
     python benchmarks/grid.py chunk_rwkv7 --wind /path/to/wind_rwkv   # fla_ext, fla, wind_rwkv
     python benchmarks/grid.py chunk_rwkv7 --k 128 --no-fla            # a part of the grid
     python benchmarks/grid.py chunk_rwkv7 --quick --device cpu         # smoke test of the script
+    python benchmarks/grid.py chunk_gla                                 # also chunk_rwkv6, chunk_gsa
 
 Writes rows ``{op, impl, gpu, B, T, H, K, V, dtype, mode, ms, peak_mib}`` into
 ``<out>/<gpu>_<op>_grid.json`` (row by row, replacing rows of another run with the same key, so parts
@@ -13,12 +14,13 @@ next to it. Modes: ``fwd`` (a training forward: inputs require grad), ``fwdbwd``
 backward, every input gradient), ``fwd_nograd`` (inference, under ``torch.no_grad``).
 ``peak_mib``: the most memory allocated during one call beyond what was allocated before it
 (inputs and incoming gradients are not counted). Timing: bench_ops.Timer (median of many reps,
-L2 flushed before each). RWKV7 runs with an initial state in and the final state out (and their
-gradients), w = -e^-0.5 sigmoid(x) (RWKV-7's range), a = -kk, b = kk * iclr.
+L2 flushed before each). Every op runs with an initial state in and the final state out (and
+their gradients). RWKV7: w = -e^-0.5 sigmoid(x) (RWKV-7's range), a = -kk, b = kk * iclr. GLA,
+RWKV6: log decays logsigmoid(x) over K; RWKV6's u [H, K]. GSA: M = 64 slots, g = logsigmoid(x).
 
-Peers: fla (``fla.ops.rwkv7.chunk_rwkv7``, when importable) and wind_rwkv's chunked CUDA kernel
-(``--wind``: the root of a wind_rwkv checkout, compiled here for the points' head size; bf16,
-K = V, T a multiple of 16; its log decay is log(-w), its states bf16).
+Peers: fla (``fla.ops.<family>.chunk_<family>``, when importable) and, for RWKV7, wind_rwkv's
+chunked CUDA kernel (``--wind``: the root of a wind_rwkv checkout, compiled here for the points'
+head size; bf16, K = V, T a multiple of 16; its log decay is log(-w), its states bf16).
 """
 import argparse
 import gc
@@ -43,6 +45,11 @@ GRIDS = {
                     (8, 8, 128, 4096, "bf16"), (8, 16, 128, 4096, "bf16"), (8, 32, 128, 4096, "bf16"),
                     (8, 16, 64, 4096, "fp32")],
 }
+for _op in ("chunk_gla", "chunk_rwkv6", "chunk_gsa"):  # the diagonal family's issue
+    GRIDS[_op] = [(8, 16, 64, 4096, "bf16"), (8, 32, 64, 4096, "bf16"), (8, 64, 64, 4096, "bf16"),
+                  (8, 8, 128, 4096, "bf16"), (8, 16, 128, 4096, "bf16"), (4, 8, 256, 4096, "bf16"),
+                  (1, 32, 64, 32768, "bf16")]
+GSA_SLOTS = 64
 QUICK = [(1, 2, 16, 64, "fp32")]
 
 
@@ -55,6 +62,46 @@ def rwkv7_inputs(B, T, H, K, dtype, device, requires_grad):
     for t in x.values():
         t.requires_grad_(requires_grad)
     return x
+
+
+def diag_inputs(op, B, T, H, K, dtype, device, requires_grad):
+    """chunk_gla / chunk_rwkv6 / chunk_gsa inputs with K = V (GSA: M = GSA_SLOTS)."""
+    g = lambda *s: torch.randn(*s, device=device)  # noqa: E731
+    logd = lambda *s: torch.nn.functional.logsigmoid(g(*s))  # noqa: E731
+    if op == "chunk_gsa":
+        M = GSA_SLOTS
+        x = dict(q=g(B, T, H, K).to(dtype), k=g(B, T, H, K).to(dtype), v=g(B, T, H, K).to(dtype),
+                 s=g(B, T, H, M).to(dtype), g=logd(B, T, H, M).to(dtype), hk0=g(B, H, K, M),
+                 hv0=g(B, H, M, K))
+    else:
+        x = dict(q=g(B, T, H, K).to(dtype), k=g(B, T, H, K).to(dtype), v=g(B, T, H, K).to(dtype),
+                 g=logd(B, T, H, K).to(dtype), h0=g(B, H, K, K))
+        if op == "chunk_rwkv6":
+            x["u"] = g(H, K).to(dtype)
+    for t in x.values():
+        t.requires_grad_(requires_grad)
+    return x
+
+
+def diag_impls(op, x, args) -> Dict[str, object]:
+    """impl -> forward call returning (o, final states...), or a reason string when absent."""
+    def call(f):
+        if op == "chunk_gsa":
+            return lambda: (lambda o, st: (o, *st))(*f(x["q"], x["k"], x["v"], x["s"], x["g"],
+                                                        initial_state=(x["hk0"], x["hv0"]),
+                                                        output_final_state=True))
+        if op == "chunk_rwkv6":
+            return lambda: f(x["q"], x["k"], x["v"], x["g"], x["u"], initial_state=x["h0"],
+                             output_final_state=True)
+        return lambda: f(x["q"], x["k"], x["v"], x["g"], initial_state=x["h0"], output_final_state=True)
+    impls: Dict[str, object] = {"fla_ext": call(getattr(fla_ext, op))}
+    if not args.no_fla:
+        try:
+            import importlib
+            impls["fla"] = call(getattr(importlib.import_module(f"fla.ops.{op[len('chunk_'):]}"), op))
+        except Exception as exc:
+            impls["fla"] = f"not importable: {type(exc).__name__}"
+    return impls
 
 
 def wind_module(root: str, head_size: int):
@@ -93,7 +140,7 @@ def rwkv7_impls(x, args, K, dtype) -> Dict[str, Optional[Callable]]:
 
 
 def measure(fn, mode, leaves, timer, device):
-    """(ms, peak_mib) of one mode of a forward call `fn` returning (o, final state)."""
+    """(ms, peak_mib) of one mode of a forward call `fn` returning (o, final states...)."""
     if mode == "fwd_nograd":
         def call():
             with torch.no_grad():
@@ -102,13 +149,10 @@ def measure(fn, mode, leaves, timer, device):
         call = fn
     else:
         with torch.no_grad():
-            o, s = fn()
-            do, ds = torch.randn_like(o), torch.randn_like(s)
-            del o, s
+            seeds = [torch.randn_like(t) for t in fn()]
 
         def call():
-            o, s = fn()
-            torch.autograd.backward([o, s], [do, ds])
+            torch.autograd.backward(list(fn()), seeds)
     ms = timer(call, grad_to_none=leaves if mode == "fwdbwd" else ())
     for t in leaves:
         t.grad = None
@@ -123,11 +167,17 @@ def run_point(op, point, args, timer, device, gpu, emit) -> None:
     dtype = DTYPES[dt]
     for mode in args.modes:
         torch.manual_seed(0)
-        x = rwkv7_inputs(B, T, H, K, dtype, device, mode != "fwd_nograd")
-        impls = rwkv7_impls(x, args, K, dtype)
+        if op == "chunk_rwkv7":
+            x = rwkv7_inputs(B, T, H, K, dtype, device, mode != "fwd_nograd")
+            impls = rwkv7_impls(x, args, K, dtype)
+        else:
+            x = diag_inputs(op, B, T, H, K, dtype, device, mode != "fwd_nograd")
+            impls = diag_impls(op, x, args)
         for impl, fn in impls.items():
             row = dict(op=op, impl=impl, gpu=gpu, B=B, T=T, H=H, K=K, V=K, dtype=dt, mode=mode,
                        ms=None, peak_mib=None)
+            if op == "chunk_gsa":
+                row["M"] = GSA_SLOTS
             if isinstance(fn, str):
                 row["missing"] = fn
             else:

@@ -7,16 +7,19 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_grid_quick_cpu(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "grid.py"), "chunk_rwkv7", "--quick",
+@pytest.mark.parametrize("op", ["chunk_rwkv7", "chunk_gla", "chunk_rwkv6", "chunk_gsa"])
+def test_grid_quick_cpu(op, tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "grid.py"), op, "--quick",
            "--device", "cpu", "--no-fla", "--out", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for _ in range(2):  # the second run replaces the first one's rows
         subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
-    rows = json.loads((tmp_path / "cpu_chunk_rwkv7_grid.json").read_text())["rows"]
+    rows = json.loads((tmp_path / f"cpu_{op}_grid.json").read_text())["rows"]
     assert sorted(r["mode"] for r in rows) == ["fwd", "fwd_nograd", "fwdbwd"]
     for r in rows:
         assert {"op", "impl", "gpu", "B", "T", "H", "K", "V", "dtype", "mode", "ms", "peak_mib"} <= set(r)
