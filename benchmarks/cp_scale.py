@@ -34,29 +34,27 @@ import fla_ext  # noqa: E402
 OPS = ("chunk_rwkv7", "chunk_gla")
 
 
-def slice_inputs(op, T, world, rank, H, K, dtype, device):
-    """This rank's slice [1, T / world, H, *] of one sequence's inputs, leaves with gradients."""
-    rows = T // world
-    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+def draw(op, rows, H, K, dtype, device, seed):
+    """The op's inputs over `rows` rows of one sequence, [1, rows, H, K] in dtype."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     n = lambda: torch.randn(1, rows, H, K, device=device, generator=gen)  # noqa: E731
-    leaf = lambda x: x.to(dtype).requires_grad_(True)  # noqa: E731
-    if op == "chunk_gla":
-        return [leaf(n()), leaf(n()), leaf(n()), leaf(torch.nn.functional.logsigmoid(n() + 3))]
-    kk = torch.nn.functional.normalize(n(), dim=-1)
-    return [leaf(n()), leaf(-0.6 * torch.sigmoid(n())), leaf(n()), leaf(n()), leaf(-kk), leaf(kk * 0.5)]
-
-
-def check(op, T, world, rank, H, K, dtype, device):
-    """The largest relative L2 error of this rank's output slice, the final state and its input
-    gradients' slices against the one-GPU op on the whole sequence (every rank computes it)."""
-    gen = torch.Generator(device=device).manual_seed(7)
-    n = lambda: torch.randn(1, T, H, K, device=device, generator=gen)  # noqa: E731
     if op == "chunk_gla":
         xs = [n(), n(), n(), torch.nn.functional.logsigmoid(n() + 3)]
     else:
         kk = torch.nn.functional.normalize(n(), dim=-1)
         xs = [n(), -0.6 * torch.sigmoid(n()), n(), n(), -kk, kk * 0.5]
-    xs = [x.to(dtype) for x in xs]
+    return [x.to(dtype) for x in xs]
+
+
+def slice_inputs(op, T, world, rank, H, K, dtype, device):
+    """This rank's slice [1, T / world, H, *] of one sequence's inputs, leaves with gradients."""
+    return [x.requires_grad_(True) for x in draw(op, T // world, H, K, dtype, device, 1000 + rank)]
+
+
+def check(op, T, world, rank, H, K, dtype, device):
+    """The largest relative L2 error of this rank's output slice, the final state and its input
+    gradients' slices against the one-GPU op on the whole sequence (every rank computes it)."""
+    xs = draw(op, T, H, K, dtype, device, 7)
     f = getattr(fla_ext, op)
     full = [x.clone().requires_grad_(True) for x in xs]
     o, ht = f(*full, output_final_state=True, cu_seqlens=torch.tensor([0, T], device=device))

@@ -149,21 +149,8 @@ def main():
               f"{r['acc']:7.1%} {r['same']:13.1%} {r['diff']:12.2e}")
     print(f"(chance recall {1 / args.n_values:.1%}; decode==full: share of positions where "
           f"token-by-token decoding with the cache predicts what the full forward does)")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        os.makedirs(args.out, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for r in results:
-            ax.plot(r["losses"], label=f"{r['kind']} (recall {r['acc']:.0%})")
-        ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_yscale("log"), ax.legend()
-        ax.set_title("MQAR training loss")
-        path = os.path.join(args.out, "mqar_loss.png")
-        fig.tight_layout(), fig.savefig(path, dpi=120)
-        print(f"wrote {path}")
-    except ImportError:
-        print("(matplotlib not installed: no loss plot)")
+    plot_losses({f"{r['kind']} (recall {r['acc']:.0%})": r["losses"] for r in results},
+                "MQAR training loss", os.path.join(args.out, "mqar_loss.png"))
     bad = [r["kind"] for r in results if r["same"] < 1.0 or r["diff"] > 1e-3]
     if bad:
         sys.exit(f"decoding with the cache disagrees with the full forward for {bad}")
@@ -203,20 +190,27 @@ def language_model(args, device):
         print(f"{r['name']} ({r['params']} parameters): loss {r['losses'][0]:.3f} -> "
               f"{r['losses'][-1]:.3f}; cached greedy generate continues {r['correct']:.0%} of held-out "
               f"tokens correctly; save_pretrained / AutoModelForCausalLM round trip identical: {r['same']}")
+    plot_losses(curves, "training loss through fla_ext.models", os.path.join(args.out, "lm_loss.png"))
+
+
+def plot_losses(curves, title, path):
+    """One loss curve per label (log scale) to ``path``, where matplotlib is installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, losses in curves.items():
-            ax.plot(losses, label=name)
-        ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_yscale("log"), ax.legend()
-        ax.set_title("training loss through fla_ext.models")
-        path = os.path.join(args.out, "lm_loss.png")
-        fig.tight_layout(), fig.savefig(path, dpi=120)
-        print(f"wrote {path}")
     except ImportError:
-        pass
+        print("(matplotlib not installed: no loss plot)")
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, losses in curves.items():
+        ax.plot(losses, label=label)
+    ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.set_yscale("log"), ax.legend()
+    ax.set_title(title)
+    fig.tight_layout(), fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -175,9 +175,9 @@ class _After(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------------
-# The algorithm, for any family: `run_rows(rows, cu, h0)` runs the op on rows [0, rows) of the
-# local slice with local boundaries cu (host list) and initial states h0 ([n, *state] or None),
-# returning (o, final states [n, *state]); `carry(rows)` describes how rows [0, rows) of the
+# The algorithm, for any family: `run_slice(cu, h0)` runs the op on the local slice with local
+# boundaries cu (host list) and initial states h0 ([n, *state] or None), returning (o, final
+# states [n, *state]); `carry(rows)` describes how rows [0, rows) of the
 # first sequence carry a start state S through: (readout, M) with readout(S) what S adds to
 # those rows' outputs and M (flat, `m_numel` long) their state map; `apply(M, S)` is M applied
 # to S. Every piece of a family's state recurrence is linear in the start state, so the output
@@ -194,7 +194,7 @@ def _begin_rank(ctx: CPContext) -> int:
     return r0
 
 
-def run(ctx: CPContext, *, run_rows: Callable, carry: Callable, m_numel: int, apply: Callable,
+def run(ctx: CPContext, *, run_slice: Callable, carry: Callable, m_numel: int, apply: Callable,
         state_shape, state_dtype, initial_state, output_final_state: bool, device):
     if not isinstance(ctx, CPContext):
         raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
@@ -217,7 +217,7 @@ def run(ctx: CPContext, *, run_rows: Callable, carry: Callable, m_numel: int, ap
         if s.first_in:
             h0 = torch.cat([zeros(1), h0[1:]])
     first_rows = cu[1]
-    o, ht = run_rows(ctx.local_rows, cu, h0)
+    o, ht = run_slice(cu, h0)
     readout, m_first = carry(first_rows) if s.first_in else (None, None)
 
     # 2. What the sequence cut at this slice's end needs from here: S0, and M where it also began
@@ -395,8 +395,7 @@ def _diag_carry(q, gk, gv, scale, H, K, V, dtype, exclusive_reader=False):
             return (out if value_decay is None else out * value_decay).unsqueeze(0)
         dk = (torch.exp(gk[0, :rows].to(dtype).sum(0)) if gk is not None
               else torch.ones(H, K, dtype=dtype, device=dev))
-        dv = (torch.exp(gv[0, :rows].to(dtype).sum(0)) if gv is not None
-              else torch.ones(H, V, dtype=dtype, device=dev))
+        dv = value_decay[-1] if gv is not None else torch.ones(H, V, dtype=dtype, device=dev)
         return readout, torch.cat([dk, dv], dim=-1)
     return fn
 
@@ -414,11 +413,10 @@ def gla(op, ctx, q, k, v, gk, gv, scale, initial_state, output_final_state, extr
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = K ** -0.5 if scale is None else scale
 
-    def run_rows(rows, cu, h0):
-        return op(_rows(q, rows), _rows(k, rows), _rows(v, rows), _rows(gk, rows), gv=_rows(gv, rows),
-                  scale=scale, initial_state=h0, output_final_state=True, **_local_cu(cu, q.device),
-                  **extra)
-    return run(ctx, run_rows=run_rows, carry=_diag_carry(q, gk, gv, scale, H, K, V, acc),
+    def run_slice(cu, h0):
+        return op(q, k, v, gk, gv=gv, scale=scale, initial_state=h0, output_final_state=True,
+                  **_local_cu(cu, q.device), **extra)
+    return run(ctx, run_slice=run_slice, carry=_diag_carry(q, gk, gv, scale, H, K, V, acc),
                m_numel=H * (K + V), apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
                initial_state=initial_state, output_final_state=output_final_state, device=k.device)
 
@@ -428,11 +426,11 @@ def rwkv6(op, ctx, r, k, v, w, u, scale, initial_state, output_final_state):
     acc = torch.float64 if r.dtype == torch.float64 else torch.float32
     scale = K ** -0.5 if scale is None else scale
 
-    def run_rows(rows, cu, h0):
-        return op(_rows(r, rows), _rows(k, rows), _rows(v, rows), _rows(w, rows), u, scale=scale,
-                  initial_state=h0, output_final_state=True, **_local_cu(cu, r.device))
+    def run_slice(cu, h0):
+        return op(r, k, v, w, u, scale=scale, initial_state=h0, output_final_state=True,
+                  **_local_cu(cu, r.device))
     carry = _diag_carry(r, w, None, scale, H, K, V, acc, exclusive_reader=True)
-    return run(ctx, run_rows=run_rows, carry=carry, m_numel=H * (K + V),
+    return run(ctx, run_slice=run_slice, carry=carry, m_numel=H * (K + V),
                apply=_diag_apply(H, K, V), state_shape=(H, K, V), state_dtype=acc,
                initial_state=initial_state, output_final_state=output_final_state, device=k.device)
 
@@ -449,8 +447,8 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
         return op(_rows(r, rows), _rows(w, rows), _rows(k, rows), vv, _rows(a, rows), _rows(b, rows),
                   scale=scale, initial_state=h0, output_final_state=True, **_local_cu(cu, r.device))
 
-    def run_rows(rows, cu, h0):
-        return call(rows, cu, h0, _rows(v, rows))
+    def run_slice(cu, h0):
+        return call(cu[-1], cu, h0, v)
 
     def carry(rows):
         eye = torch.eye(K, dtype=acc, device=r.device).expand(1, H, K, K).contiguous()
@@ -463,13 +461,13 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
 
     def apply(m, state):
         return torch.matmul(m.reshape(H, K, K), state)
-    return run(ctx, run_rows=run_rows, carry=carry, m_numel=H * K * K, apply=apply,
+    return run(ctx, run_slice=run_slice, carry=carry, m_numel=H * K * K, apply=apply,
                state_shape=(H, K, V), state_dtype=acc, initial_state=initial_state,
                output_final_state=output_final_state, device=k.device)
 
 
 def _additive_gate(ctx: CPContext, s: torch.Tensor, key_dtype):
-    """GSA's g = None (fla's ABC) under ``ctx`` (slot_gate.py): the running log-sum-exp of the
+    """GSA's g = None (fla's ABC) under ``ctx`` (gsa_passes.py): the running log-sum-exp of the
     sequence continuing into this slice starts from the earlier ranks' totals (one all-gather)."""
     sl = ctx.here
     x = s.float()

@@ -23,8 +23,7 @@ def keys_and_gates(x: torch.Tensor, parts: List[torch.Tensor], cu: List[int], ti
         first = z.narrow(time_dim, 0, min(1, b - a))
         start = (z_in.reshape(first.shape[:time_dim] + (1,) + first.shape[time_dim + 1:])
                  if i == 0 and z_in is not None else torch.full_like(first, -torch.inf))
-        prev = torch.cat([start, z.narrow(time_dim, 0, max(b - a - 1, 0))], time_dim)[
-            (slice(None),) * time_dim + (slice(0, b - a),)]
+        prev = torch.cat([start, z.narrow(time_dim, 0, max(b - a - 1, 0))], time_dim)  # b - a rows
         keys.append(torch.exp(x.narrow(time_dim, a, b - a) - z))
         gates.append(torch.where(torch.isinf(prev), torch.zeros_like(z), prev - z))
     return torch.cat(keys, time_dim), torch.cat(gates, time_dim)
@@ -32,7 +31,8 @@ def keys_and_gates(x: torch.Tensor, parts: List[torch.Tensor], cu: List[int], ti
 
 def slot_gate(s: torch.Tensor, cu_seqlens: Optional[torch.Tensor], head_first: bool):
     """(slot keys, gate) of s [B, T, H, M] ([B, H, T, M] if head_first), float32; cu_seqlens:
-    the packed sequences (B = 1), else each row is one sequence."""
+    the packed sequences (B = 1; its host copy saves a device sync), else each row is one
+    sequence."""
     td = 2 if head_first else 1
     x = s.float()
     cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, x.shape[td]]

@@ -527,10 +527,10 @@ def _gsa_states(initial_state) -> Tuple[Optional[torch.Tensor], Optional[torch.T
 
 
 def _gsa_by_passes(gla_op, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
-                   head_first, **more):
+                   cu_seqlens_cpu, head_first, **more):
     """GSA as its two GLA passes (gsa_passes.py) for head dims above the kernels' 256, each pass
     as slices; the GSA-level shapes checked first, naming GSA's arguments."""
-    hd, td = (1, 2) if head_first else (2, 1)
+    hd = 1 if head_first else 2
     lead = lambda t: tuple(t.shape[:hd]) + tuple(t.shape[hd + 1:-1])  # noqa: E731  (B, T)
     for name, t in (("k", k), ("v", v), ("s", s), ("g", g)):
         if t is not None and (t.dim() != 4 or lead(t) != lead(q)):
@@ -551,7 +551,7 @@ def _gsa_by_passes(gla_op, q, k, v, s, g, scale, hk0, hv0, output_final_state, c
         if more.get("reverse"):
             raise NotImplementedError("fla_ext: fused_recurrent_gsa with g=None and reverse=True at head "
                                       "dims above 256")
-        keys, g = slot_gate(s, cu_seqlens, head_first)
+        keys, g = slot_gate(s, cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, head_first)
         s, g = keys.to(k.dtype), g.to(s.dtype)
     init = None if hk0 is None and hv0 is None else (hk0, hv0)
     return two_passes(
@@ -624,7 +624,7 @@ def chunk_gsa(
     hk0, hv0 = _gsa_states(initial_state)
     if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1], s.shape[-1]):
         return _gsa_by_passes(chunk_gla, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
-                              head_first)
+                              cu_seqlens_cpu, head_first)
     o, hk, hv = torch.ops.fla.chunk_gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state,
                                         cu_seqlens, head_first)
     return o, ((hk, hv) if output_final_state else (None, None))
@@ -666,7 +666,7 @@ def fused_recurrent_gsa(
     hk0, hv0 = _gsa_states(initial_state)
     if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1], s.shape[-1]):
         return _gsa_by_passes(fused_recurrent_gla, q, k, v, s, g, scale, hk0, hv0, output_final_state,
-                              cu_seqlens, head_first, reverse=reverse)
+                              cu_seqlens, cu_seqlens_cpu, head_first, reverse=reverse)
     o, hk, hv = torch.ops.fla.fused_recurrent_gsa(q, k, v, s, g, scale, hk0, hv0,
                                                   output_final_state, reverse, cu_seqlens,
                                                   head_first)
