@@ -1,7 +1,8 @@
 """Head dims above the kernels' 256 (fla runs GLA at 320 and 512): GLA (g, gv, both), RWKV6 and
 GSA (K, V and the slots M), chunk and fused_recurrent, up to 512 and unequal, against the
 float64 oracle: output, final states and every gradient, with initial states, varlen, head_first,
-grouped heads, GSA's g=None and reverse (fla_ext/wide.py: the op over key and value slices;
+grouped heads, GSA's g=None and reverse, the hard decay regimes, inputs left unchanged
+(fla_ext/wide.py: the op over key and value slices;
 GSA as its two GLA passes, fla_ext/gsa_passes.py)."""
 import os
 import sys
@@ -93,3 +94,31 @@ def test_wide_gsa_errors_name_the_argument():
         fla_ext.chunk_gsa(q, k, v, s, -torch.rand(1, 6, 1, 9))
     with pytest.raises(ValueError, match=r"`initial_state\[1\]` must be \[N, 1, 8, 8\]"):
         fla_ext.chunk_gsa(q, k, v, s, initial_state=(torch.zeros(1, 1, 300, 8), torch.zeros(1, 1, 8, 9)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("w_kind", ["mixedinf", "u30", "zero"])
+def test_wide_heads_stress_decays(device, w_kind):
+    """The §8.4 hard regimes through the slices: -inf resets among small decays, decays to -30,
+    none at all."""
+    from families import GLA, RWKV6
+    gen = torch.Generator().manual_seed(zlib.crc32(w_kind.encode()))
+    for fam in (GLA, RWKV6):
+        for mode in ("chunk", "fused"):
+            x = fam.make(1, 40, 1, 300, 260, torch.float32, device, gen, h0=True, w_kind=w_kind)
+            run_and_check(fam, mode, x, gen=gen)
+
+
+def test_wide_heads_leave_inputs_unchanged():
+    from families import GLA, RWKV6
+    import test_gsa
+    gen = torch.Generator().manual_seed(2)
+    for fam in (GLA, RWKV6):
+        x = fam.make(1, 9, 1, 300, 270, torch.float32, "cpu", gen, h0=True)
+        before = {n: t.clone() for n, t in x.items() if t is not None}
+        fam.call("chunk", x, output_final_state=True)
+        assert all(torch.equal(x[n], t) for n, t in before.items())
+    x = test_gsa.make(1, 9, 2, 1, 16, 16, 280, torch.float32, "cpu", gen, g_kind=None)
+    before = {n: t.clone() for n, t in x.items() if t is not None}
+    test_gsa.call("chunk", x, output_final_state=True)
+    assert all(torch.equal(x[n], t) for n, t in before.items())
