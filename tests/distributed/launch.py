@@ -7,6 +7,7 @@ functions run for every item in every rank; ``device()`` says where a rank's ten
 import os
 import socket
 import traceback
+from datetime import timedelta
 
 import pytest
 import torch
@@ -26,11 +27,14 @@ def _worker(rank, world, port, cases, items, errors):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if BACKEND == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(BACKEND, rank=rank, world_size=world)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     try:
         for item in items:
             cases(item, rank, world)
+        # no rank tears the group down while another still has collectives in flight (FSDP2's
+        # reduce-scatters finish in the background): gloo aborts the process on a closed peer
+        dist.barrier()
     except Exception:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
     finally:
