@@ -45,8 +45,12 @@ def measure(impl, cfg, args, device, dtype):
         return loss
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    losses = [step().item() for _ in range(args.warmup)]
-    sync()
+    losses = []
+    for i in range(args.warmup):  # fla autotunes here: say how long each step took
+        t0 = time.perf_counter()
+        losses.append(step().item())
+        sync()
+        print(f"{impl}: warm-up step {i + 1} of {args.warmup}: {time.perf_counter() - t0:.1f} s", flush=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []

@@ -1,13 +1,18 @@
-"""Losses the language models use: a cross-entropy that never holds the full float32 logits, and
-RWKV's L2Wrap (a small pull of each row's largest logit towards 0 in the backward)."""
+"""Losses the language models use: a linear + cross-entropy that never holds the full float32
+logits, and RWKV's L2Wrap (a small pull of each row's largest logit towards 0 in the backward)."""
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+
+def l2wrap_factor(rows: int) -> float:
+    """RWKV-LM's L2Wrap weight: each row's largest logit gets this x the logit as its gradient."""
+    return 1e-4 / max(1, rows)
 
 
 class L2Wrap(torch.autograd.Function):
     """loss in the forward; in the backward, each row's largest logit also gets the gradient
-    1e-4 / (rows) x that logit (RWKV-LM's L2Wrap: keeps the logits from drifting upwards)."""
+    l2wrap_factor(rows) x that logit, whatever the loss's own gradient (RWKV-LM's L2Wrap: keeps
+    the logits from drifting upwards)."""
 
     @staticmethod
     def forward(ctx, loss, logits):
@@ -17,32 +22,93 @@ class L2Wrap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (logits,) = ctx.saved_tensors
-        factor = 1e-4 / max(1, logits.numel() // logits.shape[-1])
         top, idx = logits.max(-1, keepdim=True)
-        glogits = torch.zeros_like(logits).scatter_(-1, idx, top * factor)
+        glogits = torch.zeros_like(logits).scatter_(-1, idx, top * l2wrap_factor(logits.numel() // logits.shape[-1]))
         return grad, glogits
 
 
-def _chunk_loss(hidden, weight, labels, l2wrap):
-    logits = F.linear(hidden, weight).float()
-    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-    if l2wrap:
-        loss = L2Wrap.apply(loss, logits)
-    return loss
+def default_chunk_rows(vocab: int) -> int:
+    """Rows per chunk: a chunk's float32 logits stay near 256 MB whatever the vocabulary."""
+    return max(64, (1 << 26) // max(1, vocab))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Sum over rows of -log softmax(hidden @ weight.T)[label], divided by the count of labels
+    that are not -100. The loss is a scalar, so its gradients are made in the forward, chunk by
+    chunk (fla's fused linear cross-entropy does the same): a chunk's logits are made, turned into
+    their gradient in place and dropped, and the backward only scales what was kept ([rows,
+    hidden] and [vocab, hidden] in float32, float64 for float64 inputs). L2Wrap's part does not scale with the loss's gradient
+    (as RWKV-LM's), so only its rows' top logit and index are kept and applied in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_rows: int, l2wrap: bool):
+        rows = hidden.shape[0]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want = want_h or want_w
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for float64 inputs
+        count = (labels != -100).sum().clamp(min=1).to(acc)
+        total = hidden.new_zeros((), dtype=acc)
+        dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if want_h else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        tops, idxs = [], []
+        for i in range(0, rows, chunk_rows):
+            h, y = hidden[i:i + chunk_rows], labels[i:i + chunk_rows]
+            logits = F.linear(h, weight).to(acc)
+            if l2wrap and want:
+                top, idx = logits.max(-1)
+                tops.append(top), idxs.append(idx)
+            lse = torch.logsumexp(logits, -1)
+            live = y != -100
+            safe = torch.where(live, y, torch.zeros_like(y)).unsqueeze(-1)
+            total = total + torch.where(live, lse - logits.gather(-1, safe).squeeze(-1), 0.).sum()
+            if not want:
+                continue
+            g = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax, in place of the logits
+            g.scatter_add_(-1, safe, -live.unsqueeze(-1).to(g.dtype))  # minus the one-hot label
+            g.mul_((live.to(g.dtype) / count).unsqueeze(-1))  # ignored rows: no gradient
+            g = g.to(weight.dtype)
+            if want_h:
+                dh[i:i + chunk_rows] = g @ weight
+            if want_w:
+                dw += g.t() @ h
+        if want:
+            top = torch.cat(tops) if tops else None
+            idx = torch.cat(idxs) if idxs else None
+            ctx.save_for_backward(dh, dw, hidden, weight, top, idx)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        dh, dw, hidden, weight, top, idx = ctx.saved_tensors
+        gh = gw = None
+        if dh is not None:
+            dh = dh * grad
+        if dw is not None:
+            dw = dw * grad
+        if top is not None:  # each row's top logit: d logit = factor x top
+            coef = top * l2wrap_factor(hidden.shape[0])
+            if dh is not None:
+                dh += coef.unsqueeze(-1) * weight.to(dh.dtype)[idx]
+            if dw is not None:
+                dw.index_add_(0, idx, coef.unsqueeze(-1) * hidden.to(dw.dtype))
+        if dh is not None:
+            gh = dh.to(hidden.dtype)
+        if dw is not None:
+            gw = dw.to(weight.dtype)
+        return gh, gw, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                          chunk_rows: int = 4096, l2wrap: bool = False) -> torch.Tensor:
-    """Mean cross-entropy of ``hidden @ weight.T`` against ``labels`` (-100 ignored), rows in
-    chunks: each chunk's logits are made, used and dropped, and made again in the backward
-    (activation checkpointing), so no [rows, vocab] float32 tensor is ever held whole."""
+                          chunk_rows: int = None, l2wrap: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``labels`` (-100 ignored), with the
+    gradient of L2Wrap over all rows when ``l2wrap``, equal to the plain form (full logits,
+    ``F.cross_entropy``, ``L2Wrap``) without holding more than one chunk of ``chunk_rows`` rows'
+    logits (default: default_chunk_rows)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for i in range(0, hidden.shape[0], chunk_rows):
-        h, y = hidden[i:i + chunk_rows], labels[i:i + chunk_rows]
-        if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss, h, weight, y, l2wrap, use_reentrant=False)
-        else:
-            total = total + _chunk_loss(h, weight, y, l2wrap)
-    return total / (labels != -100).sum().clamp(min=1)
+    if labels.shape[0] != hidden.shape[0]:
+        raise ValueError(f"labels: {labels.shape[0]} rows for {hidden.shape[0]} rows of hidden states")
+    rows = chunk_rows or default_chunk_rows(weight.shape[0])
+    if rows < 1:
+        raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
+    return _LinearCrossEntropy.apply(hidden, weight, labels, rows, l2wrap)

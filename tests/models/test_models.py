@@ -143,6 +143,7 @@ def test_fla_checkpoint_loads_with_the_same_logits(family, tmp_path):
     """A checkpoint saved by fla's model of the same family (where fla imports: the GPU machine)
     loads with no missing or unexpected key and gives fla's logits."""
     fla_models = pytest.importorskip("fla.models")
+    models.register_auto()  # fla's import took the Auto names: later tests load through them
     if not torch.cuda.is_available():
         pytest.skip("fla's kernels need CUDA")
     name = {"rwkv7": "RWKV7", "rwkv6": "RWKV6", "gsa": "GSA", "gla": "GLA"}[family]
@@ -186,3 +187,26 @@ def test_example_prompt_with_token_zero():
     from lm import train_lm
     r = train_lm("rwkv7", 15, "cpu")
     assert r["same"] and len(r["losses"]) == 15
+
+
+def test_register_auto_takes_the_auto_names_back(tmp_path):
+    """Importing fla.models registers fla's classes under the same model types, and the Auto
+    classes then build fla's models (a later Auto load in the process got fla's RWKV-7);
+    register_auto() makes them build fla_ext's again. fla's registration is stood in for here."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+    class TheirConfig(PretrainedConfig):
+        model_type = "rwkv7"
+
+    class TheirLM(PreTrainedModel):
+        config_class = TheirConfig
+
+    tiny("rwkv7").save_pretrained(tmp_path)
+    try:
+        AutoConfig.register("rwkv7", TheirConfig, exist_ok=True)
+        AutoModelForCausalLM.register(TheirConfig, TheirLM, exist_ok=True)
+        assert type(AutoConfig.from_pretrained(tmp_path)) is TheirConfig
+    finally:
+        models.register_auto()
+    assert type(AutoConfig.from_pretrained(tmp_path)) is models.RWKV7Config
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is models.RWKV7ForCausalLM
