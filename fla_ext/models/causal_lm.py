@@ -11,7 +11,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 
 from ..layers import Cache
-from .losses import L2Wrap, chunked_cross_entropy
+from .losses import chunked_cross_entropy, cross_entropy
 
 
 class LMPreTrainedModel(PreTrainedModel):
@@ -150,10 +150,7 @@ class CausalLMGenerationMixin(GenerationMixin):
                 loss = chunked_cross_entropy(h, self.lm_head.weight, target, l2wrap=self.config.use_l2warp)
             else:
                 logits = self.lm_head(h)
-                flat = logits.float().reshape(-1, logits.shape[-1])
-                loss = nn.functional.cross_entropy(flat, target.reshape(-1), ignore_index=-100)
-                if self.config.use_l2warp:
-                    loss = L2Wrap.apply(loss, flat)
+                loss = cross_entropy(logits, target, l2wrap=self.config.use_l2warp)
         else:
             logits = self.lm_head(h if not logits_to_keep else h[:, -logits_to_keep:])
         if not return_dict:

@@ -98,6 +98,63 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None
 
 
+class _LogitsCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of given logits (and L2Wrap's gradient over all rows), without the
+    float32 copies autograd would keep (the logits in float32 and their log-softmax, each twice
+    the size of bf16 logits): rows in chunks, the forward keeps each row's log-sum-exp, and the
+    backward makes a chunk's softmax again from the logits, which the caller holds anyway."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_rows: int, l2wrap: bool):
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        count = (labels != -100).sum().clamp(min=1).to(acc)
+        total = logits.new_zeros((), dtype=acc)
+        lses = []
+        for i in range(0, logits.shape[0], chunk_rows):
+            x, y = logits[i:i + chunk_rows].to(acc), labels[i:i + chunk_rows]
+            lse = torch.logsumexp(x, -1)
+            live = y != -100
+            safe = torch.where(live, y, torch.zeros_like(y)).unsqueeze(-1)
+            total = total + torch.where(live, lse - x.gather(-1, safe).squeeze(-1), 0.).sum()
+            lses.append(lse)
+        ctx.save_for_backward(logits, labels, torch.cat(lses) if lses else logits.new_zeros(0, dtype=acc), count)
+        ctx.chunk_rows, ctx.l2wrap = chunk_rows, l2wrap
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels, lse, count = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        factor = l2wrap_factor(logits.shape[0])
+        for i in range(0, logits.shape[0], ctx.chunk_rows):
+            x, y = logits[i:i + ctx.chunk_rows].to(lse.dtype, copy=True), labels[i:i + ctx.chunk_rows]
+            live = y != -100
+            safe = torch.where(live, y, torch.zeros_like(y)).unsqueeze(-1)
+            top, idx = x.max(-1, keepdim=True) if ctx.l2wrap else (None, None)
+            g = x.sub_(lse[i:i + ctx.chunk_rows].unsqueeze(-1)).exp_()
+            g.scatter_add_(-1, safe, -live.unsqueeze(-1).to(g.dtype))
+            g.mul_((live.to(g.dtype) / count * grad).unsqueeze(-1))
+            if ctx.l2wrap:  # unscaled by the loss's gradient, as RWKV-LM's
+                g.scatter_add_(-1, idx, top * factor)
+            out[i:i + ctx.chunk_rows] = g
+        return out, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, chunk_rows: int = None,
+                  l2wrap: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` ([rows, vocab]) against ``labels`` (-100 ignored), with
+    L2Wrap's gradient when ``l2wrap``: equal to F.cross_entropy (+ L2Wrap) on the float32 logits,
+    holding nothing beyond the logits but a float per row."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    if labels.shape[0] != logits.shape[0]:
+        raise ValueError(f"labels: {labels.shape[0]} rows for {logits.shape[0]} rows of logits")
+    rows = chunk_rows or default_chunk_rows(logits.shape[1])
+    if rows < 1:
+        raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
+    return _LogitsCrossEntropy.apply(logits, labels, rows, l2wrap)
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                           chunk_rows: int = None, l2wrap: bool = False) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``labels`` (-100 ignored), with the

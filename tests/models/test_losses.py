@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
-from fla_ext.models.losses import L2Wrap, chunked_cross_entropy, default_chunk_rows  # noqa: E402
+from fla_ext.models.losses import L2Wrap, chunked_cross_entropy, cross_entropy, default_chunk_rows  # noqa: E402
 
 
 def plain(hidden, weight, labels, l2wrap):
@@ -66,3 +66,30 @@ def test_bad_arguments_are_named():
         chunked_cross_entropy(torch.randn(4, 3), torch.randn(5, 3), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="chunk_rows"):
         chunked_cross_entropy(torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long), chunk_rows=-1)
+
+
+@pytest.mark.parametrize("l2wrap", [False, True])
+@pytest.mark.parametrize("chunk_rows", [7, None])
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_logits_cross_entropy_equals_plain(l2wrap, chunk_rows, scale):
+    """cross_entropy over given logits (the models' loss when logits are returned) against
+    F.cross_entropy + L2Wrap on the same logits; the logits are left unchanged (the backward
+    makes the softmax in place of a float32 chunk, which must be a copy for float32 logits)."""
+    torch.manual_seed(2)
+    rows, vocab = 45, 31
+    x = torch.randn(rows, vocab, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, vocab, (rows,))
+    y[1::4] = -100
+    x0 = x.detach().clone()
+    ref = F.cross_entropy(x, y, ignore_index=-100)
+    ref = L2Wrap.apply(ref, x) if l2wrap else ref
+    (scale * ref).backward()
+    gx = x.grad.clone()
+    x.grad = None
+    got = cross_entropy(x, y, chunk_rows=chunk_rows, l2wrap=l2wrap)
+    (scale * got).backward()
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, gx, rtol=1e-10, atol=1e-14)
+    assert torch.equal(x.detach(), x0)
+    with pytest.raises(ValueError, match="labels"):
+        cross_entropy(x, y[:-1])
