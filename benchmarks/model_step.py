@@ -6,7 +6,8 @@ same config in the same run: tokens per second and peak memory.
                                                         # 50304), bf16, B = 2, T = 4096, CUDA
     python benchmarks/model_step.py --device cpu --quick
 
-A step is forward with labels (the models' own loss: fused / chunked cross-entropy with L2Wrap),
+fla_ext runs twice: as is, and under ``fla_ext.keep_workspaces(False)`` (the chunk ops' backward
+makes their workspaces again: less memory, slower). A step is forward with labels (the models' own loss: fused / chunked cross-entropy with L2Wrap),
 backward and AdamW; parameters in bf16. Median of the timed steps after warm-up steps (fla
 autotunes its kernels in the first ones). Writes ``<out>/<gpu>_rwkv7_lm_step.json``.
 """
@@ -31,6 +32,11 @@ def build(impl, cfg):
 
 
 def measure(impl, cfg, args, device, dtype):
+    if impl == "fla_ext (keep_workspaces=False)":
+        import fla_ext
+        with fla_ext.keep_workspaces(False):
+            row = measure("fla_ext", cfg, args, device, dtype)
+        return dict(row, impl=impl)
     torch.manual_seed(0)
     model = build(impl, cfg).to(device=device, dtype=dtype)
     params = sum(p.numel() for p in model.parameters())
@@ -90,7 +96,7 @@ def main(argv=None):
         cfg = dict(hidden_size=768, num_hidden_layers=12, head_dim=64, vocab_size=50304)
         args.batch, args.seq = args.batch or 2, args.seq or 4096
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    impls = ["fla_ext"]
+    impls = ["fla_ext", "fla_ext (keep_workspaces=False)"]
     if args.fla:
         try:
             import fla.models  # noqa: F401

@@ -54,8 +54,9 @@ from .ops import (  # noqa: E402
     fused_recurrent_rwkv7,
     set_checks,
 )
+from .memory import keep_workspaces  # noqa: E402
 
 __all__ = ["chunk_gla", "chunk_gsa", "chunk_rwkv6", "chunk_rwkv7", "fused_mul_recurrent_rwkv7",
            "fused_recurrent_gla", "fused_recurrent_gsa", "fused_recurrent_rwkv6",
-           "fused_recurrent_rwkv7", "set_checks"]
+           "fused_recurrent_rwkv7", "keep_workspaces", "set_checks"]
 from ._version import __version__  # noqa: E402

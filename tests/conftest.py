@@ -41,17 +41,22 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_compiles_same(f, ins, wrt, device):
-    """torch.compile(f, fullgraph=True) gives f's loss and gradients wrt `wrt` (inductor on GPU,
-    aot_eager on CPU)."""
+    """torch.compile(f, fullgraph=True) gives f's loss and gradients wrt `wrt`: aot_eager (CPU)
+    runs eager's kernels, so to assert_close's defaults; inductor (GPU) generates its own code for
+    the torch ops around the fla ops (GSA's softmax and sums) and may order their float32 sums
+    differently, so there to the float32 value tolerance of docs/algorithms.md §8.3 (rel L2)."""
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     loss_c = cf(*ins)
     g_c = torch.autograd.grad(loss_c, wrt)
     loss_e = f(*ins)
     g_e = torch.autograd.grad(loss_e, wrt)
-    torch.testing.assert_close(loss_c, loss_e)
-    for x, y in zip(g_c, g_e):
-        torch.testing.assert_close(x, y)
+    for x, y in zip((loss_c,) + tuple(g_c), (loss_e,) + tuple(g_e)):
+        if device == "cpu" or x.dtype != torch.float32:
+            torch.testing.assert_close(x, y)
+        else:
+            assert x.shape == y.shape and torch.isfinite(x).all()
+            assert rel_err(x, y) <= TOL[torch.float32][0], rel_err(x, y)
 
 
 def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float, atol: float):

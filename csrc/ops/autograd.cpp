@@ -1,6 +1,7 @@
 // The autograd of every differentiable fla op, one boxed kernel at the Autograd key for all of
 // them. The forward is the op itself, or its _train twin when the call records a graph (the
-// twin also returns the workspaces its backward reuses: chunk-start states, pair matrices); the
+// twin also returns the workspaces its backward reuses: chunk-start states, pair matrices;
+// under FLA_EXT_KEEP_WORKSPACES=0 only those the backward cannot make again are kept); the
 // backward is the op's _bwd op. Both stay dispatcher calls, so torch.compile traces them like any
 // other op, and the _bwd op's arguments are filled by schema name:
 //   - a name of the forward's arguments: that argument (tensors saved, the rest kept as values);
@@ -85,6 +86,27 @@ std::string grad_target(const std::string& out) {
   return name == "h0" ? "initial_state" : name;
 }
 
+// Whether the backward makes workspace `name` (an extra output of the _train op) again when it
+// gets None: its schema takes it as an optional tensor.
+bool remade(const Handles& h, const std::string& name) {
+  const auto& args = h.backward.schema().arguments();
+  const int a = arg_index(args, name);
+  return a >= 0 && args[a].type()->cast<c10::OptionalType>() != nullptr;
+}
+
+// Whether a training forward runs the _train op: unless keeps_workspaces() is false and the
+// backward can make every workspace again (then the plain op runs, which may take a leaner path:
+// chunk_rwkv7's fused forward).
+bool runs_train(int op) {
+  if (!kOps[op].has_train) return false;
+  if (keeps_workspaces()) return true;
+  const Handles& h = handles(op);
+  const auto& out = h.train.schema().returns();
+  for (size_t i = h.forward.schema().returns().size(); i < out.size(); ++i)
+    if (!remade(h, out[i].name())) return true;
+  return false;
+}
+
 class OpFunction : public torch::autograd::Function<OpFunction> {
  public:
   // inputs: the defined tensor arguments (the graph's inputs), at indices `input_args` of args.
@@ -106,7 +128,13 @@ class OpFunction : public torch::autograd::Function<OpFunction> {
         ctx->saved_data[schema.arguments()[i].name()] = args[i];
       }
     }
-    for (size_t i = outputs; i < stack.size(); ++i) saved.push_back(stack[i].toTensor());
+    // Workspaces: all kept, or (keeps_workspaces() false) only those the backward cannot make
+    // again, the ones its schema takes as a plain Tensor (chunk_gsa's softmax p); an optional
+    // one goes to the backward as None, which then recomputes it.
+    const bool keep = keeps_workspaces();
+    const auto& train_out = h.train.schema().returns();
+    for (size_t i = outputs; i < stack.size(); ++i)
+      saved.push_back(keep || !remade(h, train_out[i].name()) ? stack[i].toTensor() : at::Tensor());
     ctx->save_for_backward(saved);
     ctx->saved_data["op"] = int64_t(op);
     ctx->saved_data["train"] = train;
@@ -195,8 +223,7 @@ void autograd_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet, Sta
     input_args.push_back(int64_t(i));
     requires_grad |= inputs.back().requires_grad();
   }
-  const bool train =
-      kOps[op].has_train && torch::autograd::GradMode::is_enabled() && requires_grad;
+  const bool train = torch::autograd::GradMode::is_enabled() && requires_grad && runs_train(op);
   for (auto& t : OpFunction::apply(op, at::TensorList(inputs), input_args, args, train))
     stack->push_back(std::move(t));
 }

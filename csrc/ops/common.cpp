@@ -12,20 +12,24 @@ namespace fla::ops {
 namespace {
 thread_local int value_checks_done_depth = 0;
 
-bool parse_checks_flag(const char* raw) {
+// A boolean environment variable: `unset` when empty or absent.
+bool parse_flag(const char* name, bool unset) {
+  const char* raw = std::getenv(name);
   std::string v = raw ? raw : "";
   for (auto& c : v) c = char(std::tolower(static_cast<unsigned char>(c)));
-  if (v.empty() || v == "0" || v == "false" || v == "off" || v == "no") return false;
+  if (v.empty()) return unset;
+  if (v == "0" || v == "false" || v == "off" || v == "no") return false;
   if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
-  TORCH_CHECK_VALUE(false, "fla_ext: FLA_EXT_CHECKS must be one of 0/1/true/false/on/off/yes/no, ",
-                    "got '", raw, "'");
+  TORCH_CHECK_VALUE(false, "fla_ext: ", name, " must be one of 0/1/true/false/on/off/yes/no, got '", raw, "'");
 }
 }  // namespace
 
 bool value_checks_enabled() {
   if (value_checks_done_depth > 0) return false;
-  return parse_checks_flag(std::getenv("FLA_EXT_CHECKS"));
+  return parse_flag("FLA_EXT_CHECKS", false);
 }
+
+bool keeps_workspaces() { return parse_flag("FLA_EXT_KEEP_WORKSPACES", true); }
 
 int64_t workspace_budget_mib() {
   const char* v = std::getenv("FLA_EXT_WORKSPACE_MIB");

@@ -23,6 +23,11 @@ constexpr int64_t kMaxHeadDim = 256;
 // (a host sync, so off by default and never inside CUDA-graph capture). False inside a
 // ValueChecksDone scope.
 bool value_checks_enabled();
+// False when FLA_EXT_KEEP_WORKSPACES is 0/false/off/no (fla_ext.keep_workspaces writes it): a
+// training forward then runs the plain op and keeps only its inputs, and the backward makes the
+// chunk-start states and workspaces again (less memory between forward and backward, a slower
+// backward). Any other value than those and 1/true/on/yes is an error naming the variable.
+bool keeps_workspaces();
 // FLA_EXT_WORKSPACE_MIB: the most workspace (MiB) an inference forward may take at once (it then
 // runs in windows of the time axis); -1 when unset. Any value but a non-negative integer is an
 // error naming the variable.
