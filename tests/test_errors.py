@@ -122,7 +122,7 @@ def test_chunk_gla_both_decays_on_cuda():
     a = good("cuda")
     gv = -torch.rand_like(a["v"])
     with pytest.raises(ValueError, match=r"`g` or a value-side decay `gv`, not both"):
-        chunk_gla(a["r"], a["k"], a["v"], a["w"], gv)
+        chunk_gla(a["r"], a["k"], a["v"], a["w"], gv=gv)
     with pytest.raises(ValueError, match=r"`g` or a value-side decay `gv`, not both"):
         torch.ops.fla.chunk_gla_bwd(a["r"], a["k"], a["v"], a["w"], gv, a["v"], None, None, None,
                                     None, False)
