@@ -32,6 +32,23 @@ def default_chunk_rows(vocab: int) -> int:
     return max(64, (1 << 26) // max(1, vocab))
 
 
+def _chunk_loss(logits, labels):
+    """(sum of -log softmax at the labels over the rows whose label is not -100, the rows'
+    log-sum-exp, which rows count, the labels with -100 as 0) of float logits."""
+    lse = torch.logsumexp(logits, -1)
+    live = labels != -100
+    safe = torch.where(live, labels, torch.zeros_like(labels)).unsqueeze(-1)
+    return torch.where(live, lse - logits.gather(-1, safe).squeeze(-1), 0.).sum(), lse, live, safe
+
+
+def _logit_grads_(logits, lse, live, safe, weight):
+    """The loss's gradient wrt float logits, in place of them: (softmax - one-hot label) x weight
+    on rows that count, 0 on the others."""
+    g = logits.sub_(lse.unsqueeze(-1)).exp_()
+    g.scatter_add_(-1, safe, -live.unsqueeze(-1).to(g.dtype))
+    return g.mul_((live.to(g.dtype) * weight).unsqueeze(-1))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Sum over rows of -log softmax(hidden @ weight.T)[label], divided by the count of labels
     that are not -100. The loss is a scalar, so its gradients are made in the forward, chunk by
@@ -57,16 +74,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if l2wrap and want:
                 top, idx = logits.max(-1)
                 tops.append(top), idxs.append(idx)
-            lse = torch.logsumexp(logits, -1)
-            live = y != -100
-            safe = torch.where(live, y, torch.zeros_like(y)).unsqueeze(-1)
-            total = total + torch.where(live, lse - logits.gather(-1, safe).squeeze(-1), 0.).sum()
+            loss, lse, live, safe = _chunk_loss(logits, y)
+            total = total + loss
             if not want:
                 continue
-            g = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax, in place of the logits
-            g.scatter_add_(-1, safe, -live.unsqueeze(-1).to(g.dtype))  # minus the one-hot label
-            g.mul_((live.to(g.dtype) / count).unsqueeze(-1))  # ignored rows: no gradient
-            g = g.to(weight.dtype)
+            g = _logit_grads_(logits, lse, live, safe, 1 / count).to(weight.dtype)
             if want_h:
                 dh[i:i + chunk_rows] = g @ weight
             if want_w:
@@ -112,10 +124,8 @@ class _LogitsCrossEntropy(torch.autograd.Function):
         lses = []
         for i in range(0, logits.shape[0], chunk_rows):
             x, y = logits[i:i + chunk_rows].to(acc), labels[i:i + chunk_rows]
-            lse = torch.logsumexp(x, -1)
-            live = y != -100
-            safe = torch.where(live, y, torch.zeros_like(y)).unsqueeze(-1)
-            total = total + torch.where(live, lse - x.gather(-1, safe).squeeze(-1), 0.).sum()
+            loss, lse, _, _ = _chunk_loss(x, y)
+            total = total + loss
             lses.append(lse)
         ctx.save_for_backward(logits, labels, torch.cat(lses) if lses else logits.new_zeros(0, dtype=acc), count)
         ctx.chunk_rows, ctx.l2wrap = chunk_rows, l2wrap
@@ -131,13 +141,22 @@ class _LogitsCrossEntropy(torch.autograd.Function):
             live = y != -100
             safe = torch.where(live, y, torch.zeros_like(y)).unsqueeze(-1)
             top, idx = x.max(-1, keepdim=True) if ctx.l2wrap else (None, None)
-            g = x.sub_(lse[i:i + ctx.chunk_rows].unsqueeze(-1)).exp_()
-            g.scatter_add_(-1, safe, -live.unsqueeze(-1).to(g.dtype))
-            g.mul_((live.to(g.dtype) / count * grad).unsqueeze(-1))
+            g = _logit_grads_(x, lse[i:i + ctx.chunk_rows], live, safe, grad / count)
             if ctx.l2wrap:  # unscaled by the loss's gradient, as RWKV-LM's
                 g.scatter_add_(-1, idx, top * factor)
             out[i:i + ctx.chunk_rows] = g
         return out, None, None, None
+
+
+def _flat_rows(x, labels, vocab, chunk_rows, what):
+    """x as [rows, last dim], labels flat and as many, and the chunk's rows (checked)."""
+    x, labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+    if labels.shape[0] != x.shape[0]:
+        raise ValueError(f"labels: {labels.shape[0]} rows for {x.shape[0]} rows of {what}")
+    rows = chunk_rows or default_chunk_rows(vocab)
+    if rows < 1:
+        raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
+    return x, labels, rows
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, chunk_rows: int = None,
@@ -145,13 +164,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, chunk_rows: int
     """Mean cross-entropy of ``logits`` ([rows, vocab]) against ``labels`` (-100 ignored), with
     L2Wrap's gradient when ``l2wrap``: equal to F.cross_entropy (+ L2Wrap) on the float32 logits,
     holding nothing beyond the logits but a float per row."""
-    logits = logits.reshape(-1, logits.shape[-1])
-    labels = labels.reshape(-1)
-    if labels.shape[0] != logits.shape[0]:
-        raise ValueError(f"labels: {labels.shape[0]} rows for {logits.shape[0]} rows of logits")
-    rows = chunk_rows or default_chunk_rows(logits.shape[1])
-    if rows < 1:
-        raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
+    logits, labels, rows = _flat_rows(logits, labels, logits.shape[-1], chunk_rows, "logits")
     return _LogitsCrossEntropy.apply(logits, labels, rows, l2wrap)
 
 
@@ -161,11 +174,5 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     gradient of L2Wrap over all rows when ``l2wrap``, equal to the plain form (full logits,
     ``F.cross_entropy``, ``L2Wrap``) without holding more than one chunk of ``chunk_rows`` rows'
     logits (default: default_chunk_rows)."""
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
-    if labels.shape[0] != hidden.shape[0]:
-        raise ValueError(f"labels: {labels.shape[0]} rows for {hidden.shape[0]} rows of hidden states")
-    rows = chunk_rows or default_chunk_rows(weight.shape[0])
-    if rows < 1:
-        raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
+    hidden, labels, rows = _flat_rows(hidden, labels, weight.shape[0], chunk_rows, "hidden states")
     return _LinearCrossEntropy.apply(hidden, weight, labels, rows, l2wrap)
