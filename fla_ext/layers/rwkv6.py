@@ -20,12 +20,14 @@ from .checks import check_forward
 from .init import rwkv_orthogonal_
 from .lora import LoRA
 from .padding import kept_tokens
+from .lean_linear import mixed
 from .shift import token_shift
 from .. import cp as _cp
 
 
 class LerpLinear(nn.Module):
-    """linear(x + delta * mu): a static token-shift mix `mu` [in]."""
+    """linear(x + delta * mu): a static token-shift mix `mu` [in] (the backward keeps x and delta,
+    not the mix: lean_linear.mixed)."""
 
     def __init__(self, input_dim: int, output_dim: int, low_rank_dim: Optional[int] = None) -> None:
         super().__init__()
@@ -34,7 +36,7 @@ class LerpLinear(nn.Module):
         self.mu = nn.Parameter(torch.zeros(input_dim))
 
     def forward(self, x, delta):
-        return self.linear(x + delta * self.mu)
+        return mixed(self.linear, x, delta, self.mu)
 
 
 class DDLerpLinear(nn.Module):
@@ -46,7 +48,7 @@ class DDLerpLinear(nn.Module):
                        else LoRA(input_dim, output_dim, low_rank_dim))
 
     def forward(self, x, mu, delta):
-        return self.linear(x + delta * mu)
+        return mixed(self.linear, x, delta, mu)
 
 
 class RWKV6Attention(nn.Module):

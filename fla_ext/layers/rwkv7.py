@@ -19,6 +19,7 @@ from ..ops import chunk_rwkv7, fused_recurrent_rwkv7
 from .cache import Cache
 from .checks import check_forward, check_v_first
 from .init import rwkv_orthogonal_
+from .lean_linear import mixed
 from .lora import LoRA
 from .padding import kept_tokens
 from .shift import token_shift
@@ -159,18 +160,18 @@ class RWKV7Attention(nn.Module):
         if cp_context is not None:  # the row before the slice, from the previous rank
             shift_cache = _cp.halo(cp_context, x, 1)[:, -1]
         delta, conv_state = token_shift(x, cu_seqlens, shift_cache)
-        xr, xw, xk, xv, xa, xg = (torch.addcmul(x, delta, m) for m in
-                                  (self.x_r, self.x_w, self.x_k, self.x_v, self.x_a, self.x_g))
-        r = self.r_proj(xr)
-        w = -_EXP_MINUS_HALF * torch.sigmoid(self.w_lora(xw).float())
-        k = self.k_proj(xk)
-        v = self.v_proj(xv)
+        # Each projection of a token-shift mix x + delta * x_*: the backward keeps x and delta
+        # for all six instead of each mix (lean_linear.mixed).
+        r = mixed(self.r_proj, x, delta, self.x_r)
+        w = -_EXP_MINUS_HALF * torch.sigmoid(mixed(self.w_lora, x, delta, self.x_w).float())
+        k = mixed(self.k_proj, x, delta, self.x_k)
+        v = mixed(self.v_proj, x, delta, self.x_v)
         if not self.has_v_lora:
             v_first = v
         else:
-            v = torch.lerp(v, v_first, torch.sigmoid(self.v_lora(xv)))
-        a = torch.sigmoid(self.a_lora(xa))
-        g = self.g_lora(xg)
+            v = torch.lerp(v, v_first, torch.sigmoid(mixed(self.v_lora, x, delta, self.x_v)))
+        a = torch.sigmoid(mixed(self.a_lora, x, delta, self.x_a))
+        g = mixed(self.g_lora, x, delta, self.x_g)
         kk = (k * self.k_k).view(B, T, H, N)
         if self.fuse_norm:
             kk = kk * torch.rsqrt(kk.float().square().sum(-1, keepdim=True) + 1e-6).to(kk.dtype)

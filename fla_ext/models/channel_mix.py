@@ -1,7 +1,8 @@
 """RWKV's channel mix (the feed-forward half of a block): a token-shifted squared-ReLU FFN, as
 RWKV-6 (key and receptance through token-shift mixes, a sigmoid receptance gate) and RWKV-7
 (one mix into the key, no gate) define it. The shift reads the previous token across a cache
-(generation) and across ranks (context parallelism)."""
+(generation) and across ranks (context parallelism). The backward keeps the squared ReLU's input
+and the mix's x and delta only (layers/lean_linear.py)."""
 from typing import Optional
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn as nn
 
 from ..layers import Cache
 from ..layers.rwkv6 import LerpLinear
+from ..layers.lean_linear import mixed, squared_relu
 from ..layers.shift import token_shift
 
 
@@ -54,7 +56,7 @@ class RWKV6FeedForward(nn.Module):
 
     def forward(self, x, attention_mask=None, cache: Optional[Cache] = None, cu_seqlens=None, **kwargs):
         x, delta = _shift(self.layer_idx, x, attention_mask, cache, cu_seqlens, kwargs.get("cp_context"))
-        value = self.value(torch.relu(self.key(x, delta)).square())
+        value = squared_relu(self.value, self.key(x, delta))
         return torch.sigmoid(self.receptance(x, delta)) * value
 
 
@@ -88,4 +90,4 @@ class RWKV7FeedForward(nn.Module):
 
     def forward(self, x, attention_mask=None, cache: Optional[Cache] = None, cu_seqlens=None, **kwargs):
         x, delta = _shift(self.layer_idx, x, attention_mask, cache, cu_seqlens, kwargs.get("cp_context"))
-        return self.value(torch.relu(self.key(torch.addcmul(x, delta, self.x_k))).square())
+        return squared_relu(self.value, mixed(self.key, x, delta, self.x_k))
