@@ -6,17 +6,23 @@ channel mixes, where these inputs are most of a layer's activations:
   backward.
 - ``squared_relu_linear(k, weight)`` = linear(relu(k)^2): keeps k instead of relu(k) and relu(k)^2.
 
-Forward values are autograd's (the same ops); gradients are the same sums. The per-channel mix
-gradient is summed in float32."""
+Forward values are autograd's (the same ops); gradients are the same sums (per-channel ones
+with a float32 accumulator)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
 def _sum_to(t, shape):
-    """t summed over its broadcast dimensions down to `shape`, in float32 for 16-bit t."""
-    acc = t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
-    return acc.sum_to_size(shape)
+    """t summed over the dimensions `shape` broadcasts along, with a float32 accumulator for
+    16-bit t (no float32 copy of t)."""
+    shape = tuple(shape)
+    if tuple(t.shape) == shape:
+        return t
+    lead = t.dim() - len(shape)
+    dims = list(range(lead)) + [lead + i for i, n in enumerate(shape) if n == 1 and t.shape[lead + i] != 1]
+    acc = torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+    return t.sum(dims, keepdim=True, dtype=acc).reshape(shape)
 
 
 def _linear_grads(dy, inp, weight, need_in, need_w, need_b):
@@ -44,8 +50,7 @@ class _MixedLinear(torch.autograd.Function):
                                         ctx.has_bias and need[4])
         dx = d_mix if ctx.needs_input_grad[0] else None
         d_delta = d_mix * mu if ctx.needs_input_grad[1] else None
-        d_mu = _sum_to(d_mix * delta if d_mix.dtype == torch.float64 else d_mix.float() * delta.float(),
-                       mu.shape).to(mu.dtype) if ctx.needs_input_grad[2] else None
+        d_mu = _sum_to(d_mix * delta, mu.shape).to(mu.dtype) if ctx.needs_input_grad[2] else None
         return dx, d_delta, d_mu, d_w, d_b
 
 
