@@ -34,6 +34,26 @@ def test_wide_heads_against_the_oracle(device, fam, mode, KV):
     run_and_check(fam, mode, x, gen=gen)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("device, fam, mode, KV", [c for c in _cases(CHUNK_FAMILIES[:2], "chunk") + _cases(FUSED_FAMILIES[:2], "fused")
+                                                    if c.values[3] == SHAPES[0]])
+def test_wide_heads_16_bit(device, fam, mode, KV, dtype):
+    """bf16 and fp16 at head dims above 256, at the 16-bit tolerances (the key slices' float32
+    partial outputs are summed before the one rounding to the output dtype)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((fam.name, mode, KV, str(dtype))).encode()))
+    x = fam.make(1, 21, 2, *KV, dtype, device, gen, h0=True)
+    run_and_check(fam, mode, x, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_wide_gsa_16_bit(device, dtype):
+    import test_gsa
+    gen = torch.Generator().manual_seed(11)
+    x = test_gsa.make(*GSA_SHAPES[0], dtype, device, gen, g_kind="typical")
+    test_gsa.run_and_check("chunk", x, gen=gen)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_wide_heads_varlen_and_head_first(device):
     from families import GLA, RWKV6
