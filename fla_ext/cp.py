@@ -178,8 +178,8 @@ class _After(torch.autograd.Function):
 # The algorithm, for any family: `run_slice(cu, h0)` runs the op on the local slice with local
 # boundaries cu (host list) and initial states h0 ([n, *state] or None), returning (o, final
 # states [n, *state]); `carry(rows)` describes how rows [0, rows) of the
-# first sequence carry a start state S through: (readout, M) with readout(S) what S adds to
-# those rows' outputs and M (flat, `m_numel` long) their state map; `apply(M, S)` is M applied
+# first sequence carry a start state S through: (read, M) with read(x, S) those rows' outputs x
+# plus what S adds to them and M (flat, `m_numel` long) their state map; `apply(M, S)` is M applied
 # to S. Every piece of a family's state recurrence is linear in the start state, so the output
 # of a sequence continuing into this slice is its zero-start output plus readout(S_in), and its
 # end state M S_in plus its zero-start end state: nothing runs again once S_in is known.
@@ -218,7 +218,7 @@ def run(ctx: CPContext, *, run_slice: Callable, carry: Callable, m_numel: int, a
             h0 = torch.cat([zeros(1), h0[1:]])
     first_rows = cu[1]
     o, ht = run_slice(cu, h0)
-    readout, m_first = carry(first_rows) if s.first_in else (None, None)
+    read, m_first = carry(first_rows) if s.first_in else (None, None)
 
     # 2. What the sequence cut at this slice's end needs from here: S0, and M where it also began
     #    before this slice (it then spans the whole slice).
@@ -240,7 +240,7 @@ def run(ctx: CPContext, *, run_slice: Callable, carry: Callable, m_numel: int, a
         for r in range(r0 + 1, ctx.rank):  # ranks it passes through
             m = gathered[r, state_numel:]
             state = apply(m, state) + gathered[r, :state_numel].reshape(state_shape)
-        o_first = (o[:, :first_rows] + readout(state)).to(o.dtype)
+        o_first = read(o[:, :first_rows], state)
         o = torch.cat([o_first, o[:, first_rows:]], dim=1) if first_rows < ctx.local_rows else o_first
         ht_first = (apply(m_first, state) + ht[0].to(state_dtype)).to(ht.dtype).unsqueeze(0)
         ht = torch.cat([ht_first, ht[1:]]) if nl > 1 else ht_first
@@ -308,95 +308,153 @@ def _scan_rows(x):
     return y.view(nb * _SCAN_BLOCK, *x.shape[1:])[:rows]
 
 
-def _running_sum(g, rows, dtype, exclusive=False):
-    """The running sums of g[0, :rows] ([1, T, H, D]) over time, [rows, H, D] in ``dtype``.
-    ``exclusive``: the sum of the rows before each."""
-    run = _scan_rows(g[0, :rows].to(dtype))
-    if exclusive:  # shifted, not run - g: that is NaN where the decay is -inf
-        run = torch.cat([torch.zeros_like(run[:1]), run[:-1]])
-    return run
+# Rows per block of the readout: its float32 temporaries are [block, H, K or V], whatever the
+# slice's length (held whole, they were several times the inputs' size on long slices).
+_READ_ROWS = 1 << 16
+
+
+def _blocks(rows):
+    return [(t0, min(rows, t0 + _READ_ROWS)) for t0 in range(0, rows, _READ_ROWS)]
+
+
+def _block_carries(g, rows, acc):
+    """The sum of g[0] over the rows before each block, [blocks, H, D] in ``acc`` (None for g
+    None): the running sums then start each block from its carry."""
+    if g is None:
+        return None
+    totals = torch.stack([g[0, t0:t1].sum(0, dtype=acc) for t0, t1 in _blocks(rows)])
+    return torch.cat([torch.zeros_like(totals[:1]), totals[:-1].cumsum(0)])
+
+
+class _Reader:
+    """How rows [0, rows) of a diagonal-decay pass read a start state S: row t adds
+    (scale q_t e^Gk_t)^T S e^Gv_t, Gk / Gv the running sums of gk / gv over the slice (Gk of the
+    rows before t for RWKV6's exclusive reader; gk or gv None: no such decay), formed per block
+    of rows. Every exponent is a sum of log decays <= 0: no overflow."""
+
+    def __init__(self, q, gk, gv, scale, exclusive, rows, acc):
+        self.q, self.gk, self.gv, self.scale, self.exclusive, self.acc = q, gk, gv, scale, exclusive, acc
+        self.rows, self.blocks = rows, _blocks(rows)
+        self.ck, self.cv = _block_carries(gk, rows, acc), _block_carries(gv, rows, acc)
+
+    def _running(self, g, carry, t0, t1, exclusive):
+        run = _scan_rows(g[0, t0:t1].to(self.acc)) + carry
+        return torch.cat([carry.unsqueeze(0), run[:-1]]) if exclusive else run
+
+    def block(self, i):
+        """(reader [n, H, K], e^Gk [n, H, K] or None, e^Gv [n, H, V] or None) of block i."""
+        t0, t1 = self.blocks[i]
+        q = self.q[0, t0:t1].to(self.acc)
+        egk = None if self.gk is None else torch.exp(self._running(self.gk, self.ck[i], t0, t1, self.exclusive))
+        egv = None if self.gv is None else torch.exp(self._running(self.gv, self.cv[i], t0, t1, False))
+        reader = q * self.scale if egk is None else q * egk * self.scale
+        return reader, egk, egv
+
+
+def _reader_args(ctx, saved):
+    q, gk, gv, state = saved
+    return _Reader(q, gk, gv, ctx.scale, ctx.exclusive, ctx.rows, state.dtype), state
+
+
+class _ReadoutState(torch.autograd.Function):
+    """x + what ``state`` adds to rows [0, rows) (x: [1, rows, H, V], their zero-start outputs),
+    in x's dtype, block by block. Its backward gives only the state's gradient (the ranks before
+    this one wait on it in the all-reduce); _ReadoutInputs, inside it, gives q's and the decays'."""
+    @staticmethod
+    def forward(ctx, x, q, gk, gv, state, scale, exclusive):
+        ctx.scale, ctx.exclusive, ctx.rows = scale, exclusive, x.shape[1]
+        reader = _Reader(q, gk, gv, scale, exclusive, x.shape[1], state.dtype)
+        out = torch.empty_like(x)
+        for i, (t0, t1) in enumerate(reader.blocks):
+            r, _, egv = reader.block(i)
+            y = torch.einsum("thk,hkv->thv", r, state)
+            out[0, t0:t1] = x[0, t0:t1] + (y if egv is None else y * egv)  # one rounding to x's dtype
+        ctx.save_for_backward(q, gk, gv, state)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        reader, state = _reader_args(ctx, ctx.saved_tensors)
+        dstate = torch.zeros_like(state)
+        for i, (t0, t1) in enumerate(reader.blocks):
+            r, _, egv = reader.block(i)
+            gb = g[0, t0:t1].to(state.dtype)
+            dstate += torch.einsum("thk,thv->hkv", r, gb if egv is None else gb * egv)
+        return g, None, None, None, dstate, None, None
+
+
+class _ReadoutInputs(torch.autograd.Function):
+    """x itself in the forward; in the backward, the gradients of q, gk and gv through the
+    readout of ``state`` (a constant here: _ReadoutState gives its gradient), block by block
+    from the last, the decays' as reverse running sums carried across blocks."""
+    @staticmethod
+    def forward(ctx, x, q, gk, gv, state, scale, exclusive):
+        ctx.scale, ctx.exclusive, ctx.rows = scale, exclusive, x.shape[1]
+        ctx.save_for_backward(q, gk, gv, state)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        reader, state = _reader_args(ctx, ctx.saved_tensors)
+        q, gk, gv = reader.q, reader.gk, reader.gv
+        need_q, need_gk, need_gv = ctx.needs_input_grad[1:4]
+        dq = torch.zeros_like(q) if need_q else None
+        dgk = torch.zeros_like(gk) if need_gk else None
+        dgv = torch.zeros_like(gv) if need_gv else None
+        acc = state.dtype
+        after_k = after_v = None  # the reverse running sums at the start of the later block
+        next_k = None  # exclusive reader: the first row's d/dGk of the later block
+        for i in reversed(range(len(reader.blocks))):
+            t0, t1 = reader.blocks[i]
+            r, egk, egv = reader.block(i)
+            gb = g[0, t0:t1].to(acc)
+            if need_gv:  # y = (r^T S) e^Gv: d/dGv_t = g_t (r_t^T S) e^Gv_t
+                dsv = gb * torch.einsum("thk,hkv->thv", r, state) * egv
+                rev = _reverse_running_sum(dsv) + (0 if after_v is None else after_v)
+                after_v, dgv[0, t0:t1] = rev[0], rev
+            dr = torch.einsum("thv,hkv->thk", gb if egv is None else gb * egv, state)
+            if need_q:
+                dq[0, t0:t1] = dr * ctx.scale if egk is None else dr * egk * ctx.scale
+            if need_gk:  # d/dGk_t = dr_t r_t; Gk_t sums the rows up to t (before t: exclusive)
+                dsk = dr * r
+                if ctx.exclusive:
+                    first = dsk[0]
+                    dsk = torch.cat([dsk[1:], (torch.zeros_like(first) if next_k is None else next_k).unsqueeze(0)])
+                    next_k = first
+                rev = _reverse_running_sum(dsk) + (0 if after_k is None else after_k)
+                after_k, dgk[0, t0:t1] = rev[0], rev
+        return g, dq, dgk, dgv, None, None, None
+
+
+def readout(x, q, gk, gv, state, scale, exclusive=False):
+    """x [1, rows, H, V] plus what ``state`` [H, K, V] adds to those rows of a diagonal-decay pass
+    (see _Reader; RWKV7: q its identity run's output, no decays), in x's dtype, with no
+    [rows, H, K]-sized float32 tensor kept or held whole."""
+    x = _ReadoutInputs.apply(x, q, gk, gv, state.detach(), scale, exclusive)
+    return _ReadoutState.apply(x, q.detach(), None if gk is None else gk.detach(),
+                               None if gv is None else gv.detach(), state, scale, exclusive)
 
 
 def _reverse_running_sum(x):
     return torch.flip(_scan_rows(torch.flip(x, [0])), [0])
 
 
-class _DiagReader(torch.autograd.Function):
-    """scale q_t * e^G_t over rows [0, rows), G the running sums of gk (exclusive: of the rows
-    before), [rows, H, K] float32 (float64 for float64 inputs): how row t reads a start state.
-    Keeps only its output for the backward."""
-    @staticmethod
-    def forward(ctx, q, gk, scale, exclusive, rows, dtype):
-        decay = torch.exp(_running_sum(gk, rows, dtype, exclusive)).mul_(scale)
-        reader = q[0, :rows] * decay
-        ctx.save_for_backward(q, gk, reader)
-        ctx.scale, ctx.exclusive, ctx.rows = scale, exclusive, rows
-        return reader
-
-    @staticmethod
-    def backward(ctx, dreader):
-        q, gk, reader = ctx.saved_tensors
-        rows = ctx.rows
-        decay = torch.exp(_running_sum(gk, rows, reader.dtype, ctx.exclusive)).mul_(ctx.scale)
-        dq_rows = (dreader * decay).to(q.dtype)
-        dsum = dreader * reader  # d/d(the running sum)
-        if ctx.exclusive:  # row t's sum holds the rows before it
-            dsum = torch.cat([dsum[1:], torch.zeros_like(dsum[:1])])
-        dgk_rows = _reverse_running_sum(dsum).to(gk.dtype)
-        if rows == q.shape[1]:
-            return dq_rows.unsqueeze(0), dgk_rows.unsqueeze(0), None, None, None, None
-        dq, dgk = torch.zeros_like(q), torch.zeros_like(gk)
-        dq[0, :rows], dgk[0, :rows] = dq_rows, dgk_rows
-        return dq, dgk, None, None, None, None
-
-
-_SPLIT_ROWS = 1024
-
-
-class _ReadState(torch.autograd.Function):
-    """reader [rows, H, K] times state [H, K, V], per head: [rows, H, V]. The state's gradient,
-    a sum over all rows, runs as many products over blocks of rows (one over a long slice
-    leaves most of the GPU idle) and is formed first: the ranks before this one wait on it."""
-    @staticmethod
-    def forward(ctx, reader, state):
-        ctx.save_for_backward(reader, state)
-        return torch.matmul(reader.transpose(0, 1), state).transpose(0, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        reader, state = ctx.saved_tensors
-        grad = grad.to(state.dtype)
-        rows = reader.shape[0]
-        whole = rows // _SPLIT_ROWS * _SPLIT_ROWS
-        dstate = torch.einsum("thk,thv->hkv", reader[whole:], grad[whole:])
-        if whole:
-            split = lambda x: x[:whole].view(whole // _SPLIT_ROWS, _SPLIT_ROWS, *x.shape[1:])  # noqa: E731
-            dstate = dstate + torch.einsum("sthk,sthv->shkv", split(reader), split(grad)).sum(0)
-        dreader = torch.matmul(grad.transpose(0, 1), state.transpose(1, 2)).transpose(0, 1)
-        return dreader, dstate
-
-
 def _diag_carry(q, gk, gv, scale, H, K, V, dtype, exclusive_reader=False):
     """GLA / RWKV6 / GSA pass, S_t = diag(e^gk_t) S_{t-1} diag(e^gv_t) + k_t v_t^T read by
     o_t = scale q_t^T S_t (RWKV6: S_{t-1}, the exclusive reader): a start state S reaches row t
     as diag(e^Gk_t) S diag(e^Gv_t), G the running sums of the log decays (never positive, so
-    the exponentials cannot overflow). M = (e^Gk, e^Gv) at the last row, flat [H, K + V].
-    The reader is formed before the all-gather, while other ranks still run their slices."""
+    the exponentials cannot overflow). M = (e^Gk, e^Gv) at the last row, flat [H, K + V]."""
     def fn(rows):
         dev = q.device
-        if gk is not None:
-            reader = _DiagReader.apply(q, gk, scale, exclusive_reader, rows, dtype)
-        else:
-            reader = q[0, :rows].to(dtype) * scale
-        value_decay = None if gv is None else torch.exp(_running_sum(gv, rows, dtype))
 
-        def readout(state):  # [H, K, V] -> [1, rows, H, V]
-            out = _ReadState.apply(reader, state)
-            return (out if value_decay is None else out * value_decay).unsqueeze(0)
-        dk = (torch.exp(gk[0, :rows].to(dtype).sum(0)) if gk is not None
+        def read(x, state):  # x [1, rows, H, V] plus what state [H, K, V] adds to it
+            return readout(x, q[:, :rows], None if gk is None else gk[:, :rows],
+                           None if gv is None else gv[:, :rows], state, scale, exclusive_reader)
+        dk = (torch.exp(gk[0, :rows].sum(0, dtype=dtype)) if gk is not None
               else torch.ones(H, K, dtype=dtype, device=dev))
-        dv = value_decay[-1] if gv is not None else torch.ones(H, V, dtype=dtype, device=dev)
-        return readout, torch.cat([dk, dv], dim=-1)
+        dv = (torch.exp(gv[0, :rows].sum(0, dtype=dtype)) if gv is not None
+              else torch.ones(H, V, dtype=dtype, device=dev))
+        return read, torch.cat([dk, dv], dim=-1)
     return fn
 
 
@@ -455,9 +513,9 @@ def rwkv7(op, ctx, r, w, k, v, a, b, scale, initial_state, output_final_state):
         zero_v = torch.zeros(1, rows, H, K, dtype=v.dtype, device=v.device)
         reader, m = call(rows, [0, rows], eye, zero_v)
 
-        def readout(state):  # [H, K, V] -> [1, rows, H, V]
-            return _ReadState.apply(reader[0].to(acc), state).unsqueeze(0)
-        return readout, m[0]
+        def read(x, state):  # x [1, rows, H, V] plus what state [H, K, V] adds to it
+            return readout(x, reader, None, None, state, 1.0)
+        return read, m[0]
 
     def apply(m, state):
         return torch.matmul(m.reshape(H, K, K), state)
