@@ -94,7 +94,8 @@ class LMBackbone:
 class CausalLMGenerationMixin(GenerationMixin):
     """The language model, mixed into a family's ``PreTrainedModel`` (transformers recognises a
     generating class by a base whose name ends in GenerationMixin): ``backbone_class`` and a
-    head. labels (as input_ids; -100 ignored) give the mean next-token loss; with
+    head. labels (as input_ids; -100 ignored) give the mean next-token loss (fla's conventions:
+    ``shift_labels`` are targets as given, ``num_items_in_batch`` makes it the sum over that); with
     ``config.fuse_linear_cross_entropy`` it is taken in row chunks without the full float32
     logits (logits are then not returned); ``config.use_l2warp`` adds RWKV's L2Wrap."""
     backbone_class = None
@@ -137,20 +138,28 @@ class CausalLMGenerationMixin(GenerationMixin):
                 labels=None, use_cache=None, output_hidden_states=None, return_dict=None,
                 logits_to_keep: int = 0, **kwargs):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        for unused in ("output_attentions", "cache_position", "num_items_in_batch", "shift_labels"):
+        for unused in ("output_attentions", "cache_position"):
             kwargs.pop(unused, None)
+        num_items_in_batch, shift_labels = kwargs.pop("num_items_in_batch", None), kwargs.pop("shift_labels", None)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                          past_key_values=past_key_values, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         h = out.last_hidden_state
         loss = logits = None
-        if labels is not None:
-            target = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+        if labels is not None or shift_labels is not None:
+            # fla's conventions: shift_labels are the targets as given; with num_items_in_batch
+            # (transformers' Trainer under gradient accumulation) the summed loss is divided by it
+            target = (shift_labels if shift_labels is not None
+                      else torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)).to(h.device)
+            kw = dict(l2wrap=self.config.use_l2warp, reduction="mean" if num_items_in_batch is None else "sum")
             if self.config.fuse_linear_cross_entropy:
-                loss = chunked_cross_entropy(h, self.lm_head.weight, target, l2wrap=self.config.use_l2warp)
+                loss = chunked_cross_entropy(h, self.lm_head.weight, target, **kw)
             else:
                 logits = self.lm_head(h)
-                loss = cross_entropy(logits, target, l2wrap=self.config.use_l2warp)
+                loss = cross_entropy(logits, target, **kw)
+            if num_items_in_batch is not None:
+                loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
+                               else num_items_in_batch)
         else:
             logits = self.lm_head(h if not logits_to_keep else h[:, -logits_to_keep:])
         if not return_dict:

@@ -44,6 +44,25 @@ def test_loss_and_backward(family):
 
 
 @family
+@pytest.mark.parametrize("fused", [False, True])
+def test_num_items_in_batch_and_shift_labels(family, fused):
+    """fla's conventions, which transformers' Trainer relies on under gradient accumulation: with
+    num_items_in_batch the loss is the sum over the targets divided by it (it was the mean,
+    silently: the accumulated gradient then came out that many micro-batches too small), and
+    shift_labels are the targets as given."""
+    m = tiny(family, use_l2warp=False, fuse_linear_cross_entropy=fused)
+    x = torch.randint(0, 97, (2, 40))
+    logits = tiny(family, use_l2warp=False)(x).logits.float()
+    total = F.cross_entropy(logits[:, :-1].reshape(-1, 97), x[:, 1:].reshape(-1), reduction="sum")
+    torch.testing.assert_close(m(x, labels=x, num_items_in_batch=200).loss, total / 200)
+    torch.testing.assert_close(m(x, labels=x, num_items_in_batch=torch.tensor(200)).loss, total / 200)
+    shifted = torch.randint(0, 97, (2, 40))
+    shifted[:, -3:] = -100
+    want = F.cross_entropy(logits.reshape(-1, 97), shifted.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(m(x, shift_labels=shifted).loss, want)
+
+
+@family
 def test_chunked_cross_entropy_and_l2wrap(family):
     m = tiny(family, use_l2warp=True)
     x = torch.randint(0, 97, (2, 40))
