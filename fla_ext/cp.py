@@ -351,6 +351,22 @@ class _Reader:
         return reader, egk, egv
 
 
+_SPLIT_ROWS = 1024
+
+
+def _state_grad(reader, grad):
+    """sum over rows t of reader_t grad_t^T per head ([n, H, K] x [n, H, V] -> [H, K, V]) as many
+    products over 1024-row pieces: one product over many rows runs on a handful of CTAs
+    (benchmarks/NOTES.md c23)."""
+    rows = reader.shape[0]
+    whole = rows // _SPLIT_ROWS * _SPLIT_ROWS
+    out = torch.einsum("thk,thv->hkv", reader[whole:], grad[whole:])
+    if whole:
+        split = lambda x: x[:whole].view(whole // _SPLIT_ROWS, _SPLIT_ROWS, *x.shape[1:])  # noqa: E731
+        out = out + torch.einsum("sthk,sthv->shkv", split(reader), split(grad)).sum(0)
+    return out
+
+
 def _reader_args(ctx, saved):
     q, gk, gv, state = saved
     return _Reader(q, gk, gv, ctx.scale, ctx.exclusive, ctx.rows, state.dtype), state
@@ -379,7 +395,7 @@ class _ReadoutState(torch.autograd.Function):
         for i, (t0, t1) in enumerate(reader.blocks):
             r, _, egv = reader.block(i)
             gb = g[0, t0:t1].to(state.dtype)
-            dstate += torch.einsum("thk,thv->hkv", r, gb if egv is None else gb * egv)
+            dstate += _state_grad(r, gb if egv is None else gb * egv)
         return g, None, None, None, dstate, None, None
 
 

@@ -39,10 +39,13 @@ def _reference(x, q, gk, gv, state, scale, exclusive):
 @pytest.mark.parametrize("exclusive", [False, True])
 @pytest.mark.parametrize("decays", ["gk", "gv", "both", "none"])
 @pytest.mark.parametrize("block", [7, 1 << 16])
-def test_readout_values_and_gradients(monkeypatch, exclusive, decays, block):
-    """Over several blocks of rows (7 rows each: carries across blocks) and one, fewer rows than
-    the inputs hold, against the formula and autograd's numerical gradients (float64)."""
+@pytest.mark.parametrize("split", [4, 1024])
+def test_readout_values_and_gradients(monkeypatch, exclusive, decays, block, split):
+    """Over several blocks of rows (7 rows each: carries across blocks) and one, the state's
+    gradient over 4-row pieces and whole, fewer rows than the inputs hold, against the formula and
+    autograd's numerical gradients (float64)."""
     monkeypatch.setattr(cp, "_READ_ROWS", block)
+    monkeypatch.setattr(cp, "_SPLIT_ROWS", split)
     gen = torch.Generator().manual_seed(3)
     rows, T, H, K, V = 30, 33, 2, 3, 4
     f64 = dict(dtype=torch.float64)
