@@ -9,7 +9,7 @@ from .blocks import GatedMLP
 from .channel_mix import RWKV6FeedForward, RWKV7FeedForward
 from .gla import GLABlock, GLAConfig, GLAForCausalLM, GLAModel
 from .gsa import GSABlock, GSAConfig, GSAForCausalLM, GSAModel
-from .losses import L2Wrap, chunked_cross_entropy, cross_entropy
+from .losses import L2Wrap, chunked_cross_entropy, cross_entropy, l2_warp
 from .rwkv6 import RWKV6Block, RWKV6Config, RWKV6ForCausalLM, RWKV6Model
 from .rwkv7 import RWKV7Block, RWKV7Config, RWKV7ForCausalLM, RWKV7Model
 
@@ -20,7 +20,7 @@ FAMILIES = {  # model type -> (config, model, causal LM)
     "gla": (GLAConfig, GLAModel, GLAForCausalLM),
 }
 
-__all__ = ["FAMILIES", "register_auto", "GatedMLP", "L2Wrap", "chunked_cross_entropy", "cross_entropy", "RWKV6FeedForward",
+__all__ = ["FAMILIES", "register_auto", "GatedMLP", "L2Wrap", "chunked_cross_entropy", "cross_entropy", "l2_warp", "RWKV6FeedForward",
            "RWKV7FeedForward", "GLABlock", "GLAConfig", "GLAForCausalLM", "GLAModel", "GSABlock",
            "GSAConfig", "GSAForCausalLM", "GSAModel", "RWKV6Block", "RWKV6Config", "RWKV6ForCausalLM",
            "RWKV6Model", "RWKV7Block", "RWKV7Config", "RWKV7ForCausalLM", "RWKV7Model"]

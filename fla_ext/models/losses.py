@@ -34,6 +34,9 @@ class L2Wrap(torch.autograd.Function):
         return grad, glogits.scatter_(-1, idx, (top * grad).to(ctx.dtype)), None
 
 
+l2_warp = L2Wrap.apply  # fla's name: l2_warp(loss, logits, l2_penalty_factor=1e-4)
+
+
 def default_chunk_rows(vocab: int) -> int:
     """Rows per chunk: a chunk's float32 logits stay near 256 MB whatever the vocabulary."""
     return max(64, (1 << 26) // max(1, vocab))
