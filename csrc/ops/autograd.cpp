@@ -44,8 +44,18 @@ constexpr Differentiable kOps[] = {
 };
 constexpr int kNumOps = sizeof(kOps) / sizeof(kOps[0]);
 
+int arg_index(const std::vector<c10::Argument>& args, const std::string& name) {
+  for (size_t i = 0; i < args.size(); ++i)
+    if (args[i].name() == name) return int(i);
+  return -1;
+}
+
 struct Handles {
   c10::OperatorHandle forward, train, backward;
+  // Per workspace (extra output of the _train op): whether the backward makes it again when it
+  // gets None, its schema taking it as an optional tensor (chunk_gsa's softmax p is not).
+  std::vector<bool> remade;
+  bool remakes_all = true;
 };
 
 const Handles& handles(int i) {
@@ -54,7 +64,15 @@ const Handles& handles(int i) {
     std::vector<Handles> t;
     for (const auto& d : kOps) {
       const std::string op = d.op;
-      t.push_back({fla_op(op), fla_op(d.has_train ? op + "_train" : op), fla_op(op + "_bwd")});
+      Handles h{fla_op(op), fla_op(d.has_train ? op + "_train" : op), fla_op(op + "_bwd")};
+      const auto& outs = h.train.schema().returns();
+      const auto& bwd = h.backward.schema().arguments();
+      for (size_t j = h.forward.schema().returns().size(); j < outs.size(); ++j) {
+        const int a = arg_index(bwd, outs[j].name());
+        h.remade.push_back(a >= 0 && bwd[a].type()->cast<c10::OptionalType>() != nullptr);
+        h.remakes_all = h.remakes_all && h.remade.back();
+      }
+      t.push_back(std::move(h));
     }
     return t;
   }();
@@ -65,12 +83,6 @@ int op_index(const c10::OperatorName& name) {
   for (int i = 0; i < kNumOps; ++i)
     if (handles(i).forward.operator_name() == name) return i;
   TORCH_INTERNAL_ASSERT(false, "fla_ext: no autograd entry for ", name.name);
-}
-
-int arg_index(const std::vector<c10::Argument>& args, const std::string& name) {
-  for (size_t i = 0; i < args.size(); ++i)
-    if (args[i].name() == name) return int(i);
-  return -1;
 }
 
 bool is_tensor_type(const c10::Argument& a) {
@@ -86,33 +98,12 @@ std::string grad_target(const std::string& out) {
   return name == "h0" ? "initial_state" : name;
 }
 
-// Whether the backward makes workspace `name` (an extra output of the _train op) again when it
-// gets None: its schema takes it as an optional tensor.
-bool remade(const Handles& h, const std::string& name) {
-  const auto& args = h.backward.schema().arguments();
-  const int a = arg_index(args, name);
-  return a >= 0 && args[a].type()->cast<c10::OptionalType>() != nullptr;
-}
-
-// Whether a training forward runs the _train op: unless keeps_workspaces() is false and the
-// backward can make every workspace again (then the plain op runs, which may take a leaner path:
-// chunk_rwkv7's fused forward).
-bool runs_train(int op) {
-  if (!kOps[op].has_train) return false;
-  if (keeps_workspaces()) return true;
-  const Handles& h = handles(op);
-  const auto& out = h.train.schema().returns();
-  for (size_t i = h.forward.schema().returns().size(); i < out.size(); ++i)
-    if (!remade(h, out[i].name())) return true;
-  return false;
-}
-
 class OpFunction : public torch::autograd::Function<OpFunction> {
  public:
   // inputs: the defined tensor arguments (the graph's inputs), at indices `input_args` of args.
   static variable_list forward(AutogradContext* ctx, int op, at::TensorList /*inputs*/,
                                const std::vector<int64_t>& input_args, const Stack& args,
-                               bool train) {
+                               bool train, bool keep) {
     at::AutoDispatchBelowADInplaceOrView below;
     const Handles& h = handles(op);
     const auto& schema = h.forward.schema();
@@ -128,13 +119,10 @@ class OpFunction : public torch::autograd::Function<OpFunction> {
         ctx->saved_data[schema.arguments()[i].name()] = args[i];
       }
     }
-    // Workspaces: all kept, or (keeps_workspaces() false) only those the backward cannot make
-    // again, the ones its schema takes as a plain Tensor (chunk_gsa's softmax p); an optional
-    // one goes to the backward as None, which then recomputes it.
-    const bool keep = keeps_workspaces();
-    const auto& train_out = h.train.schema().returns();
+    // Workspaces: all kept, or (`keep` false) only those the backward cannot make again; one it
+    // can goes to the backward as None, which then recomputes it.
     for (size_t i = outputs; i < stack.size(); ++i)
-      saved.push_back(keep || !remade(h, train_out[i].name()) ? stack[i].toTensor() : at::Tensor());
+      saved.push_back(keep || !h.remade[i - outputs] ? stack[i].toTensor() : at::Tensor());
     ctx->save_for_backward(saved);
     ctx->saved_data["op"] = int64_t(op);
     ctx->saved_data["train"] = train;
@@ -188,9 +176,9 @@ class OpFunction : public torch::autograd::Function<OpFunction> {
         }
       }
       h.backward.callBoxed(stack);
-      // One gradient per forward slot: op, each input tensor, input_args, args, train.
+      // One gradient per forward slot: op, each input tensor, input_args, args, train, keep.
       const auto input_args = ctx->saved_data["input_args"].toIntVector();
-      variable_list out(input_args.size() + 4);
+      variable_list out(input_args.size() + 5);
       const auto& bwd_out = h.backward.schema().returns();
       for (size_t r = 0; r < bwd_out.size(); ++r) {
         const int arg = arg_index(fwd, grad_target(bwd_out[r].name()));
@@ -223,8 +211,13 @@ void autograd_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet, Sta
     input_args.push_back(int64_t(i));
     requires_grad |= inputs.back().requires_grad();
   }
-  const bool train = torch::autograd::GradMode::is_enabled() && requires_grad && runs_train(op);
-  for (auto& t : OpFunction::apply(op, at::TensorList(inputs), input_args, args, train))
+  // A recording call runs the _train op, unless the workspaces are not to be kept and the
+  // backward can make every one again: then the plain op runs (it may take a leaner path:
+  // chunk_rwkv7's fused forward).
+  const bool record = torch::autograd::GradMode::is_enabled() && requires_grad && kOps[op].has_train;
+  const bool keep = !record || keeps_workspaces();
+  const bool train = record && (keep || !handles(op).remakes_all);
+  for (auto& t : OpFunction::apply(op, at::TensorList(inputs), input_args, args, train, keep))
     stack->push_back(std::move(t));
 }
 
