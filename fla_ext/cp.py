@@ -330,12 +330,12 @@ class _Reader:
     """How rows [0, rows) of a diagonal-decay pass read a start state S: row t adds
     (scale q_t e^Gk_t)^T S e^Gv_t, Gk / Gv the running sums of gk / gv over the slice (Gk of the
     rows before t for RWKV6's exclusive reader; gk or gv None: no such decay), formed per block
-    of rows. Every exponent is a sum of log decays <= 0: no overflow."""
+    of rows, each from its carries ck / cv (_block_carries). Every exponent is a sum of log
+    decays <= 0: no overflow."""
 
-    def __init__(self, q, gk, gv, scale, exclusive, rows, acc):
+    def __init__(self, q, gk, gv, ck, cv, scale, exclusive, rows, acc):
         self.q, self.gk, self.gv, self.scale, self.exclusive, self.acc = q, gk, gv, scale, exclusive, acc
-        self.rows, self.blocks = rows, _blocks(rows)
-        self.ck, self.cv = _block_carries(gk, rows, acc), _block_carries(gv, rows, acc)
+        self.rows, self.blocks, self.ck, self.cv = rows, _blocks(rows), ck, cv
 
     def _running(self, g, carry, t0, t1, exclusive):
         run = _scan_rows(g[0, t0:t1].to(self.acc)) + carry
@@ -367,9 +367,16 @@ def _state_grad(reader, grad):
     return out
 
 
-def _reader_args(ctx, saved):
-    q, gk, gv, state = saved
-    return _Reader(q, gk, gv, ctx.scale, ctx.exclusive, ctx.rows, state.dtype), state
+def _keep_reader(ctx, x, q, gk, gv, ck, cv, state, scale, exclusive):
+    """What both readout nodes keep for their backward: the reader's inputs, not the reader."""
+    ctx.scale, ctx.exclusive, ctx.rows = scale, exclusive, x.shape[1]
+    ctx.save_for_backward(q, gk, gv, ck, cv, state)
+
+
+def _kept_reader(ctx):
+    """(the _Reader, the state) from what _keep_reader kept."""
+    q, gk, gv, ck, cv, state = ctx.saved_tensors
+    return _Reader(q, gk, gv, ck, cv, ctx.scale, ctx.exclusive, ctx.rows, state.dtype), state
 
 
 class _ReadoutState(torch.autograd.Function):
@@ -377,26 +384,25 @@ class _ReadoutState(torch.autograd.Function):
     in x's dtype, block by block. Its backward gives only the state's gradient (the ranks before
     this one wait on it in the all-reduce); _ReadoutInputs, inside it, gives q's and the decays'."""
     @staticmethod
-    def forward(ctx, x, q, gk, gv, state, scale, exclusive):
-        ctx.scale, ctx.exclusive, ctx.rows = scale, exclusive, x.shape[1]
-        reader = _Reader(q, gk, gv, scale, exclusive, x.shape[1], state.dtype)
+    def forward(ctx, x, q, gk, gv, ck, cv, state, scale, exclusive):
+        _keep_reader(ctx, x, q, gk, gv, ck, cv, state, scale, exclusive)
+        reader = _Reader(q, gk, gv, ck, cv, scale, exclusive, x.shape[1], state.dtype)
         out = torch.empty_like(x)
         for i, (t0, t1) in enumerate(reader.blocks):
             r, _, egv = reader.block(i)
             y = torch.einsum("thk,hkv->thv", r, state)
             out[0, t0:t1] = x[0, t0:t1] + (y if egv is None else y * egv)  # one rounding to x's dtype
-        ctx.save_for_backward(q, gk, gv, state)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        reader, state = _reader_args(ctx, ctx.saved_tensors)
+        reader, state = _kept_reader(ctx)
         dstate = torch.zeros_like(state)
         for i, (t0, t1) in enumerate(reader.blocks):
             r, _, egv = reader.block(i)
             gb = g[0, t0:t1].to(state.dtype)
             dstate += _state_grad(r, gb if egv is None else gb * egv)
-        return g, None, None, None, dstate, None, None
+        return g, None, None, None, None, None, dstate, None, None
 
 
 class _ReadoutInputs(torch.autograd.Function):
@@ -404,14 +410,13 @@ class _ReadoutInputs(torch.autograd.Function):
     readout of ``state`` (a constant here: _ReadoutState gives its gradient), block by block
     from the last, the decays' as reverse running sums carried across blocks."""
     @staticmethod
-    def forward(ctx, x, q, gk, gv, state, scale, exclusive):
-        ctx.scale, ctx.exclusive, ctx.rows = scale, exclusive, x.shape[1]
-        ctx.save_for_backward(q, gk, gv, state)
+    def forward(ctx, x, q, gk, gv, ck, cv, state, scale, exclusive):
+        _keep_reader(ctx, x, q, gk, gv, ck, cv, state, scale, exclusive)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        reader, state = _reader_args(ctx, ctx.saved_tensors)
+        reader, state = _kept_reader(ctx)
         q, gk, gv = reader.q, reader.gk, reader.gv
         need_q, need_gk, need_gv = ctx.needs_input_grad[1:4]
         dq = torch.zeros_like(q) if need_q else None
@@ -439,16 +444,20 @@ class _ReadoutInputs(torch.autograd.Function):
                     next_k = first
                 rev = _reverse_running_sum(dsk) + (0 if after_k is None else after_k)
                 after_k, dgk[0, t0:t1] = rev[0], rev
-        return g, dq, dgk, dgv, None, None, None
+        return g, dq, dgk, dgv, None, None, None, None, None
 
 
 def readout(x, q, gk, gv, state, scale, exclusive=False):
     """x [1, rows, H, V] plus what ``state`` [H, K, V] adds to those rows of a diagonal-decay pass
     (see _Reader; RWKV7: q its identity run's output, no decays), in x's dtype, with no
-    [rows, H, K]-sized float32 tensor kept or held whole."""
-    x = _ReadoutInputs.apply(x, q, gk, gv, state.detach(), scale, exclusive)
+    [rows, H, K]-sized float32 tensor kept or held whole. The blocks' carries are summed once, for
+    both nodes and their backwards."""
+    with torch.no_grad():
+        ck = _block_carries(gk, x.shape[1], state.dtype)
+        cv = _block_carries(gv, x.shape[1], state.dtype)
+    x = _ReadoutInputs.apply(x, q, gk, gv, ck, cv, state.detach(), scale, exclusive)
     return _ReadoutState.apply(x, q.detach(), None if gk is None else gk.detach(),
-                               None if gv is None else gv.detach(), state, scale, exclusive)
+                               None if gv is None else gv.detach(), ck, cv, state, scale, exclusive)
 
 
 def _reverse_running_sum(x):
