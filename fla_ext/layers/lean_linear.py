@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .lora import LoRA
+
 
 def _sum_to(t, shape):
     """t summed over the dimensions `shape` broadcasts along, with a float32 accumulator for
@@ -91,7 +93,6 @@ def mixed(module, x, delta, mu):
     (its first factor takes the mix), through mixed_linear. Anything else (an adapter wrapping
     the Linear), or a module with forward hooks (FSDP's unsharding, say), is called as a module on
     the mix."""
-    from .lora import LoRA
     if type(module) is nn.Linear and _no_hooks(module):
         return mixed_linear(x, delta, mu, module.weight, module.bias)
     if type(module) is LoRA and type(module.lora[0]) is nn.Linear and _no_hooks(module, module.lora, *module.lora):

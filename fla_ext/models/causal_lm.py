@@ -192,7 +192,11 @@ def config_base():
     return PreTrainedConfig
 
 
-def unsupported_attn(attn, family):
+def unsupported_attn(attn, family, attnres_block_size=None):
+    """fla's config fields for layer kinds fla_ext does not build (hybrid attention layers,
+    attention residual blocks) must be None."""
     if attn is not None:
         raise NotImplementedError(f"fla_ext.models: {family}Config(attn=...) (hybrid attention layers) "
                                   "is not supported")
+    if attnres_block_size is not None:
+        raise NotImplementedError(f"fla_ext.models: {family}Config(attnres_block_size=...) is not supported")

@@ -31,9 +31,7 @@ class GLAConfig(PreTrainedConfig):
                  fuse_cross_entropy: bool = True, fuse_linear_cross_entropy: bool = False,
                  use_l2warp: bool = False, vocab_size: int = 32000, attnres_block_size: Optional[int] = None,
                  **kwargs):
-        unsupported_attn(attn, "GLA")
-        if attnres_block_size is not None:
-            raise NotImplementedError("fla_ext.models: GLAConfig(attnres_block_size=...) is not supported")
+        unsupported_attn(attn, "GLA", attnres_block_size)
         super().__init__(**set_fields(self, locals()), **kwargs)
 
 

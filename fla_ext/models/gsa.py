@@ -31,9 +31,7 @@ class GSAConfig(PreTrainedConfig):
                  fuse_norm: bool = True, fuse_swiglu: bool = True, fuse_cross_entropy: bool = True,
                  fuse_linear_cross_entropy: bool = False, use_l2warp: bool = False, vocab_size: int = 32000,
                  attnres_block_size: Optional[int] = None, **kwargs):
-        unsupported_attn(attn, "GSA")
-        if attnres_block_size is not None:
-            raise NotImplementedError("fla_ext.models: GSAConfig(attnres_block_size=...) is not supported")
+        unsupported_attn(attn, "GSA", attnres_block_size)
         # a saved config carries expand_k / expand_v (the attributes), a new one fla's spelling
         expand_k, expand_v = kwargs.pop("expand_k", exapnd_k), kwargs.pop("expand_v", exapnd_v)
         del exapnd_k, exapnd_v

@@ -42,12 +42,17 @@ def default_chunk_rows(vocab: int) -> int:
     return max(64, (1 << 26) // max(1, vocab))
 
 
-def _chunk_loss(logits, labels):
-    """(sum of -log softmax at the labels over the rows whose label is not -100, the rows'
-    log-sum-exp, which rows count, the labels with -100 as 0) of float logits."""
-    lse = torch.logsumexp(logits, -1)
+def _targets(labels):
+    """(which rows count: label not -100, the labels as gather indices [rows, 1] with -100 as 0)."""
     live = labels != -100
-    safe = torch.where(live, labels, torch.zeros_like(labels)).unsqueeze(-1)
+    return live, torch.where(live, labels, torch.zeros_like(labels)).unsqueeze(-1)
+
+
+def _chunk_loss(logits, labels):
+    """(sum of -log softmax at the labels over the rows that count, the rows' log-sum-exp, and
+    _targets(labels)) of float logits."""
+    lse = torch.logsumexp(logits, -1)
+    live, safe = _targets(labels)
     return torch.where(live, lse - logits.gather(-1, safe).squeeze(-1), 0.).sum(), lse, live, safe
 
 
@@ -136,9 +141,8 @@ class _LogitsCrossEntropy(torch.autograd.Function):
         out = torch.empty_like(logits)
         l2 = l2wrap_factor(logits.shape[0]) * grad if ctx.l2wrap else None
         for i in range(0, logits.shape[0], ctx.chunk_rows):
-            x, y = logits[i:i + ctx.chunk_rows].to(lse.dtype, copy=True), labels[i:i + ctx.chunk_rows]
-            live = y != -100
-            safe = torch.where(live, y, torch.zeros_like(y)).unsqueeze(-1)
+            x = logits[i:i + ctx.chunk_rows].to(lse.dtype, copy=True)
+            live, safe = _targets(labels[i:i + ctx.chunk_rows])
             out[i:i + ctx.chunk_rows] = _logit_grads_(x, lse[i:i + ctx.chunk_rows], live, safe, grad / div, l2)
         return out, None, None, None, None
 

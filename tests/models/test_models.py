@@ -229,3 +229,15 @@ def test_register_auto_takes_the_auto_names_back(tmp_path):
         models.register_auto()
     assert type(AutoConfig.from_pretrained(tmp_path)) is models.RWKV7Config
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is models.RWKV7ForCausalLM
+
+
+@pytest.mark.parametrize("family", ["rwkv7", "rwkv6", "gsa", "gla"])
+def test_unbuilt_layer_kinds_are_refused(family):
+    """fla's fields for hybrid attention layers and (GLA, GSA) attention-residual blocks must be
+    None: a config asking for them raises, naming the field."""
+    config = models.FAMILIES[family][0]
+    with pytest.raises(NotImplementedError, match=r"attn=\.\.\."):
+        config(**CONFIGS[family], attn={"layers": [0]})
+    if family in ("gsa", "gla"):
+        with pytest.raises(NotImplementedError, match="attnres_block_size"):
+            config(**CONFIGS[family], attnres_block_size=4)
