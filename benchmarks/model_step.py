@@ -7,9 +7,9 @@ same config in the same run: tokens per second and peak memory.
     python benchmarks/model_step.py --device cpu --quick
 
 fla_ext runs twice: as is, and under ``fla_ext.keep_workspaces(False)`` (the chunk ops' backward
-makes their workspaces again: less memory, slower). A step is forward with labels (the models' own loss: fused / chunked cross-entropy with L2Wrap),
-backward and AdamW; parameters in bf16. Median of the timed steps after warm-up steps (fla
-autotunes its kernels in the first ones). Writes ``<out>/<gpu>_rwkv7_lm_step.json``.
+makes their workspaces again: less memory, slower). A step is forward with labels (the models'
+own loss: cross-entropy with L2Wrap), backward and AdamW; parameters in bf16. Median of the
+timed steps after warm-up steps (fla autotunes its kernels in the first ones). Writes ``<out>/<gpu>_rwkv7_lm_step.json``.
 """
 import argparse
 import json
