@@ -127,15 +127,17 @@ def test_chunk_rwkv7_kernels_descending_warps(descending, shape, dtype, tol, gen
     ((1, 90, 1, 64, 64), "u5", [0, 7, 7, 40, 90], "rwkv"),  # varlen, an empty sequence, both paths
     ((1, 48, 1, 64, 64), "zero", None, "repeated"),    # X from cancelling terms
 ], ids=["rwkv7", "mixedinf", "edge60", "varlen", "repeated"])
-def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, gen):
+@pytest.mark.parametrize("ctas", [3, 4])
+def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, ctas, gen):
     """The fused inference forward (one CTA per sequence and head, no workspace; bf16, K = V =
-    64) against the CPU op on the same bf16 inputs, warps in descending order between barriers."""
+    64) against the CPU op on the same bf16 inputs, warps in descending order between barriers;
+    both register-budget variants (rows held one or two per register)."""
     N = len(cu) - 1 if cu else shape[0]
     *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr=lr)
     cu_t = torch.tensor(cu) if cu else None
     o, ht = chunk_rwkv7(*ins, scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
     cu_e = cu_t if cu else torch.empty(0, dtype=torch.int64)
-    eo, eht = descending.run_fused(*ins, h0, 0.7, cu_e)
+    eo, eht = descending.run_fused(*ins, h0, 0.7, cu_e, ctas)
     assert_close("o", eo, o, 1e-2, 1e-6)
     assert_close("ht", eht, ht, 1e-2, 1e-6)
 

@@ -12,11 +12,19 @@
 // total decay over the chunk is >= -60 (checked per chunk, as prep does), else every pair's
 // factor is taken from its own segment sum (SIMT, the exact walk; any w in [-inf, 0]).
 #pragma once
+#include <cstdint>
+#include <cstring>
+
 #include "dplr_chunk.h"
 #include "elements.cuh"
 #include "tile_mma.cuh"
 
 namespace fla {
+
+// Threads of a fused-forward CTA (at namespace scope: nvcc takes no qualified name in a
+// template's __launch_bounds__).
+constexpr int kDplrFusedThreads = 128;
+
 namespace dplr_fused_detail {
 
 using elements::from_f;
@@ -25,40 +33,68 @@ using elements::to_f;
 using elements::vptr;
 using tile::warp_mma_ld;
 
-constexpr int C = kDplrChunk, K = 64, V = 64, NTF = 128;
+constexpr int C = kDplrChunk, K = 64, V = 64, NTF = kDplrFusedThreads;
 // Row strides (floats): rows read as an mma's A operand [row][k], or as a transposed B operand
 // ([n][k]), at LA = 4 mod 32 (lanes g, q at banks 4g + q); rows read as a B operand [k][n] or a
 // transposed A operand ([k][m]) at LB = 8 mod 32 (banks 8q + g). LM: the 16 x 16 matrices (as
 // kDplrMatStride).
 constexpr int LA = K + 4, LB = V + 8, LM = kDplrMatStride;
 
-// Shared memory (floats).
+// Shared memory (floats), sized so that four CTAs fit an SM (the kernel is latency-bound: at
+// 512 (sequence, head) pairs on 132 SMs, three CTAs per SM leave a second, mostly empty wave).
+// Two scratch blocks hold in turn what a chunk needs only for a phase, barriers between:
+//   scr0: w [C][K] (the decay scan; the exact pair walks) -> k e^-G [C][LA] (the factored pair
+//         products) -> M + P [C][LB];
+//   scr1: b e^-G [C][LA] (the factored pair products) -> U [C][LB].
+// X is solved over A_ab's block (A_ab is not read after it).
 struct FusedSmem {
   static constexpr int rhat = 0;                  // R^ = r e^G                       [C][LA]
   static constexpr int ahat = rhat + C * LA;      // Â = a e^E                        [C][LA]
-  static constexpr int ktil = ahat + C * LA;      // k e^-G (factored pairs only)      [C][LA]
-  static constexpr int btil = ktil + C * LA;      // b e^-G                            [C][LA]
-  static constexpr int khat = btil + C * LA;      // K^ = k e^Omega (raw k first)      [C][LB]
+  static constexpr int khat = ahat + C * LA;      // K^ = k e^Omega (raw k first)      [C][LB]
   static constexpr int bhat = khat + C * LB;      // B^ = b e^Omega (raw b first)      [C][LB]
   static constexpr int vrow = bhat + C * LB;      // v                                 [C][LB]
-  static constexpr int urow = vrow + C * LB;      // U = X (M + P)                     [C][LB]
-  static constexpr int mp = urow + C * LB;        // M + P = A_ak V + Â S             [C][LB]
-  static constexpr int state = mp + C * LB;       // S                                 [K][LB]
-  static constexpr int wrow = state + K * LB;     // w                                 [C][K]
-  static constexpr int gam = wrow + C * K;        // gamma = e^(chunk total)           [K]
-  static constexpr int mats = gam + K;            // A_rk, A_rb, A_ak, A_ab, X         [5][C][LM]
-  static constexpr int total = mats + 5 * C * LM;
+  static constexpr int scr0 = vrow + C * LB;      // w, then k e^-G, then M + P         [C][LB]
+  static constexpr int scr1 = scr0 + C * LB;      // b e^-G, then U                     [C][LB]
+  static constexpr int wrow = scr0, ktil = scr0, mp = scr0;
+  static constexpr int btil = scr1, urow = scr1;
+  static constexpr int state = scr1 + C * LB;     // S                                 [K][LB]
+  static constexpr int gam = state + K * LB;      // gamma = e^(chunk total)           [K]
+  static constexpr int mats = gam + K;            // A_rk, A_rb, A_ak, A_ab then X     [4][C][LM]
+  static constexpr int total = mats + 4 * C * LM;
   static constexpr size_t bytes() { return size_t(total) * sizeof(float); }
+  static_assert(C * K <= C * LB && C * LA <= C * LB, "scratch blocks hold w, k e^-G, b e^-G");
 };
+constexpr int kMatX = 3;  // X's block in `mats` (over A_ab)
 
 // Elements of the six input row blocks of a chunk a thread holds between its load and its store
-// to shared memory: element e = threadIdx.x + NTF * it of each block, row e / K, channel e % K.
+// to shared memory: element e = threadIdx.x + NTF * it of each block, row e / K, channel e % K
+// (under the four-CTA budget, it = 2j and 2j + 1 in one register).
 constexpr int kPer = C * K / NTF;
+static_assert(kPer % 2 == 0, "rows held in pairs");
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(T lo, T hi) {
+  static_assert(sizeof(T) == 2, "the fused kernel takes 16-bit inputs");
+  uint16_t a, b;
+  memcpy(&a, &lo, 2);
+  memcpy(&b, &hi, 2);
+  return uint32_t(a) | uint32_t(b) << 16;
+}
+template <typename T>
+__device__ __forceinline__ float unpack_half(uint32_t pair, int which) {
+  const uint16_t bits = uint16_t(which ? pair >> 16 : pair & 0xffffu);
+  T x;
+  memcpy(&x, &bits, 2);
+  return to_f(x);
+}
 
 }  // namespace dplr_fused_detail
 
-template <typename T>
-__global__ void __launch_bounds__(dplr_fused_detail::NTF, 3) fused_forward_kernel(const DplrChunkPass p) {
+// kCtas: the CTAs per SM the register budget is cut for (3: 168 registers; 4: 128, a few bytes
+// spilled). Shared memory holds four. Three give each CTA the shorter chunk step, so the launch
+// takes four only where three per SM would leave CTAs for a second wave.
+template <typename T, int kCtas>
+__global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using L = FusedSmem;
   extern __shared__ float4 fused_sm4[];
@@ -70,17 +106,37 @@ __global__ void __launch_bounds__(dplr_fused_detail::NTF, 3) fused_forward_kerne
   const float rho = float(p.scale);
 
   // Raw rows of chunk ci into registers (0 past the sequence: w = 0 keeps the state, k = v = b =
-  // 0 add nothing).
+  // 0 add nothing). The addresses start from this thread's element of each input in the
+  // sequence's first row block (row tid / K, channel tid % K) and step by rows: the batch, head
+  // and channel terms leave the chunk loop. Under the four-CTA register budget two 16-bit
+  // elements share a register.
+  constexpr bool kPack = kCtas >= 4;
+  uint32_t packed[6][kPer / 2];
   T pre[6][kPer];
-  const VecArg* const src[6] = {&p.r, &p.w, &p.k, &p.v, &p.a, &p.b};
+  const T* first[6];
+  int64_t row_step[6];
+  {
+    const VecArg* const src[6] = {&p.r, &p.w, &p.k, &p.v, &p.a, &p.b};
+#pragma unroll
+    for (int m = 0; m < 6; ++m)
+      first[m] = vptr<T>(*src[m], s.b, s.bos + tid / K, h, tid % K), row_step[m] = src[m]->st;
+  }
   auto fetch = [&](int64_t ci) {
     const int64_t rem = ci < nch ? s.len - ci * C : 0;
+    auto row = [&](int m, int it) {
+      const int i = (tid + NTF * it) / K;
+      return i < rem ? first[m][(ci * C + i - tid / K) * row_step[m]] : from_f<T>(0.f);
+    };
 #pragma unroll
     for (int m = 0; m < 6; ++m)
 #pragma unroll
-      for (int it = 0; it < kPer; ++it) {
-        const int e = tid + NTF * it, i = e / K, d = e % K;
-        pre[m][it] = i < rem ? *vptr<T>(*src[m], s.b, s.bos + ci * C + i, h, d) : from_f<T>(0.f);
+      for (int j = 0; j < kPer / 2; ++j) {
+        if constexpr (kPack) {
+          packed[m][j] = pack_pair(row(m, 2 * j), row(m, 2 * j + 1));
+        } else {
+          pre[m][2 * j] = row(m, 2 * j);
+          pre[m][2 * j + 1] = row(m, 2 * j + 1);
+        }
       }
   };
   // The raw rows to their arrays: r, a into R^, Â (scaled in place by the scan), k, b into K^, B^,
@@ -93,7 +149,7 @@ __global__ void __launch_bounds__(dplr_fused_detail::NTF, 3) fused_forward_kerne
 #pragma unroll
       for (int it = 0; it < kPer; ++it) {
         const int e = tid + NTF * it, i = e / K, d = e % K;
-        sm[dst[m] + i * ld[m] + d] = to_f(pre[m][it]);
+        sm[dst[m] + i * ld[m] + d] = kPack ? unpack_half<T>(packed[m][it / 2], it % 2) : to_f(pre[m][it]);
       }
   };
 
@@ -195,19 +251,22 @@ __global__ void __launch_bounds__(dplr_fused_detail::NTF, 3) fused_forward_kerne
 
     // X = (I - A_ab)^-1 by forward substitution (warp 0, a lane per column), and M + P =
     // A_ak V + Â S (a warp per 16 columns).
-    if (warp == 0 && tid < C) {  // column j in registers; A's rows read as broadcasts
+    if (warp == 0) {  // column j in registers; A's rows read as broadcasts
       const int j = tid;
       const float* const A = mats + 3 * C * LM;
       float x[C];
+      if (j < C)
 #pragma unroll
-      for (int i = 0; i < C; ++i) {
-        float acc = i == j ? 1.f : 0.f;  // x[m] = 0 for m < j: exact zeros
+        for (int i = 0; i < C; ++i) {
+          float acc = i == j ? 1.f : 0.f;  // x[m] = 0 for m < j: exact zeros
 #pragma unroll
-        for (int m = 0; m < i; ++m) acc += A[i * LM + m] * x[m];
-        x[i] = acc;
-      }
+          for (int m = 0; m < i; ++m) acc += A[i * LM + m] * x[m];
+          x[i] = acc;
+        }
+      __syncwarp();  // every lane's reads of A_ab before X overwrites it
+      if (j < C)
 #pragma unroll
-      for (int i = 0; i < C; ++i) mats[4 * C * LM + i * LM + j] = x[i];
+        for (int i = 0; i < C; ++i) mats[kMatX * C * LM + i * LM + j] = x[i];
     }
 #pragma unroll
     for (int n0 = 16 * warp; n0 < 16 * warp + 16; n0 += 8) {
@@ -223,7 +282,7 @@ __global__ void __launch_bounds__(dplr_fused_detail::NTF, 3) fused_forward_kerne
 #pragma unroll
     for (int n0 = 16 * warp; n0 < 16 * warp + 16; n0 += 8) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      warp_mma_ld(acc, C, mats + 4 * C * LM, LM, sm + L::mp + n0, LB);
+      warp_mma_ld(acc, C, mats + kMatX * C * LM, LM, sm + L::mp + n0, LB);
 #pragma unroll
       for (int e = 0; e < 4; ++e) sm[L::urow + (g + 8 * (e / 2)) * LB + n0 + 2 * q + e % 2] = acc[e];
     }

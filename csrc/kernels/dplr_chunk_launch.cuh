@@ -59,6 +59,14 @@ cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, con
   return cudaGetLastError();
 }
 
+// SMs of the current device (the fused forward's choice of register budget).
+inline int sm_count() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 1;
+  return n;
+}
+
 template <typename T, int KC>
 cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   DplrChunkPass p = p_in;
@@ -90,9 +98,12 @@ template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value)
-    if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V, p.hst != nullptr))
-      return launch_with_smem(fused_forward_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H)), dplr_fused_detail::NTF,
+    if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V, p.hst != nullptr)) {
+      const int64_t tasks = int64_t(p.N) * p.H;
+      const auto kernel = tasks > 3 * int64_t(sm_count()) ? fused_forward_kernel<T, 4> : fused_forward_kernel<T, 3>;
+      return launch_with_smem(kernel, dim3(unsigned(tasks)), dplr_fused_detail::NTF,
                               dplr_fused_detail::FusedSmem::bytes(), p, stream);
+    }
   return p.K == 64 ? launch_k<T, 64>(p, stream) : p.K == 128 ? launch_k<T, 128>(p, stream) : launch_k<T, 0>(p, stream);
 }
 

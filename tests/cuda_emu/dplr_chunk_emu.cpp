@@ -96,9 +96,10 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   return {g(kGradR), g(kGradW), g(kGradK), dv, g(kGradA), g(kGradB), dh0};
 }
 
-// The fused inference forward (dplr_chunk_fused.cuh), bf16, K = V = 64: [o, hT].
+// The fused inference forward (dplr_chunk_fused.cuh), bf16, K = V = 64: [o, hT]. ctas: the
+// kernel's register-budget variant (3: rows held one per register, 4: two per register).
 std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
-                              double scale, Tensor cu) {
+                              double scale, Tensor cu, int64_t ctas) {
   const bool varlen = cu.numel() > 0;
   const int T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
   const int N = varlen ? int(cu.numel()) - 1 : r.size(0);
@@ -111,8 +112,13 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
   TORCH_CHECK(dplr_fused_forward(p.dtype, K, V, false), "not a fused-forward shape");
   Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V});
   p.o = vec(o), p.hT = mat(hT), p.fused = true;
-  emu::launch(dim3(unsigned(N * H)), dplr_fused_detail::NTF,
-              [&] { emu::poisoned_cta([&] { fused_forward_kernel<__nv_bfloat16>(p); }, fused_sm4); });
+  TORCH_CHECK(ctas == 3 || ctas == 4, "ctas is 3 or 4");
+  emu::launch(dim3(unsigned(N * H)), dplr_fused_detail::NTF, [&] {
+    emu::poisoned_cta([&] {
+      if (ctas == 3) fused_forward_kernel<__nv_bfloat16, 3>(p);
+      else fused_forward_kernel<__nv_bfloat16, 4>(p);
+    }, fused_sm4);
+  });
   return {o, hT};
 }
 
