@@ -126,18 +126,26 @@ def test_chunk_rwkv7_kernels_descending_warps(descending, shape, dtype, tol, gen
     ((1, 50, 1, 64, 64), "edge60", None, "rwkv"),      # chunk totals near the bound
     ((1, 90, 1, 64, 64), "u5", [0, 7, 7, 40, 90], "rwkv"),  # varlen, an empty sequence, both paths
     ((1, 48, 1, 64, 64), "zero", None, "repeated"),    # X from cancelling terms
-], ids=["rwkv7", "mixedinf", "edge60", "varlen", "repeated"])
+    # w and o every other element of wider tensors: w's rows are not 16-byte pieces, so every
+    # input takes the element loads; o's stores step by its column stride
+    ((1, 37, 2, 64, 64), "rwkv7", None, "strided"),
+], ids=["rwkv7", "mixedinf", "edge60", "varlen", "repeated", "strided"])
 @pytest.mark.parametrize("ctas", [3, 4])
 def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, ctas, gen):
     """The fused inference forward (one CTA per sequence and head, no workspace; bf16, K = V =
     64) against the CPU op on the same bf16 inputs, warps in descending order between barriers;
-    both register-budget variants (rows held one or two per register)."""
+    both register budgets (three or four CTAs per SM)."""
     N = len(cu) - 1 if cu else shape[0]
-    *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr=lr)
+    strided = lr == "strided"
+    *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr="rwkv" if strided else lr)
+    if strided:
+        wide = torch.zeros(*ins[1].shape[:-1], 2 * ins[1].shape[-1], dtype=ins[1].dtype)
+        wide[..., ::2] = ins[1]
+        ins[1] = wide[..., ::2]
     cu_t = torch.tensor(cu) if cu else None
     o, ht = chunk_rwkv7(*ins, scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
     cu_e = cu_t if cu else torch.empty(0, dtype=torch.int64)
-    eo, eht = descending.run_fused(*ins, h0, 0.7, cu_e, ctas)
+    eo, eht = descending.run_fused(*ins, h0, 0.7, cu_e, ctas, strided)
     assert_close("o", eo, o, 1e-2, 1e-6)
     assert_close("ht", eht, ht, 1e-2, 1e-6)
 

@@ -66,33 +66,24 @@ struct FusedSmem {
 };
 constexpr int kMatX = 3;  // X's block in `mats` (over A_ab)
 
-// Elements of the six input row blocks of a chunk a thread holds between its load and its store
-// to shared memory: element e = threadIdx.x + NTF * it of each block, row e / K, channel e % K
-// (under the four-CTA budget, it = 2j and 2j + 1 in one register).
-constexpr int kPer = C * K / NTF;
-static_assert(kPer % 2 == 0, "rows held in pairs");
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack_pair(T lo, T hi) {
-  static_assert(sizeof(T) == 2, "the fused kernel takes 16-bit inputs");
-  uint16_t a, b;
-  memcpy(&a, &lo, 2);
-  memcpy(&b, &hi, 2);
-  return uint32_t(a) | uint32_t(b) << 16;
-}
-template <typename T>
-__device__ __forceinline__ float unpack_half(uint32_t pair, int which) {
-  const uint16_t bits = uint16_t(which ? pair >> 16 : pair & 0xffffu);
-  T x;
-  memcpy(&x, &bits, 2);
-  return to_f(x);
-}
+// A chunk's six input row blocks move as 16-byte pieces, one of each block per thread.
+constexpr int kPieceElems = 8, kPiecesPerRow = K / kPieceElems;
+static_assert(NTF == C * kPiecesPerRow, "a piece of each block per thread");
+static_assert(LA % 4 == 0 && LB % 4 == 0, "rows of 16-byte aligned floats");
 
 }  // namespace dplr_fused_detail
 
-// kCtas: the CTAs per SM the register budget is cut for (3: 168 registers; 4: 128, a few bytes
-// spilled). Shared memory holds four. Three give each CTA the shorter chunk step, so the launch
-// takes four only where three per SM would leave CTAs for a second wave.
+// DplrChunkPaths::rows_16byte for the fused forward: every input row in whole 16-byte pieces at
+// 16-byte aligned addresses.
+template <typename T>
+inline bool fused_rows_16byte(const DplrChunkPass& p) {
+  auto ok = [](const VecArg& v) { return elements::rows_in_pieces(v, dplr_fused_detail::K, 16 / int(sizeof(T))); };
+  return ok(p.r) && ok(p.w) && ok(p.k) && ok(p.v) && ok(p.a) && ok(p.b);
+}
+
+// kCtas: the CTAs per SM the register budget is cut for (3: up to 168 registers, 4: 128).
+// Shared memory holds four. Three give each CTA the shorter chunk step, so the launch takes four
+// only where three per SM would leave CTAs for a second wave.
 template <typename T, int kCtas>
 __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
@@ -105,39 +96,32 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
   const float rho = float(p.scale);
 
-  // Raw rows of chunk ci into registers (0 past the sequence: w = 0 keeps the state, k = v = b =
-  // 0 add nothing). The addresses start from this thread's element of each input in the
-  // sequence's first row block (row tid / K, channel tid % K) and step by rows: the batch, head
-  // and channel terms leave the chunk loop. Under the four-CTA register budget two 16-bit
-  // elements share a register.
-  constexpr bool kPack = kCtas >= 4;
-  uint32_t packed[6][kPer / 2];
-  T pre[6][kPer];
+  // Raw rows of chunk ci into registers, 0 past the sequence (w = 0 keeps the state, k = v = b =
+  // 0 add nothing): a 16-byte piece of each of the six blocks per thread, row tid / kPiecesPerRow,
+  // channels kPieceElems (tid % kPiecesPerRow) on. With `vec` (rows in whole aligned pieces) a
+  // piece is one load, else one per element. Addresses step from this thread's piece of the
+  // sequence's first rows: the batch, head and channel terms stay out of the chunk loop.
+  const int prow = tid / kPiecesPerRow, pcol = kPieceElems * (tid % kPiecesPerRow);
+  const bool vec = p.paths.rows_16byte;
+  const VecArg* const src[6] = {&p.r, &p.w, &p.k, &p.v, &p.a, &p.b};
   const T* first[6];
-  int64_t row_step[6];
-  {
-    const VecArg* const src[6] = {&p.r, &p.w, &p.k, &p.v, &p.a, &p.b};
 #pragma unroll
-    for (int m = 0; m < 6; ++m)
-      first[m] = vptr<T>(*src[m], s.b, s.bos + tid / K, h, tid % K), row_step[m] = src[m]->st;
-  }
+  for (int m = 0; m < 6; ++m) first[m] = vptr<T>(*src[m], s.b, s.bos + prow, h, pcol);
+  uint4 piece[6];
   auto fetch = [&](int64_t ci) {
-    const int64_t rem = ci < nch ? s.len - ci * C : 0;
-    auto row = [&](int m, int it) {
-      const int i = (tid + NTF * it) / K;
-      return i < rem ? first[m][(ci * C + i - tid / K) * row_step[m]] : from_f<T>(0.f);
-    };
+    const bool on = ci < nch && prow < s.len - ci * C;
 #pragma unroll
-    for (int m = 0; m < 6; ++m)
+    for (int m = 0; m < 6; ++m) {
+      const T* const q = first[m] + ci * C * src[m]->st;
+      if (vec) {
+        piece[m] = on ? *reinterpret_cast<const uint4*>(q) : make_uint4(0, 0, 0, 0);
+      } else {
+        T e[kPieceElems];
 #pragma unroll
-      for (int j = 0; j < kPer / 2; ++j) {
-        if constexpr (kPack) {
-          packed[m][j] = pack_pair(row(m, 2 * j), row(m, 2 * j + 1));
-        } else {
-          pre[m][2 * j] = row(m, 2 * j);
-          pre[m][2 * j + 1] = row(m, 2 * j + 1);
-        }
+        for (int i = 0; i < kPieceElems; ++i) e[i] = on ? q[i * src[m]->sd] : from_f<T>(0.f);
+        memcpy(&piece[m], e, sizeof e);
       }
+    }
   };
   // The raw rows to their arrays: r, a into R^, Â (scaled in place by the scan), k, b into K^, B^,
   // w and v to theirs.
@@ -145,12 +129,13 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
     const int dst[6] = {L::rhat, L::wrow, L::khat, L::vrow, L::ahat, L::bhat};
     const int ld[6] = {LA, K, LB, LB, LA, LB};
 #pragma unroll
-    for (int m = 0; m < 6; ++m)
-#pragma unroll
-      for (int it = 0; it < kPer; ++it) {
-        const int e = tid + NTF * it, i = e / K, d = e % K;
-        sm[dst[m] + i * ld[m] + d] = kPack ? unpack_half<T>(packed[m][it / 2], it % 2) : to_f(pre[m][it]);
-      }
+    for (int m = 0; m < 6; ++m) {
+      T e[kPieceElems];
+      memcpy(e, &piece[m], sizeof e);
+      float4* const d = reinterpret_cast<float4*>(sm + dst[m] + prow * ld[m] + pcol);
+      d[0] = make_float4(to_f(e[0]), to_f(e[1]), to_f(e[2]), to_f(e[3]));
+      d[1] = make_float4(to_f(e[4]), to_f(e[5]), to_f(e[6]), to_f(e[7]));
+    }
   };
 
   float* const S = sm + L::state;

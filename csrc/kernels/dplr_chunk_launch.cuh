@@ -101,8 +101,10 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
     if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V, p.hst != nullptr)) {
       const int64_t tasks = int64_t(p.N) * p.H;
       const auto kernel = tasks > 3 * int64_t(sm_count()) ? fused_forward_kernel<T, 4> : fused_forward_kernel<T, 3>;
+      DplrChunkPass f = p;
+      f.paths.rows_16byte = fused_rows_16byte<T>(p);
       return launch_with_smem(kernel, dim3(unsigned(tasks)), dplr_fused_detail::NTF,
-                              dplr_fused_detail::FusedSmem::bytes(), p, stream);
+                              dplr_fused_detail::FusedSmem::bytes(), f, stream);
     }
   return p.K == 64 ? launch_k<T, 64>(p, stream) : p.K == 128 ? launch_k<T, 128>(p, stream) : launch_k<T, 0>(p, stream);
 }

@@ -42,10 +42,11 @@ int64_t saved_floats(const DiagArgs& d) { return saved_states_floats(d) + dplr_w
 // Whether a CUDA forward runs the fused kernel (no workspace): one that keeps nothing (`keeps`: a
 // training forward) where kernels/dplr_chunk.h dplr_fused_forward allows it and it is the faster
 // one: with at least kFusedMinTasks (sequence, head) pairs, a CTA each (fewer leave SMs idle for
-// its sequential walk, where the two-kernel forward spreads every chunk over the GPU; the
-// crossover is between 128 and 256 on an H100's 132 SMs: benchmarks/NOTES.md c22).
-// FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice (benchmarks compare the two).
-constexpr int64_t kFusedMinTasks = 192;
+// its sequential walk, where the two-kernel forward spreads every chunk over the GPU; on an
+// H200's 132 SMs the fused kernel is the faster one at 128 pairs and the slower at 32:
+// benchmarks/NOTES.md c25). FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice (benchmarks compare
+// the two).
+constexpr int64_t kFusedMinTasks = 128;
 bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
   if (!r.is_cuda() || !dplr_fused_forward(kernel_dtype(r), int(d.K), int(d.V), keeps)) return false;
   const char* force = std::getenv("FLA_EXT_RWKV7_FUSED");

@@ -97,9 +97,9 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
 }
 
 // The fused inference forward (dplr_chunk_fused.cuh), bf16, K = V = 64: [o, hT]. ctas: the
-// kernel's register-budget variant (3: rows held one per register, 4: two per register).
+// kernel's register budget (three or four CTAs per SM).
 std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
-                              double scale, Tensor cu, int64_t ctas) {
+                              double scale, Tensor cu, int64_t ctas, bool o_strided) {
   const bool varlen = cu.numel() > 0;
   const int T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
   const int N = varlen ? int(cu.numel()) - 1 : r.size(0);
@@ -110,8 +110,12 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
   p.r = vec(r), p.w = vec(w), p.k = vec(k), p.v = vec(v), p.a = vec(a), p.b = vec(b);
   if (h0.numel()) p.h0 = mat(h0);
   TORCH_CHECK(dplr_fused_forward(p.dtype, K, V, false), "not a fused-forward shape");
-  Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V});
+  // o_strided: o every other element of a wider tensor (the stores honour its column stride)
+  Tensor o = o_strided ? poison({v.size(0), T, H, 2 * V}, v.scalar_type()).slice(3, 0, 2 * V, 2)
+                       : poison(v.sizes(), v.scalar_type()),
+         hT = poison({N, H, K, V});
   p.o = vec(o), p.hT = mat(hT), p.fused = true;
+  p.paths.rows_16byte = fused_rows_16byte<__nv_bfloat16>(p);  // as the launch sets it
   TORCH_CHECK(ctas == 3 || ctas == 4, "ctas is 3 or 4");
   emu::launch(dim3(unsigned(N * H)), dplr_fused_detail::NTF, [&] {
     emu::poisoned_cta([&] {
