@@ -5,15 +5,22 @@ chunk-start states and per-chunk workspaces, so that its backward does not make 
 a model those are held for every layer at once from the forward to the backward (chunk_rwkv7:
 32 KB per token and layer at 12 heads of 64); under ``keep_workspaces(False)`` the forwards keep
 only what autograd keeps for any op (their inputs) and the backward recomputes the rest: less
-memory, a slower backward. The environment variable ``FLA_EXT_KEEP_WORKSPACES`` (0/1) sets the
+memory, a slower backward. The RWKV layers follow the same setting with their token-shift and
+channel mixes (layers/lean_linear.py). The environment variable ``FLA_EXT_KEEP_WORKSPACES`` (0/1) sets the
 default; the choice is read at each forward.
 """
 import contextlib
 import os
 
-__all__ = ["keep_workspaces"]
+__all__ = ["keep_workspaces", "keeps_workspaces"]
 
 _VAR = "FLA_EXT_KEEP_WORKSPACES"
+
+
+def keeps_workspaces() -> bool:
+    """Whether training forwards keep their workspaces now (the default, True, unless
+    ``FLA_EXT_KEEP_WORKSPACES=0`` or inside ``keep_workspaces(False)``)."""
+    return os.environ.get(_VAR, "1") != "0"
 
 
 @contextlib.contextmanager

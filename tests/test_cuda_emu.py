@@ -193,6 +193,20 @@ def test_chunk_kernels(chunk_emu, fam, shape, cu, keep, gen):
     check_chunk(chunk_emu, fam, shape, cu, keep, gen, torch.float32, 1e-5)
 
 
+@pytest.mark.parametrize("fam", [GLA, RWKV6], ids=["gla", "rwkv6"])
+@pytest.mark.parametrize("shape,cu", [((1, 70, 2, 32, 24), None), ((1, 65, 1, 128, 20), None),
+                                      ((1, 150, 1, 16, 100), [0, 70, 70, 150])],
+                         ids=["K32", "K128", "varlen"])
+def test_chunk_kernels_split_out(chunk_emu, fam, shape, cu, gen):
+    """A training forward at K <= 128 with o split off the state kernel (chunk_split_out: few
+    CTAs on the GPU): the state kernel per K tile writes hst, the out kernel forms o."""
+    chunk_emu.set_split_out(True)
+    try:
+        check_chunk(chunk_emu, fam, shape, cu, True, gen, torch.float32, 1e-5)
+    finally:
+        chunk_emu.set_split_out(False)
+
+
 @pytest.mark.parametrize("fam", [GLA, RWKV6, GLA_GV], ids=["gla", "rwkv6", "gla_gv"])
 @pytest.mark.parametrize("shape", [(1, 70, 2, 32, 24), (1, 50, 1, 20, 12)], ids=["pieces", "K20"])
 def test_chunk_kernels_bf16(chunk_emu, fam, shape, gen):

@@ -6,6 +6,7 @@
 #include "chunk_out.cuh"
 #include "chunk_grad_qk.cuh"
 #include "chunk_state.cuh"
+#include "device_sms.cuh"
 
 namespace fla {
 namespace chunk_detail {
@@ -71,15 +72,31 @@ cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
   return p.V > DT ? launch(chunk_out_kernel<T, RD, DV, 2>, 2) : launch(chunk_out_kernel<T, RD, DV, 1>, 1);
 }
 
+// Whether a forward that stores its chunk-start states anyway (a training forward: hst kept)
+// splits o off the sequential state kernel into the parallel out kernel. The state kernel with o
+// runs a CTA per (sequence, head, V tile) over all of K; where those few CTAs leave most SMs idle,
+// its per-chunk latency is the forward's time. Split, the state kernel runs a CTA per K tile as
+// well and each chunk step is shorter (no o): at K >= 128 when the fused grid does not fill the
+// SMs, at K <= 64 when it fills under a quarter of them (long sequences, few heads). Split where
+// the fused grid fills the SMs, the out kernel is a pass more.
+inline bool chunk_split_out(const ChunkPass& p) {
+  if (!p.hst) return false;
+  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+  const int64_t fused_ctas = int64_t(p.N) * p.H * ntv;
+  return (ntk >= 2 ? fused_ctas : 4 * fused_ctas) <= device_sm_count();
+}
+
 // Forward: the pair matrices, then the state kernel with o when K <= 128 (its state fragments for
-// all of K stay in registers); beyond that the state kernel per K tile and the out kernel.
+// all of K stay in registers) unless chunk_split_out; else the state kernel per K tile and the out
+// kernel.
 template <typename T, Reader RD>
 cudaError_t launch_forward(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
   cudaError_t e = launch_pairs<T, RD>(p, slots, stream);
   if (e != cudaSuccess) return e;
   static_assert(chunk_fused_out(2 * DT) && !chunk_fused_out(2 * DT + 1), "NK <= 2 below");
-  if (p.K <= DT) return launch_state<T, RD, true, 1>(p, stream);
-  if (chunk_fused_out(p.K)) return launch_state<T, RD, true, 2>(p, stream);
+  const bool split = chunk_split_out(p);
+  if (p.K <= DT && !split) return launch_state<T, RD, true, 1>(p, stream);
+  if (chunk_fused_out(p.K) && !split) return launch_state<T, RD, true, 2>(p, stream);
   if ((e = launch_state<T, RD, false, 1>(p, stream)) != cudaSuccess) return e;
   return launch_out<T, RD, false>(p, slots, stream);
 }

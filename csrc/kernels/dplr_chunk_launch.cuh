@@ -37,6 +37,8 @@
 #pragma once
 #include <type_traits>
 
+#include "device_sms.cuh"
+
 #include "dplr_chunk_fused.cuh"
 #include "dplr_chunk_grad.cuh"
 #include "dplr_chunk_prep.cuh"
@@ -57,14 +59,6 @@ cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, con
   if (e != cudaSuccess) return e;
   kernel<<<grid, threads, bytes, stream>>>(p);
   return cudaGetLastError();
-}
-
-// SMs of the current device (the fused forward's choice of register budget).
-inline int sm_count() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 1;
-  return n;
 }
 
 template <typename T, int KC>
@@ -100,7 +94,7 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if constexpr (!std::is_same<T, float>::value)
     if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V, p.hst != nullptr)) {
       const int64_t tasks = int64_t(p.N) * p.H;
-      const auto kernel = tasks > 3 * int64_t(sm_count()) ? fused_forward_kernel<T, 4> : fused_forward_kernel<T, 3>;
+      const auto kernel = tasks > 3 * int64_t(device_sm_count()) ? fused_forward_kernel<T, 4> : fused_forward_kernel<T, 3>;
       DplrChunkPass f = p;
       f.paths.rows_16byte = fused_rows_16byte<T>(p);
       return launch_with_smem(kernel, dim3(unsigned(tasks)), dplr_fused_detail::NTF,

@@ -7,12 +7,22 @@ channel mixes, where these inputs are most of a layer's activations:
 - ``squared_relu_linear(k, weight)`` = linear(relu(k)^2): keeps k instead of relu(k) and relu(k)^2.
 
 Forward values are autograd's (the same ops); gradients are the same sums (per-channel ones
-with a float32 accumulator)."""
+with a float32 accumulator).
+
+The layers take these forms under ``fla_ext.keep_workspaces(False)``, the memory-lean setting;
+by default they run the plain modules on the mix, which measured faster per training step
+(benchmarks/NOTES.md c26)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..memory import keeps_workspaces
 from .lora import LoRA
+
+
+def _lean():
+    """Whether the layers' mixes and channel mixes keep less (keep_workspaces(False))."""
+    return not keeps_workspaces()
 
 
 def _sum_to(t, shape):
@@ -92,7 +102,9 @@ def mixed(module, x, delta, mu):
     """module(x + delta * mu) for the RWKV layers' projections: an nn.Linear, or fla_ext's LoRA
     (its first factor takes the mix), through mixed_linear. Anything else (an adapter wrapping
     the Linear), or a module with forward hooks (FSDP's unsharding, say), is called as a module on
-    the mix."""
+    the mix. By default (workspaces kept) every module is called on the mix."""
+    if not _lean():
+        return module(torch.addcmul(x, delta, mu))
     if type(module) is nn.Linear and _no_hooks(module):
         return mixed_linear(x, delta, mu, module.weight, module.bias)
     if type(module) is LoRA and type(module.lora[0]) is nn.Linear and _no_hooks(module, module.lora, *module.lora):
@@ -103,7 +115,7 @@ def mixed(module, x, delta, mu):
 
 def squared_relu(value, k):
     """value(relu(k) ** 2) for a channel mix's value projection (an nn.Linear without hooks goes
-    through squared_relu_linear)."""
-    if type(value) is nn.Linear and _no_hooks(value):
+    through squared_relu_linear under keep_workspaces(False))."""
+    if _lean() and type(value) is nn.Linear and _no_hooks(value):
         return squared_relu_linear(k, value.weight, value.bias)
     return value(torch.relu(k).square())

@@ -60,12 +60,16 @@ void out(const ChunkPass& p, int64_t slots) {
     emu::launch(dim3(unsigned(slots), p.H, 1), NTH, [&] { cta([&] { chunk_out_kernel<E, RD, DV, 1>(p); }); });
 }
 
+// chunk_launch.cuh's chunk_split_out, which depends on the GPU's SM count: set from the tests.
+bool split_out = false;
+
 // The forward of chunk_launch.cuh's launch_forward; `keep`: hst is written (a training forward).
 template <typename E, Reader RD>
 void forward(const ChunkPass& p, int64_t slots) {
   emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(p); }); });
-  if (p.K <= DT) return state<E, RD, true, 1>(p);
-  if (chunk_fused_out(p.K)) return state<E, RD, true, 2>(p);
+  const bool split = split_out && p.hst;
+  if (p.K <= DT && !split) return state<E, RD, true, 1>(p);
+  if (chunk_fused_out(p.K) && !split) return state<E, RD, true, 2>(p);
   state<E, RD, false, 1>(p);
   out<E, RD, false>(p, slots);
 }
@@ -184,4 +188,5 @@ std::vector<Tensor> run(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run);
   m.def("set_warp_order", [](int order) { emu::warp_order = order; });
+  m.def("set_split_out", [](bool split) { split_out = split; });
 }

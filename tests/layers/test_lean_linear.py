@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import fla_ext
 from fla_ext.layers.lean_linear import mixed, mixed_linear, squared_relu, squared_relu_linear
 from fla_ext.layers.lora import LoRA
 
@@ -50,7 +51,13 @@ def test_bf16_gradients_match_autograd():
         torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_modules_dispatch():
+@pytest.mark.parametrize("keep", [True, False], ids=["plain", "lean"])
+def test_modules_dispatch(keep):
+    with fla_ext.keep_workspaces(keep):
+        _check_dispatch()
+
+
+def _check_dispatch():
     torch.manual_seed(3)
     x, d, mu = torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(8)
     mix = torch.addcmul(x, d, mu)
@@ -95,9 +102,10 @@ def _saved_bytes_per_token(model, tokens):
 
 
 def test_rwkv7_model_keeps_few_hidden_sized_tensors():
-    """An RWKV-7 block (attention and channel mix) keeps ~28 hidden-sized vectors per token for its
-    backward besides the op's own; with each mix and the squared ReLU's output kept by autograd
-    it was ~37 (the six mixes, relu(k) and relu(k)^2 at 4x the hidden size)."""
+    """Under keep_workspaces(False) an RWKV-7 block (attention and channel mix) keeps ~28
+    hidden-sized vectors per token for its backward besides the op's own; by default, with each
+    mix and the squared ReLU's output kept by autograd, ~37 (the six mixes, relu(k) and
+    relu(k)^2 at 4x the hidden size)."""
     pytest.importorskip("transformers")
     from fla_ext.models import RWKV7Config, RWKV7ForCausalLM
     torch.manual_seed(4)
@@ -105,5 +113,10 @@ def test_rwkv7_model_keeps_few_hidden_sized_tensors():
     model = RWKV7ForCausalLM(RWKV7Config(hidden_size=hidden, num_hidden_layers=layers, head_dim=64,
                                          vocab_size=97, decay_low_rank_dim=16, gate_low_rank_dim=32,
                                          a_low_rank_dim=16, v_low_rank_dim=16))
-    per_layer = _saved_bytes_per_token(model, torch.randint(0, 97, (2, 64))) / layers / (4 * hidden)
-    assert per_layer <= 30, per_layer
+    tokens = torch.randint(0, 97, (2, 64))
+    per_layer = {}
+    for keep in (True, False):
+        with fla_ext.keep_workspaces(keep):
+            per_layer[keep] = _saved_bytes_per_token(model, tokens) / layers / (4 * hidden)
+    assert per_layer[False] <= 30, per_layer
+    assert per_layer[True] >= per_layer[False] + 6, per_layer
