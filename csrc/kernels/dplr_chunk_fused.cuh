@@ -6,11 +6,15 @@
 // through memory; this one reads the inputs and writes o. Taken for bf16 / fp16 with K = V = 64
 // when no chunk-start state is stored (dplr_chunk.h dplr_fused_forward).
 //
-// Numerics are those of prep and the sweep: TF32 tensor-core products with fp32 accumulators
-// and an fp32 state; every exponent from an added-up decay sum. The pair matrices are products
-// of rows factored at the chunk start (r e^G, a e^E against k e^-G, b e^-G) when every channel's
-// total decay over the chunk is >= -60 (checked per chunk, as prep does), else every pair's
-// factor is taken from its own segment sum (SIMT, the exact walk; any w in [-inf, 0]).
+// Numerics: TF32 tensor-core products with fp32 accumulators and an fp32 state; every exponent
+// from an added-up decay sum. The pair matrices are products of rows factored at the chunk start
+// (r e^G, a e^E against k e^-G, b e^-G) when every channel's total decay over the chunk is >= -60
+// (checked per chunk, as prep does), else every pair's factor is taken from its own segment sum
+// (SIMT, the exact walk; any w in [-inf, 0]). Unlike prep, whose factored pair matrices are
+// 3xTF32 (the backward reads them), these are single TF32 products: the inputs are 16-bit here,
+// and the repeated-token case (X from cancelling terms) stays within the 16-bit tolerance
+// (tests/test_cuda_emu.py, tests/ops/test_rwkv7_inference.py). So o is close to, not bitwise
+// equal to, the two-kernel forward's.
 #pragma once
 #include <cstdint>
 #include <cstring>

@@ -152,10 +152,12 @@ def test_inputs_over_2_31_elements():
     assert torch.isfinite(o[:, ::4096]).all()
 
 
-FUSED_CASES = {  # (B, T, H, K, V), cu_seqlens, w_kind
-    "rwkv7": ((2, 100, 3, 64, 64), None, "rwkv7"),
-    "mixedinf": ((1, 90, 2, 64, 64), None, "mixedinf"),
-    "varlen": ((1, 150, 2, 64, 64), [0, 7, 7, 40, 41, 150], "u5"),
+FUSED_CASES = {  # (B, T, H, K, V), cu_seqlens, w_kind, lr
+    "rwkv7": ((2, 100, 3, 64, 64), None, "rwkv7", "rwkv"),
+    "mixedinf": ((1, 90, 2, 64, 64), None, "mixedinf", "rwkv"),
+    "varlen": ((1, 150, 2, 64, 64), [0, 7, 7, 40, 41, 150], "u5", "rwkv"),
+    # X from cancelling binomial-size terms, and the fused kernel's pair matrices single TF32
+    "repeated": ((1, 64, 2, 64, 64), None, "zero", "repeated"),
 }
 
 
@@ -169,11 +171,12 @@ def test_fused_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen)
     op's threshold) equals the float64 oracle (bf16 / fp16 tolerance) and the training forward
     (prep and the sweep) on the same inputs."""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
-    shape, cu, w_kind = FUSED_CASES[case]
+    shape, cu, w_kind, lr = FUSED_CASES[case]
     if cu is not None and head_first:
         pytest.skip("varlen takes [1, T, H, D]")
     N = len(cu) - 1 if cu else shape[0]
-    r, w, k, v, a, b, h0 = make(*shape, dtype, "cuda", gen, w_kind=w_kind, N=N, head_first=head_first)
+    r, w, k, v, a, b, h0 = make(*shape, dtype, "cuda", gen, w_kind=w_kind, N=N, head_first=head_first,
+                                lr=lr)
     cu_t = torch.tensor(cu, device="cuda") if cu else None
     kw = dict(scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu_t,
               head_first=head_first)
