@@ -116,13 +116,13 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
     const bool on = ci < nch && prow < s.len - ci * C;
 #pragma unroll
     for (int m = 0; m < 6; ++m) {
-      const T* const q = first[m] + ci * C * src[m]->st;
+      const T* const at = first[m] + ci * C * src[m]->st;
       if (vec) {
-        piece[m] = on ? *reinterpret_cast<const uint4*>(q) : make_uint4(0, 0, 0, 0);
+        piece[m] = on ? *reinterpret_cast<const uint4*>(at) : make_uint4(0, 0, 0, 0);
       } else {
         T e[kPieceElems];
 #pragma unroll
-        for (int i = 0; i < kPieceElems; ++i) e[i] = on ? q[i * src[m]->sd] : from_f<T>(0.f);
+        for (int i = 0; i < kPieceElems; ++i) e[i] = on ? at[i * src[m]->sd] : from_f<T>(0.f);
         memcpy(&piece[m], e, sizeof e);
       }
     }
