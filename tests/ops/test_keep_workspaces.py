@@ -90,3 +90,22 @@ def test_setting_is_scoped_and_checked(monkeypatch):
     q = torch.randn(1, 4, 1, 8, requires_grad=True)
     with pytest.raises(ValueError, match="FLA_EXT_KEEP_WORKSPACES"):
         fla_ext.chunk_gla(q, q, q, -torch.ones(1, 4, 1, 8))
+
+
+@pytest.mark.parametrize("value,keeps", [("0", False), ("false", False), ("OFF", False), ("no", False),
+                                         ("1", True), ("true", True), ("On", True), ("yes", True),
+                                         ("", True), (None, True)])
+def test_python_reads_the_setting_as_the_ops(value, keeps, monkeypatch):
+    """The layers' lean forms follow memory.keeps_workspaces; it must read FLA_EXT_KEEP_WORKSPACES
+    as the ops do (csrc/ops/common.cpp), or a layer and its op would disagree on `false`."""
+    from fla_ext.memory import keeps_workspaces
+    if value is None:
+        monkeypatch.delenv("FLA_EXT_KEEP_WORKSPACES", raising=False)
+    else:
+        monkeypatch.setenv("FLA_EXT_KEEP_WORKSPACES", value)
+    assert keeps_workspaces() is keeps
+    q = torch.randn(1, 4, 1, 8, requires_grad=True)
+    fla_ext.chunk_gla(q, q, q, -torch.ones(1, 4, 1, 8))  # the op accepts the same value
+    monkeypatch.setenv("FLA_EXT_KEEP_WORKSPACES", "maybe")
+    with pytest.raises(ValueError, match="FLA_EXT_KEEP_WORKSPACES"):
+        keeps_workspaces()
