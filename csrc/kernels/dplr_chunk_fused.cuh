@@ -77,14 +77,6 @@ static_assert(LA % 4 == 0 && LB % 4 == 0, "rows of 16-byte aligned floats");
 
 }  // namespace dplr_fused_detail
 
-// DplrChunkPaths::rows_16byte for the fused forward: every input row in whole 16-byte pieces at
-// 16-byte aligned addresses.
-template <typename T>
-inline bool fused_rows_16byte(const DplrChunkPass& p) {
-  auto ok = [](const VecArg& v) { return elements::rows_in_pieces(v, dplr_fused_detail::K, 16 / int(sizeof(T))); };
-  return ok(p.r) && ok(p.w) && ok(p.k) && ok(p.v) && ok(p.a) && ok(p.b);
-}
-
 // kCtas: the CTAs per SM the register budget is cut for (3: up to 168 registers, 4: 128).
 // Shared memory holds four. Three give each CTA the shorter chunk step, so the launch takes four
 // only where three per SM would leave CTAs for a second wave.
@@ -106,7 +98,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
   // piece is one load, else one per element. Addresses step from this thread's piece of the
   // sequence's first rows: the batch, head and channel terms stay out of the chunk loop.
   const int prow = tid / kPiecesPerRow, pcol = kPieceElems * (tid % kPiecesPerRow);
-  const bool vec = p.paths.rows_16byte;
+  const bool vec = p.paths.rows_16byte;  // the launch's dplr_chunk_detail::input_rows_in_pieces
   const VecArg* const src[6] = {&p.r, &p.w, &p.k, &p.v, &p.a, &p.b};
   const T* first[6];
 #pragma unroll

@@ -96,7 +96,7 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
       const int64_t tasks = int64_t(p.N) * p.H;
       const auto kernel = tasks > 3 * int64_t(device_sm_count()) ? fused_forward_kernel<T, 4> : fused_forward_kernel<T, 3>;
       DplrChunkPass f = p;
-      f.paths.rows_16byte = fused_rows_16byte<T>(p);
+      f.paths.rows_16byte = input_rows_in_pieces<T>(p);
       return launch_with_smem(kernel, dim3(unsigned(tasks)), dplr_fused_detail::NTF,
                               dplr_fused_detail::FusedSmem::bytes(), f, stream);
     }

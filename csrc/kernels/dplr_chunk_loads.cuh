@@ -48,21 +48,26 @@ FLA_HD size_t stage_bytes(int K, int ncol, int ncolmats) {
   return size_t(stage_cols_at<T>(K) + int64_t(ncolmats) * C * stage_pitch<T>(ncol)) * sizeof(T);
 }
 
+// Whether every row of the six inputs is whole 16-byte pieces at 16-byte aligned addresses (the
+// fused forward's rows_16byte; the other kernels also need their stages to fit: rows_16byte_ok).
+template <typename T>
+inline bool input_rows_in_pieces(const DplrChunkPass& p) {
+  auto ok = [](const VecArg& v, int n) { return elements::rows_in_pieces(v, n, kPiece<T>); };
+  return ok(p.r, p.K) && ok(p.w, p.K) && ok(p.k, p.K) && ok(p.a, p.K) && ok(p.b, p.K) && ok(p.v, p.V);
+}
+
 // DplrChunkPaths::rows_16byte for these inputs: every activation row in whole 16-byte pieces at
 // 16-byte aligned addresses, and the stages of prep (raw K-rows, then all of v, over the pair
 // workspace) and of grad (raw K-rows, v and dO tile rows, from dk_rows on) within the space they
 // overlay.
-
 template <typename T>
 inline bool rows_16byte_ok(const DplrChunkPass& p) {
-  constexpr int E = kPiece<T>;
-  auto ok = [](const VecArg& v, int n) { return elements::rows_in_pieces(v, n, E); };
-  if (!(ok(p.r, p.K) && ok(p.w, p.K) && ok(p.k, p.K) && ok(p.a, p.K) && ok(p.b, p.K) && ok(p.v, p.V)))
-    return false;
+  if (!input_rows_in_pieces<T>(p)) return false;
   if (stage_bytes<T>(p.K, p.V, 1) > size_t(Smem(p.K, false).pwn) * sizeof(float)) return false;
   if (!p.backward()) return true;
   const Smem g(p.K, true);
-  return ok(p.dout, p.V) && stage_bytes<T>(p.K, g.cols, 2) <= size_t(g.total - g.stage) * sizeof(float) &&
+  return elements::rows_in_pieces(p.dout, p.V, kPiece<T>) &&
+         stage_bytes<T>(p.K, g.cols, 2) <= size_t(g.total - g.stage) * sizeof(float) &&
          elements::aligned16(p.hst) && elements::aligned16(p.dhst);
 }
 

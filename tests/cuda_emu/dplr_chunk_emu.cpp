@@ -115,7 +115,7 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
                        : poison(v.sizes(), v.scalar_type()),
          hT = poison({N, H, K, V});
   p.o = vec(o), p.hT = mat(hT), p.fused = true;
-  p.paths.rows_16byte = fused_rows_16byte<__nv_bfloat16>(p);  // as the launch sets it
+  p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p);  // as the launch sets it
   TORCH_CHECK(ctas == 3 || ctas == 4, "ctas is 3 or 4");
   emu::launch(dim3(unsigned(N * H)), dplr_fused_detail::NTF, [&] {
     emu::poisoned_cta([&] {
