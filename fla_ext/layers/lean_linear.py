@@ -103,13 +103,12 @@ def mixed(module, x, delta, mu):
     (its first factor takes the mix), through mixed_linear. Anything else (an adapter wrapping
     the Linear), or a module with forward hooks (FSDP's unsharding, say), is called as a module on
     the mix. By default (workspaces kept) every module is called on the mix."""
-    if not _lean():
-        return module(torch.addcmul(x, delta, mu))
-    if type(module) is nn.Linear and _no_hooks(module):
-        return mixed_linear(x, delta, mu, module.weight, module.bias)
-    if type(module) is LoRA and type(module.lora[0]) is nn.Linear and _no_hooks(module, module.lora, *module.lora):
-        first, act, second = module.lora
-        return second(act(mixed_linear(x, delta, mu, first.weight, first.bias)))
+    if _lean():
+        if type(module) is nn.Linear and _no_hooks(module):
+            return mixed_linear(x, delta, mu, module.weight, module.bias)
+        if type(module) is LoRA and type(module.lora[0]) is nn.Linear and _no_hooks(module, module.lora, *module.lora):
+            first, act, second = module.lora
+            return second(act(mixed_linear(x, delta, mu, first.weight, first.bias)))
     return module(torch.addcmul(x, delta, mu))
 
 
