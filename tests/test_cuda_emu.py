@@ -76,6 +76,19 @@ def test_chunk_rwkv7_kernels_bf16(emu, shape, gen):
     check(emu, shape, "rwkv7", None, gen, torch.bfloat16, 1e-2)
 
 
+@pytest.mark.parametrize("shape,w_kind,cu,strided", [
+    ((1, 40, 2, 128, 128), "near0", None, False),           # two whole tiles
+    ((1, 50, 1, 128, 200), "rwkv7", [0, 9, 9, 50], False),  # four, the last 8 columns; varlen, an empty sequence
+    ((1, 20, 1, 128, 136), "near0", None, True),            # element loads (w's rows not 16-byte pieces)
+], ids=["V128", "V200varlen", "V136strided"])
+def test_chunk_rwkv7_kernels_bf16_walked_tiles(emu, shape, w_kind, cu, strided, gen):
+    """bf16 at K = 128: one grad CTA per chunk walks V's column tiles (dplr_grad_walks_tiles),
+    summing the pair-matrix gradients, the state parts and zeta over them, and stores the K-vector
+    gradients straight into the poisoned outputs (no slab). near0: chunk decays near 1, so that
+    zeta's state term (gamma rowsum(S * dS+), summed over the tiles) carries weight in dw."""
+    check(emu, shape, w_kind, cu, gen, torch.bfloat16, 1e-2, strided=strided)
+
+
 @pytest.mark.parametrize("w_kind,lr", [("u30", "rwkv"), ("u5", "rwkv"), ("rwkv", "rwkv"),
                                        ("edge60", "rwkv"), ("zero", "repeated")],
                          ids=["u30", "u5", "rwkv6", "edge60", "repeated"])

@@ -43,7 +43,7 @@ constexpr int kDplrChunk = 16;
 // is not repeated per tile; 32-column tiles at K = 128 would repeat it four times at V = 128),
 // 8 beyond, so that the CUDA backward's shared memory (rows, pair matrices, K x cols state and
 // its gradient) holds two CTAs per SM up to K = 64 and fits in 227 KB up to K = 256.
-FLA_HD int dplr_chunk_cols(int K) { return K <= 128 ? 64 : 8; }
+FLA_HD constexpr int dplr_chunk_cols(int K) { return K <= 128 ? 64 : 8; }
 FLA_HD int dplr_chunk_tiles(int K, int V) {
   const int c = dplr_chunk_cols(K);
   return (V + c - 1) / c;
@@ -130,6 +130,21 @@ struct DplrChunkPaths {
 // head), no workspace.
 FLA_HD bool dplr_fused_forward(DType dtype, int K, int V, bool stores_states) {
   return !stores_states && (dtype == DType::bf16 || dtype == DType::f16) && K == 64 && V == 64;
+}
+
+// Whether one CUDA grad CTA walks every column tile of its chunk (bf16 / fp16 at K = 128): the
+// tiles' column products are summed in the CTA's registers, so the chunk-wide work (the K-rows
+// and pair matrices, the decay rows, the pair walks, the dw scan) runs once per chunk instead of
+// once per tile, and the K-vector gradients go straight to the outputs with no partial-sum slab.
+// At K = 128 the kernel holds one CTA per SM anyway (its shared memory), so the registers for the
+// sums are free. Elsewhere each tile has its own CTA: K <= 64 holds two CTAs per SM within 128
+// registers, and fp32 runs the SIMT forms.
+FLA_HD bool dplr_grad_walks_tiles(DType dtype, int K) {
+  return (dtype == DType::bf16 || dtype == DType::f16) && K == 128;
+}
+// Column tiles of the CUDA grad grid (its blockIdx.z).
+FLA_HD int dplr_grad_grid_tiles(DType dtype, int K, int V) {
+  return dplr_grad_walks_tiles(dtype, K) ? 1 : dplr_chunk_tiles(K, V);
 }
 
 struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradients

@@ -10,19 +10,50 @@
 namespace fla {
 namespace dplr_chunk_detail {
 
+// S (hst at this chunk) and dS+ at the CTA's tile columns into shared memory: issued as cp.async
+// copies (not committed) where the rows are 16-byte pieces, else loaded.
+template <typename T>
+__device__ __forceinline__ void load_states(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c, int64_t ci) {
+  const int K = L.K, BP = L.BP;
+  const float *s0 = slot_state(p, p.hst, c, ci), *d1 = slot_state(p, p.dhst, c, ci);
+  const int lq = L.lc - 2;  // log2(column quads per row)
+  auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
+  if (p.paths.rows_16byte) {
+    // a thread's quads are one column x on rows d, d + dstep, ..: pointers stepped, not re-formed
+    // from 64-bit products per quad (integer multiply-adds that would outnumber the loads)
+    int d, x;
+    quad(threadIdx.x, d, x);
+    const int dstep = NT >> lq;
+    const int64_t gstep = int64_t(dstep) * p.V;
+    const float *gs = s0 + int64_t(d) * p.V + x, *gd = d1 + int64_t(d) * p.V + x;
+    float* ss = sm + L.S + d * BP + x;
+    const bool on = x < c.nc;
+    for (; d < K; d += dstep, gs += gstep, gd += gstep, ss += dstep * BP) {
+      copy16(ss, gs, on);
+      copy16(ss + (L.dS - L.S), gd, on);
+    }
+    return;
+  }
+  const bool vec = p.V % 4 == 0 && aligned16(p.hst) && aligned16(p.dhst);
+#pragma unroll 2
+  for (int e = threadIdx.x; e < K << lq; e += NT) {
+    int d, x;
+    quad(e, d, x);
+    const int64_t at = int64_t(d) * p.V + x;
+    *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = load4(s0 + at, c.nc - x, vec);
+    *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = load4(d1 + at, c.nc - x, vec);
+  }
+}
+
 // grad_kernel, step 1: the chunk's rows, the pair matrices and X (from the prep workspace), v and
 // dO at the tile's columns, S and dS+ into shared memory. Returns whether chunk_decays ran
 // already (`early`). Not synchronised.
 template <typename T>
 __device__ __forceinline__ bool load_grad_operands(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
                                                    int64_t ci, int64_t t0, int nrow, const float* mats) {
-  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
-  // S (hst at this chunk) and dS+ at this tile's columns. zeta = rowsum(S+ * dS+) is formed
-  // without S+ (S+ = gamma S + K^^T V + B^^T U): gamma rowsum(S * dS+) here, the rest from the
-  // state parts v dS+^T and U dS+^T below, so no S+ is read.
-  const float *s0 = slot_state(p, p.hst, c, ci), *d1 = slot_state(p, p.dhst, c, ci);
-  const int lq = L.lc - 2;  // log2(column quads per row)
-  auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
+  const int K = L.K, KP = L.KP, cols = L.cols;
+  // zeta = rowsum(S+ * dS+) is formed without S+ (S+ = gamma S + K^^T V + B^^T U): gamma
+  // rowsum(S * dS+) here, the rest from the state parts v dS+^T and U dS+^T below, so no S+ is read.
   // early: the decays run while S, dS+, v and dO are still landing (their 36 KB are the
   // kernel's longest wait on memory). chunk_decays writes dk_rows and da_rows, which
   // must lie within the spent raw K-row stage, not over the column stage still landing.
@@ -37,21 +68,7 @@ __device__ __forceinline__ bool load_grad_operands(float* sm, const Smem& L, con
     copy_commit();
     copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
     copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
-    {  // a thread's quads are one column x on rows d, d + dstep, ..: pointers stepped, not
-       // re-formed from 64-bit products per quad (integer multiply-adds that would outnumber
-       // the loads)
-      int d, x;
-      quad(threadIdx.x, d, x);
-      const int dstep = NT >> lq;
-      const int64_t gstep = int64_t(dstep) * p.V;
-      const float *gs = s0 + int64_t(d) * p.V + x, *gd = d1 + int64_t(d) * p.V + x;
-      float* ss = sm + L.S + d * BP + x;
-      const bool on = x < c.nc;
-      for (; d < K; d += dstep, gs += gstep, gd += gstep, ss += dstep * BP) {
-        copy16(ss, gs, on);
-        copy16(ss + (L.dS - L.S), gd, on);
-      }
-    }
+    load_states<T>(sm, L, p, c, ci);
     copy_commit();
     if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only
     if (early) {
@@ -67,25 +84,43 @@ __device__ __forceinline__ bool load_grad_operands(float* sm, const Smem& L, con
     widen_cols<T>(sm, L, 0, cols, 0, L.v);
     widen_cols<T>(sm, L, 1, cols, 0, L.dO);
   } else {
-    const bool vec = p.V % 4 == 0 && aligned16(p.hst) && aligned16(p.dhst);
-#pragma unroll 2
-    for (int e = threadIdx.x; e < K << lq; e += NT) {
-      int d, x;
-      quad(e, d, x);
-      const int64_t at = int64_t(d) * p.V + x;
-      *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = load4(s0 + at, c.nc - x, vec);
-      *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = load4(d1 + at, c.nc - x, vec);
-    }
+    load_states<T>(sm, L, p, c, ci);
     load_chunk<T>(sm, L, p, c, t0, nrow, true);
     for (int e = threadIdx.x; e < 5 * C * CP; e += NT) sm[L.Ark + e] = mats[e];
   }
   return early;
 }
 
-// grad_kernel, step 2: zeta's part rowsum(S * dS+) at L.zeta (and, TC, S and dS+ rounded to TF32
-// in place). After the loads' barrier; not synchronised.
+// grad_kernel walking the column tiles (dplr_grad_walks_tiles), every tile after the first: its
+// v, dO, S and dS+ into shared memory, the chunk's rows and matrices staying. v and dO land raw
+// over dA, dX and Y, which hold nothing until the last tile's sums are put. Not synchronised.
+template <typename T>
+__device__ __forceinline__ void load_tile_columns(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
+                                                  int64_t ci, int64_t t0, int nrow) {
+  // (dA, dX, Y are consecutive: Smem; fp32 never walks the tiles)
+  static_assert(!kRawRows<T> || 2 * C * stage_pitch<T>(dplr_chunk_cols(128)) * sizeof(T) <=
+                                    (4 * C * C + 2 * C * CP) * sizeof(float),
+                "v and dO's raw rows fit over dA, dX and Y");
+  if (p.paths.rows_16byte) {
+    copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, L.cols, c.nc, L.dA);
+    copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, L.cols, c.nc, L.dA);
+    load_states<T>(sm, L, p, c, ci);
+    copy_commit();
+    copy_wait<0>();
+    __syncthreads();
+    widen_cols<T>(sm, L, 0, L.cols, 0, L.v, L.dA);
+    widen_cols<T>(sm, L, 1, L.cols, 0, L.dO, L.dA);
+  } else {
+    load_states<T>(sm, L, p, c, ci);
+    load_cols<T>(sm, L, p, c.s, c.h, c.x0, c.nc, t0, nrow, true);
+  }
+}
+
+// grad_kernel, step 2: zeta's part rowsum(S * dS+) at L.zeta (added to it for `add`: the column
+// tiles after the first) and, TC, S and dS+ rounded to TF32 in place. After the loads' barrier;
+// not synchronised.
 template <bool TC>
-__device__ __forceinline__ void state_rowsum(float* sm, const Smem& L) {
+__device__ __forceinline__ void state_rowsum(float* sm, const Smem& L, bool add = false) {
   const int K = L.K, cols = L.cols, BP = L.BP;
   // rowsum(S * dS+): eight threads per channel, so that a load phase (8 lanes) reads 128
   // contiguous bytes of one row (four per channel read two rows: two-way conflicts)
@@ -104,7 +139,7 @@ __device__ __forceinline__ void state_rowsum(float* sm, const Smem& L) {
       }
 #pragma unroll
     for (int lanes = 1; lanes < 8; lanes *= 2) z += __shfl_xor_sync(0xffffffffu, z, lanes);
-    if (d < K && part == 0) sm[L.zeta + d] = z;
+    if (d < K && part == 0) sm[L.zeta + d] = add ? sm[L.zeta + d] + z : z;
   }
 }
 
@@ -299,8 +334,10 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
 }
 
 // The backward's gradients, parallel over (chunk slot, head, tile of dplr_chunk_cols(K)
-// columns): with S (hst), S+ and dS+ (dhst, from the reverse sweep) known, every chunk's
-// gradients are independent. The pair matrices and X come from the prep workspace. Steps:
+// columns; bf16 / fp16 at K = 128: (chunk slot, head), the CTA walking the tiles,
+// dplr_grad_walks_tiles): with S (hst), S+ and dS+ (dhst, from the reverse sweep) known, every
+// chunk's gradients are independent. The pair matrices and X come from the prep workspace. Steps
+// (1 to 4 per tile where the CTA walks them; the others load only the tile's columns):
 //   1 load_grad_operands   rows, pair matrices and X, v and dO, S and dS+ into shared memory
 //   2 state_rowsum         zeta's part rowsum(S * dS+)
 //   3 decay_factor_rows    exp(Omega), Â, K^, B^, exp(w) rows
@@ -308,8 +345,12 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
 //   5 kvector_grads        dr, da, dk, db: state parts and pair walks
 //   6 store_kvector_grads  dw by the reverse scan, all five K-vector gradients to their outputs
 template <typename T, int KC = 0>  // KC: as prep_kernel's
-__global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
+__global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;
+  // dplr_grad_walks_tiles (the launch takes KC = 128 for K = 128 alone): the CTA walks every
+  // column tile of its chunk, summing the tiles' pair-matrix gradients and state parts in
+  // registers, and makes the K-vector gradients once, from the sums.
+  constexpr bool kWalk = TC && KC == 128;
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
   const Smem L(KC ? KC : p.K, true);
@@ -317,20 +358,32 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
   const int64_t slot = blockIdx.x;
   const int n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
   Cta c;
-  c.h = blockIdx.y, c.n = n, c.tile = blockIdx.z, c.s = seq_span(p.cu_seqlens, n, p.T);
+  c.h = blockIdx.y, c.n = n, c.tile = kWalk ? 0 : blockIdx.z, c.s = seq_span(p.cu_seqlens, n, p.T);
   c.x0 = c.tile * L.cols, c.nc = min(L.cols, p.V - c.x0);
   const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
   if (ci < 0 || ci * C >= c.s.len) return;
   const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
   const float rho = float(p.scale);
-  {
-    const int64_t t0 = ci * C;
-    const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
-    const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.floats_per_chunk() + ws.mats_at();
-    const bool early = load_grad_operands<T>(sm, L, p, c, ci, t0, nrow, mats);
+  const int64_t t0 = ci * C;
+  const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
+  const float* mats = static_cast<const float*>(p.ws) + (slot * p.H + c.h) * ws.floats_per_chunk() + ws.mats_at();
+  const int tiles = kWalk ? dplr_chunk_tiles(K, p.V) : 1;
+  // kWalk: the column sums carried from tile to tile, per warp: its pair-matrix gradient product
+  // and its two state-part tasks (TC step 4 below)
+  constexpr int kHeldTasks = 4 * ((KC + 31) / 32) / (NT / 32);
+  float pair_sum[4] = {0.f, 0.f, 0.f, 0.f};
+  float part_sum[kWalk ? kHeldTasks : 1][4][4] = {};
+  for (int tile = 0; tile < tiles; ++tile) {
+    bool early = false;
+    if (tile == 0) {
+      early = load_grad_operands<T>(sm, L, p, c, ci, t0, nrow, mats);
+    } else {
+      c.tile = tile, c.x0 = tile * cols, c.nc = min(cols, p.V - c.x0);
+      load_tile_columns<T>(sm, L, p, c, ci, t0, nrow);
+    }
     __syncthreads();
-    state_rowsum<TC>(sm, L);
-    decay_factor_rows(sm, L, early);
+    state_rowsum<TC>(sm, L, tile > 0);
+    if (tile == 0) decay_factor_rows(sm, L, early);
     // Step 4: dU, dM, dv and the pair-matrix gradients.
     auto put_dv = [&](int j, int xx, float v) {
       if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
@@ -411,31 +464,31 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
       // (conflict-free, and one load per fragment instead of four 4-byte loads, each with its
       // own index arithmetic). The 8-column tiles of K > 128 keep the 4-byte forms.
       const bool nt = cols % 16 == 0;
-      {  // the pair-matrix gradients as 16 x 16 products over the columns, a warp per 8 of j
-         // (on tensor cores here too: the SIMT pair_grads is slower on this path)
-        static_assert(NT / 32 == 8, "4 products x 2 column tiles");
-        const int w = threadIdx.x / 32, m = w / 2, j0 = 8 * (w % 2);  // m: rk, rb, ak, dX
-        const int A = m < 2 ? L.dO : m == 2 ? L.dM : L.dU, B = m == 1 ? L.U : m == 3 ? L.M : L.v;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if (nt) warp_mma_nt<true, true>(acc, cols, sm + A, BP, sm + B + j0 * BP, BP);
-        else warp_mma_ld<false, true>(acc, cols, sm + A, BP, sm + B + j0 * BP, BP);
+      // The pair-matrix gradients as 16 x 16 products over the columns, a warp per 8 of j (on
+      // tensor cores here too: the SIMT pair_grads is slower on this path).
+      static_assert(NT / 32 == 8, "4 products x 2 column tiles");
+      const int warp = threadIdx.x / 32, pm = warp / 2, pj0 = 8 * (warp % 2);  // pm: rk, rb, ak, dX
+      auto pair_product = [&](float(&acc)[4]) {
+        const int A = pm < 2 ? L.dO : pm == 2 ? L.dM : L.dU, B = pm == 1 ? L.U : pm == 3 ? L.M : L.v;
+        if (nt) warp_mma_nt<true, true>(acc, cols, sm + A, BP, sm + B + pj0 * BP, BP);
+        else warp_mma_ld<false, true>(acc, cols, sm + A, BP, sm + B + pj0 * BP, BP);
+      };
+      auto put_pair = [&](const float(&acc)[4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int i = nt ? nt_row(0, e) : acc_row(0, e), j = nt ? nt_col(j0, e) : acc_col(j0, e);
-          const bool on = m < 2 ? j <= i : j < i;
-          if (m == 3) sm[L.dX + i * CP + j] = on ? acc[e] : 0.f;
-          else sm[L.dA + 4 * (i * C + j) + m] = on ? (m < 2 ? rho : 1.f) * acc[e] : 0.f;
+          const int i = nt ? nt_row(0, e) : acc_row(0, e), j = nt ? nt_col(pj0, e) : acc_col(pj0, e);
+          const bool on = pm < 2 ? j <= i : j < i;
+          if (pm == 3) sm[L.dX + i * CP + j] = on ? acc[e] : 0.f;
+          else sm[L.dA + 4 * (i * C + j) + pm] = on ? (pm < 2 ? rho : 1.f) * acc[e] : 0.f;
         }
-      }
+      };
       // The state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T ([C][K] over
-      // this tile's columns), into the gradient rows (Â, K^, B^ there are spent). A task is 4
-      // n-tiles (32 channels) of one product: its A fragments serve all four.
+      // the columns), into the gradient rows (Â, K^, B^ there are spent once they are put). A
+      // task is 4 n-tiles (32 channels) of one product: its A fragments serve all four.
       const int ntile = (K + 7) / 8, ngrp = (ntile + 3) / 4;
-      for (int task = threadIdx.x / 32; task < 4 * ngrp; task += NT / 32) {
+      auto part_product = [&](int task, float(&acc)[4][4]) {
         const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
         const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
-        const int D = m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows;
-        float acc[4][4] = {};
         if (nt) {  // state rows past K: the next array's (their columns are not stored)
           tile::warp_mma_nt_tiles<true, true, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
         } else {
@@ -443,6 +496,10 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
             warp_mma(acc[t], cols, [&](int r, int k) { return sm[A + r * BP + k]; },
                      [&](int k, int n) { return n00 + 8 * t + n < K ? sm[B + (n00 + 8 * t + n) * BP + k] : 0.f; });
         }
+      };
+      auto put_part = [&](int task, const float(&acc)[4][4]) {
+        const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
+        const int D = m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           if (t >= nb) break;  // warp-uniform
@@ -464,6 +521,28 @@ __global__ void __launch_bounds__(NT, 2) grad_kernel(const DplrChunkPass p) {
             }
           }
         }
+      };
+      if (!kWalk) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        pair_product(acc);
+        put_pair(acc);
+        for (int task = warp; task < 4 * ngrp; task += NT / 32) {
+          float part[4][4] = {};
+          part_product(task, part);
+          put_part(task, part);
+        }
+      } else {
+        static_assert(!kWalk || kHeldTasks * (NT / 32) == 4 * ((KC + 31) / 32), "every warp holds kHeldTasks tasks");
+        pair_product(pair_sum);
+#pragma unroll
+        for (int h = 0; h < kHeldTasks; ++h) part_product(warp + h * (NT / 32), part_sum[h]);
+        if (tile + 1 < tiles) {  // this tile's rows and states are read: the next tile's loads go over them
+          __syncthreads();
+          continue;
+        }
+        put_pair(pair_sum);
+#pragma unroll
+        for (int h = 0; h < kHeldTasks; ++h) put_part(warp + h * (NT / 32), part_sum[h]);
       }
       __syncthreads();
       solve_grads();

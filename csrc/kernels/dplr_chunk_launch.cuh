@@ -28,9 +28,11 @@
 // Backward: unless the training forward kept its states and workspace, prep and the forward
 // sweep for them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per
 // (chunk slot, head, tile of dplr_chunk_cols(K) columns) makes that chunk's gradients with the
-// rows, pair matrices and the K x cols state and its gradient in shared memory. With V in one tile its K-vector gradients go
-// straight to the outputs; else they are per-tile partial sums, added into zero-filled slabs two
-// tiles per slab (DplrArgs::kg_pair). No host synchronisation: CUDA-graph safe.
+// rows, pair matrices and the K x cols state and its gradient in shared memory. With V in one
+// tile, or where one CTA walks all of a chunk's tiles (bf16 / fp16 at K = 128:
+// dplr_grad_walks_tiles), its K-vector gradients go straight to the outputs; else they are
+// per-tile partial sums, added into zero-filled slabs two tiles per slab (DplrArgs::kg_pair). No
+// host synchronisation: CUDA-graph safe.
 //
 // The launches are kept apart from the kernels so that the kernels also compile as host code
 // (tests/cuda_emu runs them on the CPU).
@@ -81,7 +83,7 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   }
   e = launch_with_smem(sweep_kernel<T, true, false, KC>, sweeps, NTS, sweep_bytes, p, stream);
   if (e != cudaSuccess) return e;
-  return launch_with_smem(grad_kernel<T, KC>, dim3(unsigned(slots), p.H, dplr_chunk_tiles(p.K, p.V)), NT,
+  return launch_with_smem(grad_kernel<T, KC>, dim3(unsigned(slots), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)), NT,
                           Smem(p.K, true).bytes(), p, stream);
 }
 

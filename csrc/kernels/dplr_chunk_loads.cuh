@@ -42,7 +42,13 @@ FLA_HD int64_t stage_cols_at(int K) { return kRawRows<T> ? int64_t(5) * C * K : 
 // tensor-core reads of rows 2q, 2q + 1 (one column per lane g) would all fall on the same banks
 // (4-way conflicts); at 144 bytes they are 8 banks apart.
 template <typename T>
-FLA_HD int stage_pitch(int ncol) { return ncol + kPiece<T>; }
+FLA_HD constexpr int stage_pitch(int ncol) { return ncol + kPiece<T>; }
+// The column rows' stage: after the raw K-rows of the stage, or at float offset `at` of shared
+// memory where a caller gives one (at >= 0).
+template <typename T>
+__device__ __forceinline__ T* col_stage(float* sm, const Smem& L, int at) {
+  return at >= 0 ? reinterpret_cast<T*>(sm + at) : reinterpret_cast<T*>(sm + L.stage) + stage_cols_at<T>(L.K);
+}
 template <typename T>
 FLA_HD size_t stage_bytes(int K, int ncol, int ncolmats) {
   return size_t(stage_cols_at<T>(K) + int64_t(ncolmats) * C * stage_pitch<T>(ncol)) * sizeof(T);
@@ -116,13 +122,14 @@ __device__ void copy_rows_async(float* sm, const Smem& L, const DplrChunkPass& p
 }
 // Issues the copies of columns [x0, x0 + ncol) of rows [t0, t0 + nrow) of x into stage matrix m
 // (columns at or past x0 + nvalid and rows past nrow zero-filled; ncol and nvalid whole pieces).
+// at: col_stage's.
 template <typename T>
 __device__ void copy_cols_async(float* sm, const Smem& L, const VecArg& x, int m, const SeqSpan& s,
-                                int h, int64_t t0, int nrow, int x0, int ncol, int nvalid) {
+                                int h, int64_t t0, int nrow, int x0, int ncol, int nvalid, int at = -1) {
   constexpr int E = kPiece<T>;
   const Split pc(ncol / E);
   const int pitch = stage_pitch<T>(ncol);
-  T* const stage = reinterpret_cast<T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * pitch;
+  T* const stage = col_stage<T>(sm, L, at) + m * C * pitch;
   const T* const row0 = vptr<T>(x, s.b, s.bos + t0, h, x0);  // rows_16byte: x.sd == 1
   for (int e = threadIdx.x; e < C * pc.n; e += NT) {
     const int i = pc.quot(e), c = (e - i * pc.n) * E;
@@ -164,11 +171,11 @@ __device__ void widen_rows(float* sm, const Smem& L) {
   for (int e = threadIdx.x; e < 5 * C * pad; e += NT) sm[L.r + e / pad * L.KP + L.K + e % pad] = 0.f;
 }
 // Columns [x0, x0 + cols) of stage matrix m (ncol columns per row) to a tile array [C][BP]
-// (columns at or past ncol: 0).
+// (columns at or past ncol: 0). at: col_stage's.
 template <typename T>
-__device__ void widen_cols(float* sm, const Smem& L, int m, int ncol, int x0, int dst) {
+__device__ void widen_cols(float* sm, const Smem& L, int m, int ncol, int x0, int dst, int at = -1) {
   const int pitch = stage_pitch<T>(ncol);
-  const T* const stage = reinterpret_cast<const T*>(sm + L.stage) + stage_cols_at<T>(L.K) + m * C * pitch;
+  const T* const stage = col_stage<T>(sm, L, at) + m * C * pitch;
   const Split pc(L.cols / 4);
   for (int e = threadIdx.x; e < C * pc.n; e += NT) {
     const int i = pc.quot(e), c = (e - i * pc.n) * 4;

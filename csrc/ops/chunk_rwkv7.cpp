@@ -255,10 +255,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   const bool has_dht = has(grad_final_state), has_h0 = has(initial_state);
 
   const auto acc = r.options().dtype(acc_type(r));
-  // The K-vector gradients: on CUDA with V in one column tile, straight into the outputs
-  // (DplrArgs::kg_pair = 0); else per-tile partial sums [slabs, grad, <r's shape>], two tiles per
-  // zero-filled slab on CUDA, one per tile on the CPU, added here.
-  const int tiles = dplr_chunk_tiles(int(d.K), int(d.V));
+  // The K-vector gradients: on CUDA with one grad CTA per chunk (V in one column tile, or a CTA
+  // walking all of them: dplr_grad_grid_tiles), straight into the outputs (DplrArgs::kg_pair =
+  // 0); else per-tile partial sums [slabs, grad, <r's shape>], two tiles per zero-filled slab on
+  // CUDA, one per tile on the CPU, added here.
+  const int tiles = r.is_cuda() ? dplr_grad_grid_tiles(kernel_dtype(r), int(d.K), int(d.V))
+                                : dplr_chunk_tiles(int(d.K), int(d.V));
   const int pair = r.is_cuda() ? (tiles == 1 ? 0 : 2) : 1;
   auto kg_sizes = r.sizes().vec();
   kg_sizes.insert(kg_sizes.begin(), {int64_t(pair ? (tiles + pair - 1) / pair : 0), int64_t(kNumKGrads)});

@@ -52,8 +52,9 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   p.ws = wsb.data_ptr(), p.uo = uob.data_ptr();
   Tensor o = poison(v.sizes(), v.scalar_type()), hT = poison({N, H, K, V}), dhst = poison({slots, H, K, V});
   // As the CUDA op lays them out (csrc/ops/chunk_rwkv7.cpp): two column tiles add into one
-  // zero-filled slab; a single tile stores straight into the (poisoned) gradients.
-  const int tiles = dplr_chunk_tiles(K, V), pair = tiles > 1 ? 2 : 0;
+  // zero-filled slab; a single grad CTA per chunk (one tile, or walking them all) stores
+  // straight into the (poisoned) gradients.
+  const int tiles = dplr_grad_grid_tiles(p.dtype, K, V), pair = tiles > 1 ? 2 : 0;
   std::vector<Tensor> kgd;
   // dw into a view with its own row stride: the gradient stores' per-output offsets (the op's
   // outputs share strides: DplrChunkPaths::grads_share_offsets, covered by the GPU tests)
