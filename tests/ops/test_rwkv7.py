@@ -17,14 +17,16 @@ from rwkv7_cases import (CHUNK, ERRORS, FUSED, MODES, NAMES, _good, bwd_args, ch
 # ---------------------------------------------------------------------------------------------
 # The grid: T = 1, odd sizes, K != V both ways, V over several column tiles, K > 128, both
 # layouts, strided inputs, h0 and dht on and off. chunk adds float64 (CPU only: the CUDA kernels
-# are fp32/bf16/fp16), T a multiple of 16, K = 160 (8-column tiles) and a non-default scale;
+# are fp32/bf16/fp16), T a multiple of 16, K = 160 (8-column tiles), K = 128 over three column
+# tiles (CUDA bf16: one grad CTA walks them; fp32: per-tile partials) and a non-default scale;
 # fused_recurrent adds the reverse direction (chunk has none).
 
 SHAPES = [(2, 37, 3, 16, 64), (2, 20, 2, 128, 32), (1, 1, 2, 64, 64), (2, 33, 2, 60, 100),
           (1, 18, 1, 256, 8)]
 DTYPES = [(torch.float32, "fp32"), (torch.bfloat16, "bf16")]
 GRIDS = [  # (mode, dtypes, shapes, reverse, scale)
-    (CHUNK, [(torch.float64, "fp64")] + DTYPES, SHAPES + [(1, 48, 2, 160, 40), (2, 64, 1, 32, 16)],
+    (CHUNK, [(torch.float64, "fp64")] + DTYPES,
+     SHAPES + [(1, 48, 2, 160, 40), (2, 64, 1, 32, 16), (1, 40, 2, 128, 136)],
      [False], 0.7),
     (FUSED, DTYPES, SHAPES, [False, True], None),
 ]
