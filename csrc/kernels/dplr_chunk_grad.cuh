@@ -333,6 +333,133 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
   }
 }
 
+// grad_kernel, step 4 (TC): dv of the tile's columns to its output, and M + P, U, dU, dM into
+// shared memory. A warp per 8 columns chains every 16-row product of its columns on tensor cores,
+// with __syncwarp between them (the SIMT forms need a CTA barrier after each):
+//   M + P = A_ak V + Â S,  U = X (M + P),  dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU,
+//   dV = scale A_rk^T dO + A_ak^T dM + K^ dS+.
+// Every operand a TF32 value as stored (v, dO widened from 16 bits; S, dS rounded by
+// state_rowsum; the chain's own rows rounded by put), so that no product rounds per read; the
+// scale goes into the A_rb, A_rk fragments. Rows at kp_row (rows_state_mma). After a barrier
+// that follows decay_factor_rows; not synchronised.
+template <typename T>
+__device__ __forceinline__ void column_chain_tc(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
+                                                int64_t t0, int nrow, float rho) {
+  const int cols = L.cols, BP = L.BP;
+  for (int x0 = 8 * (threadIdx.x / 32); x0 < cols; x0 += NT / 4) {
+    auto col = [&](int arr) {
+      return [=](int k, int n) { return sm[arr + k * BP + x0 + n]; };
+    };
+    auto put = [&](int arr, const float(&acc)[4]) {  // 8-byte stores, conflict-free (kp_row)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(sm + arr + kp_row(0, 2 * h) * BP + acc_col(x0, 0)) =
+            make_float2(tf32_round(acc[2 * h]), tf32_round(acc[2 * h + 1]));
+    };
+    float mp[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
+    rows_state_mma(sm, L, L.da_rows, L.S, x0, mp);
+    MatFrag(sm, L.Aak).mma<true>(mp, col(L.v));
+    put(L.M, mp);
+    __syncwarp();
+    MatFrag(sm, L.X).mma<true>(u, col(L.M));
+    put(L.U, u);
+    float du[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f}, dv[4] = {0.f, 0.f, 0.f, 0.f};
+    rows_state_mma(sm, L, L.db_rows, L.dS, x0, du);
+    MatFrag(sm, L.Arb, true, rho).mma<true>(du, col(L.dO));
+    put(L.dU, du);
+    __syncwarp();
+    MatFrag(sm, L.X, true).mma<true>(dm, col(L.dU));
+    put(L.dM, dm);
+    __syncwarp();
+    rows_state_mma(sm, L, L.dk_rows, L.dS, x0, dv);
+    MatFrag(sm, L.Ark, true, rho).mma<true>(dv, col(L.dO));
+    MatFrag(sm, L.Aak, true).mma<true>(dv, col(L.dM));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = kp_row(0, e), xx = acc_col(x0, e);
+      if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(dv[e]);
+    }
+  }
+}
+
+// The TC column products after the chain (after its barrier): sums over the tile's columns, each
+// added onto a warp's accumulators (so that a CTA walking several tiles carries them from tile to
+// tile) and put into shared memory by the put_ functions once complete. They take warp_mma_nt's
+// 16-byte fragments on rows 4 apart (conflict-free, one load per fragment instead of four 4-byte
+// loads, each with its own index arithmetic); the 8-column tiles of K > 128 keep the 4-byte forms.
+__device__ __forceinline__ bool nt_fragments(const Smem& L) { return L.cols % 16 == 0; }
+
+// The pair-matrix gradients as 16 x 16 products over the columns, warp w making product w / 2
+// (rk, rb, ak, dX) for 8 of j (on tensor cores here too: the SIMT pair_grads is slower on this
+// path).
+static_assert(NT / 32 == 8, "4 products x 2 column tiles");
+__device__ __forceinline__ void pair_grad_product(const float* sm, const Smem& L, float (&acc)[4]) {
+  const int warp = threadIdx.x / 32, m = warp / 2, j0 = 8 * (warp % 2);
+  const int A = m < 2 ? L.dO : m == 2 ? L.dM : L.dU, B = m == 1 ? L.U : m == 3 ? L.M : L.v;
+  if (nt_fragments(L)) warp_mma_nt<true, true>(acc, L.cols, sm + A, L.BP, sm + B + j0 * L.BP, L.BP);
+  else warp_mma_ld<false, true>(acc, L.cols, sm + A, L.BP, sm + B + j0 * L.BP, L.BP);
+}
+// pair_grad_product's sums into dA (scaled, within their triangles) and dX (below the diagonal:
+// the rest cannot reach dA_ab).
+__device__ __forceinline__ void put_pair_grads(float* sm, const Smem& L, const float (&acc)[4], float rho) {
+  const int warp = threadIdx.x / 32, m = warp / 2, j0 = 8 * (warp % 2);
+  const bool nt = nt_fragments(L);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int i = nt ? nt_row(0, e) : acc_row(0, e), j = nt ? nt_col(j0, e) : acc_col(j0, e);
+    const bool on = m < 2 ? j <= i : j < i;
+    if (m == 3) sm[L.dX + i * CP + j] = on ? acc[e] : 0.f;
+    else sm[L.dA + 4 * (i * C + j) + m] = on ? (m < 2 ? rho : 1.f) * acc[e] : 0.f;
+  }
+}
+
+// The state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T ([C][K] over the
+// columns), as tasks of 4 n-tiles (32 channels) of one product: a task's A fragments serve all
+// four. Tasks 0 .. state_part_tasks(L) - 1.
+__device__ __forceinline__ int state_part_groups(const Smem& L) { return ((L.K + 7) / 8 + 3) / 4; }
+__device__ __forceinline__ int state_part_tasks(const Smem& L) { return 4 * state_part_groups(L); }
+__device__ __forceinline__ void state_part_product(const float* sm, const Smem& L, int task, float (&acc)[4][4]) {
+  const int K = L.K, BP = L.BP, cols = L.cols, ntile = (K + 7) / 8, ngrp = state_part_groups(L);
+  const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
+  const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
+  if (nt_fragments(L)) {  // state rows past K: the next array's (their columns are not stored)
+    tile::warp_mma_nt_tiles<true, true, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
+  } else {
+    for (int t = 0; t < nb; ++t)
+      warp_mma(acc[t], cols, [&](int r, int k) { return sm[A + r * BP + k]; },
+               [&](int k, int n) { return n00 + 8 * t + n < K ? sm[B + (n00 + 8 * t + n) * BP + k] : 0.f; });
+  }
+}
+// A task's sums into its gradient rows (dr, da, dk, db; Â, K^, B^ there are spent once put) and,
+// for v dS^T and U dS^T, zeta's parts sum_j K^_j (v_j dS+^T), sum_j B^_j (U_j dS+^T) into zparts.
+__device__ __forceinline__ void put_state_part(float* sm, const Smem& L, int task, const float (&acc)[4][4]) {
+  const int K = L.K, KP = L.KP, ntile = (K + 7) / 8, ngrp = state_part_groups(L);
+  const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
+  const int D = m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows;
+  const bool nt = nt_fragments(L);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    if (t >= nb) break;  // warp-uniform
+    const int n0 = n00 + 8 * t;
+    float z[2] = {0.f, 0.f};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int d = nt ? nt_col(n0, e) : acc_col(n0, e), at = (nt ? nt_row(0, e) : acc_row(0, e)) * KP + d;
+      if (d >= K) continue;
+      if (m >= 2) z[e % 2] += sm[D + at] * acc[t][e];  // K^, B^ there until this write
+      sm[D + at] = acc[t][e];
+    }
+    if (m >= 2) {  // warp-uniform: summed over the 16 rows (lanes g)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        for (int lanes = 4; lanes < 32; lanes *= 2) z[h2] += __shfl_xor_sync(0xffffffffu, z[h2], lanes);
+        const int d = nt ? nt_col(n0, h2) : acc_col(n0, h2);
+        if (threadIdx.x % 32 < 4 && d < K) sm[L.zparts + (m - 2) * K + d] = z[h2];
+      }
+    }
+  }
+}
+
 // The backward's gradients, parallel over (chunk slot, head, tile of dplr_chunk_cols(K)
 // columns; bf16 / fp16 at K = 128: (chunk slot, head), the CTA walking the tiles,
 // dplr_grad_walks_tiles): with S (hst), S+ and dS+ (dhst, from the reverse sweep) known, every
@@ -341,7 +468,8 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
 //   1 load_grad_operands   rows, pair matrices and X, v and dO, S and dS+ into shared memory
 //   2 state_rowsum         zeta's part rowsum(S * dS+)
 //   3 decay_factor_rows    exp(Omega), Â, K^, B^, exp(w) rows
-//   4 (inline below)       dU, dM = d(M + P), dv, and the pair-matrix gradients dA, dX -> dA_ab
+//   4 column_chain_tc ..   dU, dM = d(M + P), dv; the pair-matrix gradients dA, dX -> dA_ab and
+//     put_state_part       (TC) the state parts (SIMT: inline below, state parts in step 5)
 //   5 kvector_grads        dr, da, dk, db: state parts and pair walks
 //   6 store_kvector_grads  dw by the reverse scan, all five K-vector gradients to their outputs
 template <typename T, int KC = 0>  // KC: as prep_kernel's
@@ -421,128 +549,30 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
     };
     if (TC) {
       __syncthreads();  // K^, B^ and exp(w) (the loop above is elementwise over all threads)
-      // A warp per 8 columns chains every 16-row product of its columns on tensor cores, with
-      // __syncwarp between them (the SIMT forms below need a CTA barrier after each):
-      //   M + P = A_ak V + Â S,  U = X (M + P),  dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU,
-      //   dV = scale A_rk^T dO + A_ak^T dM + K^ dS+.
-      // Every operand a TF32 value as stored (v, dO widened from 16 bits; S, dS rounded above;
-      // the chain's own rows rounded by put), so that no product rounds per read; the scale
-      // goes into the A_rb, A_rk fragments. Rows at kp_row (rows_state_mma).
-      for (int x0 = 8 * (threadIdx.x / 32); x0 < cols; x0 += NT / 4) {
-        auto col = [&](int arr) {
-          return [=](int k, int n) { return sm[arr + k * BP + x0 + n]; };
-        };
-        auto put = [&](int arr, const float(&acc)[4]) {  // 8-byte stores, conflict-free (kp_row)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<float2*>(sm + arr + kp_row(0, 2 * h) * BP + acc_col(x0, 0)) =
-                make_float2(tf32_round(acc[2 * h]), tf32_round(acc[2 * h + 1]));
-        };
-        float mp[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
-        rows_state_mma(sm, L, L.da_rows, L.S, x0, mp);
-        MatFrag(sm, L.Aak).mma<true>(mp, col(L.v));
-        put(L.M, mp);
-        __syncwarp();
-        MatFrag(sm, L.X).mma<true>(u, col(L.M));
-        put(L.U, u);
-        float du[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f}, dv[4] = {0.f, 0.f, 0.f, 0.f};
-        rows_state_mma(sm, L, L.db_rows, L.dS, x0, du);
-        MatFrag(sm, L.Arb, true, rho).mma<true>(du, col(L.dO));
-        put(L.dU, du);
-        __syncwarp();
-        MatFrag(sm, L.X, true).mma<true>(dm, col(L.dU));
-        put(L.dM, dm);
-        __syncwarp();
-        rows_state_mma(sm, L, L.dk_rows, L.dS, x0, dv);
-        MatFrag(sm, L.Ark, true, rho).mma<true>(dv, col(L.dO));
-        MatFrag(sm, L.Aak, true).mma<true>(dv, col(L.dM));
-#pragma unroll
-        for (int e = 0; e < 4; ++e) put_dv(kp_row(0, e), acc_col(x0, e), dv[e]);
-      }
+      column_chain_tc<T>(sm, L, p, c, t0, nrow, rho);
       __syncthreads();
-      // The products over the columns below take warp_mma_nt's 16-byte fragments on rows 4 apart
-      // (conflict-free, and one load per fragment instead of four 4-byte loads, each with its
-      // own index arithmetic). The 8-column tiles of K > 128 keep the 4-byte forms.
-      const bool nt = cols % 16 == 0;
-      // The pair-matrix gradients as 16 x 16 products over the columns, a warp per 8 of j (on
-      // tensor cores here too: the SIMT pair_grads is slower on this path).
-      static_assert(NT / 32 == 8, "4 products x 2 column tiles");
-      const int warp = threadIdx.x / 32, pm = warp / 2, pj0 = 8 * (warp % 2);  // pm: rk, rb, ak, dX
-      auto pair_product = [&](float(&acc)[4]) {
-        const int A = pm < 2 ? L.dO : pm == 2 ? L.dM : L.dU, B = pm == 1 ? L.U : pm == 3 ? L.M : L.v;
-        if (nt) warp_mma_nt<true, true>(acc, cols, sm + A, BP, sm + B + pj0 * BP, BP);
-        else warp_mma_ld<false, true>(acc, cols, sm + A, BP, sm + B + pj0 * BP, BP);
-      };
-      auto put_pair = [&](const float(&acc)[4]) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = nt ? nt_row(0, e) : acc_row(0, e), j = nt ? nt_col(pj0, e) : acc_col(pj0, e);
-          const bool on = pm < 2 ? j <= i : j < i;
-          if (pm == 3) sm[L.dX + i * CP + j] = on ? acc[e] : 0.f;
-          else sm[L.dA + 4 * (i * C + j) + pm] = on ? (pm < 2 ? rho : 1.f) * acc[e] : 0.f;
-        }
-      };
-      // The state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T ([C][K] over
-      // the columns), into the gradient rows (Â, K^, B^ there are spent once they are put). A
-      // task is 4 n-tiles (32 channels) of one product: its A fragments serve all four.
-      const int ntile = (K + 7) / 8, ngrp = (ntile + 3) / 4;
-      auto part_product = [&](int task, float(&acc)[4][4]) {
-        const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
-        const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
-        if (nt) {  // state rows past K: the next array's (their columns are not stored)
-          tile::warp_mma_nt_tiles<true, true, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
-        } else {
-          for (int t = 0; t < nb; ++t)
-            warp_mma(acc[t], cols, [&](int r, int k) { return sm[A + r * BP + k]; },
-                     [&](int k, int n) { return n00 + 8 * t + n < K ? sm[B + (n00 + 8 * t + n) * BP + k] : 0.f; });
-        }
-      };
-      auto put_part = [&](int task, const float(&acc)[4][4]) {
-        const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
-        const int D = m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          if (t >= nb) break;  // warp-uniform
-          const int n0 = n00 + 8 * t;
-          float z[2] = {0.f, 0.f};  // zeta's parts sum_j K^_j (v_j dS+^T), sum_j B^_j (U_j dS+^T)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int d = nt ? nt_col(n0, e) : acc_col(n0, e), at = (nt ? nt_row(0, e) : acc_row(0, e)) * KP + d;
-            if (d >= K) continue;
-            if (m >= 2) z[e % 2] += sm[D + at] * acc[t][e];  // K^, B^ there until this write
-            sm[D + at] = acc[t][e];
-          }
-          if (m >= 2) {  // warp-uniform: summed over the 16 rows (lanes g)
-#pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-              for (int lanes = 4; lanes < 32; lanes *= 2) z[h2] += __shfl_xor_sync(0xffffffffu, z[h2], lanes);
-              const int d = nt ? nt_col(n0, h2) : acc_col(n0, h2);
-              if (threadIdx.x % 32 < 4 && d < K) sm[L.zparts + (m - 2) * K + d] = z[h2];
-            }
-          }
-        }
-      };
+      const int warp = threadIdx.x / 32;
       if (!kWalk) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        pair_product(acc);
-        put_pair(acc);
-        for (int task = warp; task < 4 * ngrp; task += NT / 32) {
+        pair_grad_product(sm, L, acc);
+        put_pair_grads(sm, L, acc, rho);
+        for (int task = warp; task < state_part_tasks(L); task += NT / 32) {
           float part[4][4] = {};
-          part_product(task, part);
-          put_part(task, part);
+          state_part_product(sm, L, task, part);
+          put_state_part(sm, L, task, part);
         }
       } else {
         static_assert(!kWalk || kHeldTasks * (NT / 32) == 4 * ((KC + 31) / 32), "every warp holds kHeldTasks tasks");
-        pair_product(pair_sum);
+        pair_grad_product(sm, L, pair_sum);
 #pragma unroll
-        for (int h = 0; h < kHeldTasks; ++h) part_product(warp + h * (NT / 32), part_sum[h]);
+        for (int h = 0; h < kHeldTasks; ++h) state_part_product(sm, L, warp + h * (NT / 32), part_sum[h]);
         if (tile + 1 < tiles) {  // this tile's rows and states are read: the next tile's loads go over them
           __syncthreads();
           continue;
         }
-        put_pair(pair_sum);
+        put_pair_grads(sm, L, pair_sum, rho);
 #pragma unroll
-        for (int h = 0; h < kHeldTasks; ++h) put_part(warp + h * (NT / 32), part_sum[h]);
+        for (int h = 0; h < kHeldTasks; ++h) put_state_part(sm, L, warp + h * (NT / 32), part_sum[h]);
       }
       __syncthreads();
       solve_grads();
