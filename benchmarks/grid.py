@@ -6,11 +6,15 @@
     python benchmarks/grid.py chunk_rwkv7 --quick --device cpu         # smoke test of the script
     python benchmarks/grid.py chunk_gla                                 # also chunk_rwkv6, chunk_gsa
 
-Writes rows ``{op, impl, gpu, B, T, H, K, V, dtype, mode, ms, peak_mib}`` into
+Writes rows ``{op, impl, gpu, B, T, H, K, V, dtype, mode, ms, peak_mib, run}`` into
 ``<out>/<gpu>_<op>_grid.json`` (row by row, replacing rows of another run with the same key, so parts
 of the grid can run as separate processes: wind_rwkv compiles one head size per process, for
 over two minutes) and a plot
-next to it. Modes: ``fwd`` (a training forward: inputs require grad), ``fwdbwd`` (forward and
+next to it. ``run`` names the process that measured the row (its UTC start and the checkout's
+commit where git can tell): compare rows only within one run. ``--resume`` skips the points and
+modes whose every impl already has a row, so that a grid cut short by a time limit (fla autotunes
+for minutes per new shape) goes on where it stopped; each point and mode still measures all of its
+impls in one run. Modes: ``fwd`` (a training forward: inputs require grad), ``fwdbwd`` (forward and
 backward, every input gradient), ``fwd_nograd`` (inference, under ``torch.no_grad``).
 ``peak_mib``: the most memory allocated during one call beyond what was allocated before it
 (inputs and incoming gradients are not counted). Timing: bench_ops.Timer (median of many reps,
@@ -26,7 +30,9 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
+import time
 from typing import Callable, Dict, Optional
 
 import torch
@@ -162,10 +168,26 @@ def measure(fn, mode, leaves, timer, device):
     return ms, extra
 
 
-def run_point(op, point, args, timer, device, gpu, emit) -> None:
+def impl_names(op, args):
+    """The impls a point of this run measures (a row each, whether timed or reported missing)."""
+    return ["fla_ext"] + ([] if args.no_fla else ["fla"]) + (["wind_rwkv"] if op == "chunk_rwkv7" and args.wind else [])
+
+
+def measured(rows, op, gpu, point, mode, impls) -> bool:
+    """Whether `rows` hold every impl's row of this point and mode (timed, or missing by reason)."""
+    B, H, K, T, dt = point
+    have = {r["impl"] for r in rows if (r["op"], r["gpu"], r["B"], r["T"], r["H"], r["K"], r["dtype"], r["mode"])
+            == (op, gpu, B, T, H, K, dt, mode) and (r.get("ms") is not None or r.get("missing"))}
+    return set(impls) <= have
+
+
+def run_point(op, point, args, timer, device, gpu, emit, done=lambda mode: False) -> None:
     B, H, K, T, dt = point
     dtype = DTYPES[dt]
     for mode in args.modes:
+        if done(mode):
+            print(f"{op} B{B} T{T} H{H} K{K} {dt} {mode:10s} measured already (--resume)", flush=True)
+            continue
         torch.manual_seed(0)
         if op == "chunk_rwkv7":
             x = rwkv7_inputs(B, T, H, K, dtype, device, mode != "fwd_nograd")
@@ -175,7 +197,7 @@ def run_point(op, point, args, timer, device, gpu, emit) -> None:
             impls = diag_impls(op, x, args)
         for impl, fn in impls.items():
             row = dict(op=op, impl=impl, gpu=gpu, B=B, T=T, H=H, K=K, V=K, dtype=dt, mode=mode,
-                       ms=None, peak_mib=None)
+                       ms=None, peak_mib=None, run=args.run)
             if op == "chunk_gsa":
                 row["M"] = GSA_SLOTS
             if isinstance(fn, str):
@@ -201,16 +223,34 @@ def run_point(op, point, args, timer, device, gpu, emit) -> None:
 KEY = ("op", "impl", "gpu", "B", "T", "H", "K", "V", "dtype", "mode")
 
 
+def load_rows(path):
+    if not os.path.exists(path):
+        return {}, []
+    with open(path) as f:
+        data = json.load(f)
+    return data.get("meta", {}), data.get("rows", [])
+
+
 def merge(path, rows, meta):
-    old = []
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f).get("rows", [])
+    """rows into the file at path, replacing its rows of the same key; the file's meta keys that
+    this run does not set (a note on its runs) are kept."""
+    old_meta, old = load_rows(path)
     keys = {tuple(r[k] for k in KEY) for r in rows}
     merged = [r for r in old if tuple(r[k] for k in KEY) not in keys] + rows
     with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=merged), f, indent=1)
+        json.dump(dict(meta={**old_meta, **meta}, rows=merged), f, indent=1)
     return merged
+
+
+def run_id() -> str:
+    """This process's run: its UTC start, and the checkout's commit where git can tell."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+    except Exception:
+        commit = ""
+    return f"{stamp} {commit}".strip()
 
 
 def plot(rows, path) -> Optional[str]:
@@ -256,6 +296,8 @@ def main(argv=None):
     p.add_argument("--wind", help="root of a wind_rwkv checkout (its chunked CUDA kernel)")
     p.add_argument("--quick", action="store_true", help="one tiny point, few reps")
     p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a results file")
+    p.add_argument("--resume", action="store_true",
+                   help="skip the points and modes whose every impl has a row in the results file")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     if args.replot:
@@ -273,10 +315,13 @@ def main(argv=None):
                 timing=timer.method, gpu=gpu)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{tag}_{args.op}_grid.json")
+    args.run = run_id()
     def emit(row):  # merged row by row: a run cut short keeps what it measured
         merge(path, [row], meta)
     for pt in points:
-        run_point(args.op, pt, args, timer, device, gpu, emit)
+        done = (lambda mode, pt=pt: measured(load_rows(path)[1], args.op, gpu, pt, mode, impl_names(args.op, args))
+                if args.resume else False)
+        run_point(args.op, pt, args, timer, device, gpu, emit, done)
     with open(path) as f:
         msg = plot(json.load(f)["rows"], path[:-5] + ".png")
     print(f"wrote {path}" + (f" ({msg})" if msg else " and its plot"))

@@ -26,6 +26,35 @@ def test_grid_quick_cpu(op, tmp_path):
         assert r["impl"] == "fla_ext" and r["ms"] > 0
 
 
+def test_grid_resume_and_runs(tmp_path):
+    """Every row names its run; --resume measures nothing where every impl has a row, and a run
+    without it replaces the rows (a new run id). A note in the file's meta survives both."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "grid.py"), "chunk_gla", "--quick",
+           "--device", "cpu", "--no-fla", "--modes", "fwd", "--out", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = tmp_path / "cpu_chunk_gla_grid.json"
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    data = json.loads(path.read_text())
+    (first,) = data["rows"]
+    assert first["run"]
+    data["meta"]["note"] = "which runs"
+    path.write_text(json.dumps(data))
+    out = subprocess.run(cmd + ["--resume"], check=True, env=env, capture_output=True, text=True, timeout=300)
+    assert "measured already (--resume)" in out.stdout
+    data = json.loads(path.read_text())
+    assert data["rows"] == [first] and data["meta"]["note"] == "which runs"
+    subprocess.run(cmd + ["--modes", "fwd", "fwdbwd", "--resume"], check=True, env=env, capture_output=True,
+                   timeout=300)
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["fwd", "fwdbwd"] and rows[0] == first  # only fwdbwd measured
+    import time
+    time.sleep(1.1)  # a later second: another run id
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    data = json.loads(path.read_text())
+    (again,) = [r for r in data["rows"] if r["mode"] == "fwd"]
+    assert again["run"] != first["run"] and data["meta"]["note"] == "which runs"
+
+
 def test_cp_overhead_quick_cpu(tmp_path):
     import socket
     with socket.socket() as s:
