@@ -548,7 +548,7 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
       __syncthreads();
     };
     if (TC) {
-      __syncthreads();  // K^, B^ and exp(w) (the loop above is elementwise over all threads)
+      __syncthreads();  // K^, B^, exp(w) (decay_factor_rows), S and dS+ as TF32 (state_rowsum)
       column_chain_tc<T>(sm, L, p, c, t0, nrow, rho);
       __syncthreads();
       const int warp = threadIdx.x / 32;
