@@ -168,17 +168,21 @@ def measure(fn, mode, leaves, timer, device):
     return ms, extra
 
 
+# A row's identity in a results file: a run replaces the rows of the same key (merge).
+KEY = ("op", "impl", "gpu", "B", "T", "H", "K", "V", "dtype", "mode")
+
+
 def impl_names(op, args):
     """The impls a point of this run measures (a row each, whether timed or reported missing)."""
     return ["fla_ext"] + ([] if args.no_fla else ["fla"]) + (["wind_rwkv"] if op == "chunk_rwkv7" and args.wind else [])
 
 
 def measured(rows, op, gpu, point, mode, impls) -> bool:
-    """Whether `rows` hold every impl's row of this point and mode (timed, or missing by reason)."""
+    """Whether `rows` hold every impl's row of this point and mode (timed, or missing by reason),
+    by the rows' KEY as merge matches them."""
     B, H, K, T, dt = point
-    have = {r["impl"] for r in rows if (r["op"], r["gpu"], r["B"], r["T"], r["H"], r["K"], r["dtype"], r["mode"])
-            == (op, gpu, B, T, H, K, dt, mode) and (r.get("ms") is not None or r.get("missing"))}
-    return set(impls) <= have
+    have = {tuple(r[k] for k in KEY) for r in rows if r.get("ms") is not None or r.get("missing")}
+    return all((op, impl, gpu, B, T, H, K, K, dt, mode) in have for impl in impls)
 
 
 def run_point(op, point, args, timer, device, gpu, emit, done=lambda mode: False) -> None:
@@ -218,9 +222,6 @@ def run_point(op, point, args, timer, device, gpu, emit, done=lambda mode: False
         del x, impls
         gc.collect()
         bench_ops._free(device)
-
-
-KEY = ("op", "impl", "gpu", "B", "T", "H", "K", "V", "dtype", "mode")
 
 
 def load_rows(path):
