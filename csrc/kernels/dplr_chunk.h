@@ -139,7 +139,7 @@ FLA_HD bool dplr_fused_forward(DType dtype, int K, int V, bool stores_states) {
 // At K = 128 the kernel holds one CTA per SM anyway (its shared memory), so the registers for the
 // sums are free. Elsewhere each tile has its own CTA: K <= 64 holds two CTAs per SM within 128
 // registers, and fp32 runs the SIMT forms.
-FLA_HD bool dplr_grad_walks_tiles(DType dtype, int K) {
+FLA_HD constexpr bool dplr_grad_walks_tiles(DType dtype, int K) {
   return (dtype == DType::bf16 || dtype == DType::f16) && K == 128;
 }
 // Column tiles of the CUDA grad grid (its blockIdx.z).

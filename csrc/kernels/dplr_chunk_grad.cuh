@@ -475,10 +475,10 @@ __device__ __forceinline__ void put_state_part(float* sm, const Smem& L, int tas
 template <typename T, int KC = 0>  // KC: as prep_kernel's
 __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;
-  // dplr_grad_walks_tiles (the launch takes KC = 128 for K = 128 alone): the CTA walks every
-  // column tile of its chunk, summing the tiles' pair-matrix gradients and state parts in
-  // registers, and makes the K-vector gradients once, from the sums.
-  constexpr bool kWalk = TC && KC == 128;
+  // The CTA walks every column tile of its chunk (dplr_grad_walks_tiles, which treats bf16 and
+  // fp16 alike; the launch takes KC = 128 for K = 128 alone), summing the tiles' pair-matrix
+  // gradients and state parts in registers, and makes the K-vector gradients once, from the sums.
+  constexpr bool kWalk = dplr_grad_walks_tiles(TC ? DType::bf16 : DType::f32, KC);
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
   const Smem L(KC ? KC : p.K, true);
