@@ -23,8 +23,9 @@
 //          when asked: the training forward keeps them, and its workspace with the pair
 //          matrices and X, for its backward (DplrChunkPass::kept).
 // (prep in dplr_chunk_prep.cuh, the sweeps in dplr_chunk_sweep.cuh, the grad kernel in
-// dplr_chunk_grad.cuh; their parts: dplr_chunk_layout.cuh (shared-memory layout, glossary of the
-// short names), dplr_chunk_loads.cuh, dplr_chunk_pairs.cuh, dplr_chunk_tiles.cuh.)
+// dplr_chunk_grad.cuh with its tensor-core column products in dplr_chunk_grad_columns.cuh; their
+// parts: dplr_chunk_layout.cuh (shared-memory layout, glossary of the short names),
+// dplr_chunk_loads.cuh, dplr_chunk_pairs.cuh, dplr_chunk_tiles.cuh.)
 // Backward: unless the training forward kept its states and workspace, prep and the forward
 // sweep for them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per
 // (chunk slot, head, tile of dplr_chunk_cols(K) columns) makes that chunk's gradients with the

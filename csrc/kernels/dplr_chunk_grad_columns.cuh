@@ -1,0 +1,140 @@
+// The chunked RWKV7 engine's gradient kernel (dplr_chunk_grad.cuh), step 4 on tensor cores (bf16
+// / fp16): the column chain that makes dv, and the products over a tile's columns that the
+// K-vector gradients start from (the pair-matrix gradients, the state parts), summed onto a
+// warp's accumulators so that a CTA walking several column tiles carries them from tile to tile.
+#pragma once
+#include "dplr_chunk_layout.cuh"
+#include "dplr_chunk_tiles.cuh"
+
+namespace fla {
+namespace dplr_chunk_detail {
+
+// grad_kernel, step 4 (TC): dv of the tile's columns to its output, and M + P, U, dU, dM into
+// shared memory. A warp per 8 columns chains every 16-row product of its columns on tensor cores,
+// with __syncwarp between them (the SIMT forms need a CTA barrier after each):
+//   M + P = A_ak V + Â S,  U = X (M + P),  dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU,
+//   dV = scale A_rk^T dO + A_ak^T dM + K^ dS+.
+// Every operand a TF32 value as stored (v, dO widened from 16 bits; S, dS rounded by
+// state_rowsum; the chain's own rows rounded by put), so that no product rounds per read; the
+// scale goes into the A_rb, A_rk fragments. Rows at kp_row (rows_state_mma). After a barrier
+// that follows decay_factor_rows; not synchronised.
+template <typename T>
+__device__ __forceinline__ void column_chain_tc(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
+                                                int64_t t0, int nrow, float rho) {
+  const int cols = L.cols, BP = L.BP;
+  for (int x0 = 8 * (threadIdx.x / 32); x0 < cols; x0 += NT / 4) {
+    auto col = [&](int arr) {
+      return [=](int k, int n) { return sm[arr + k * BP + x0 + n]; };
+    };
+    auto put = [&](int arr, const float(&acc)[4]) {  // 8-byte stores, conflict-free (kp_row)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(sm + arr + kp_row(0, 2 * h) * BP + acc_col(x0, 0)) =
+            make_float2(tf32_round(acc[2 * h]), tf32_round(acc[2 * h + 1]));
+    };
+    float mp[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
+    rows_state_mma(sm, L, L.da_rows, L.S, x0, mp);
+    MatFrag(sm, L.Aak).mma<true>(mp, col(L.v));
+    put(L.M, mp);
+    __syncwarp();
+    MatFrag(sm, L.X).mma<true>(u, col(L.M));
+    put(L.U, u);
+    float du[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f}, dv[4] = {0.f, 0.f, 0.f, 0.f};
+    rows_state_mma(sm, L, L.db_rows, L.dS, x0, du);
+    MatFrag(sm, L.Arb, true, rho).mma<true>(du, col(L.dO));
+    put(L.dU, du);
+    __syncwarp();
+    MatFrag(sm, L.X, true).mma<true>(dm, col(L.dU));
+    put(L.dM, dm);
+    __syncwarp();
+    rows_state_mma(sm, L, L.dk_rows, L.dS, x0, dv);
+    MatFrag(sm, L.Ark, true, rho).mma<true>(dv, col(L.dO));
+    MatFrag(sm, L.Aak, true).mma<true>(dv, col(L.dM));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = kp_row(0, e), xx = acc_col(x0, e);
+      if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(dv[e]);
+    }
+  }
+}
+
+// The TC column products after the chain (after its barrier): sums over the tile's columns, each
+// added onto a warp's accumulators (so that a CTA walking several tiles carries them from tile to
+// tile) and put into shared memory by the put_ functions once complete. They take warp_mma_nt's
+// 16-byte fragments on rows 4 apart (conflict-free, one load per fragment instead of four 4-byte
+// loads, each with its own index arithmetic); the 8-column tiles of K > 128 keep the 4-byte forms.
+__device__ __forceinline__ bool nt_fragments(const Smem& L) { return L.cols % 16 == 0; }
+
+// The pair-matrix gradients as 16 x 16 products over the columns, warp w making product w / 2
+// (rk, rb, ak, dX) for 8 of j (on tensor cores here too: the SIMT pair_grads is slower on this
+// path).
+static_assert(NT / 32 == 8, "4 products x 2 column tiles");
+__device__ __forceinline__ void pair_grad_product(const float* sm, const Smem& L, float (&acc)[4]) {
+  const int warp = threadIdx.x / 32, m = warp / 2, j0 = 8 * (warp % 2);
+  const int A = m < 2 ? L.dO : m == 2 ? L.dM : L.dU, B = m == 1 ? L.U : m == 3 ? L.M : L.v;
+  if (nt_fragments(L)) warp_mma_nt<true, true>(acc, L.cols, sm + A, L.BP, sm + B + j0 * L.BP, L.BP);
+  else warp_mma_ld<false, true>(acc, L.cols, sm + A, L.BP, sm + B + j0 * L.BP, L.BP);
+}
+// pair_grad_product's sums into dA (scaled, within their triangles) and dX (below the diagonal:
+// the rest cannot reach dA_ab).
+__device__ __forceinline__ void put_pair_grads(float* sm, const Smem& L, const float (&acc)[4], float rho) {
+  const int warp = threadIdx.x / 32, m = warp / 2, j0 = 8 * (warp % 2);
+  const bool nt = nt_fragments(L);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int i = nt ? nt_row(0, e) : acc_row(0, e), j = nt ? nt_col(j0, e) : acc_col(j0, e);
+    const bool on = m < 2 ? j <= i : j < i;
+    if (m == 3) sm[L.dX + i * CP + j] = on ? acc[e] : 0.f;
+    else sm[L.dA + 4 * (i * C + j) + m] = on ? (m < 2 ? rho : 1.f) * acc[e] : 0.f;
+  }
+}
+
+// The state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T ([C][K] over the
+// columns), as tasks of 4 n-tiles (32 channels) of one product: a task's A fragments serve all
+// four. Tasks 0 .. state_part_tasks(L) - 1.
+__device__ __forceinline__ int state_part_groups(const Smem& L) { return ((L.K + 7) / 8 + 3) / 4; }
+__device__ __forceinline__ int state_part_tasks(const Smem& L) { return 4 * state_part_groups(L); }
+__device__ __forceinline__ void state_part_product(const float* sm, const Smem& L, int task, float (&acc)[4][4]) {
+  const int K = L.K, BP = L.BP, cols = L.cols, ntile = (K + 7) / 8, ngrp = state_part_groups(L);
+  const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
+  const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
+  if (nt_fragments(L)) {  // state rows past K: the next array's (their columns are not stored)
+    tile::warp_mma_nt_tiles<true, true, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
+  } else {
+    for (int t = 0; t < nb; ++t)
+      warp_mma(acc[t], cols, [&](int r, int k) { return sm[A + r * BP + k]; },
+               [&](int k, int n) { return n00 + 8 * t + n < K ? sm[B + (n00 + 8 * t + n) * BP + k] : 0.f; });
+  }
+}
+// A task's sums into its gradient rows (dr, da, dk, db; Â, K^, B^ there are spent once put) and,
+// for v dS^T and U dS^T, zeta's parts sum_j K^_j (v_j dS+^T), sum_j B^_j (U_j dS+^T) into zparts.
+__device__ __forceinline__ void put_state_part(float* sm, const Smem& L, int task, const float (&acc)[4][4]) {
+  const int K = L.K, KP = L.KP, ntile = (K + 7) / 8, ngrp = state_part_groups(L);
+  const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
+  const int D = m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows;
+  const bool nt = nt_fragments(L);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    if (t >= nb) break;  // warp-uniform
+    const int n0 = n00 + 8 * t;
+    float z[2] = {0.f, 0.f};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int d = nt ? nt_col(n0, e) : acc_col(n0, e), at = (nt ? nt_row(0, e) : acc_row(0, e)) * KP + d;
+      if (d >= K) continue;
+      if (m >= 2) z[e % 2] += sm[D + at] * acc[t][e];  // K^, B^ there until this write
+      sm[D + at] = acc[t][e];
+    }
+    if (m >= 2) {  // warp-uniform: summed over the 16 rows (lanes g)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        for (int lanes = 4; lanes < 32; lanes *= 2) z[h2] += __shfl_xor_sync(0xffffffffu, z[h2], lanes);
+        const int d = nt ? nt_col(n0, h2) : acc_col(n0, h2);
+        if (threadIdx.x % 32 < 4 && d < K) sm[L.zparts + (m - 2) * K + d] = z[h2];
+      }
+    }
+  }
+}
+
+}  // namespace dplr_chunk_detail
+}  // namespace fla
