@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Per-kernel GPU time of one op call (forward, or forward + backward), from torch.profiler.
 
-    python benchmarks/kernel_times.py chunk_rwkv6 --K 64 --dtype bf16 [--bwd]
+    python benchmarks/kernel_times.py chunk_rwkv6 --K 64 --dtype bf16 [--bwd] [--impl fla]
 
 Prints each CUDA kernel's mean time per call (ms), largest first, and the total: where the time of
 an op goes, as the "measure" step of benchmarks/NOTES.md. Shapes default to the benchmark shape
-(B=8, T=4096, H=16).
+(B=8, T=4096, H=16). `--impl fla` profiles fla's op of the same name on the same inputs (fla
+installed), to see where a peer spends its time.
 """
 import argparse
 import collections
@@ -14,6 +15,15 @@ import torch
 import torch.nn.functional as F
 
 import fla_ext
+
+
+def fla_op(op):
+    import importlib
+    family = op.split("_", 1)[1].replace("_gv", "")
+    fn = getattr(importlib.import_module(f"fla.ops.{family}"), op.replace("_gv", ""))
+    if op == "chunk_gla_gv":
+        raise SystemExit("kernel_times: fla's chunk_gla has no value-side decay")
+    return fn
 
 
 def inputs(op, B, T, H, K, V, dtype):
@@ -53,11 +63,16 @@ def main():
     ap.add_argument("--V", type=int, default=None)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--train", action="store_true", help="forward only, inputs requiring grad")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--impl", default="fla_ext", choices=["fla_ext", "fla"])
     a = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     args, fn = inputs(a.op, a.B, a.T, a.H, a.K, a.V or a.K, dtype)
-    args = [x.requires_grad_(a.bwd) for x in args]
+    if a.impl == "fla":
+        peer = fla_op(a.op)
+        fn = lambda *x: peer(*x)[0]
+    args = [x.requires_grad_(a.bwd or a.train) for x in args]
     do = None
 
     def call():
@@ -79,7 +94,7 @@ def main():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             times[e.name] += e.device_time / 1e3 / a.reps
     total = sum(times.values())
-    print(f"{a.op} B{a.B} T{a.T} H{a.H} K{a.K} V{a.V or a.K} {a.dtype} {'fwd+bwd' if a.bwd else 'fwd'}:"
+    print(f"{a.impl} {a.op} B{a.B} T{a.T} H{a.H} K{a.K} V{a.V or a.K} {a.dtype} {'fwd+bwd' if a.bwd else 'training fwd' if a.train else 'fwd'}:"
           f" {total:.3f} ms of kernels per call")
     for name, t in sorted(times.items(), key=lambda x: -x[1]):
         print(f"  {t:8.3f}  {name[:110]}")
