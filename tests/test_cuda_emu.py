@@ -208,11 +208,14 @@ def test_chunk_kernels(chunk_emu, fam, shape, cu, keep, gen):
 
 @pytest.mark.parametrize("fam", [GLA, RWKV6], ids=["gla", "rwkv6"])
 @pytest.mark.parametrize("shape,cu", [((1, 70, 2, 32, 24), None), ((1, 65, 1, 128, 20), None),
-                                      ((1, 150, 1, 16, 100), [0, 70, 70, 150])],
-                         ids=["K32", "K128", "varlen"])
+                                      ((1, 150, 1, 16, 100), [0, 70, 70, 150]),
+                                      ((1, 70, 1, 32, 70), None)],
+                         ids=["K32", "K128", "varlen", "V70"])
 def test_chunk_kernels_split_out(chunk_emu, fam, shape, cu, gen):
     """A training forward at K <= 128 with o split off the state kernel (chunk_split_out: few
-    CTAs on the GPU): the state kernel per K tile writes hst, the out kernel forms o."""
+    CTAs on the GPU): the state kernel per K tile writes hst, the out kernel forms o. V = 70:
+    two V tiles per out CTA, the second partial and odd (a ragged state row: 70 floats), in the
+    forward's o and the backward's dv."""
     chunk_emu.set_split_out(True)
     try:
         check_chunk(chunk_emu, fam, shape, cu, True, gen, torch.float32, 1e-5)

@@ -116,9 +116,9 @@ struct RowFetch {
 #pragma unroll
     for (int it = 0; it < kPer; ++it, ptr += step) x[it] = it * kRowStep < left ? *ptr : 0.f;
   }
-  // s[row][ch], or transposed s[ch][row].
-  template <bool TRANSPOSE>
-  __device__ __forceinline__ void store(Tile* s) const {
+  // s[row][ch], or transposed s[ch][row]; s at row stride N (LD or LDB, tile_mma.cuh).
+  template <bool TRANSPOSE, int N>
+  __device__ __forceinline__ void store(float (*s)[N]) const {
     const unsigned c = threadIdx.x % DT, r0 = threadIdx.x / DT;
 #pragma unroll
     for (int it = 0; it < kPer; ++it) {
@@ -128,16 +128,16 @@ struct RowFetch {
   }
 };
 
-template <typename T, bool TRANSPOSE>
-__device__ __forceinline__ void load_rows(Tile* s, const VecArg& a, int64_t b, int64_t t0, int L,
+template <typename T, bool TRANSPOSE, int N>
+__device__ __forceinline__ void load_rows(float (*s)[N], const VecArg& a, int64_t b, int64_t t0, int L,
                                           int h, int d0, int D, float mul) {
   RowFetch f;
   f.fetch<T>(a, b, t0, L, h, d0, D, mul);
   f.store<TRANSPOSE>(s);
 }
 
-template <bool TRANSPOSE>
-__device__ __forceinline__ void load_mat(Tile* s, const float* m, int R, int Cn, int r0, int c0) {
+template <bool TRANSPOSE, int N>
+__device__ __forceinline__ void load_mat(float (*s)[N], const float* m, int R, int Cn, int r0, int c0) {
   RowFetch f;
   f.fetch_mat(m, R, Cn, r0, c0);
   f.store<TRANSPOSE>(s);

@@ -13,7 +13,6 @@ namespace chunk_detail {
 
 constexpr size_t kTileBytes = sizeof(float) * C * LD;
 constexpr size_t kIntraSmem = 3 * kTileBytes + sizeof(Decays) + sizeof(float) * (DT + 4 * NSC * DT);
-constexpr size_t kOutSmem = 3 * kTileBytes + sizeof(Decays);
 constexpr size_t kGradSmem = 6 * kTileBytes + sizeof(Decays) + sizeof(float) * 3 * DT;
 
 template <typename K>
@@ -63,10 +62,11 @@ cudaError_t launch_backward_state(const ChunkPass& p, cudaStream_t stream) {
 template <typename T, Reader RD, bool DV>
 cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
   auto launch = [&](auto out, int nv) {
-    cudaError_t e = set_smem(out, kOutSmem);
+    constexpr size_t smem = out_smem(DV);
+    cudaError_t e = set_smem(out, smem);
     if (e != cudaSuccess) return e;
     const unsigned z = unsigned((p.V + nv * DT - 1) / (nv * DT));
-    if (slots > 0) out<<<dim3(unsigned(slots), p.H, z), NTH, kOutSmem, stream>>>(p);
+    if (slots > 0) out<<<dim3(unsigned(slots), p.H, z), NTH, smem, stream>>>(p);
     return cudaGetLastError();
   };
   return p.V > DT ? launch(chunk_out_kernel<T, RD, DV, 2>, 2) : launch(chunk_out_kernel<T, RD, DV, 1>, 1);

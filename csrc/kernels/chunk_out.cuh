@@ -9,12 +9,19 @@ namespace chunk_detail {
 // Forward (DV = false): o = ρ (Q̂ S + A V). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO. A comes from
 // p.amat (chunk_intra_kernel, or kept from the forward).
 // NV V tiles per CTA (2 when V > 64): Q̂ or K̂ is then built once for both.
+//
+// Row strides follow how the tensor-core products read each tile (tile_mma.cuh): W is only ever
+// a B operand (rows stored whole), so LDB; A is read as stored (LD) for o and transposed (LDB)
+// for dv. X stays LD: transposed K̂ is stored column-wise, where LDB would double the store
+// conflicts that it saves on the reads.
+template <bool DV>
+using OutPairTile = std::conditional_t<DV, TileB, Tile>;
 template <typename T, Reader RD, bool DV, int NV>
 __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p) {
   extern __shared__ float4 smem4[];
-  Tile* X = reinterpret_cast<Tile*>(smem4);  // Q̂, or K̂ transposed [ch][j]
-  Tile* W = X + C;                            // λ, then the state tile, then V / dO
-  Tile* A = W + C;
+  Tile* X = reinterpret_cast<Tile*>(smem4);        // Q̂, or K̂ transposed [ch][j]
+  TileB* W = reinterpret_cast<TileB*>(X + C);      // λ, then the state tile, then V / dO
+  OutPairTile<DV>* A = reinterpret_cast<OutPairTile<DV>*>(W + C);
   Decays& d = *reinterpret_cast<Decays*>(A + C);
 
   Pos pos;
@@ -67,6 +74,10 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
     if (!DV && p.o_acc) store_frag<float>(acc[vt], p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, rho);
     else store_frag<T>(acc[vt], DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, DV ? 1.f : rho);
   }
+}
+
+constexpr size_t out_smem(bool dv) {
+  return sizeof(float) * C * (LD + tile::LDB + (dv ? tile::LDB : LD)) + sizeof(Decays);
 }
 
 }  // namespace chunk_detail
