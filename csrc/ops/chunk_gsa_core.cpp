@@ -39,12 +39,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
   const bool keep = train && keeps_workspaces(q);
   auto [ok, hk, hst1, amat1] = chunk_forward(a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(),
                                              hk0, output_final_state, keep, run, true);
-  const Tensor p = at::softmax(ok, -1);
+  // Pass 2 is the forward's peak: what is dead by then is released before it (the fp32 logits
+  // ok, and p itself where no backward keeps it and pq is a copy), each the size of p.
+  Tensor p = at::softmax(ok, -1);
+  ok = Tensor();
   const Tensor pq = p.to(q.scalar_type());
+  const auto p_options = p.options();
+  if (!train) p = new_output({0}, p_options);
   const DiagArgs a2 = pass2_args(pq, s, v, g, hv0, cu_seqlens, head_first);
   auto [o, hv, hst2, amat2] = chunk_forward(a2, Reader::Inclusive, pq, s, v, g, Tensor(), Tensor(),
                                             hv0, output_final_state, keep, run, false);
-  return {o, hk, hv, train ? p : new_output({0}, p.options()), hst1, hst2, amat2};
+  return {o, hk, hv, p, hst1, hst2, amat2};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_core_bwd(
@@ -61,13 +66,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
   TORCH_CHECK_VALUE(p.scalar_type() == acc_type(q) && p.sizes() == s.sizes(),
                     "fla_ext: `p` must be the ", acc_type(q), " softmax ", shape_str(s),
                     " returned by chunk_gsa_core_train, got ", p.scalar_type(), " ", shape_str(p));
-  const Tensor pq = p.to(q.scalar_type());
+  Tensor pq = p.to(q.scalar_type());
   const DiagArgs a2 = pass2_args(pq, s, v, g, hv0, cu_seqlens, head_first);
   ChunkGrads r2 = chunk_backward(a2, Reader::Inclusive, pq, s, v, g, Tensor(), Tensor(), grad_o,
                                  grad_hv, hv0, hst2, amat2, "p", run, true);
   // dok in float32, rounded once to the inputs' dtype (ATen's fused half-to-float softmax
-  // backward takes fp16 on CUDA only, not bf16: one cast).
+  // backward takes fp16 on CUDA only, not bf16: one cast). dp (float32) and pq are dead after
+  // it: released before pass 1's backward, the backward's peak.
   const Tensor dok = at::_softmax_backward_data(r2.dq, p, -1, p.scalar_type()).to(q.scalar_type());
+  r2.dq = Tensor();
+  pq = Tensor();
   ChunkGrads r1 = chunk_backward(a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(), dok,
                                  grad_hk, hk0, hst1, std::nullopt, "q", run, false);
   return {r1.dq, r1.dk, r2.dv, r1.dv + r2.dk, r1.dgv + r2.dg, r1.dh0, r2.dh0};

@@ -328,6 +328,36 @@ def test_core_ops(device, dtype, gen):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("train", [True, False], ids=["train", "inference"])
+def test_core_forward_peak_memory(train, gen):
+    """The forward's peak extra memory: the float32 logits of pass 1 (and, without a backward,
+    the float32 p: pass 2 reads its bf16 copy) are released before pass 2, not held to the end
+    (each the size of p, 8 MiB here; the slack is 1 MiB). Training: the peak is pass 2, holding
+    what the op returns plus the bf16 p. Inference: pass 1, the logits with pass 1's states (or
+    with p, the softmax)."""
+    x = make(2, 4096, 2, 2, 64, 64, 128, BF16, "cuda", gen, h0=False)
+    fargs = (x["q"], x["k"], x["v"], x["s"], x["g"], None, None, None, False, None, False)
+    train_op = torch.ops.fla.chunk_gsa_core_train.default
+    nbytes = lambda t: t.numel() * t.element_size()
+    p_bytes, pq_bytes = x["s"].numel() * 4, nbytes(x["s"])
+    hst1_bytes = nbytes(train_op(*fargs)[4])
+    op = train_op if train else torch.ops.fla.chunk_gsa_core.default
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    outs = op(*fargs)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    if train:
+        assert outs[3].numel() == x["s"].numel() and hst1_bytes > 0  # p and the states kept
+        expected = sum(nbytes(t) for t in outs) + pq_bytes
+    else:
+        expected = p_bytes + max(hst1_bytes, p_bytes)
+    assert extra <= expected + (1 << 20), (extra, expected)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["chunk", "fused"])
 def test_compile_fullgraph(device, mode, gen):
