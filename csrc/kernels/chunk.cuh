@@ -200,6 +200,60 @@ __device__ __forceinline__ void chunk_decays(Decays& d, const float (*lam)[N]) {
   __syncthreads();
 }
 
+// The scale_reader / scale_key walks with the rows in registers, for a kernel that needs the
+// scaled tile alone (no λ in shared memory, no Decays): thread (m, ch) fetches rows m SC ..
+// (m + 1) SC of channel ch of x and λ (zero outside the sequence and past D, as RowFetch), sums
+// its sub-chunk total τ_m in the same order as chunk_decays, trades the totals through tau
+// (NSC x DT floats; one barrier) and stores x times exp2 of the same exponents as the walks.
+struct SubChunkRows {
+  float x[SC], lam[SC];
+  template <typename T>
+  __device__ __forceinline__ void fetch(const VecArg& xa, const VecArg& ga, int64_t b, int64_t t0,
+                                        int L, int h, int d0, int D) {
+    const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+    const bool on = d0 + ch < D;
+    const int left = on ? L - m * SC : 0;  // rows of this thread inside the sequence
+    const T* px = on && xa.on() && left > 0 ? vptr<T>(xa, b, t0 + m * SC, h, d0 + ch) : nullptr;
+    const T* pg = on && ga.on() && left > 0 ? vptr<T>(ga, b, t0 + m * SC, h, d0 + ch) : nullptr;
+#pragma unroll
+    for (int i = 0; i < SC; ++i) {
+      x[i] = px && i < left ? to_f(px[i * xa.st]) : 0.f;
+      lam[i] = pg && i < left ? to_f(pg[i * ga.st]) * kLog2e : 0.f;
+    }
+  }
+  // READER: x ⊙ exp2(reader exponent) before[m] into s[row][ch] (scale_reader<RD>); else
+  // x ⊙ exp2(Qex) after[m] into s[ch][row] (scale_key<true>). Ends with a barrier: s is complete.
+  template <bool READER, Reader RD, int N>
+  __device__ __forceinline__ void put_scaled(float (*s)[N], float (*tau)[DT]) const {
+    const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < SC; ++i) t += lam[i];
+    tau[m][ch] = t;
+    __syncthreads();
+    float mul = 0.f;
+#pragma unroll
+    for (int l = 0; l < NSC; ++l)
+      if (READER ? l < m : l > m) mul += tau[l][ch];
+    mul = ex2(mul);
+    float e = 0.f;
+    if constexpr (READER) {
+#pragma unroll
+      for (int i = 0; i < SC; ++i) {
+        if (RD == Reader::Inclusive) e += lam[i];
+        s[m * SC + i][ch] = x[i] * (mul * ex2(e));
+        if (RD == Reader::Exclusive) e += lam[i];
+      }
+    } else {
+#pragma unroll
+      for (int j = SC - 1; j >= 0; --j) {
+        s[ch][m * SC + j] = x[j] * (mul * ex2(e));
+        e += lam[j];
+      }
+    }
+  }
+};
+
 // In-sub-chunk walks of thread (m, ch): x[i][ch] *= exp2(reader exponent from the sub-chunk
 // start: Pin_i inclusive, Pex_i exclusive), y[j][ch] *= exp2(Qex_j = Σ_{j<s<=end(m)} λ_s).
 // y may be stored transposed (YT: y[ch][j]).

@@ -8,7 +8,9 @@ namespace chunk_detail {
 
 // Forward (DV = false): o = ρ (Q̂ S + A V). Backward (DV): dv = K̂ dS+ + ρ Aᵀ dO. A comes from
 // p.amat (chunk_intra_kernel, or kept from the forward).
-// NV V tiles per CTA (2 when V > 64): Q̂ or K̂ is then built once for both.
+// NV V tiles per CTA (2 when V > 64): Q̂ or K̂ is then built once for both. dv builds K̂ from
+// registers (SubChunkRows: λ never goes to shared memory, no Decays); o keeps the walks over
+// shared tiles, whose registers fit its three CTAs per SM without spills.
 //
 // Row strides follow how the tensor-core products read each tile (tile_mma.cuh): W is only ever
 // a B operand (rows stored whole), so LDB; A is read as stored (LD) for o and transposed (LDB)
@@ -20,35 +22,39 @@ template <typename T, Reader RD, bool DV, int NV>
 __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p) {
   extern __shared__ float4 smem4[];
   Tile* X = reinterpret_cast<Tile*>(smem4);        // Q̂, or K̂ transposed [ch][j]
-  TileB* W = reinterpret_cast<TileB*>(X + C);      // λ, then the state tile, then V / dO
+  TileB* W = reinterpret_cast<TileB*>(X + C);      // (o) λ, then the state tile, then V / dO
   OutPairTile<DV>* A = reinterpret_cast<OutPairTile<DV>*>(W + C);
-  Decays& d = *reinterpret_cast<Decays*>(A + C);
+  Decays& d = *reinterpret_cast<Decays*>(A + C);   // (dv) only d.tau is allocated: out_smem
+  float(*tau)[DT] = d.tau;
 
   Pos pos;
   if (!locate(p, blockIdx.x, pos)) return;
   const int h = blockIdx.y, v0 = blockIdx.z * NV * DT;
   const int nv = min(NV, (p.V - v0 + DT - 1) / DT);
-  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
   const int64_t KV = int64_t(p.K) * p.V;
   const float* st = static_cast<const float*>(DV ? p.dhst : p.hst) + (pos.slot * p.H + h) * KV;
   Acc<T> acc[NV];
   for (int k0 = 0; k0 < p.K; k0 += DT) {
-    __syncthreads();
-    {
-      RowFetch fx, fl;
-      fx.fetch<T>(DV ? p.k : p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-      fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
-      fx.store<DV>(X), fl.store<false>(W);
-    }
-    __syncthreads();
-    chunk_decays(d, W);
+    __syncthreads();  // the previous K tile's X, W and tau are consumed
     // Q̂ = q ⊙ exp2(G or E) = q ⊙ exp2(reader exponent) before[m];  K̂ = k ⊙ exp2(Qex) after[m].
-    if (DV) scale_key<true>(X, W, m, ch, d.after[m][ch]);
-    else scale_reader<RD>(X, W, m, ch, d.before[m][ch]);
+    if constexpr (DV) {
+      SubChunkRows rows;
+      rows.fetch<T>(p.k, p.g, pos.b, pos.t0, pos.L, h, k0, p.K);
+      rows.put_scaled<false, RD>(X, tau);
+    } else {
+      RowFetch fx, fl;
+      fx.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+      fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+      fx.store<false>(X), fl.store<false>(W);
+      __syncthreads();
+      chunk_decays(d, W);
+      scale_reader<RD>(X, W, threadIdx.x / DT, threadIdx.x % DT, d.before[threadIdx.x / DT][threadIdx.x % DT]);
+      __syncthreads();  // λ (W) is consumed before the state tile lands there
+    }
 #pragma unroll
     for (int vt = 0; vt < NV; ++vt) {
       if (vt >= nv) break;
-      __syncthreads();
+      if (vt > 0) __syncthreads();  // the previous V tile's product has read W
       load_mat<false>(W, st, p.K, p.V, k0, v0 + vt * DT);
       __syncthreads();
       if (DV) acc[vt].template mma<true>(X, W, DT);
@@ -77,7 +83,7 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
 }
 
 constexpr size_t out_smem(bool dv) {
-  return sizeof(float) * C * (LD + tile::LDB + (dv ? tile::LDB : LD)) + sizeof(Decays);
+  return sizeof(float) * C * (LD + tile::LDB + (dv ? tile::LDB : LD)) + (dv ? sizeof(float) * NSC * DT : sizeof(Decays));
 }
 
 }  // namespace chunk_detail
