@@ -19,11 +19,9 @@ import fla_ext
 
 def fla_op(op):
     import importlib
-    family = op.split("_", 1)[1].replace("_gv", "")
-    fn = getattr(importlib.import_module(f"fla.ops.{family}"), op.replace("_gv", ""))
     if op == "chunk_gla_gv":
         raise SystemExit("kernel_times: fla's chunk_gla has no value-side decay")
-    return fn
+    return getattr(importlib.import_module(f"fla.ops.{op.split('_', 1)[1]}"), op)
 
 
 def inputs(op, B, T, H, K, V, dtype):

@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
   if (!locate(p, blockIdx.x, pos)) return;
   const int h = blockIdx.y, v0 = blockIdx.z * NV * DT;
   const int nv = min(NV, (p.V - v0 + DT - 1) / DT);
+  const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
   const int64_t KV = int64_t(p.K) * p.V;
   const float* st = static_cast<const float*>(DV ? p.dhst : p.hst) + (pos.slot * p.H + h) * KV;
   Acc<T> acc[NV];
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
       fx.store<false>(X), fl.store<false>(W);
       __syncthreads();
       chunk_decays(d, W);
-      scale_reader<RD>(X, W, threadIdx.x / DT, threadIdx.x % DT, d.before[threadIdx.x / DT][threadIdx.x % DT]);
+      scale_reader<RD>(X, W, m, ch, d.before[m][ch]);
       __syncthreads();  // λ (W) is consumed before the state tile lands there
     }
 #pragma unroll
@@ -83,7 +84,8 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
 }
 
 constexpr size_t out_smem(bool dv) {
-  return sizeof(float) * C * (LD + tile::LDB + (dv ? tile::LDB : LD)) + (dv ? sizeof(float) * NSC * DT : sizeof(Decays));
+  const size_t decays = dv ? sizeof(float) * NSC * DT : sizeof(Decays);  // dv: the totals alone
+  return sizeof(float) * C * (LD + tile::LDB + (dv ? tile::LDB : LD)) + decays;
 }
 
 }  // namespace chunk_detail

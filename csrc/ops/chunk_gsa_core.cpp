@@ -44,8 +44,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
   Tensor p = at::softmax(ok, -1);
   ok = Tensor();
   const Tensor pq = p.to(q.scalar_type());
-  const auto p_options = p.options();
-  if (!train) p = new_output({0}, p_options);
+  if (!train) p = new_output({0}, p.options());
   const DiagArgs a2 = pass2_args(pq, s, v, g, hv0, cu_seqlens, head_first);
   auto [o, hv, hst2, amat2] = chunk_forward(a2, Reader::Inclusive, pq, s, v, g, Tensor(), Tensor(),
                                             hv0, output_final_state, keep, run, false);
