@@ -179,7 +179,7 @@ def _(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, he
     """(o, ht) and what the CUDA backend keeps, `saved` (fp32, flat; empty elsewhere)."""
     d, o, ht = _rwkv7(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
                       head_first)
-    n = check.rwkv7_saved_floats(d) if r.device.type == "cuda" else 0
+    n = check.rwkv7_saved_floats(d, r.dtype) if r.device.type == "cuda" else 0
     return o, ht, r.new_empty((n,), dtype=torch.float32)
 
 

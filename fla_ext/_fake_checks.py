@@ -14,6 +14,7 @@ The fake kernels run in two cases, and both need the checks:
 Value checks that read memory (FLA_EXT_CHECKS, the values of cu_seqlens) are never done here.
 """
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -223,15 +224,30 @@ def chunk_slots(d: Diag, C: int = CHUNK) -> int:
     return d.T // C + 2 * d.N + 1 if d.varlen else d.N * ((d.T + C - 1) // C + 1)
 
 
-def rwkv7_saved_floats(d: Diag) -> int:
+def rwkv7_fused_training_forward(d: Diag, dtype) -> bool:
+    """Whether chunk_rwkv7's CUDA training forward runs the fused kernel (ops/chunk_rwkv7.cpp
+    fused_forward): bf16 / fp16 with K = V = 64, at least 256 (sequence, head) pairs, unless
+    FLA_EXT_RWKV7_FUSED says otherwise."""
+    if dtype not in (torch.bfloat16, torch.float16) or d.K != 64 or d.V != 64:
+        return False
+    force = os.environ.get("FLA_EXT_RWKV7_FUSED", "")
+    if force:
+        return force[0] == "1"
+    return d.N * d.H >= 256
+
+
+def rwkv7_saved_floats(d: Diag, dtype) -> int:
     """The length of chunk_rwkv7's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): the
-    chunk-start states of 16-row chunks, padded to a multiple of 4 floats, then the per-chunk
-    workspace (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^ [16][ks], gamma, the pair matrices
-    and X [5][16][20])."""
+    chunk-start states of 16-row chunks, padded to a multiple of 4 floats, then, unless the fused
+    forward runs, the per-chunk workspace (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^
+    [16][ks], gamma, the pair matrices and X [5][16][20])."""
     slots = chunk_slots(d, DPLR_CHUNK)
+    states = (slots * d.H * d.K * d.V + 3) // 4 * 4
+    if rwkv7_fused_training_forward(d, dtype):
+        return states
     ks, kp4 = (d.K + 31) // 32 * 32, (d.K + 3) // 4 * 4
     per = 4 * DPLR_CHUNK * ks + kp4 + 5 * DPLR_CHUNK * _DPLR_MAT_STRIDE
-    return (slots * d.H * d.K * d.V + 3) // 4 * 4 + slots * d.H * per
+    return states + slots * d.H * per
 
 
 def _grads(d: Diag, q, qn, v, grad_o, grad_final_state) -> None:
@@ -314,7 +330,7 @@ def rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first, *, bac
     if backward:
         _grads(d, r, "r", v, grad_o, grad_final_state)
         if r.device.type == "cuda" and d.T > 0:
-            workspace(saved, (rwkv7_saved_floats(d),), torch.float32, r.device, "saved")
+            workspace(saved, (rwkv7_saved_floats(d, r.dtype),), torch.float32, r.device, "saved")
     devices(r, saved=saved)
     return d
 

@@ -107,6 +107,16 @@ def test_chunk_rwkv7_kernels_strided_rows(emu, gen):
     check(emu, (2, 40, 2, 64, 64), "rwkv", None, gen, torch.bfloat16, 1e-2, strided=True)
 
 
+@pytest.mark.parametrize("shape,w_kind,cu", [
+    ((1, 90, 2, 64, 64), "u5", [0, 7, 7, 40, 90]),  # varlen, an empty sequence: hst's gap slots
+    ((1, 50, 1, 64, 64), "edge60", None),            # factors up to e^60 in the fused pair matrices
+], ids=["varlen", "edge60"])
+def test_chunk_rwkv7_kernels_fused_kept(emu, shape, w_kind, cu, gen):
+    """bf16 at K = V = 64, where a training forward may take the fused kernel: check() runs the
+    backward on its kept states too (check_fused_kept)."""
+    check(emu, shape, w_kind, cu, gen, torch.bfloat16, 1e-2)
+
+
 @pytest.mark.parametrize("shape,dtype,tol", [((1, 40, 1, 64, 64), torch.bfloat16, 1e-2),
                                              ((1, 50, 1, 70, 33), torch.float32, 1e-5)],
                          ids=["bf16K64", "fp32K70V33"])
@@ -179,15 +189,28 @@ def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):
     dht = torch.randn(ht.shape, generator=gen)
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
     none, cu_e = torch.empty(0), cu_t if cu else torch.empty(0, dtype=torch.int64)
-    eo, eht = emu.run(*ins, h0, none, none, 0.7, cu_e, False)
+    eo, eht = emu.run(*ins, h0, none, none, 0.7, cu_e, 0)
     assert_close("o", eo, o.detach(), tol, 1e-6)
     assert_close("ht", eht, ht.detach(), tol, 1e-6)
-    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, False)
+    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, 0)
     for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
         assert_close(f"d{name}", x, y, 5 * tol if name == "w" else tol, 1e-6)
-    # The training forward's kept states (chunk_rwkv7_train): the same gradients, bitwise.
-    for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, True), eg):
+    # The two-kernel training forward's kept states and workspace (chunk_rwkv7_train): the same
+    # gradients, bitwise.
+    for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 1), eg):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+    if dtype == torch.bfloat16 and shape[3] == shape[4] == 64:
+        check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol)
+
+
+def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
+    """The fused training forward's kept states (DplrKept::states): the fused kernel stores the
+    chunk-start states into a poisoned hst, the backward's prep makes the workspace without U0 /
+    O0 (poisoned, not passed). Its states come from single-TF32 pair matrices, so the gradients
+    match the reference at the bf16 tolerance, not bitwise."""
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"],
+                          emu.run(*ins, h0, do, dht, 0.7, cu_e, 2), grads):
+        assert_close(f"d{name} (fused forward's states)", x, y, 5 * tol if name == "w" else tol, 1e-6)
 
 
 # The chunk engine: K <= 64 and K = 128 take the state kernel that forms o (one or two K tiles

@@ -125,12 +125,23 @@ struct DplrChunkPaths {
   bool grads_share_offsets = false;
 };
 
-// Whether a CUDA forward of this dtype and head sizes that stores no chunk-start state (an
-// inference forward) can run the fused kernel (dplr_chunk_fused.cuh): one CTA per (sequence,
-// head), no workspace.
-FLA_HD bool dplr_fused_forward(DType dtype, int K, int V, bool stores_states) {
-  return !stores_states && (dtype == DType::bf16 || dtype == DType::f16) && K == 64 && V == 64;
+// Whether a CUDA forward of this dtype and head sizes can run the fused kernel
+// (dplr_chunk_fused.cuh): one CTA per (sequence, head), no workspace; a training forward's also
+// stores the chunk-start states (hst).
+FLA_HD bool dplr_fused_forward(DType dtype, int K, int V) {
+  return (dtype == DType::bf16 || dtype == DType::f16) && K == 64 && V == 64;
 }
+
+// What a CUDA training forward kept for its backward (DplrChunkPass::kept).
+enum class DplrKept : int {
+  nothing,
+  // hst holds the chunk-start states (the fused forward's): no forward sweep runs, and prep
+  // makes the workspace without the U0 / O0 column tiles, which only a forward sweep reads.
+  states,
+  // hst and ws hold the two-kernel forward's states and workspace (its prep also stored the pair
+  // matrices and X): neither prep nor the forward sweep runs.
+  states_and_workspace,
+};
 
 // Whether one CUDA grad CTA walks every column tile of its chunk (bf16 / fp16 at K = 128): the
 // tiles' column products are summed in the CTA's registers, so the chunk-wide work (the K-rows
@@ -152,10 +163,8 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // chunk-start states and, in the slot after a sequence's last chunk, its final state. A CUDA
   // forward stores them when set (the training forward keeps them for its backward).
   void* hst = nullptr;
-  // CUDA backward: hst and ws hold the training forward's chunk-start states and workspace (its
-  // prep also stored the pair matrices and X when hst was set): neither prep nor the forward
-  // sweep runs.
-  bool kept = false;
+  // CUDA backward: what hst and ws hold of the training forward's.
+  DplrKept kept = DplrKept::nothing;
   // CUDA workspaces (CPU: unused): [chunk_slots<kDplrChunk>(N, T, varlen), H,
   // DplrWorkspaceLayout::floats_per_chunk()] and [.., DplrWorkspaceLayout::uo_floats_per_chunk()]
   // (U0 / O0: any call that runs a forward sweep) fp32, and for the backward dS at every chunk
@@ -165,7 +174,7 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   void* dhst = nullptr;
   DplrChunkPaths paths;  // CUDA: set by the launch
   // CUDA forward: run the fused kernel (the op decides, where dplr_fused_forward allows it; no
-  // workspace is then set).
+  // workspace is then set; hst, when set, receives the chunk-start states).
   bool fused = false;
 };
 

@@ -1,10 +1,11 @@
 // The chunked RWKV7 engine's fused inference forward (dplr_chunk_launch.cuh): one CTA of 128
 // threads per (sequence, head) walks the sequence's 16-row chunks with the whole K x V state in
 // shared memory and does each chunk's work (docs/algorithms.md §6.3) itself: decays, pair
-// matrices, X, U, o and the state update. No workspace: nothing of a chunk leaves the CTA but o.
-// The two-kernel forward (prep for every chunk, then the sweep) moves ~16x an input's bytes
-// through memory; this one reads the inputs and writes o. Taken for bf16 / fp16 with K = V = 64
-// when no chunk-start state is stored (dplr_chunk.h dplr_fused_forward).
+// matrices, X, U, o and the state update. No workspace: nothing of a chunk leaves the CTA but o
+// and, for a training forward, the chunk-start state (hst). The two-kernel forward (prep for
+// every chunk, then the sweep) moves ~16x an input's bytes through memory; this one reads the
+// inputs and writes o (and the states: 4x an input at K = V = 64). Taken for bf16 / fp16 with
+// K = V = 64 (dplr_chunk.h dplr_fused_forward) where the op finds it the faster one.
 //
 // Numerics: TF32 tensor-core products with fp32 accumulators and an fp32 state; every exponent
 // from an added-up decay sum. The pair matrices are products of rows factored at the chunk start
@@ -80,7 +81,10 @@ static_assert(LA % 4 == 0 && LB % 4 == 0, "rows of 16-byte aligned floats");
 // kCtas: the CTAs per SM the register budget is cut for (3: up to 168 registers, 4: 128).
 // Shared memory holds four. Three give each CTA the shorter chunk step, so the launch takes four
 // only where three per SM would leave CTAs for a second wave.
-template <typename T, int kCtas>
+// kStates: a training forward, which stores the chunk-start states in p.hst (an instantiation of
+// its own: the stores' addresses cost the four-CTA budget spills that the inference forward
+// need not pay).
+template <typename T, int kCtas, bool kStates>
 __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using L = FusedSmem;
@@ -134,10 +138,16 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
     }
   };
 
+  // A training forward's chunk-start states: slot chunk_slot(n, ci) holds the state before chunk
+  // ci, the slot after the last chunk the final state (as the sweep stores them).
+  const int64_t slot0 = chunk_slot<C>(p.cu_seqlens, n, p.T, 0), slot_floats = int64_t(p.H) * K * V;
+  float* const hst = kStates ? static_cast<float*>(p.hst) + (slot0 * p.H + h) * int64_t(K * V) : nullptr;
   float* const S = sm + L::state;
   for (int e = tid; e < K * V; e += NTF) {
     const int d = e / V, x = e % V;
-    S[d * LB + x] = p.h0.on() ? *mptr(p.h0, n, h, d, x) : 0.f;
+    const float v = p.h0.on() ? *mptr(p.h0, n, h, d, x) : 0.f;
+    S[d * LB + x] = v;
+    if (kStates) hst[e] = v;
   }
   if (nch > 0) fetch(0);
   const int64_t o_row = p.o.st;
@@ -305,6 +315,17 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
       for (int e = 0; e < 4; ++e)
         S[(d0 + g + 8 * (e / 2)) * LB + 8 * nt + 2 * q + e % 2] = next[nt][e];
     __syncthreads();
+    if (kStates) {  // chunk ci + 1's start
+      float* const at = hst + (ci + 1) * slot_floats;
+#pragma unroll
+      for (int e = 4 * tid; e < K * V; e += 4 * NTF)
+        *reinterpret_cast<float4*>(at + e) = *reinterpret_cast<const float4*>(S + e / V * LB + e % V);
+    }
+  }
+  if (kStates && p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
+    const int64_t next = n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
+    for (int64_t slot = slot0 + nch + 1; slot < next; ++slot)
+      for (int e = tid; e < K * V; e += NTF) hst[(slot - slot0) * slot_floats + e] = 0.f;
   }
   if (p.hT.on())
     for (int e = tid; e < K * V; e += NTF) {

@@ -5,9 +5,10 @@
 // unless a chunk's decays allow their fp32-accurate 3xTF32 form). The launch compiles K = 64
 // and 128 as constants (launch_k).
 //
-// Inference forward (no chunk-start states stored) where the op sets DplrChunkPass::fused (bf16 /
-// fp16, K = V = 64, enough (sequence, head) pairs): fused_forward_kernel (dplr_chunk_fused.cuh),
-// one CTA per (sequence, head), no workspace.
+// Fused forward where the op sets DplrChunkPass::fused (bf16 / fp16, K = V = 64, enough
+// (sequence, head) pairs): fused_forward_kernel (dplr_chunk_fused.cuh), one CTA per (sequence,
+// head), no workspace; a training forward's stores the chunk-start states, and its backward's
+// prep makes the workspace (DplrKept::states).
 // Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
 //          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
@@ -26,8 +27,8 @@
 // dplr_chunk_grad.cuh with its tensor-core column products in dplr_chunk_grad_columns.cuh; their
 // parts: dplr_chunk_layout.cuh (shared-memory layout, glossary of the short names),
 // dplr_chunk_loads.cuh, dplr_chunk_pairs.cuh, dplr_chunk_tiles.cuh.)
-// Backward: unless the training forward kept its states and workspace, prep and the forward
-// sweep for them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per
+// Backward: prep for the workspace unless the two-kernel training forward kept it, the forward
+// sweep for the states unless a training forward kept them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per
 // (chunk slot, head, tile of dplr_chunk_cols(K) columns) makes that chunk's gradients with the
 // rows, pair matrices and the K x cols state and its gradient in shared memory. With V in one
 // tile, or where one CTA walks all of a chunk's tiles (bf16 / fp16 at K = 128:
@@ -70,7 +71,7 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   pick_paths<T>(p);
   const int64_t slots = chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
   cudaError_t e = cudaSuccess;
-  if (!(p.backward() && p.kept))
+  if (!(p.backward() && p.kept == DplrKept::states_and_workspace))
     e = launch_with_smem(prep_kernel<T, KC>, dim3(unsigned(slots), p.H), NT, Smem(p.K, false).bytes(), p, stream);
   if (e != cudaSuccess) return e;
   const size_t sweep_bytes = StateSmem(DplrWorkspaceLayout(p.K, p.V), p.K, !std::is_same<T, float>::value).bytes();
@@ -78,7 +79,7 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   if (!p.backward()) return launch_with_smem(sweep_kernel<T, false, true, KC>, sweeps, NTS, sweep_bytes, p, stream);
   // The forward sweep of a backward call writes only hst (its o and hT are off), unless the
   // training forward kept them.
-  if (!p.kept) {
+  if (p.kept == DplrKept::nothing) {
     e = launch_with_smem(sweep_kernel<T, false, false, KC>, sweeps, NTS, sweep_bytes, p, stream);
     if (e != cudaSuccess) return e;
   }
@@ -95,9 +96,11 @@ template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value)
-    if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V, p.hst != nullptr)) {
+    if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V)) {
       const int64_t tasks = int64_t(p.N) * p.H;
-      const auto kernel = tasks > 3 * int64_t(device_sm_count()) ? fused_forward_kernel<T, 4> : fused_forward_kernel<T, 3>;
+      const bool four = tasks > 3 * int64_t(device_sm_count());
+      const auto kernel = p.hst ? (four ? fused_forward_kernel<T, 4, true> : fused_forward_kernel<T, 3, true>)
+                                : (four ? fused_forward_kernel<T, 4, false> : fused_forward_kernel<T, 3, false>);
       DplrChunkPass f = p;
       f.paths.rows_16byte = input_rows_in_pieces<T>(p);
       return launch_with_smem(kernel, dim3(unsigned(tasks)), dplr_fused_detail::NTF,

@@ -34,45 +34,53 @@ std::vector<int64_t> dplr_state_sizes(const DiagArgs& d) {
   return {dplr_chunk_slots(d), d.H, d.K, d.V};
 }
 int64_t dplr_state_floats(const DiagArgs& d) { return dplr_chunk_slots(d) * d.H * d.K * d.V; }
-// What a CUDA training forward keeps (`saved`, fp32, flat): the chunk-start states, padded to a
-// multiple of 4 floats (16-byte aligned workspace rows), then the workspace.
-int64_t saved_states_floats(const DiagArgs& d) { return (dplr_state_floats(d) + 3) / 4 * 4; }
-int64_t saved_floats(const DiagArgs& d) { return saved_states_floats(d) + dplr_ws_floats(d); }
-
-// Whether a CUDA forward runs the fused kernel (no workspace): one that keeps nothing (`keeps`: a
-// training forward) where kernels/dplr_chunk.h dplr_fused_forward allows it and it is the faster
-// one: with at least kFusedMinTasks (sequence, head) pairs, a CTA each (fewer leave SMs idle for
-// its sequential walk, where the two-kernel forward spreads every chunk over the GPU; on an
-// H200's 132 SMs the fused kernel is the faster one at 128 pairs and the slower at 32:
-// benchmarks/NOTES.md c25). FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice (benchmarks compare
-// the two).
-constexpr int64_t kFusedMinTasks = 128;
+// Whether a CUDA forward runs the fused kernel (no workspace; a training forward's stores the
+// chunk-start states) where kernels/dplr_chunk.h dplr_fused_forward allows it and it is the faster
+// one. That takes enough (sequence, head) pairs, a CTA each: fewer leave SMs idle for its
+// sequential walk, where the two-kernel forward spreads every chunk over the GPU. An inference
+// forward takes it from kFusedMinTasks pairs (on an H200's 132 SMs the faster one at 128 pairs
+// and the slower at 32: benchmarks/NOTES.md c25). A training forward (`keeps`) takes it from
+// kFusedTrainingMinTasks: its backward then runs prep, which the two-kernel forward ran and kept,
+// so fwd + bwd gains only where the fused forward is well ahead (H100: +17 % at 128 pairs, -3 % at
+// 256; NOTES c29). FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice (benchmarks compare the two).
+constexpr int64_t kFusedMinTasks = 128, kFusedTrainingMinTasks = 256;
 bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
-  if (!r.is_cuda() || !dplr_fused_forward(kernel_dtype(r), int(d.K), int(d.V), keeps)) return false;
+  if (!r.is_cuda() || !dplr_fused_forward(kernel_dtype(r), int(d.K), int(d.V))) return false;
   const char* force = std::getenv("FLA_EXT_RWKV7_FUSED");
   if (force && *force) return force[0] == '1';
-  return d.N * d.H >= kFusedMinTasks;
+  return d.N * d.H >= (keeps ? kFusedTrainingMinTasks : kFusedMinTasks);
+}
+
+// What a CUDA training forward keeps (`saved`, fp32, flat): the chunk-start states, padded to a
+// multiple of 4 floats (16-byte aligned workspace rows), then the two-kernel forward's workspace;
+// the fused forward keeps the states alone (its backward's prep makes the workspace:
+// DplrKept::states).
+int64_t saved_states_floats(const DiagArgs& d) { return (dplr_state_floats(d) + 3) / 4 * 4; }
+int64_t saved_floats(const DiagArgs& d, const Tensor& r) {
+  return saved_states_floats(d) + (fused_forward(d, r, true) ? 0 : dplr_ws_floats(d));
 }
 
 // `ws` receives the CUDA engine's per-chunk workspace, unless `saved` holds it, and `uo` its
-// U0 / O0 workspace when a forward sweep runs (`sweep`: any call without `saved`, and the
-// training forward); both kept alive by the caller until the pass has run (the CPU engine needs
-// neither).
+// U0 / O0 workspace when a forward sweep runs (`sweep`: the forward; a backward without kept
+// states); both kept alive by the caller until the pass has run (the CPU engine needs neither).
 DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
                          const Tensor& v, const Tensor& a, const Tensor& b,
                          const std::optional<Tensor>& h0, Tensor& ws, Tensor& uo,
                          const Tensor* saved, bool sweep) {
   DplrChunkPass p;
   set_dplr_args(p, d, r, w, k, v, a, b, h0);
+  if (!r.is_cuda()) return p;
+  if (saved) p.hst = saved->data_ptr();
   p.fused = sweep && fused_forward(d, r, saved != nullptr);
-  if (!r.is_cuda() || p.fused) return p;
-  if (saved) {
-    p.hst = saved->data_ptr();
+  if (p.fused) return p;
+  const bool saved_ws = saved && saved->numel() > saved_states_floats(d);
+  if (saved_ws) {
     p.ws = saved->data_ptr<float>() + saved_states_floats(d);
   } else {
     ws = at::empty({dplr_ws_floats(d)}, r.options().dtype(at::kFloat));
     p.ws = ws.data_ptr();
   }
+  if (saved && !sweep) p.kept = saved_ws ? DplrKept::states_and_workspace : DplrKept::states;
   if (sweep || !saved) {
     uo = at::empty({dplr_uo_floats(d)}, r.options().dtype(at::kFloat));
     p.uo = uo.data_ptr();
@@ -233,9 +241,10 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
       return {o, hT, new_output({0}, r.options().dtype(at::kFloat))};
     }
   }
-  // The forward sweep stores the states, prep its workspace with the pair matrices (kernels'
-  // DplrChunkPass::kept); every float is written (gap slots 0: an op output).
-  Tensor saved = new_output({keep ? saved_floats(d) : 0}, r.options().dtype(at::kFloat));
+  // The fused kernel or the forward sweep stores the states, the two-kernel forward's prep its
+  // workspace with the pair matrices (kernels' DplrKept); every float is written (gap slots 0:
+  // an op output).
+  Tensor saved = new_output({keep ? saved_floats(d, r) : 0}, r.options().dtype(at::kFloat));
   const int64_t states = dplr_state_floats(d), pad = saved_states_floats(d) - states;
   if (keep && pad > 0) saved.narrow(0, states, pad).zero_();  // no kernel writes the padding
   forward_pass(d, r, w, k, v, a, b, initial_state, o, output_final_state ? &hT : nullptr,
@@ -273,7 +282,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   // Only CUDA keeps them (chunk_rwkv7_train); the CPU engine makes its own.
   if (has(saved_in)) check_device(*saved_in, "saved", r.device());
   const Tensor* kept = r.is_cuda() && d.T > 0
-                           ? kept_workspace(saved_in, {saved_floats(d)}, r.options().dtype(at::kFloat), "saved")
+                           ? kept_workspace(saved_in, {saved_floats(d, r)}, r.options().dtype(at::kFloat), "saved")
                            : nullptr;
   Tensor hst = kept ? Tensor() : dplr_states(d, r, d.T > 0);
   Tensor dhst = dplr_states(d, r, d.T > 0 && r.is_cuda());
@@ -289,7 +298,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     else
       for (int g = 0; g < kNumKGrads; ++g) p.kgd[g] = d.L.vec(kgd[g]);
     if (!kept) p.hst = hst.data_ptr();
-    p.dhst = dhst.data_ptr(), p.kept = kept != nullptr;
+    p.dhst = dhst.data_ptr();
     run(p);
   } else {
     pass_state_gradient(dh0, grad_final_state);

@@ -29,14 +29,25 @@ void cta(const F& kernel) {
   emu::poisoned_cta(kernel, sm, sm4);
 }
 
+template <int kCtas>
+void fused_forward(const DplrChunkPass& p) {
+  emu::launch(dim3(unsigned(p.N * p.H)), dplr_fused_detail::NTF, [&] {
+    emu::poisoned_cta([&] {
+      if (p.hst) fused_forward_kernel<__nv_bfloat16, kCtas, true>(p);
+      else fused_forward_kernel<__nv_bfloat16, kCtas, false>(p);
+    }, fused_sm4);
+  });
+}
+
 // [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None. The
 // activations are float32 or bfloat16 (the kernels' T, E here); states and gradients of K-vectors
-// fp32. keep (backward): a training forward stores hst and its workspace (with the pair
-// matrices) first, and the backward reads them (DplrChunkPass::kept: no prep, no forward sweep),
-// as chunk_rwkv7_train does.
+// fp32. keep (backward), as chunk_rwkv7_train does: 1, the two-kernel training forward stores hst
+// and its workspace (with the pair matrices) first, and the backward reads them
+// (DplrKept::states_and_workspace: no prep, no forward sweep); 2, the fused forward (bf16, K = V =
+// 64) stores hst, and the backward's prep makes the workspace (DplrKept::states).
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
-                        Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
+                        Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
   const bool varlen = cu.numel() > 0, bwd = dout.dim() == 4;
   const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
   const int N = varlen ? int(cu.numel()) - 1 : B;
@@ -64,14 +75,26 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   Tensor kg = torch::zeros({(tiles + 1) / 2, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
          dh0 = poison({N, H, K, V});
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
-  if (bwd && keep) {
+  if (bwd && keep == 1) {
     DplrChunkPass f = p;
     f.o = vec(o), f.hst = hst.data_ptr();
     pick_paths<E>(f);
     emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
-    p.kept = true;
+    p.kept = DplrKept::states_and_workspace;
     uob.fill_(NAN);  // a kept backward reads no U0 / O0
+  } else if (bwd && keep == 2) {
+    if constexpr (std::is_same_v<E, float>) {
+      TORCH_CHECK(false, "the fused forward takes bf16");
+    } else {
+      TORCH_CHECK(dplr_fused_forward(p.dtype, K, V), "not a fused-forward shape");
+      DplrChunkPass f = p;
+      f.o = vec(o), f.hst = hst.data_ptr(), f.fused = true;
+      f.paths.rows_16byte = input_rows_in_pieces<E>(f);
+      fused_forward<4>(f);
+      p.kept = DplrKept::states;
+      p.uo = nullptr;  // prep makes no U0 / O0 then
+    }
   }
   if (!bwd) {
     p.o = vec(o), p.hT = mat(hT);
@@ -84,12 +107,13 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     for (int g = 0; g < kNumKGrads && !pair; ++g) p.kgd[g] = vec(kgd[g]);
   }
   pick_paths<E>(p);  // as the launch decides: 16-byte loads and stores where they apply
-  if (!p.kept) emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
+  if (p.kept != DplrKept::states_and_workspace)
+    emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
   if (!bwd) {
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(p); }); });
     return {o, hT};
   }
-  if (!p.kept)  // as the launch does: the backward's forward sweep makes hst alone
+  if (p.kept == DplrKept::nothing)  // as the launch does: the backward's forward sweep makes hst alone
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false, KC>(p); }); });
   emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
   emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
@@ -110,7 +134,7 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
   p.cu_seqlens = varlen ? cu.data_ptr<int64_t>() : nullptr;
   p.r = vec(r), p.w = vec(w), p.k = vec(k), p.v = vec(v), p.a = vec(a), p.b = vec(b);
   if (h0.numel()) p.h0 = mat(h0);
-  TORCH_CHECK(dplr_fused_forward(p.dtype, K, V, false), "not a fused-forward shape");
+  TORCH_CHECK(dplr_fused_forward(p.dtype, K, V), "not a fused-forward shape");
   // o_strided: o every other element of a wider tensor (the stores honour its column stride)
   Tensor o = o_strided ? poison({v.size(0), T, H, 2 * V}, v.scalar_type()).slice(3, 0, 2 * V, 2)
                        : poison(v.sizes(), v.scalar_type()),
@@ -118,17 +142,13 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
   p.o = vec(o), p.hT = mat(hT), p.fused = true;
   p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p);  // as the launch sets it
   TORCH_CHECK(ctas == 3 || ctas == 4, "ctas is 3 or 4");
-  emu::launch(dim3(unsigned(N * H)), dplr_fused_detail::NTF, [&] {
-    emu::poisoned_cta([&] {
-      if (ctas == 3) fused_forward_kernel<__nv_bfloat16, 3>(p);
-      else fused_forward_kernel<__nv_bfloat16, 4>(p);
-    }, fused_sm4);
-  });
+  if (ctas == 3) fused_forward<3>(p);
+  else fused_forward<4>(p);
   return {o, hT};
 }
 
 std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
-                        Tensor dout, Tensor dht, double scale, Tensor cu, bool keep) {
+                        Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
   const int64_t K = r.size(3);  // the launch's constant-K builds (dplr_chunk_launch.cuh)
   auto pick = [K](auto tag) {
     using E = decltype(tag);

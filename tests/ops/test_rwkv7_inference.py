@@ -1,6 +1,7 @@
 """chunk_rwkv7's inference forward (a forward that keeps nothing for a backward):
 * on CUDA with bf16 / fp16 and K = V = 64, the fused kernel (kernels/dplr_chunk_fused.cuh: one CTA
-  per sequence and head, no workspace);
+  per sequence and head, no workspace), which a training forward takes too, storing the
+  chunk-start states for its backward;
 * otherwise the engine in windows of the time axis (csrc/ops/chunk_rwkv7.cpp) whenever one pass
   would take more workspace than FLA_EXT_WORKSPACE_MIB (default: the larger of 64 MiB and 32
   states per sequence). Budget 0 gives the smallest windows (one chunk, or a few sequences), so
@@ -187,7 +188,32 @@ def test_fused_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen)
     tol, _, atol = TOL[dtype]
     assert_close("o", o, o_ref, tol, atol)
     assert_close("ht", ht, ht_ref, tol, atol)
+    monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "0")
     ins = [x.clone().requires_grad_(True) for x in (r, w, k, v, a, b)]
-    o2, ht2 = chunk_rwkv7(*ins, **kw)  # the training forward: the two-kernel path
+    o2, ht2 = chunk_rwkv7(*ins, **kw)  # the two-kernel training forward (prep and the sweep)
     assert_close("o vs training forward", o, o2.detach(), tol, atol)
     assert_close("ht vs training forward", ht, ht2.detach(), tol, atol)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+@pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_training_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen):
+    """The fused training forward (forced) stores the chunk-start states, and the backward runs
+    prep on them (DplrKept::states): o, the final state and every gradient against the float64
+    oracle (bf16 / fp16 tolerances), `saved` holding the states alone."""
+    monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
+    shape, cu, w_kind, lr = FUSED_CASES[case]
+    if cu is not None and head_first:
+        pytest.skip("varlen takes [1, T, H, D]")
+    N = len(cu) - 1 if cu else shape[0]
+    r, w, k, v, a, b, h0 = make(*shape, dtype, "cuda", gen, w_kind=w_kind, N=N, head_first=head_first,
+                                lr=lr)
+    cu_t = torch.tensor(cu, device="cuda") if cu else None
+    _, _, saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 0.7, h0, True, cu_t, head_first)
+    H, K, V = (r.shape[1] if head_first else r.shape[2]), r.shape[-1], v.shape[-1]
+    slots = (shape[1] // 16 + 2 * N + 1) if cu else N * ((shape[1] + 15) // 16 + 1)
+    assert saved.numel() == (slots * H * K * V + 3) // 4 * 4  # the states alone
+    run_and_check(CHUNK, r, w, k, v, a, b, h0, scale=0.7, cu=cu_t, head_first=head_first, gen=gen)
