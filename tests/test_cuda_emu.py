@@ -207,10 +207,14 @@ def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
     """The fused training forward's kept states (DplrKept::states): the fused kernel stores the
     chunk-start states into a poisoned hst, the backward's prep makes the workspace without U0 /
     O0 (poisoned, not passed). Its states come from single-TF32 pair matrices, so the gradients
-    match the reference at the bf16 tolerance, not bitwise."""
-    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"],
-                          emu.run(*ins, h0, do, dht, 0.7, cu_e, 2), grads):
+    match the reference at the bf16 tolerance, not bitwise. Without cu_seqlens also the backward
+    in windows of the chunk index (DplrChunkPass::window_chunks)."""
+    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, 2)
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
         assert_close(f"d{name} (fused forward's states)", x, y, 5 * tol if name == "w" else tol, 1e-6)
+    if cu_e.numel() == 0:  # the backward in windows of two chunks: the same gradients, bitwise
+        for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 3), eg):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
 # The chunk engine: K <= 64 and K = 128 take the state kernel that forms o (one or two K tiles

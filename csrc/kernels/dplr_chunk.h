@@ -176,7 +176,39 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // CUDA forward: run the fused kernel (the op decides, where dplr_fused_forward allows it; no
   // workspace is then set; hst, when set, receives the chunk-start states).
   bool fused = false;
+  // CUDA backward on kept states (DplrKept::states, no cu_seqlens) in a window of the chunk index
+  // (the op's backward windows), when window_chunks > 0: prep, the reverse sweep and grad take
+  // chunks [window_begin, window_begin + window_chunks) of every sequence, and ws and dhst hold
+  // those alone (dplr_work_slot); hst stays whole. The reverse sweep starts from dht where the
+  // window holds a sequence's last chunk, else from dcarry (the gradient at the window's end,
+  // which the later window left there), and ends in dh0 where it holds the first chunk, else in
+  // dcarry ([N, H, K, V] fp32).
+  int64_t window_begin = 0, window_chunks = 0;
+  MatArg dcarry;
 };
+
+// The slot of sequence n's chunk ci in the backward's ws and dhst: hst's slot (chunk_slot), or
+// in a window (window_chunks > 0) n * window_chunks + ci - window_begin.
+FLA_HD int64_t dplr_work_slot(const DplrChunkPass& p, int n, int64_t ci) {
+  return p.window_chunks > 0 ? int64_t(n) * p.window_chunks + ci - p.window_begin
+                             : chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci);
+}
+// Prep and grad CTAs (blockIdx.x): one per slot of ws.
+FLA_HD int64_t dplr_work_slots(const DplrChunkPass& p) {
+  return p.window_chunks > 0 ? int64_t(p.N) * p.window_chunks
+                             : chunk_slots<kDplrChunk>(p.N, p.T, p.cu_seqlens != nullptr);
+}
+// The sequence and chunk whose ws slot is `slot` (dplr_work_slot's inverse); a slot without a
+// chunk gives a chunk index outside [0, the sequence's chunks).
+struct DplrSlotChunk {
+  int n;
+  int64_t ci;
+};
+FLA_HD DplrSlotChunk dplr_slot_chunk(const DplrChunkPass& p, int64_t slot) {
+  if (p.window_chunks > 0) return {int(slot / p.window_chunks), p.window_begin + slot % p.window_chunks};
+  const int n = slot_sequence<kDplrChunk>(p.cu_seqlens, p.N, p.T, slot);
+  return {n, slot - chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, 0)};
+}
 
 void dplr_chunk_cpu(const DplrChunkPass& p);
 // Returns nullptr on success, else the CUDA error string of the failed launch.

@@ -16,7 +16,8 @@ namespace dplr_chunk_detail {
 template <typename T>
 __device__ __forceinline__ void load_states(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c, int64_t ci) {
   const int K = L.K, BP = L.BP;
-  const float *s0 = slot_state(p, p.hst, c, ci), *d1 = slot_state(p, p.dhst, c, ci);
+  const float *s0 = slot_state(p, p.hst, c, chunk_slot<C>(p.cu_seqlens, c.n, p.T, ci)),
+              *d1 = slot_state(p, p.dhst, c, dplr_work_slot(p, c.n, ci));
   const int lq = L.lc - 2;  // log2(column quads per row)
   auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
   if (p.paths.rows_16byte) {
@@ -357,12 +358,13 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   float* sm = reinterpret_cast<float*>(sm4);
   const Smem L(KC ? KC : p.K, true);
   const DplrWorkspaceLayout ws(L.K, p.V);
-  const int64_t slot = blockIdx.x;
-  const int n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
+  const int64_t slot = blockIdx.x;  // of ws and dhst (dplr_work_slot)
+  const DplrSlotChunk at = dplr_slot_chunk(p, slot);
+  const int n = at.n;
   Cta c;
   c.h = blockIdx.y, c.n = n, c.tile = kWalk ? 0 : blockIdx.z, c.s = seq_span(p.cu_seqlens, n, p.T);
   c.x0 = c.tile * L.cols, c.nc = min(L.cols, p.V - c.x0);
-  const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
+  const int64_t ci = at.ci;
   if (ci < 0 || ci * C >= c.s.len) return;
   const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
   const float rho = float(p.scale);

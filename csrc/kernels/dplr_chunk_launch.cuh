@@ -69,7 +69,7 @@ template <typename T, int KC>
 cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   DplrChunkPass p = p_in;
   pick_paths<T>(p);
-  const int64_t slots = chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
+  const int64_t slots = dplr_work_slots(p);  // prep and grad CTAs
   cudaError_t e = cudaSuccess;
   if (!(p.backward() && p.kept == DplrKept::states_and_workspace))
     e = launch_with_smem(prep_kernel<T, KC>, dim3(unsigned(slots), p.H), NT, Smem(p.K, false).bytes(), p, stream);

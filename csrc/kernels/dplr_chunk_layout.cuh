@@ -144,11 +144,10 @@ __device__ __forceinline__ float eE(const float* sm, const Smem& L, int i, int d
   return i ? sm[L.eG + (i - 1) * L.KP + d] : 1.f;
 }
 
-// The CTA's column tile of chunk ci's slot in a state workspace laid out as hst [slots, H, K, V]
-// (hst, or dhst), at row 0.
+// The CTA's column tile of slot `slot` of a state workspace laid out as [slots, H, K, V] (hst,
+// or dhst), at row 0.
 __device__ __forceinline__ float* slot_state(const DplrChunkPass& p, void* base, const Cta& c,
-                                             int64_t ci) {
-  const int64_t slot = chunk_slot<kDplrChunk>(p.cu_seqlens, c.n, p.T, ci);
+                                             int64_t slot) {
   return static_cast<float*>(base) + (slot * p.H + c.h) * p.K * int64_t(p.V) + c.x0;
 }
 

@@ -249,10 +249,11 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
   extern __shared__ float sm[];
   const Smem L(KC ? KC : p.K, false);
   const DplrWorkspaceLayout ws(L.K, p.V);
-  const int64_t slot = blockIdx.x;
-  const int h = blockIdx.y, n = slot_sequence<C>(p.cu_seqlens, p.N, p.T, slot);
+  const int64_t slot = blockIdx.x;  // of ws (dplr_work_slot)
+  const DplrSlotChunk at = dplr_slot_chunk(p, slot);
+  const int h = blockIdx.y, n = at.n;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
-  const int64_t ci = slot - chunk_slot<C>(p.cu_seqlens, n, p.T, 0), t0 = ci * C;
+  const int64_t ci = at.ci, t0 = ci * C;
   float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.floats_per_chunk();
   // (formed where used: held across the kernel it cost prep 16 bytes more of spills)
   auto uout = [&] { return static_cast<float*>(p.uo) + (slot * p.H + h) * ws.uo_floats_per_chunk(); };

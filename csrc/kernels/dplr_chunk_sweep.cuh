@@ -81,17 +81,26 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int x0 = tile * SX, nc = min(SX, p.V - x0);
   const int64_t nch = (s.len + C - 1) / C;
+  // The chunks walked, [c_lo, c_hi): all, or the backward window's (DplrChunkPass::window_chunks;
+  // a sequence with none of its chunks there has nothing to do, unless it has no chunk at all and
+  // this is the first window, which passes its dht on to dh0).
+  const bool windowed = REV && p.window_chunks > 0;
+  const int64_t c_lo = windowed ? p.window_begin : 0;
+  const int64_t c_end = p.window_begin + p.window_chunks, c_hi = windowed && c_end < nch ? c_end : nch;
+  if (windowed && c_lo >= nch && !(nch == 0 && c_lo == 0)) return;
+  const int64_t steps = c_hi > c_lo ? c_hi - c_lo : 0;
   float *ST = sm + L.S, *UT = sm + L.U, *VT = sm + L.Vt;  // the state or D; U or T; v or dO
   const float* wsb = static_cast<const float*>(p.ws);
   const float rho = float(p.scale);
-  const int64_t slot0 = chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
+  // Slots of ws and dhst (dplr_work_slot; hst and uo: the forward, never windowed).
+  const int64_t slot0 = windowed ? dplr_work_slot(p, n, 0) : chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
   auto slot_of = [&](int64_t ci) { return slot0 + ci; };
-  auto chunk_of = [&](int64_t step) { return REV ? nch - 1 - step : step; };
+  auto chunk_of = [&](int64_t step) { return REV ? c_hi - 1 - step : step; };
 
   const bool want_o = OUT && p.o.on();
   // Step `step`'s workspace blocks are the first ones plus s slots (REV: minus).
   const int64_t block_step = int64_t(p.H) * ws.floats_per_chunk(), ublock_step = int64_t(p.H) * ws.uo_floats_per_chunk();
-  const int64_t slot_first = nch > 0 ? slot_of(chunk_of(0)) * p.H + h : 0;
+  const int64_t slot_first = steps > 0 ? slot_of(chunk_of(0)) * p.H + h : 0;
   const float* const block0 = wsb + slot_first * ws.floats_per_chunk();
   const float* const ublock0 = REV ? nullptr : static_cast<const float*>(p.uo) + slot_first * ws.uo_floats_per_chunk() + ws.uo_tile_at(tile);
   uint64_t* const bars = reinterpret_cast<uint64_t*>(sm + L.bars);
@@ -128,7 +137,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     copy_commit();
   };
   auto fetch_wait = [&](int64_t step) {
-    if (step + 1 < nch) copy_wait<1>();
+    if (step + 1 < steps) copy_wait<1>();
     else copy_wait<0>();
   };
   (void)bars;
@@ -147,7 +156,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   }
   auto fetch_rows = [&](int64_t step, T* x) {
     const int64_t ci = chunk_of(step), off = ci * chunk_stride;
-    const int64_t rem = step < nch ? s.len - ci * C : 0;  // rows of the chunk
+    const int64_t rem = step < steps ? s.len - ci * C : 0;  // rows of the chunk
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
       const int e = threadIdx.x + it * NTS, i = e / SX, c = e % SX;
@@ -159,18 +168,18 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   auto state_at = [&](int64_t slot, int d, int x) { return st_out + (slot * p.H + h) * int64_t(K) * p.V + int64_t(d) * p.V + x0 + x; };
   T* const o_at = OUT ? vptr<T>(p.o, s.b, s.bos, h, x0) : nullptr;  // row 0 of the sequence
 
-  const MatArg& init = REV ? p.dht : p.h0;
-  const bool first_out = nch > 0 ? (REV || p.hst) : (!REV && p.hst);  // the initial state's slot
+  const MatArg& init = REV ? (c_hi < nch ? p.dcarry : p.dht) : p.h0;
+  const bool first_out = steps > 0 ? (REV || p.hst) : (!REV && p.hst);  // the initial state's slot
   for (int e = threadIdx.x; e < K8 * SX; e += NTS) {  // channels [K, K8): 0
     const int d = e / SX, x = e % SX;
     const float v = d < K && init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
     ST[sidx(R, x, d, TC)] = v;
-    if (first_out && d < K && x < nc) *state_at(slot_of(REV ? nch - 1 : 0), d, x) = v;
+    if (first_out && d < K && x < nc) *state_at(slot_of(REV ? c_hi - 1 : 0), d, x) = v;
   }
   if (FLA_BULK_COPY && threadIdx.x == 0) mbar_init(bars, 1), mbar_init(bars + 1, 1);
   __syncthreads();
   T vx[C * SX / NTS];
-  if (nch > 0) fetch(0);
+  if (steps > 0) fetch(0);
   fetch_rows(0, vx);
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
   const int64_t o_row = p.o.st;
@@ -196,10 +205,10 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   T* const o_lane = want_o ? o_at + int64_t(8 * (warp / 2 % 2) + 2 * q) * p.o.st + int64_t(lx) * p.o.sd : nullptr;
   const int64_t slot_size = int64_t(p.H) * K * p.V;
   float* const st_lane = st_out ? state_at(0, 8 * (warp / 2) + 2 * q, lx) : nullptr;
-  for (int64_t step = 0; step < nch; ++step) {
+  for (int64_t step = 0; step < steps; ++step) {
     const int64_t ci = chunk_of(step);
     const float* cur = sm + L.buf + (step & 1) * L.stage;
-    if (step + 1 < nch) fetch(step + 1);
+    if (step + 1 < steps) fetch(step + 1);
     fetch_wait(step);
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
@@ -285,7 +294,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     // the new state also to its hst / dhst slot (chunk ci + 1's start; REV: chunk ci - 1's end).
     const float* const X = cur + L.sW;
     const float* gam = cur + L.sGam;
-    const bool put = REV ? step + 1 < nch : p.hst != nullptr;
+    const bool put = REV ? step + 1 < steps : p.hst != nullptr;
     const int64_t put_slot = slot_of(REV ? ci - 1 : ci + 1);
     if (TC) {
       // m16n8 tiles of S^T (16 state columns, 8 channels): warp w takes columns 16 (w % 2) and
@@ -375,7 +384,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       for (int e = threadIdx.x; e < K * SX; e += NTS)
         if (e % SX < nc) *state_at(slot, e / SX, e % SX) = 0.f;
   }
-  const MatArg& fin = REV ? p.dh0 : p.hT;
+  const MatArg& fin = REV ? (c_lo > 0 ? p.dcarry : p.dh0) : p.hT;
   if (fin.on())
     for (int e = threadIdx.x; e < K * SX; e += NTS)
       if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = ST[sidx(R, e % SX, e / SX, TC)];

@@ -60,13 +60,14 @@ int64_t saved_floats(const DiagArgs& d, const Tensor& r) {
   return saved_states_floats(d) + (fused_forward(d, r, true) ? 0 : dplr_ws_floats(d));
 }
 
-// `ws` receives the CUDA engine's per-chunk workspace, unless `saved` holds it, and `uo` its
-// U0 / O0 workspace when a forward sweep runs (`sweep`: the forward; a backward without kept
-// states); both kept alive by the caller until the pass has run (the CPU engine needs neither).
+// `ws` receives the CUDA engine's per-chunk workspace, unless `saved` holds it (for all chunk
+// slots, or a backward window's window_chunks per sequence), and `uo` its U0 / O0 workspace when
+// a forward sweep runs (`sweep`: the forward; a backward without kept states); both kept alive by
+// the caller until the pass has run (the CPU engine needs neither).
 DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k,
                          const Tensor& v, const Tensor& a, const Tensor& b,
                          const std::optional<Tensor>& h0, Tensor& ws, Tensor& uo,
-                         const Tensor* saved, bool sweep) {
+                         const Tensor* saved, bool sweep, int64_t window_chunks = 0) {
   DplrChunkPass p;
   set_dplr_args(p, d, r, w, k, v, a, b, h0);
   if (!r.is_cuda()) return p;
@@ -77,10 +78,13 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   if (saved_ws) {
     p.ws = saved->data_ptr<float>() + saved_states_floats(d);
   } else {
-    ws = at::empty({dplr_ws_floats(d)}, r.options().dtype(at::kFloat));
+    const int64_t slots = window_chunks > 0 ? d.N * window_chunks : dplr_chunk_slots(d);
+    ws = at::empty({slots * d.H * DplrWorkspaceLayout(int(d.K), int(d.V)).floats_per_chunk()},
+                   r.options().dtype(at::kFloat));
     p.ws = ws.data_ptr();
   }
   if (saved && !sweep) p.kept = saved_ws ? DplrKept::states_and_workspace : DplrKept::states;
+  p.window_chunks = window_chunks;
   if (sweep || !saved) {
     uo = at::empty({dplr_uo_floats(d)}, r.options().dtype(at::kFloat));
     p.uo = uo.data_ptr();
@@ -222,6 +226,29 @@ void forward_in_windows(const DiagArgs& d, const ForwardWindows& windows, const 
   }
 }
 
+// ---- The backward in windows of the chunk index ----
+// A backward on the fused forward's kept states (DplrKept::states) makes the workspace (~23 KB per
+// chunk and head at K = V = 64) and dS+ at every chunk end (16 KB) for every chunk at once: 5 GB
+// beside the 2 GB of states at B = 8, T = 4096, H = 64, K = V = 64. Without cu_seqlens it runs
+// over windows of the chunk index instead, the latest first (prep, the reverse sweep and grad on
+// the window's chunks of every sequence, DplrChunkPass::window_chunks), one buffer of each
+// workspace reused by every window and dS carried from window to window per sequence. Varlen
+// keeps one pass: a window of the chunk index gives every sequence its slots, however short.
+
+// Chunks per window, 0 for one pass. The budget: FLA_EXT_WORKSPACE_MIB, else the larger of the
+// forward's default (64 MiB, 32 states per sequence) and an eighth of one pass's workspaces, so
+// that a long sequence takes at most ~8 windows (3 launches each).
+int64_t backward_window_chunks(const DiagArgs& d, bool states_only) {
+  if (!states_only || d.cu.defined()) return 0;
+  const int64_t nch = (d.T + kDplrChunk - 1) / kDplrChunk;
+  const int64_t per_chunk = d.N * d.H * (DplrWorkspaceLayout(int(d.K), int(d.V)).floats_per_chunk() + d.K * d.V) *
+                            int64_t(sizeof(float));
+  const int64_t mib = workspace_budget_mib();
+  const int64_t budget = mib >= 0 ? mib << 20 : std::max(forward_workspace_budget(d), per_chunk * nch / 8);
+  const int64_t chunks = std::max<int64_t>(1, budget / per_chunk);
+  return chunks >= nch ? 0 : chunks;
+}
+
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
@@ -285,11 +312,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
                            ? kept_workspace(saved_in, {saved_floats(d, r)}, r.options().dtype(at::kFloat), "saved")
                            : nullptr;
   Tensor hst = kept ? Tensor() : dplr_states(d, r, d.T > 0);
-  Tensor dhst = dplr_states(d, r, d.T > 0 && r.is_cuda());
+  const int64_t window = kept ? backward_window_chunks(d, kept->numel() == saved_states_floats(d)) : 0;
+  Tensor dhst = window > 0 ? new_output({d.N * window, d.H, d.K, d.V}, acc)
+                           : dplr_states(d, r, d.T > 0 && r.is_cuda());
 
   if (d.T > 0) {
     Tensor ws, uo;
-    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, kept, false);
+    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, kept, false, window);
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);
@@ -299,7 +328,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
       for (int g = 0; g < kNumKGrads; ++g) p.kgd[g] = d.L.vec(kgd[g]);
     if (!kept) p.hst = hst.data_ptr();
     p.dhst = dhst.data_ptr();
-    run(p);
+    if (window == 0) {
+      run(p);
+    } else {
+      Tensor dcarry = new_output({d.N, d.H, d.K, d.V}, acc);
+      p.dcarry = mat(dcarry);
+      const int64_t nch = (d.T + kDplrChunk - 1) / kDplrChunk;
+      for (int64_t c0 = (nch - 1) / window * window; c0 >= 0; c0 -= window) {
+        p.window_begin = c0;
+        run(p);
+      }
+    }
   } else {
     pass_state_gradient(dh0, grad_final_state);
   }

@@ -44,7 +44,9 @@ void fused_forward(const DplrChunkPass& p) {
 // fp32. keep (backward), as chunk_rwkv7_train does: 1, the two-kernel training forward stores hst
 // and its workspace (with the pair matrices) first, and the backward reads them
 // (DplrKept::states_and_workspace: no prep, no forward sweep); 2, the fused forward (bf16, K = V =
-// 64) stores hst, and the backward's prep makes the workspace (DplrKept::states).
+// 64) stores hst, and the backward's prep makes the workspace (DplrKept::states); 3, as 2 with the
+// backward in windows of two chunks (no cu_seqlens), latest first, as the op's
+// backward_window_chunks runs it.
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
@@ -83,7 +85,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
     p.kept = DplrKept::states_and_workspace;
     uob.fill_(NAN);  // a kept backward reads no U0 / O0
-  } else if (bwd && keep == 2) {
+  } else if (bwd && (keep == 2 || keep == 3)) {
     if constexpr (std::is_same_v<E, float>) {
       TORCH_CHECK(false, "the fused forward takes bf16");
     } else {
@@ -107,16 +109,31 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     for (int g = 0; g < kNumKGrads && !pair; ++g) p.kgd[g] = vec(kgd[g]);
   }
   pick_paths<E>(p);  // as the launch decides: 16-byte loads and stores where they apply
-  if (p.kept != DplrKept::states_and_workspace)
-    emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
   if (!bwd) {
+    emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(p); }); });
     return {o, hT};
   }
-  if (p.kept == DplrKept::nothing)  // as the launch does: the backward's forward sweep makes hst alone
-    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false, KC>(p); }); });
-  emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
-  emu::launch(dim3(unsigned(slots), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
+  auto backward = [&] {  // as the launch runs it
+    const int64_t work = dplr_work_slots(p);
+    if (p.kept != DplrKept::states_and_workspace)
+      emu::launch(dim3(unsigned(work), H), NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
+    if (p.kept == DplrKept::nothing)  // the backward's forward sweep makes hst alone
+      emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, false, KC>(p); }); });
+    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
+    emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
+  };
+  if (keep != 3) {
+    backward();
+  } else {  // window-sized ws and dhst, poisoned once: every window writes its slots before reading them
+    TORCH_CHECK(!varlen, "backward windows take no cu_seqlens");
+    constexpr int64_t kWindow = 2;
+    Tensor wws = poison({N * kWindow * H * ws.floats_per_chunk()}), wdhst = poison({N * kWindow, H, K, V}),
+           dcarry = poison({N, H, K, V});
+    p.ws = wws.data_ptr(), p.dhst = wdhst.data_ptr(), p.dcarry = mat(dcarry), p.window_chunks = kWindow;
+    const int64_t nch = (T + C - 1) / C;
+    for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow) backward();
+  }
   auto g = [&](int i) { return pair ? kg.select(1, i).sum(0).to(r.scalar_type()) : kgd[i]; };
   return {g(kGradR), g(kGradW), g(kGradK), dv, g(kGradA), g(kGradB), dh0};
 }

@@ -162,6 +162,16 @@ FUSED_CASES = {  # (B, T, H, K, V), cu_seqlens, w_kind, lr
 }
 
 
+def fused_case(case, head_first, dtype, gen):
+    """The inputs (r, w, k, v, a, b, h0) of a FUSED_CASES entry on CUDA, and its cu_seqlens."""
+    shape, cu, w_kind, lr = FUSED_CASES[case]
+    if cu is not None and head_first:
+        pytest.skip("varlen takes [1, T, H, D]")
+    N = len(cu) - 1 if cu else shape[0]
+    ins = make(*shape, dtype, "cuda", gen, w_kind=w_kind, N=N, head_first=head_first, lr=lr)
+    return ins, torch.tensor(cu, device="cuda") if cu else None
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("case", list(FUSED_CASES))
@@ -172,13 +182,7 @@ def test_fused_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen)
     op's threshold) equals the float64 oracle (bf16 / fp16 tolerance) and the training forward
     (prep and the sweep) on the same inputs."""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
-    shape, cu, w_kind, lr = FUSED_CASES[case]
-    if cu is not None and head_first:
-        pytest.skip("varlen takes [1, T, H, D]")
-    N = len(cu) - 1 if cu else shape[0]
-    r, w, k, v, a, b, h0 = make(*shape, dtype, "cuda", gen, w_kind=w_kind, N=N, head_first=head_first,
-                                lr=lr)
-    cu_t = torch.tensor(cu, device="cuda") if cu else None
+    (r, w, k, v, a, b, h0), cu_t = fused_case(case, head_first, dtype, gen)
     kw = dict(scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu_t,
               head_first=head_first)
     with torch.no_grad():
@@ -205,15 +209,43 @@ def test_fused_training_forward_matches_oracle(case, head_first, dtype, monkeypa
     prep on them (DplrKept::states): o, the final state and every gradient against the float64
     oracle (bf16 / fp16 tolerances), `saved` holding the states alone."""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
-    shape, cu, w_kind, lr = FUSED_CASES[case]
-    if cu is not None and head_first:
-        pytest.skip("varlen takes [1, T, H, D]")
-    N = len(cu) - 1 if cu else shape[0]
-    r, w, k, v, a, b, h0 = make(*shape, dtype, "cuda", gen, w_kind=w_kind, N=N, head_first=head_first,
-                                lr=lr)
-    cu_t = torch.tensor(cu, device="cuda") if cu else None
+    (r, w, k, v, a, b, h0), cu_t = fused_case(case, head_first, dtype, gen)
     _, _, saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 0.7, h0, True, cu_t, head_first)
+    N, T = h0.shape[0], r.shape[-2 if head_first else -3]
     H, K, V = (r.shape[1] if head_first else r.shape[2]), r.shape[-1], v.shape[-1]
-    slots = (shape[1] // 16 + 2 * N + 1) if cu else N * ((shape[1] + 15) // 16 + 1)
+    slots = (T // 16 + 2 * N + 1) if cu_t is not None else N * ((T + 15) // 16 + 1)
     assert saved.numel() == (slots * H * K * V + 3) // 4 * 4  # the states alone
     run_and_check(CHUNK, r, w, k, v, a, b, h0, scale=0.7, cu=cu_t, head_first=head_first, gen=gen)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
+def test_backward_windows_match_one_pass(head_first, monkeypatch, gen):
+    """The backward on the fused forward's kept states runs in windows of the chunk index when
+    its workspaces exceed the budget (FLA_EXT_WORKSPACE_MIB=0: a chunk per window, 65 windows
+    here): the gradients equal the one-pass backward's bitwise, and its peak holds one window's
+    workspace and dS+ (~0.3 MB) instead of every chunk's (~20 MB)."""
+    monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
+    r, w, k, v, a, b, h0 = make(2, 1030, 4, 64, 64, torch.bfloat16, "cuda", gen, w_kind="rwkv7",
+                                head_first=head_first)
+    do, dht = torch.randn_like(v), torch.randn_like(h0)
+
+    def grads():
+        ins = [x.clone().requires_grad_(True) for x in (r, w, k, v, a, b, h0)]
+        o, ht = chunk_rwkv7(*ins[:6], scale=0.7, initial_state=ins[6], output_final_state=True,
+                            head_first=head_first)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.autograd.backward([o, ht], [do, dht])
+        torch.cuda.synchronize()
+        return [x.grad for x in ins], torch.cuda.max_memory_allocated() - base
+
+    monkeypatch.setenv("FLA_EXT_WORKSPACE_MIB", "4096")
+    one, one_peak = grads()
+    monkeypatch.setenv("FLA_EXT_WORKSPACE_MIB", "0")
+    windowed, windowed_peak = grads()
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], windowed, one):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"d{name}")
+    assert windowed_peak < one_peak - (16 << 20), (windowed_peak, one_peak)
