@@ -176,29 +176,36 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // CUDA forward: run the fused kernel (the op decides, where dplr_fused_forward allows it; no
   // workspace is then set; hst, when set, receives the chunk-start states).
   bool fused = false;
-  // CUDA backward on kept states (DplrKept::states, no cu_seqlens) in a window of the chunk index
-  // (the op's backward windows), when window_chunks > 0: prep, the reverse sweep and grad take
-  // chunks [window_begin, window_begin + window_chunks) of every sequence, and ws and dhst hold
-  // those alone (dplr_work_slot); hst stays whole. The reverse sweep starts from dht where the
-  // window holds a sequence's last chunk, else from dcarry (the gradient at the window's end,
-  // which the later window left there), and ends in dh0 where it holds the first chunk, else in
-  // dcarry ([N, H, K, V] fp32).
+  // CUDA backward on kept states (DplrKept::states or states_and_workspace, no cu_seqlens) in a
+  // window of the chunk index (the op's backward windows), when window_chunks > 0: prep (when it
+  // runs), the reverse sweep and grad take chunks [window_begin, window_begin + window_chunks) of
+  // every sequence, and dhst holds those alone (dplr_work_slot), ws too unless the training
+  // forward kept it whole (dplr_ws_slot); hst stays whole. The reverse sweep starts from dht
+  // where the window holds a sequence's last chunk, else from dcarry (the gradient at the
+  // window's end, which the later window left there), and ends in dh0 where it holds the first
+  // chunk, else in dcarry ([N, H, K, V] fp32).
   int64_t window_begin = 0, window_chunks = 0;
   MatArg dcarry;
 };
 
-// The slot of sequence n's chunk ci in the backward's ws and dhst: hst's slot (chunk_slot), or
-// in a window (window_chunks > 0) n * window_chunks + ci - window_begin.
+// The slot of sequence n's chunk ci in the backward's dhst (and in the ws a backward's prep
+// makes): hst's slot (chunk_slot), or in a window (window_chunks > 0) n * window_chunks + ci -
+// window_begin.
 FLA_HD int64_t dplr_work_slot(const DplrChunkPass& p, int n, int64_t ci) {
   return p.window_chunks > 0 ? int64_t(n) * p.window_chunks + ci - p.window_begin
                              : chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci);
 }
-// Prep and grad CTAs (blockIdx.x): one per slot of ws.
+// The slot of sequence n's chunk ci in ws: hst's where the training forward kept it whole.
+FLA_HD int64_t dplr_ws_slot(const DplrChunkPass& p, int n, int64_t ci) {
+  return p.kept == DplrKept::states_and_workspace ? chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci)
+                                                  : dplr_work_slot(p, n, ci);
+}
+// Prep and grad CTAs (blockIdx.x): one per slot of dhst.
 FLA_HD int64_t dplr_work_slots(const DplrChunkPass& p) {
   return p.window_chunks > 0 ? int64_t(p.N) * p.window_chunks
                              : chunk_slots<kDplrChunk>(p.N, p.T, p.cu_seqlens != nullptr);
 }
-// The sequence and chunk whose ws slot is `slot` (dplr_work_slot's inverse); a slot without a
+// The sequence and chunk whose dhst slot is `slot` (dplr_work_slot's inverse); a slot without a
 // chunk gives a chunk index outside [0, the sequence's chunks).
 struct DplrSlotChunk {
   int n;

@@ -92,15 +92,17 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   float *ST = sm + L.S, *UT = sm + L.U, *VT = sm + L.Vt;  // the state or D; U or T; v or dO
   const float* wsb = static_cast<const float*>(p.ws);
   const float rho = float(p.scale);
-  // Slots of ws and dhst (dplr_work_slot; hst and uo: the forward, never windowed).
+  // Slots of the states (hst, dhst: dplr_work_slot; the forward is never windowed) and of ws
+  // (dplr_ws_slot); a sequence's chunks take consecutive slots in both.
   const int64_t slot0 = windowed ? dplr_work_slot(p, n, 0) : chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
+  const int64_t ws_slot0 = windowed ? dplr_ws_slot(p, n, 0) : slot0;
   auto slot_of = [&](int64_t ci) { return slot0 + ci; };
   auto chunk_of = [&](int64_t step) { return REV ? c_hi - 1 - step : step; };
 
   const bool want_o = OUT && p.o.on();
   // Step `step`'s workspace blocks are the first ones plus s slots (REV: minus).
   const int64_t block_step = int64_t(p.H) * ws.floats_per_chunk(), ublock_step = int64_t(p.H) * ws.uo_floats_per_chunk();
-  const int64_t slot_first = steps > 0 ? slot_of(chunk_of(0)) * p.H + h : 0;
+  const int64_t slot_first = steps > 0 ? (ws_slot0 + chunk_of(0)) * p.H + h : 0;
   const float* const block0 = wsb + slot_first * ws.floats_per_chunk();
   const float* const ublock0 = REV ? nullptr : static_cast<const float*>(p.uo) + slot_first * ws.uo_floats_per_chunk() + ws.uo_tile_at(tile);
   uint64_t* const bars = reinterpret_cast<uint64_t*>(sm + L.bars);

@@ -227,24 +227,30 @@ void forward_in_windows(const DiagArgs& d, const ForwardWindows& windows, const 
 }
 
 // ---- The backward in windows of the chunk index ----
-// A backward on the fused forward's kept states (DplrKept::states) makes the workspace (~23 KB per
-// chunk and head at K = V = 64) and dS+ at every chunk end (16 KB) for every chunk at once: 5 GB
-// beside the 2 GB of states at B = 8, T = 4096, H = 64, K = V = 64. Without cu_seqlens it runs
-// over windows of the chunk index instead, the latest first (prep, the reverse sweep and grad on
-// the window's chunks of every sequence, DplrChunkPass::window_chunks), one buffer of each
-// workspace reused by every window and dS carried from window to window per sequence. Varlen
-// keeps one pass: a window of the chunk index gives every sequence its slots, however short.
+// A backward on kept states makes dS+ at every chunk end (16 KB per chunk and head at K = V =
+// 64) and, on the fused forward's states (DplrKept::states), the workspace too (~23 KB), for
+// every chunk at once: 5 GB beside the 2 GB of states at B = 8, T = 4096, H = 64, K = V = 64.
+// Without cu_seqlens it runs over windows of the chunk index instead, the latest first (the
+// reverse sweep and grad, and prep where it runs, on the window's chunks of every sequence,
+// DplrChunkPass::window_chunks), one buffer of each reused by every window and dS carried from
+// window to window per sequence. A backward without kept states (FLA_EXT_KEEP_WORKSPACES=0) and
+// varlen keep one pass: the first makes every chunk's states anyway, and a window of the chunk
+// index would give every sequence its slots, however short.
 
 // Chunks per window, 0 for one pass. The budget: FLA_EXT_WORKSPACE_MIB, else the larger of the
-// forward's default (64 MiB, 32 states per sequence) and an eighth of one pass's workspaces, so
-// that a long sequence takes at most ~8 windows (3 launches each).
-int64_t backward_window_chunks(const DiagArgs& d, bool states_only) {
-  if (!states_only || d.cu.defined()) return 0;
+// forward's default (64 MiB, 32 states per sequence) and a part of one pass's workspaces: an
+// eighth with the workspace made per window (at most ~8 windows of 3 launches: +0.5 to +2 %), a
+// quarter with dS+ alone (each window's grad launch ends in a partial wave: at K = 128, one CTA
+// per SM, eight windows cost +4 to +7 %; benchmarks/NOTES.md c29).
+int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept) {
+  if (kept == DplrKept::nothing || d.cu.defined()) return 0;
   const int64_t nch = (d.T + kDplrChunk - 1) / kDplrChunk;
-  const int64_t per_chunk = d.N * d.H * (DplrWorkspaceLayout(int(d.K), int(d.V)).floats_per_chunk() + d.K * d.V) *
-                            int64_t(sizeof(float));
+  const bool makes_ws = kept == DplrKept::states;
+  const int64_t ws = makes_ws ? DplrWorkspaceLayout(int(d.K), int(d.V)).floats_per_chunk() : 0;
+  const int64_t per_chunk = d.N * d.H * (ws + d.K * d.V) * int64_t(sizeof(float));
   const int64_t mib = workspace_budget_mib();
-  const int64_t budget = mib >= 0 ? mib << 20 : std::max(forward_workspace_budget(d), per_chunk * nch / 8);
+  const int64_t budget =
+      mib >= 0 ? mib << 20 : std::max(forward_workspace_budget(d), per_chunk * nch / (makes_ws ? 8 : 4));
   const int64_t chunks = std::max<int64_t>(1, budget / per_chunk);
   return chunks >= nch ? 0 : chunks;
 }
@@ -312,7 +318,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
                            ? kept_workspace(saved_in, {saved_floats(d, r)}, r.options().dtype(at::kFloat), "saved")
                            : nullptr;
   Tensor hst = kept ? Tensor() : dplr_states(d, r, d.T > 0);
-  const int64_t window = kept ? backward_window_chunks(d, kept->numel() == saved_states_floats(d)) : 0;
+  const DplrKept kept_kind = !kept ? DplrKept::nothing
+                             : kept->numel() == saved_states_floats(d) ? DplrKept::states
+                                                                      : DplrKept::states_and_workspace;
+  const int64_t window = backward_window_chunks(d, kept_kind);
   Tensor dhst = window > 0 ? new_output({d.N * window, d.H, d.K, d.V}, acc)
                            : dplr_states(d, r, d.T > 0 && r.is_cuda());
 

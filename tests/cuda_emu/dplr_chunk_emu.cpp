@@ -44,8 +44,8 @@ void fused_forward(const DplrChunkPass& p) {
 // fp32. keep (backward), as chunk_rwkv7_train does: 1, the two-kernel training forward stores hst
 // and its workspace (with the pair matrices) first, and the backward reads them
 // (DplrKept::states_and_workspace: no prep, no forward sweep); 2, the fused forward (bf16, K = V =
-// 64) stores hst, and the backward's prep makes the workspace (DplrKept::states); 3, as 2 with the
-// backward in windows of two chunks (no cu_seqlens), latest first, as the op's
+// 64) stores hst, and the backward's prep makes the workspace (DplrKept::states); 3 and 4, as 2
+// and 1 with the backward in windows of two chunks (no cu_seqlens), latest first, as the op's
 // backward_window_chunks runs it.
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
@@ -77,7 +77,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   Tensor kg = torch::zeros({(tiles + 1) / 2, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
          dh0 = poison({N, H, K, V});
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
-  if (bwd && keep == 1) {
+  if (bwd && (keep == 1 || keep == 4)) {
     DplrChunkPass f = p;
     f.o = vec(o), f.hst = hst.data_ptr();
     pick_paths<E>(f);
@@ -123,14 +123,15 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
     emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
   };
-  if (keep != 3) {
+  if (keep != 3 && keep != 4) {
     backward();
-  } else {  // window-sized ws and dhst, poisoned once: every window writes its slots before reading them
+  } else {  // window-sized dhst (and ws, unless kept), poisoned once: every window writes its slots before reading them
     TORCH_CHECK(!varlen, "backward windows take no cu_seqlens");
     constexpr int64_t kWindow = 2;
     Tensor wws = poison({N * kWindow * H * ws.floats_per_chunk()}), wdhst = poison({N * kWindow, H, K, V}),
            dcarry = poison({N, H, K, V});
-    p.ws = wws.data_ptr(), p.dhst = wdhst.data_ptr(), p.dcarry = mat(dcarry), p.window_chunks = kWindow;
+    if (keep == 3) p.ws = wws.data_ptr();
+    p.dhst = wdhst.data_ptr(), p.dcarry = mat(dcarry), p.window_chunks = kWindow;
     const int64_t nch = (T + C - 1) / C;
     for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow) backward();
   }
