@@ -323,7 +323,8 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
     }
   }
   if (kStates && p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
-    const int64_t next = n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
+    const int64_t next =
+        n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
     for (int64_t slot = slot0 + nch + 1; slot < next; ++slot)
       for (int e = tid; e < K * V; e += NTF) hst[(slot - slot0) * slot_floats + e] = 0.f;
   }

@@ -28,13 +28,15 @@
 // parts: dplr_chunk_layout.cuh (shared-memory layout, glossary of the short names),
 // dplr_chunk_loads.cuh, dplr_chunk_pairs.cuh, dplr_chunk_tiles.cuh.)
 // Backward: prep for the workspace unless the two-kernel training forward kept it, the forward
-// sweep for the states unless a training forward kept them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per
-// (chunk slot, head, tile of dplr_chunk_cols(K) columns) makes that chunk's gradients with the
-// rows, pair matrices and the K x cols state and its gradient in shared memory. With V in one
-// tile, or where one CTA walks all of a chunk's tiles (bf16 / fp16 at K = 128:
-// dplr_grad_walks_tiles), its K-vector gradients go straight to the outputs; else they are
-// per-tile partial sums, added into zero-filled slabs two tiles per slab (DplrArgs::kg_pair). No
-// host synchronisation: CUDA-graph safe.
+// sweep for the states unless a training forward kept them; the reverse sweep (dS+ at every chunk
+// end); then one CTA of 256 threads per (chunk slot, head, tile of dplr_chunk_cols(K) columns)
+// makes that chunk's gradients with the rows, pair matrices and the K x cols state and its
+// gradient in shared memory. With V in one tile, or where one CTA walks all of a chunk's tiles
+// (bf16 / fp16 at K = 128: dplr_grad_walks_tiles), its K-vector gradients go straight to the
+// outputs; else they are per-tile partial sums, added into zero-filled slabs two tiles per slab
+// (DplrArgs::kg_pair). On kept states the op may run the backward in windows of the chunk index
+// (DplrChunkPass::window_chunks: one launch of each kernel per window). No host
+// synchronisation: CUDA-graph safe.
 //
 // The launches are kept apart from the kernels so that the kernels also compile as host code
 // (tests/cuda_emu runs them on the CPU).
