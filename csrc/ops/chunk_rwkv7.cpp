@@ -59,6 +59,13 @@ int64_t saved_states_floats(const DiagArgs& d) { return (dplr_state_floats(d) + 
 int64_t saved_floats(const DiagArgs& d, const Tensor& r) {
   return saved_states_floats(d) + (fused_forward(d, r, true) ? 0 : dplr_ws_floats(d));
 }
+// What a training forward's `saved` holds, told by its length (saved_floats).
+DplrKept saved_kind(const DiagArgs& d, const Tensor* saved) {
+  if (!saved) return DplrKept::nothing;
+  return saved->numel() > saved_states_floats(d) ? DplrKept::states_and_workspace : DplrKept::states;
+}
+// Chunks of a sequence without cu_seqlens.
+int64_t sequence_chunks(const DiagArgs& d) { return (d.T + kDplrChunk - 1) / kDplrChunk; }
 
 // `ws` receives the CUDA engine's per-chunk workspace, unless `saved` holds it (for all chunk
 // slots, or a backward window's window_chunks per sequence), and `uo` its U0 / O0 workspace when
@@ -74,8 +81,8 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   if (saved) p.hst = saved->data_ptr();
   p.fused = sweep && fused_forward(d, r, saved != nullptr);
   if (p.fused) return p;
-  const bool saved_ws = saved && saved->numel() > saved_states_floats(d);
-  if (saved_ws) {
+  const DplrKept kind = saved_kind(d, saved);
+  if (kind == DplrKept::states_and_workspace) {
     p.ws = saved->data_ptr<float>() + saved_states_floats(d);
   } else {
     const int64_t slots = window_chunks > 0 ? d.N * window_chunks : dplr_chunk_slots(d);
@@ -83,7 +90,7 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
                    r.options().dtype(at::kFloat));
     p.ws = ws.data_ptr();
   }
-  if (saved && !sweep) p.kept = saved_ws ? DplrKept::states_and_workspace : DplrKept::states;
+  if (!sweep) p.kept = kind;
   p.window_chunks = window_chunks;
   if (sweep || !saved) {
     uo = at::empty({dplr_uo_floats(d)}, r.options().dtype(at::kFloat));
@@ -244,7 +251,7 @@ void forward_in_windows(const DiagArgs& d, const ForwardWindows& windows, const 
 // per SM, eight windows cost +4 to +7 %; benchmarks/NOTES.md c29).
 int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept) {
   if (kept == DplrKept::nothing || d.cu.defined()) return 0;
-  const int64_t nch = (d.T + kDplrChunk - 1) / kDplrChunk;
+  const int64_t nch = sequence_chunks(d);
   const bool makes_ws = kept == DplrKept::states;
   const int64_t ws = makes_ws ? DplrWorkspaceLayout(int(d.K), int(d.V)).floats_per_chunk() : 0;
   const int64_t per_chunk = d.N * d.H * (ws + d.K * d.V) * int64_t(sizeof(float));
@@ -318,10 +325,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
                            ? kept_workspace(saved_in, {saved_floats(d, r)}, r.options().dtype(at::kFloat), "saved")
                            : nullptr;
   Tensor hst = kept ? Tensor() : dplr_states(d, r, d.T > 0);
-  const DplrKept kept_kind = !kept ? DplrKept::nothing
-                             : kept->numel() == saved_states_floats(d) ? DplrKept::states
-                                                                      : DplrKept::states_and_workspace;
-  const int64_t window = backward_window_chunks(d, kept_kind);
+  const int64_t window = backward_window_chunks(d, saved_kind(d, kept));
   Tensor dhst = window > 0 ? new_output({d.N * window, d.H, d.K, d.V}, acc)
                            : dplr_states(d, r, d.T > 0 && r.is_cuda());
 
@@ -342,8 +346,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
     } else {
       Tensor dcarry = new_output({d.N, d.H, d.K, d.V}, acc);
       p.dcarry = mat(dcarry);
-      const int64_t nch = (d.T + kDplrChunk - 1) / kDplrChunk;
-      for (int64_t c0 = (nch - 1) / window * window; c0 >= 0; c0 -= window) {
+      for (int64_t c0 = (sequence_chunks(d) - 1) / window * window; c0 >= 0; c0 -= window) {
         p.window_begin = c0;
         run(p);
       }
