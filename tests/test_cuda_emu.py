@@ -107,14 +107,17 @@ def test_chunk_rwkv7_kernels_strided_rows(emu, gen):
     check(emu, (2, 40, 2, 64, 64), "rwkv", None, gen, torch.bfloat16, 1e-2, strided=True)
 
 
-@pytest.mark.parametrize("shape,w_kind,cu", [
-    ((1, 90, 2, 64, 64), "u5", [0, 7, 7, 40, 90]),  # varlen, an empty sequence: hst's gap slots
-    ((1, 50, 1, 64, 64), "edge60", None),            # factors up to e^60 in the fused pair matrices
-], ids=["varlen", "edge60"])
-def test_chunk_rwkv7_kernels_fused_kept(emu, shape, w_kind, cu, gen):
+@pytest.mark.parametrize("shape,w_kind,cu,lr", [
+    ((1, 90, 2, 64, 64), "u5", [0, 7, 7, 40, 90], "rwkv"),  # varlen, an empty sequence: hst's gap slots
+    ((1, 50, 1, 64, 64), "edge60", None, "rwkv"),  # factors up to e^60 in the fused pair matrices
+    ((1, 40, 1, 64, 64), "u30", None, "rwkv"),     # every chunk unbounded: the exact pair walks
+    ((1, 48, 1, 64, 64), "zero", None, "repeated"),  # X from cancelling terms
+], ids=["varlen", "edge60", "u30", "repeated"])
+def test_chunk_rwkv7_kernels_fused_kept(emu, shape, w_kind, cu, lr, gen):
     """bf16 at K = V = 64, where a training forward may take the fused kernel: check() runs the
-    backward on its kept states too (check_fused_kept)."""
-    check(emu, shape, w_kind, cu, gen, torch.bfloat16, 1e-2)
+    backward on its kept states too (check_fused_kept), with prep and the reverse sweep, and with
+    the fused reverse pass."""
+    check(emu, shape, w_kind, cu, gen, torch.bfloat16, 1e-2, lr=lr)
 
 
 @pytest.mark.parametrize("shape,dtype,tol", [((1, 40, 1, 64, 64), torch.bfloat16, 1e-2),
@@ -217,6 +220,15 @@ def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
         assert_close(f"d{name} (fused forward's states)", x, y, 5 * tol if name == "w" else tol, 1e-6)
     if cu_e.numel() == 0:  # the backward in windows of two chunks: the same gradients, bitwise
         for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 3), eg):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    # The fused reverse pass in place of prep and the reverse sweep (DplrChunkPass::fused): its
+    # pair matrices, dS+ and the chain's products are its own, so against the reference; in
+    # windows, bitwise equal to its one pass.
+    ef = emu.run(*ins, h0, do, dht, 0.7, cu_e, 5)
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], ef, grads):
+        assert_close(f"d{name} (fused reverse pass)", x, y, 5 * tol if name == "w" else tol, 1e-6)
+    if cu_e.numel() == 0:
+        for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 6), ef):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 

@@ -98,7 +98,8 @@ struct DplrWorkspaceLayout {
   // A_ab, X), rows padded as the CUDA kernels hold them in shared memory, so that they move as one
   // contiguous block of 16-byte pieces.
   FLA_HD int64_t mats_at() const { return kpart_floats(); }
-  FLA_HD int64_t floats_per_chunk() const { return mats_at() + 5 * kDplrChunk * kDplrMatStride; }
+  static constexpr int kMatsFloats = 5 * kDplrChunk * kDplrMatStride;
+  FLA_HD int64_t floats_per_chunk() const { return mats_at() + kMatsFloats; }
   // In `uo`: tile t's block, U0 [C][UP] then O0 [C][UP]; uo_at(m, i, x): U0 (m = 0) or O0
   // (m = 1), row i, column x of the value dimension.
   FLA_HD int64_t uo_tile_at(int t) const { return int64_t(t) * 2 * kDplrChunk * UP; }
@@ -125,9 +126,10 @@ struct DplrChunkPaths {
   bool grads_share_offsets = false;
 };
 
-// Whether a CUDA forward of this dtype and head sizes can run the fused kernel
-// (dplr_chunk_fused.cuh): one CTA per (sequence, head), no workspace; a training forward's also
-// stores the chunk-start states (hst).
+// Whether a CUDA pass of this dtype and head sizes can run the fused kernels, one CTA per
+// (sequence, head): the forward (dplr_chunk_fused.cuh: no workspace; a training forward's also
+// stores the chunk-start states, hst) and the reverse pass of a backward on those states
+// (dplr_chunk_fused_reverse.cuh).
 FLA_HD bool dplr_fused_forward(DType dtype, int K, int V) {
   return (dtype == DType::bf16 || dtype == DType::f16) && K == 64 && V == 64;
 }
@@ -173,8 +175,11 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   void* uo = nullptr;
   void* dhst = nullptr;
   DplrChunkPaths paths;  // CUDA: set by the launch
-  // CUDA forward: run the fused kernel (the op decides, where dplr_fused_forward allows it; no
-  // workspace is then set; hst, when set, receives the chunk-start states).
+  // CUDA: run the fused kernel (the op decides, where dplr_fused_forward allows it). Forward: no
+  // workspace is then set; hst, when set, receives the chunk-start states. Backward (on the fused
+  // forward's states, DplrKept::states): the fused reverse pass makes dhst and every chunk's pair
+  // matrices and X in place of prep and the reverse sweep; ws then holds those alone,
+  // DplrWorkspaceLayout::kMatsFloats per (slot, head) (dplr_mats_offset).
   bool fused = false;
   // CUDA backward on kept states (DplrKept::states or states_and_workspace, no cu_seqlens) in a
   // window of the chunk index (the op's backward windows), when window_chunks > 0: prep (when it
@@ -199,6 +204,14 @@ FLA_HD int64_t dplr_work_slot(const DplrChunkPass& p, int n, int64_t ci) {
 FLA_HD int64_t dplr_ws_slot(const DplrChunkPass& p, int n, int64_t ci) {
   return p.kept == DplrKept::states_and_workspace ? chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci)
                                                   : dplr_work_slot(p, n, ci);
+}
+// Where in ws (floats) grad reads the pair matrices and X of ws slot `slot` (dplr_ws_slot), head
+// h: in the chunk's workspace block, or in blocks of their own where the fused reverse pass made
+// them.
+FLA_HD int64_t dplr_mats_offset(const DplrChunkPass& p, int64_t slot, int h) {
+  if (p.fused) return (slot * p.H + h) * DplrWorkspaceLayout::kMatsFloats;
+  const DplrWorkspaceLayout ws(p.K, p.V);
+  return (slot * p.H + h) * ws.floats_per_chunk() + ws.mats_at();
 }
 // Prep and grad CTAs (blockIdx.x): one per slot of dhst.
 FLA_HD int64_t dplr_work_slots(const DplrChunkPass& p) {

@@ -357,7 +357,6 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
   const Smem L(KC ? KC : p.K, true);
-  const DplrWorkspaceLayout ws(L.K, p.V);
   const int64_t slot = blockIdx.x;  // of dhst (dplr_work_slot)
   const DplrSlotChunk at = dplr_slot_chunk(p, slot);
   const int n = at.n;
@@ -370,7 +369,7 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   const float rho = float(p.scale);
   const int64_t t0 = ci * C;
   const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
-  const float* mats = static_cast<const float*>(p.ws) + (dplr_ws_slot(p, n, ci) * p.H + c.h) * ws.floats_per_chunk() + ws.mats_at();
+  const float* mats = static_cast<const float*>(p.ws) + dplr_mats_offset(p, dplr_ws_slot(p, n, ci), c.h);
   const int tiles = kWalk ? dplr_chunk_tiles(K, p.V) : 1;
   // kWalk: the column sums carried from tile to tile, per warp: its pair-matrix gradient product
   // and its two state-part tasks (TC step 4 below)

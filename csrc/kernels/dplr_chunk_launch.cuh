@@ -5,10 +5,11 @@
 // unless a chunk's decays allow their fp32-accurate 3xTF32 form). The launch compiles K = 64
 // and 128 as constants (launch_k).
 //
-// Fused forward where the op sets DplrChunkPass::fused (bf16 / fp16, K = V = 64, enough
-// (sequence, head) pairs): fused_forward_kernel (dplr_chunk_fused.cuh), one CTA per (sequence,
-// head), no workspace; a training forward's stores the chunk-start states, and its backward's
-// prep makes the workspace (DplrKept::states).
+// Fused kernels where the op sets DplrChunkPass::fused (bf16 / fp16, K = V = 64), one CTA per
+// (sequence, head): the forward (fused_forward_kernel, dplr_chunk_fused.cuh; enough pairs), no
+// workspace, a training forward's storing the chunk-start states (DplrKept::states); and on
+// those states the backward's reverse pass (fused_reverse_kernel, dplr_chunk_fused_reverse.cuh:
+// dS+ and the pair matrices with X, in place of prep and the reverse sweep), then grad.
 // Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
 //          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
@@ -27,9 +28,9 @@
 // dplr_chunk_grad.cuh with its tensor-core column products in dplr_chunk_grad_columns.cuh; their
 // parts: dplr_chunk_layout.cuh (shared-memory layout, glossary of the short names),
 // dplr_chunk_loads.cuh, dplr_chunk_pairs.cuh, dplr_chunk_tiles.cuh.)
-// Backward: prep for the workspace unless the two-kernel training forward kept it, the forward
-// sweep for the states unless a training forward kept them; the reverse sweep (dS+ at every chunk
-// end); then one CTA of 256 threads per (chunk slot, head, tile of dplr_chunk_cols(K) columns)
+// Backward (not fused): prep for the workspace unless the two-kernel training forward kept it,
+// the forward sweep for the states unless a training forward kept them; the reverse sweep (dS+
+// at every chunk end); then one CTA of 256 threads per (chunk slot, head, tile of dplr_chunk_cols(K) columns)
 // makes that chunk's gradients with the rows, pair matrices and the K x cols state and its
 // gradient in shared memory. With V in one tile, or where one CTA walks all of a chunk's tiles
 // (bf16 / fp16 at K = 128: dplr_grad_walks_tiles), its K-vector gradients go straight to the
@@ -46,6 +47,7 @@
 #include "device_sms.cuh"
 
 #include "dplr_chunk_fused.cuh"
+#include "dplr_chunk_fused_reverse.cuh"
 #include "dplr_chunk_grad.cuh"
 #include "dplr_chunk_prep.cuh"
 #include "dplr_chunk_sweep.cuh"
@@ -67,12 +69,30 @@ cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, con
   return cudaGetLastError();
 }
 
+// A fused kernel (one CTA per (sequence, head)) with kCtas = 3 or 4 CTAs per SM: three give each
+// CTA the shorter chunk step, so four only where three per SM would leave CTAs for a second wave.
+template <typename T, class Kernel>
+cudaError_t launch_fused(Kernel three, Kernel four, const DplrChunkPass& p, const VecArg& cols, cudaStream_t stream) {
+  const int64_t tasks = int64_t(p.N) * p.H;
+  DplrChunkPass f = p;
+  f.paths.rows_16byte = input_rows_in_pieces<T>(p, cols);
+  return launch_with_smem(tasks > 3 * int64_t(device_sm_count()) ? four : three, dim3(unsigned(tasks)),
+                          dplr_fused_detail::NTF, dplr_fused_detail::FusedSmem::bytes(), f, stream);
+}
+
 template <typename T, int KC>
 cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   DplrChunkPass p = p_in;
   pick_paths<T>(p);
   const int64_t slots = dplr_work_slots(p);  // prep and grad CTAs
   cudaError_t e = cudaSuccess;
+  if constexpr (!std::is_same<T, float>::value)
+    if (p.fused && p.backward()) {  // the fused reverse pass, then grad
+      e = launch_fused<T>(fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p, p.dout, stream);
+      if (e != cudaSuccess) return e;
+      return launch_with_smem(grad_kernel<T, KC>, dim3(unsigned(slots), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)),
+                              NT, Smem(p.K, true).bytes(), p, stream);
+    }
   if (!(p.backward() && p.kept == DplrKept::states_and_workspace))
     e = launch_with_smem(prep_kernel<T, KC>, dim3(unsigned(slots), p.H), NT, Smem(p.K, false).bytes(), p, stream);
   if (e != cudaSuccess) return e;
@@ -98,16 +118,9 @@ template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value)
-    if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V)) {
-      const int64_t tasks = int64_t(p.N) * p.H;
-      const bool four = tasks > 3 * int64_t(device_sm_count());
-      const auto kernel = p.hst ? (four ? fused_forward_kernel<T, 4, true> : fused_forward_kernel<T, 3, true>)
-                                : (four ? fused_forward_kernel<T, 4, false> : fused_forward_kernel<T, 3, false>);
-      DplrChunkPass f = p;
-      f.paths.rows_16byte = input_rows_in_pieces<T>(p);
-      return launch_with_smem(kernel, dim3(unsigned(tasks)), dplr_fused_detail::NTF,
-                              dplr_fused_detail::FusedSmem::bytes(), f, stream);
-    }
+    if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V))
+      return p.hst ? launch_fused<T>(fused_forward_kernel<T, 3, true>, fused_forward_kernel<T, 4, true>, p, p.v, stream)
+                   : launch_fused<T>(fused_forward_kernel<T, 3, false>, fused_forward_kernel<T, 4, false>, p, p.v, stream);
   return p.K == 64 ? launch_k<T, 64>(p, stream) : p.K == 128 ? launch_k<T, 128>(p, stream) : launch_k<T, 0>(p, stream);
 }
 

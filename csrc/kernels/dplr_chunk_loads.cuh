@@ -54,12 +54,13 @@ FLA_HD size_t stage_bytes(int K, int ncol, int ncolmats) {
   return size_t(stage_cols_at<T>(K) + int64_t(ncolmats) * C * stage_pitch<T>(ncol)) * sizeof(T);
 }
 
-// Whether every row of the six inputs is whole 16-byte pieces at 16-byte aligned addresses (the
-// fused forward's rows_16byte; the other kernels also need their stages to fit: rows_16byte_ok).
+// Whether every row of r, w, k, a, b and the column side `cols` (v; the fused reverse pass
+// reads dO in its place) is whole 16-byte pieces at 16-byte aligned addresses (the fused
+// kernels' rows_16byte; the other kernels also need their stages to fit: rows_16byte_ok).
 template <typename T>
-inline bool input_rows_in_pieces(const DplrChunkPass& p) {
+inline bool input_rows_in_pieces(const DplrChunkPass& p, const VecArg& cols) {
   auto ok = [](const VecArg& v, int n) { return elements::rows_in_pieces(v, n, kPiece<T>); };
-  return ok(p.r, p.K) && ok(p.w, p.K) && ok(p.k, p.K) && ok(p.a, p.K) && ok(p.b, p.K) && ok(p.v, p.V);
+  return ok(p.r, p.K) && ok(p.w, p.K) && ok(p.k, p.K) && ok(p.a, p.K) && ok(p.b, p.K) && ok(cols, p.V);
 }
 
 // DplrChunkPaths::rows_16byte for these inputs: every activation row in whole 16-byte pieces at
@@ -68,7 +69,7 @@ inline bool input_rows_in_pieces(const DplrChunkPass& p) {
 // overlay.
 template <typename T>
 inline bool rows_16byte_ok(const DplrChunkPass& p) {
-  if (!input_rows_in_pieces<T>(p)) return false;
+  if (!input_rows_in_pieces<T>(p, p.v)) return false;
   if (stage_bytes<T>(p.K, p.V, 1) > size_t(Smem(p.K, false).pwn) * sizeof(float)) return false;
   if (!p.backward()) return true;
   const Smem g(p.K, true);

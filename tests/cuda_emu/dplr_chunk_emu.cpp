@@ -5,6 +5,7 @@
 
 #include "emu_args.h"
 #include "dplr_chunk_fused.cuh"
+#include "dplr_chunk_fused_reverse.cuh"
 #include "dplr_chunk_grad.cuh"
 #include "dplr_chunk_prep.cuh"
 #include "dplr_chunk_sweep.cuh"
@@ -14,7 +15,8 @@ float sm[64 * 1024];     // extern __shared__ of the kernels: one CTA at a time
 float4 sm4[16 * 1024];
 }  // namespace fla::dplr_chunk_detail
 namespace fla {
-float4 fused_sm4[(dplr_fused_detail::FusedSmem::total + 3) / 4];  // fused_forward_kernel's
+float4 fused_sm4[(dplr_fused_detail::FusedSmem::total + 3) / 4];  // the fused kernels'
+
 }  // namespace fla
 
 namespace {
@@ -39,6 +41,15 @@ void fused_forward(const DplrChunkPass& p) {
   });
 }
 
+// The fused reverse pass (dplr_chunk_fused_reverse.cuh), bf16, as the launch runs it.
+void fused_reverse(const DplrChunkPass& p) {
+  DplrChunkPass f = p;
+  f.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.dout);
+  emu::launch(dim3(unsigned(p.N * p.H)), dplr_fused_detail::NTF, [&] {
+    emu::poisoned_cta([&] { fused_reverse_kernel<__nv_bfloat16, 4>(f); }, fused_sm4);
+  });
+}
+
 // [o, hT] or, with dout, [dr, dw, dk, dv, da, db, dh0]. Empty tensors stand for None. The
 // activations are float32 or bfloat16 (the kernels' T, E here); states and gradients of K-vectors
 // fp32. keep (backward), as chunk_rwkv7_train does: 1, the two-kernel training forward stores hst
@@ -46,7 +57,8 @@ void fused_forward(const DplrChunkPass& p) {
 // (DplrKept::states_and_workspace: no prep, no forward sweep); 2, the fused forward (bf16, K = V =
 // 64) stores hst, and the backward's prep makes the workspace (DplrKept::states); 3 and 4, as 2
 // and 1 with the backward in windows of two chunks (no cu_seqlens), latest first, as the op's
-// backward_window_chunks runs it.
+// backward_window_chunks runs it; 5 and 6, as 2 and 3 with the fused reverse pass in place of
+// prep and the reverse sweep (DplrChunkPass::fused: ws holds the pair matrices and X alone).
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
@@ -85,17 +97,22 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
     p.kept = DplrKept::states_and_workspace;
     uob.fill_(NAN);  // a kept backward reads no U0 / O0
-  } else if (bwd && (keep == 2 || keep == 3)) {
+  } else if (bwd && (keep == 2 || keep == 3 || keep == 5 || keep == 6)) {
     if constexpr (std::is_same_v<E, float>) {
       TORCH_CHECK(false, "the fused forward takes bf16");
     } else {
       TORCH_CHECK(dplr_fused_forward(p.dtype, K, V), "not a fused-forward shape");
       DplrChunkPass f = p;
       f.o = vec(o), f.hst = hst.data_ptr(), f.fused = true;
-      f.paths.rows_16byte = input_rows_in_pieces<E>(f);
+      f.paths.rows_16byte = input_rows_in_pieces<E>(f, f.v);
       fused_forward<4>(f);
       p.kept = DplrKept::states;
       p.uo = nullptr;  // prep makes no U0 / O0 then
+      if (keep >= 5) {
+        p.fused = true;
+        wsb = poison({slots * H * DplrWorkspaceLayout::kMatsFloats});
+        p.ws = wsb.data_ptr();
+      }
     }
   }
   if (!bwd) {
@@ -116,6 +133,11 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   }
   auto backward = [&] {  // as the launch runs it
     const int64_t work = dplr_work_slots(p);
+    if (p.fused) {
+      if constexpr (!std::is_same_v<E, float>) fused_reverse(p);
+      emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
+      return;
+    }
     if (p.kept != DplrKept::states_and_workspace)
       emu::launch(dim3(unsigned(work), H), NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
     if (p.kept == DplrKept::nothing)  // the backward's forward sweep makes hst alone
@@ -123,14 +145,14 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
     emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
   };
-  if (keep != 3 && keep != 4) {
+  if (keep != 3 && keep != 4 && keep != 6) {
     backward();
   } else {  // window-sized dhst (and ws, unless kept), poisoned once: every window writes its slots before reading them
     TORCH_CHECK(!varlen, "backward windows take no cu_seqlens");
     constexpr int64_t kWindow = 2;
-    Tensor wws = poison({N * kWindow * H * ws.floats_per_chunk()}), wdhst = poison({N * kWindow, H, K, V}),
+    Tensor wws = poison({N * kWindow * H * (p.fused ? DplrWorkspaceLayout::kMatsFloats : ws.floats_per_chunk())}), wdhst = poison({N * kWindow, H, K, V}),
            dcarry = poison({N, H, K, V});
-    if (keep == 3) p.ws = wws.data_ptr();
+    if (keep == 3 || keep == 6) p.ws = wws.data_ptr();
     p.dhst = wdhst.data_ptr(), p.dcarry = mat(dcarry), p.window_chunks = kWindow;
     const int64_t nch = (T + C - 1) / C;
     for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow) backward();
@@ -158,7 +180,7 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
                        : poison(v.sizes(), v.scalar_type()),
          hT = poison({N, H, K, V});
   p.o = vec(o), p.hT = mat(hT), p.fused = true;
-  p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p);  // as the launch sets it
+  p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.v);  // as the launch sets it
   TORCH_CHECK(ctas == 3 || ctas == 4, "ctas is 3 or 4");
   if (ctas == 3) fused_forward<3>(p);
   else fused_forward<4>(p);
