@@ -137,8 +137,8 @@ FLA_HD bool dplr_fused_forward(DType dtype, int K, int V) {
 // What a CUDA training forward kept for its backward (DplrChunkPass::kept).
 enum class DplrKept : int {
   nothing,
-  // hst holds the chunk-start states (the fused forward's): no forward sweep runs, and prep
-  // makes the workspace without the U0 / O0 column tiles, which only a forward sweep reads.
+  // hst holds the chunk-start states (the fused forward's): the fused reverse pass runs
+  // (DplrChunkPass::fused), in place of prep and both sweeps.
   states,
   // hst and ws hold the two-kernel forward's states and workspace (its prep also stored the pair
   // matrices and X): neither prep nor the forward sweep runs.

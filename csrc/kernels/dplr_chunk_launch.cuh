@@ -28,9 +28,8 @@
 // dplr_chunk_grad.cuh with its tensor-core column products in dplr_chunk_grad_columns.cuh; their
 // parts: dplr_chunk_layout.cuh (shared-memory layout, glossary of the short names),
 // dplr_chunk_loads.cuh, dplr_chunk_pairs.cuh, dplr_chunk_tiles.cuh.)
-// Backward (not fused): prep for the workspace unless the two-kernel training forward kept it,
-// the forward sweep for the states unless a training forward kept them; the reverse sweep (dS+
-// at every chunk end); then one CTA of 256 threads per (chunk slot, head, tile of dplr_chunk_cols(K) columns)
+// Backward otherwise: prep for the workspace and the forward sweep for the states unless the
+// two-kernel training forward kept them; the reverse sweep (dS+ at every chunk end); then one CTA of 256 threads per (chunk slot, head, tile of dplr_chunk_cols(K) columns)
 // makes that chunk's gradients with the rows, pair matrices and the K x cols state and its
 // gradient in shared memory. With V in one tile, or where one CTA walks all of a chunk's tiles
 // (bf16 / fp16 at K = 128: dplr_grad_walks_tiles), its K-vector gradients go straight to the
@@ -86,13 +85,17 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   pick_paths<T>(p);
   const int64_t slots = dplr_work_slots(p);  // prep and grad CTAs
   cudaError_t e = cudaSuccess;
-  if constexpr (!std::is_same<T, float>::value)
-    if (p.fused && p.backward()) {  // the fused reverse pass, then grad
+  if (p.backward() && p.kept == DplrKept::states) {  // the fused reverse pass, then grad
+    if constexpr (std::is_same<T, float>::value) {
+      return cudaErrorInvalidValue;  // (no fused forward made these states)
+    } else {
+      if (!p.fused || !dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
       e = launch_fused<T>(fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p, p.dout, stream);
       if (e != cudaSuccess) return e;
       return launch_with_smem(grad_kernel<T, KC>, dim3(unsigned(slots), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)),
                               NT, Smem(p.K, true).bytes(), p, stream);
     }
+  }
   if (!(p.backward() && p.kept == DplrKept::states_and_workspace))
     e = launch_with_smem(prep_kernel<T, KC>, dim3(unsigned(slots), p.H), NT, Smem(p.K, false).bytes(), p, stream);
   if (e != cudaSuccess) return e;

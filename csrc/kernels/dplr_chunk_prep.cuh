@@ -211,7 +211,7 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWorkspac
 
 // The workspaces' padding (DplrWorkspaceLayout): the K-rows' columns [KP4, KS) in `out`, and U0 /
 // O0 columns past VP4 (which the column tiles write, 0 in [V, VP4)) and past kDplrSweepCols of
-// each tile in `uout` (when given), 16 bytes at a time. The sweeps copy whole blocks: padding is
+// each tile in `uout`, 16 bytes at a time. The sweeps copy whole blocks: padding is
 // never read, but left unset it would be undefined data in a kept workspace.
 __device__ inline void zero_ws_pads(float* out, float* uout, const DplrWorkspaceLayout& ws) {
   const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -220,7 +220,6 @@ __device__ inline void zero_ws_pads(float* out, float* uout, const DplrWorkspace
     const int row = e / kpr, c = ws.KP4 + 4 * (e - row * kpr);
     *reinterpret_cast<float4*>(out + ws.w_at() + ws.krow_at(row, c)) = z;
   }
-  if (!uout) return;  // no U0 / O0 made
   // Only the padding pieces are enumerated (a loop over every piece testing each cost more than
   // the stores): the UP / 4 - SP pieces past each row's kDplrSweepCols, then the last tile's
   // pieces in [VP4, its end).
@@ -278,12 +277,9 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
   __syncthreads();
   constexpr bool TC = !std::is_same<T, float>::value;
   const bool factored = prepare<TC>(sm, L);
-  // The column tiles (U0, and a forward's O0) serve only a forward sweep: none runs after a
-  // backward's prep when the training forward kept its states.
-  const bool col_tiles = !p.backward() || p.kept == DplrKept::nothing;
   // All of v at once into the stage (over the pair workspace, free now), in flight during the
   // K-wide rows below; every column tile reads it.
-  if (col_tiles && p.paths.rows_16byte) {
+  if (p.paths.rows_16byte) {
     copy_cols_async<T>(sm, L, p.v, 0, s, h, t0, nrow, 0, p.V, p.V);
     copy_commit();
   }
@@ -291,7 +287,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
   // or a training forward's.
   for (int e = threadIdx.x; e < (p.backward() || train ? 5 * C * CP / 4 : 0); e += NT)  // as DplrWorkspaceLayout::mats_at()
     *reinterpret_cast<float4*>(out + ws.mats_at() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
-  zero_ws_pads(out, col_tiles ? uout() : nullptr, ws);
+  zero_ws_pads(out, uout(), ws);
   // K-wide rows, then the column tiles: on tensor cores for bf16 / fp16 (kwide_rows_tc,
   // col_tiles_tc; the column tiles when v is in the stage), else exact SIMT below.
   const float rho = float(p.scale);
@@ -335,16 +331,14 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
     }
   }
   if (TC) {
-    if (col_tiles && p.paths.rows_16byte) copy_wait<0>();
+    if (p.paths.rows_16byte) copy_wait<0>();
     __syncthreads();
     store_kwide_rows(sm, L, ws, out);
-    if (!col_tiles) return;
     if (p.paths.rows_16byte) {
       col_tiles_tc<T>(sm, L, ws, uout(), p.V, rho, !p.backward());
       return;
     }
   }
-  if (!col_tiles) return;
   // V columns in tiles of `cols`: thread (column x, row group g). U0 = X A_ak V, O0 = scale
   // (A_rk V + A_rb U0) (forward only); columns in [V, VP4) are written (0: v reads 0 there).
   const int x = threadIdx.x % cols, G = NT / cols, g = threadIdx.x / cols;

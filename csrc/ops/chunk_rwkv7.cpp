@@ -51,16 +51,6 @@ bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
   return d.N * d.H >= (keeps ? kFusedTrainingMinTasks : kFusedMinTasks);
 }
 
-// Whether a CUDA backward on the fused forward's states (DplrKept::states) runs the fused reverse
-// pass (kernels/dplr_chunk_fused_reverse.cuh: dS+ and the pair matrices in one walk per
-// (sequence, head)) in place of prep and the reverse sweep. FLA_EXT_RWKV7_FUSED_REVERSE=0 turns
-// it off (benchmarks compare the two).
-bool fused_reverse(const DiagArgs& d, const Tensor& r) {
-  if (!r.is_cuda() || !dplr_fused_forward(kernel_dtype(r), int(d.K), int(d.V))) return false;
-  const char* force = std::getenv("FLA_EXT_RWKV7_FUSED_REVERSE");
-  return !(force && force[0] == '0');
-}
-
 // What a CUDA training forward keeps (`saved`, fp32, flat): the chunk-start states, padded to a
 // multiple of 4 floats (16-byte aligned workspace rows), then the two-kernel forward's workspace;
 // the fused forward keeps the states alone (its backward's prep makes the workspace:
@@ -74,11 +64,12 @@ DplrKept saved_kind(const DiagArgs& d, const Tensor* saved) {
   if (!saved) return DplrKept::nothing;
   return saved->numel() > saved_states_floats(d) ? DplrKept::states_and_workspace : DplrKept::states;
 }
-// Floats per (chunk slot, head) of the workspace a backward makes: the whole per-chunk block
-// for grad and the reverse sweep, or the pair matrices and X alone where the fused reverse pass
-// makes them (DplrChunkPass::fused).
-int64_t backward_ws_floats_per_chunk(const DiagArgs& d, bool fused) {
-  return fused ? DplrWorkspaceLayout::kMatsFloats : DplrWorkspaceLayout(int(d.K), int(d.V)).floats_per_chunk();
+// Floats per (chunk slot, head) of the workspace a backward makes: the whole per-chunk block for
+// grad and the reverse sweep (no kept states), or the pair matrices and X alone where the fused
+// reverse pass makes them (the fused forward's states, DplrChunkPass::fused).
+int64_t backward_ws_floats_per_chunk(const DiagArgs& d, DplrKept kept) {
+  return kept == DplrKept::states ? DplrWorkspaceLayout::kMatsFloats
+                                  : DplrWorkspaceLayout(int(d.K), int(d.V)).floats_per_chunk();
 }
 // Chunks of a sequence without cu_seqlens.
 int64_t sequence_chunks(const DiagArgs& d) { return (d.T + kDplrChunk - 1) / kDplrChunk; }
@@ -98,12 +89,16 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   p.fused = sweep && fused_forward(d, r, saved != nullptr);
   if (p.fused) return p;
   const DplrKept kind = saved_kind(d, saved);
-  p.fused = !sweep && kind == DplrKept::states && fused_reverse(d, r);
+  // A backward on the fused forward's states runs the fused reverse pass
+  // (kernels/dplr_chunk_fused_reverse.cuh: dS+ and the pair matrices with X, one walk per
+  // (sequence, head)), whose support is the fused forward's.
+  p.fused = !sweep && kind == DplrKept::states;
   if (kind == DplrKept::states_and_workspace) {
     p.ws = saved->data_ptr<float>() + saved_states_floats(d);
   } else {
     const int64_t slots = window_chunks > 0 ? d.N * window_chunks : dplr_chunk_slots(d);
-    ws = at::empty({slots * d.H * backward_ws_floats_per_chunk(d, p.fused)}, r.options().dtype(at::kFloat));
+    ws = at::empty({slots * d.H * backward_ws_floats_per_chunk(d, sweep ? DplrKept::nothing : kind)},
+                   r.options().dtype(at::kFloat));
     p.ws = ws.data_ptr();
   }
   if (!sweep) p.kept = kind;
@@ -251,26 +246,25 @@ void forward_in_windows(const DiagArgs& d, const ForwardWindows& windows, const 
 
 // ---- The backward in windows of the chunk index ----
 // A backward on kept states makes dS+ at every chunk end (16 KB per chunk and head at K = V =
-// 64) and, on the fused forward's states (DplrKept::states), the pair matrices and X too (6.4 KB
-// from the fused reverse pass; prep's whole workspace, ~23 KB, without it), for every chunk at
-// once: 2.9 GB beside the 2 GB of states at B = 8, T = 4096, H = 64, K = V = 64. Without
-// cu_seqlens it runs over windows of the chunk index instead, the latest first (the reverse
-// sweep or fused reverse pass and grad, and prep where it runs, on the window's chunks of every sequence,
-// DplrChunkPass::window_chunks), one buffer of each reused by every window and dS carried from
-// window to window per sequence. A backward without kept states (FLA_EXT_KEEP_WORKSPACES=0) and
-// varlen keep one pass: the first makes every chunk's states anyway, and a window of the chunk
-// index would give every sequence its slots, however short.
+// 64) and, on the fused forward's states (DplrKept::states), the pair matrices and X from the
+// fused reverse pass too (6.4 KB), for every chunk at once: 2.9 GB beside the 2 GB of states at
+// B = 8, T = 4096, H = 64, K = V = 64. Without cu_seqlens it runs over windows of the chunk index
+// instead, the latest first (the reverse sweep or the fused reverse pass, then grad, on the
+// window's chunks of every sequence, DplrChunkPass::window_chunks), one buffer of each reused by
+// every window and dS carried from window to window per sequence. A backward without kept states
+// (FLA_EXT_KEEP_WORKSPACES=0) and varlen keep one pass: the first makes every chunk's states
+// anyway, and a window of the chunk index would give every sequence its slots, however short.
 
 // Chunks per window, 0 for one pass. The budget: FLA_EXT_WORKSPACE_MIB, else the larger of the
 // forward's default (64 MiB, 32 states per sequence) and a part of one pass's workspaces: an
-// eighth with the workspace made per window (at most ~8 windows of 3 launches: +0.5 to +2 %), a
-// quarter with dS+ alone (each window's grad launch ends in a partial wave: at K = 128, one CTA
-// per SM, eight windows cost +4 to +7 %; benchmarks/NOTES.md c29).
-int64_t backward_window_chunks(const DiagArgs& d, const Tensor& r, DplrKept kept) {
+// eighth on the fused forward's states (at most ~8 windows of two launches), a quarter on the
+// two-kernel forward's kept workspace (each window's grad launch ends in a partial wave: at K =
+// 128, one CTA per SM, eight windows cost +4 to +7 %; benchmarks/NOTES.md c29).
+int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept) {
   if (kept == DplrKept::nothing || d.cu.defined()) return 0;
   const int64_t nch = sequence_chunks(d);
   const bool makes_ws = kept == DplrKept::states;
-  const int64_t ws = makes_ws ? backward_ws_floats_per_chunk(d, fused_reverse(d, r)) : 0;
+  const int64_t ws = makes_ws ? backward_ws_floats_per_chunk(d, kept) : 0;
   const int64_t per_chunk = d.N * d.H * (ws + d.K * d.V) * int64_t(sizeof(float));
   const int64_t mib = workspace_budget_mib();
   const int64_t budget =
@@ -342,7 +336,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
                            ? kept_workspace(saved_in, {saved_floats(d, r)}, r.options().dtype(at::kFloat), "saved")
                            : nullptr;
   Tensor hst = kept ? Tensor() : dplr_states(d, r, d.T > 0);
-  const int64_t window = backward_window_chunks(d, r, saved_kind(d, kept));
+  const int64_t window = backward_window_chunks(d, saved_kind(d, kept));
   Tensor dhst = window > 0 ? new_output({d.N * window, d.H, d.K, d.V}, acc)
                            : dplr_states(d, r, d.T > 0 && r.is_cuda());
 

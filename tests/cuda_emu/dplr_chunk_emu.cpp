@@ -55,10 +55,10 @@ void fused_reverse(const DplrChunkPass& p) {
 // fp32. keep (backward), as chunk_rwkv7_train does: 1, the two-kernel training forward stores hst
 // and its workspace (with the pair matrices) first, and the backward reads them
 // (DplrKept::states_and_workspace: no prep, no forward sweep); 2, the fused forward (bf16, K = V =
-// 64) stores hst, and the backward's prep makes the workspace (DplrKept::states); 3 and 4, as 2
-// and 1 with the backward in windows of two chunks (no cu_seqlens), latest first, as the op's
-// backward_window_chunks runs it; 5 and 6, as 2 and 3 with the fused reverse pass in place of
-// prep and the reverse sweep (DplrChunkPass::fused: ws holds the pair matrices and X alone).
+// 64) stores hst, and the backward runs the fused reverse pass (DplrKept::states,
+// DplrChunkPass::fused: ws holds the pair matrices and X alone); 3 and 4, as 2 and 1 with the
+// backward in windows of two chunks (no cu_seqlens), latest first, as the op's
+// backward_window_chunks runs it.
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
@@ -97,7 +97,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
     p.kept = DplrKept::states_and_workspace;
     uob.fill_(NAN);  // a kept backward reads no U0 / O0
-  } else if (bwd && (keep == 2 || keep == 3 || keep == 5 || keep == 6)) {
+  } else if (bwd && (keep == 2 || keep == 3)) {
     if constexpr (std::is_same_v<E, float>) {
       TORCH_CHECK(false, "the fused forward takes bf16");
     } else {
@@ -106,13 +106,9 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
       f.o = vec(o), f.hst = hst.data_ptr(), f.fused = true;
       f.paths.rows_16byte = input_rows_in_pieces<E>(f, f.v);
       fused_forward<4>(f);
-      p.kept = DplrKept::states;
-      p.uo = nullptr;  // prep makes no U0 / O0 then
-      if (keep >= 5) {
-        p.fused = true;
-        wsb = poison({slots * H * DplrWorkspaceLayout::kMatsFloats});
-        p.ws = wsb.data_ptr();
-      }
+      p.kept = DplrKept::states, p.fused = true, p.uo = nullptr;
+      wsb = poison({slots * H * DplrWorkspaceLayout::kMatsFloats});
+      p.ws = wsb.data_ptr();
     }
   }
   if (!bwd) {
@@ -145,14 +141,14 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
     emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
   };
-  if (keep != 3 && keep != 4 && keep != 6) {
+  if (keep != 3 && keep != 4) {
     backward();
   } else {  // window-sized dhst (and ws, unless kept), poisoned once: every window writes its slots before reading them
     TORCH_CHECK(!varlen, "backward windows take no cu_seqlens");
     constexpr int64_t kWindow = 2;
     Tensor wws = poison({N * kWindow * H * (p.fused ? DplrWorkspaceLayout::kMatsFloats : ws.floats_per_chunk())}), wdhst = poison({N * kWindow, H, K, V}),
            dcarry = poison({N, H, K, V});
-    if (keep == 3 || keep == 6) p.ws = wws.data_ptr();
+    if (keep == 3) p.ws = wws.data_ptr();
     p.dhst = wdhst.data_ptr(), p.dcarry = mat(dcarry), p.window_chunks = kWindow;
     const int64_t nch = (T + C - 1) / C;
     for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow) backward();

@@ -203,15 +203,12 @@ def test_fused_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen)
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 @pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
-@pytest.mark.parametrize("reverse", ["1", "0"], ids=["fused_reverse", "prep_and_sweep"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fused_training_forward_matches_oracle(case, head_first, dtype, reverse, monkeypatch, gen):
+def test_fused_training_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen):
     """The fused training forward (forced) stores the chunk-start states, and the backward runs
-    on them (DplrKept::states) the fused reverse pass, or prep and the reverse sweep: o, the final
-    state and every gradient against the float64 oracle (bf16 / fp16 tolerances), `saved`
-    holding the states alone."""
+    the fused reverse pass on them (DplrKept::states): o, the final state and every gradient
+    against the float64 oracle (bf16 / fp16 tolerances), `saved` holding the states alone."""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
-    monkeypatch.setenv("FLA_EXT_RWKV7_FUSED_REVERSE", reverse)
     (r, w, k, v, a, b, h0), cu_t = fused_case(case, head_first, dtype, gen)
     _, _, saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 0.7, h0, True, cu_t, head_first)
     N, T = h0.shape[0], r.shape[-2 if head_first else -3]
@@ -224,18 +221,16 @@ def test_fused_training_forward_matches_oracle(case, head_first, dtype, reverse,
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
-@pytest.mark.parametrize("fused,reverse,K,saves", [("1", "1", 64, 10 << 20), ("1", "0", 64, 16 << 20),
-                                                   ("0", "1", 64, 6 << 20), ("0", "1", 128, 24 << 20)],
-                         ids=["fused_reverse", "fused_states_prep", "kept_workspace", "kept_workspace_K128"])
-def test_backward_windows_match_one_pass(head_first, fused, reverse, K, saves, monkeypatch, gen):
+@pytest.mark.parametrize("fused,K,saves", [("1", 64, 10 << 20), ("0", 64, 6 << 20),
+                                           ("0", 128, 24 << 20)],
+                         ids=["fused_states", "kept_workspace", "kept_workspace_K128"])
+def test_backward_windows_match_one_pass(head_first, fused, K, saves, monkeypatch, gen):
     """The backward on kept states runs in windows of the chunk index when its workspaces exceed
     the budget (FLA_EXT_WORKSPACE_MIB=0: a chunk per window, 65 windows here): the gradients
     equal the one-pass backward's bitwise, and its peak holds one window's dS+ (and, on the fused
-    forward's states, the pair matrices and X from the fused reverse pass, or prep's whole
-    workspace) instead of every chunk's (K = V = 64: ~8 MB of dS+, ~3 MB of matrices or ~12 MB of
-    workspace; K = 128: ~34 MB)."""
+    forward's states, the pair matrices and X from the fused reverse pass) instead of every
+    chunk's (K = V = 64: ~8 MB of dS+, ~3 MB of matrices; K = 128: ~34 MB)."""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", fused)
-    monkeypatch.setenv("FLA_EXT_RWKV7_FUSED_REVERSE", reverse)
     r, w, k, v, a, b, h0 = make(2, 1030, 4, K, K, torch.bfloat16, "cuda", gen, w_kind="rwkv7",
                                 head_first=head_first)
     do, dht = torch.randn_like(v), torch.randn_like(h0)
