@@ -124,6 +124,9 @@ struct DplrChunkPaths {
   // The five K-vector gradient outputs (kgd) share their strides: one element offset serves all
   // five gradient stores.
   bool grads_share_offsets = false;
+  // bf16 / fp16: dv's rows are whole pairs of elements at 4-byte aligned addresses, so grad's
+  // tensor-core lanes store their two adjacent columns as one 4-byte store.
+  bool dv_pairs = false;
 };
 
 // Whether a CUDA pass of this dtype and head sizes can run the fused kernels, one CTA per

@@ -170,19 +170,19 @@ __device__ __forceinline__ void decay_factor_rows(float* sm, const Smem& L, bool
 template <bool TC>
 __device__ __forceinline__ void kvector_grads(float* sm, const Smem& L, float rho) {
   const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
-  // K-vector gradients, CW channels of RW rows per task (TC: 4 channels of one row, so that
-  // each pair step's loads serve four channels; SIMT: 2 channels of rows i and i + 8, whose
-  // state parts share one read of S and dS). State parts first, then the pair walks.
+  // K-vector gradients, 2 channels of rows 2 p and 2 p + 1 per task: one pair walk serves both
+  // rows (pair_walks), and SIMT, their state parts share one read of S and dS. State parts
+  // first, then the pair walks.
   {
-    constexpr int CW = TC ? 4 : 2, RW = TC ? 1 : 2;
+    constexpr int CW = 2;
     using V = Chans<CW>;
     const int nq = (K + CW - 1) / CW;
-    for (int e = threadIdx.x; e < (C / RW) * nq; e += NT) {
+    for (int e = threadIdx.x; e < (C / 2) * nq; e += NT) {
       const int i0 = e / nq, d = CW * (e - i0 * nq);
-      V g[RW][4];  // per row: the state parts of dr, da, dk, db
+      V g[2][4];  // per row: the state parts of dr, da, dk, db
 #pragma unroll
-      for (int h = 0; h < RW; ++h) {
-        const int at = (i0 + h * (C / RW)) * KP + d;
+      for (int h = 0; h < 2; ++h) {
+        const int at = (2 * i0 + h) * KP + d;
 #pragma unroll
         for (int m = 0; m < 4; ++m) g[h][m] = TC ? V::ld(sm + (m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows) + at) : V{};
       }
@@ -192,8 +192,8 @@ __device__ __forceinline__ void kvector_grads(float* sm, const Smem& L, float rh
           const int dc = min(d + c, K - 1) * BP + q;  // channels past K: any finite value
           const float4 s = ld4(sm + L.S + dc), ds = ld4(sm + L.dS + dc);
 #pragma unroll
-          for (int h = 0; h < RW; ++h) {
-            const int i = (i0 + h * (C / RW)) * BP + q;
+          for (int h = 0; h < 2; ++h) {
+            const int i = (2 * i0 + h) * BP + q;
             g[h][0].v[c] = dot4(ld4(sm + L.dO + i), s, g[h][0].v[c]);
             g[h][1].v[c] = dot4(ld4(sm + L.dM + i), s, g[h][1].v[c]);
             g[h][2].v[c] = dot4(ld4(sm + L.v + i), ds, g[h][2].v[c]);
@@ -201,18 +201,12 @@ __device__ __forceinline__ void kvector_grads(float* sm, const Smem& L, float rh
           }
         }
       }
-      V zp{};  // SIMT: these rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
-#pragma unroll 1
-      for (int h = 0; h < RW; ++h) {
-        // (selects, not a runtime index into g: no local memory)
-        const V sr = h ? g[RW - 1][0] : g[0][0], sa = h ? g[RW - 1][1] : g[0][1];
-        const V sk = h ? g[RW - 1][2] : g[0][2], sb = h ? g[RW - 1][3] : g[0][3];
-        pair_walks<CW>(sm, L, i0 + h * (C / RW), d, rho, sr, sa, sk, sb, zp);
-      }
+      V zp[2] = {};  // SIMT: these rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
+      pair_walks<CW>(sm, L, 2 * i0, d, rho, g, zp);
       if (!TC)
 #pragma unroll
         for (int c = 0; c < CW; ++c)
-          if (d + c < K) sm[L.zparts + i0 * K + d + c] = zp.v[c];
+          if (d + c < K) sm[L.zparts + i0 * K + d + c] = zp[0].v[c] + zp[1].v[c];
     }
   }
   __syncthreads();

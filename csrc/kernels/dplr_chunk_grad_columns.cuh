@@ -50,10 +50,22 @@ __device__ __forceinline__ void column_chain_tc(float* sm, const Smem& L, const 
     rows_state_mma(sm, L, L.dk_rows, L.dS, x0, dv);
     MatFrag(sm, L.Ark, true, rho).mma<true>(dv, col(L.dO));
     MatFrag(sm, L.Aak, true).mma<true>(dv, col(L.dM));
+    const int xx = acc_col(x0, 0), j = kp_row(0, 0);  // this lane's columns xx, xx + 1; rows j, j + 8
+    if (xx >= c.nc) continue;
+    T* const row = vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int j = kp_row(0, e), xx = acc_col(x0, e);
-      if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(dv[e]);
+    for (int h = 0; h < 2; ++h) {
+      if (j + 8 * h >= nrow) continue;
+      T* const at = row + 8 * h * p.dv.st;
+      if (p.paths.dv_pairs) {  // (V even: xx + 1 < c.nc too)
+        const T pair[2] = {from_f<T>(dv[2 * h]), from_f<T>(dv[2 * h + 1])};
+        uint32_t raw;
+        memcpy(&raw, pair, sizeof(raw));
+        *reinterpret_cast<uint32_t*>(at) = raw;
+      } else {
+        at[0] = from_f<T>(dv[2 * h]);
+        if (xx + 1 < c.nc) at[p.dv.sd] = from_f<T>(dv[2 * h + 1]);
+      }
     }
   }
 }

@@ -90,6 +90,7 @@ template <typename T>
 inline void pick_paths(DplrChunkPass& p) {
   p.paths.rows_16byte = rows_16byte_ok<T>(p);
   p.paths.grads_16byte = grads_16byte_ok<T>(p);
+  p.paths.dv_pairs = sizeof(T) == 2 && p.backward() && elements::rows_in_pieces(p.dv, p.V, 2);
   auto same = [](const VecArg& u, const VecArg& v) { return u.sb == v.sb && u.st == v.st && u.sh == v.sh && u.sd == v.sd; };
   p.paths.rows_share_offsets = same(p.w, p.r) && same(p.k, p.r) && same(p.a, p.r) && same(p.b, p.r);
   p.paths.grads_share_offsets = true;

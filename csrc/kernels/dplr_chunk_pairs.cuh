@@ -261,64 +261,87 @@ struct Chans {
   }
 };
 
-// The K-vector gradients of row i, channels [d, d + CW), into the gradient rows dr_rows, da_rows,
-// dk_rows, db_rows: the pair parts walk the rows below i (i as the query: r, a) and above it (i as
-// the key: k, b), multiplying the decay factors up from exp(w) (in the w rows: products of <= 15
-// factors <= 1, a few ulp; no exponential per pair), then the state parts sr, sa, sk, sb take their
-// row factors, exp(G_i) = exp(E_i) exp(w_i) and exp(Omega_i): the products the walks end with. The
-// query walk leaves its common factor exp(w_i) to the end. zp += zeta's state-part sum of this row,
-// K^_i sk + B^_i sb (the SIMT path's; TC's comes from its state-part products).
+// The K-vector gradients of rows i and i + 1 (i even), channels [d, d + CW), into the gradient
+// rows dr_rows, da_rows, dk_rows, db_rows: the pair parts walk the rows below the pair (as
+// queries: r, a) and above it (as keys: k, b), multiplying the decay factors up from exp(w) (in
+// the w rows: products of <= 15 factors <= 1, a few ulp; no exponential per pair), then the state
+// parts s[h] = (sr, sa, sk, sb) of row i + h take their row factors, exp(G) = exp(E) exp(w) and
+// exp(Omega): the products the walks end with. One walk serves both rows, so each step's loads
+// (the walked row's k, b, exp(w) or r, a, exp(w), and the two rows' dA) serve both: row i + 1's
+// factors over the shared steps are row i's times exp(w_i) (queries) and key i's are key
+// i + 1's times exp(w_{i+1}) (keys), applied once at the end, and the step between the two rows
+// is added on its own. The query walk leaves its common factor exp(w) of the row to the end.
+// zp[h] += zeta's state-part sum of row i + h, K^ sk + B^ sb (the SIMT path's; TC's comes from
+// its state-part products).
 template <int CW>
 __device__ __forceinline__ void pair_walks(float* sm, const Smem& L, int i, int d, float rho,
-                                           const Chans<CW>& sr, const Chans<CW>& sa,
-                                           const Chans<CW>& sk, const Chans<CW>& sb, Chans<CW>& zp) {
+                                           const Chans<CW> (&st)[2][4], Chans<CW> (&zp)[2]) {
   using V = Chans<CW>;
-  const int KP = L.KP;
+  const int KP = L.KP, i1 = i + 1;
   const float *ew = sm + L.w + d, *kr = sm + L.k + d, *br = sm + L.b + d;  // ew: exp(w)
   const float *rr = sm + L.r + d, *ar = sm + L.a + d, *dA = sm + L.dA;
-  const float4 di = ld4(dA + 4 * (i * C + i));
-  const V ki = V::ld(kr + i * KP), bi = V::ld(br + i * KP);
-  V wr, da, fex;  // wr: the query walk's part of dr over exp(w_i); fex: exp(sum of w_s, j < s < i)
+  const float4 d0 = ld4(dA + 4 * (i * C + i)), d1 = ld4(dA + 4 * (i1 * C + i1)), x = ld4(dA + 4 * (i1 * C + i));
+  const V k0 = V::ld(kr + i * KP), b0 = V::ld(br + i * KP), k1 = V::ld(kr + i1 * KP), b1 = V::ld(br + i1 * KP);
+  const V e0 = V::ld(ew + i * KP), e1 = V::ld(ew + i1 * KP), r0 = V::ld(rr + i * KP), r1 = V::ld(rr + i1 * KP);
+  // Queries: wr, da per row (row i + 1's over the shared steps, before its factor exp(w_i));
+  // fex = exp(sum of w_s, j < s < i).
+  V wr0, da0, wr1, da1, fex;
 #pragma unroll
   for (int c = 0; c < CW; ++c) fex.v[c] = 1.f;
   for (int j = i - 1; j >= 0; --j) {
-    const float4 a = ld4(dA + 4 * (i * C + j));
+    const float4 a0 = ld4(dA + 4 * (i * C + j)), a1 = ld4(dA + 4 * (i1 * C + j));
     const V kj = V::ld(kr + j * KP), bj = V::ld(br + j * KP), ej = V::ld(ew + j * KP);
 #pragma unroll
     for (int c = 0; c < CW; ++c) {
-      wr.v[c] += (a.x * kj.v[c] + a.y * bj.v[c]) * fex.v[c];
-      da.v[c] += (a.z * kj.v[c] + a.w * bj.v[c]) * fex.v[c];
+      const float kf = kj.v[c] * fex.v[c], bf = bj.v[c] * fex.v[c];
+      wr0.v[c] += a0.x * kf + a0.y * bf, da0.v[c] += a0.z * kf + a0.w * bf;
+      wr1.v[c] += a1.x * kf + a1.y * bf, da1.v[c] += a1.z * kf + a1.w * bf;
       fex.v[c] *= ej.v[c];
     }
   }
-  const V ewi = V::ld(ew + i * KP), ri = V::ld(rr + i * KP);
-  V dr;
+  V dr0, dr1;
 #pragma unroll
-  for (int c = 0; c < CW; ++c) {  // fex = exp(E_i) now
-    dr.v[c] = di.x * ki.v[c] + di.y * bi.v[c] + ewi.v[c] * (wr.v[c] + sr.v[c] * (rho * fex.v[c]));
-    da.v[c] += sa.v[c] * fex.v[c];
+  for (int c = 0; c < CW; ++c) {  // fex = exp(E_i) now; exp(E_{i+1}) = exp(E_i) exp(w_i)
+    const float f1 = fex.v[c] * e0.v[c];
+    wr1.v[c] = wr1.v[c] * e0.v[c] + x.x * k0.v[c] + x.y * b0.v[c];  // + the step j = i
+    da1.v[c] = da1.v[c] * e0.v[c] + x.z * k0.v[c] + x.w * b0.v[c];
+    dr0.v[c] = d0.x * k0.v[c] + d0.y * b0.v[c] + e0.v[c] * (wr0.v[c] + st[0][0].v[c] * (rho * fex.v[c]));
+    dr1.v[c] = d1.x * k1.v[c] + d1.y * b1.v[c] + e1.v[c] * (wr1.v[c] + st[1][0].v[c] * (rho * f1));
+    da0.v[c] += st[0][1].v[c] * fex.v[c];
+    da1.v[c] += st[1][1].v[c] * f1;
   }
-  dr.st(sm + L.dr_rows + i * KP + d), da.st(sm + L.da_rows + i * KP + d);
-  V dk, db;
+  dr0.st(sm + L.dr_rows + i * KP + d), da0.st(sm + L.da_rows + i * KP + d);
+  dr1.st(sm + L.dr_rows + i1 * KP + d), da1.st(sm + L.da_rows + i1 * KP + d);
+  // Keys: dk, db per row (key i's over the shared steps, before its factor exp(w_{i+1})); fex =
+  // exp(sum of w_s, i + 1 < s < i2).
+  V dk0, db0, dk1, db1;
 #pragma unroll
-  for (int c = 0; c < CW; ++c) dk.v[c] = di.x * ri.v[c], db.v[c] = di.y * ri.v[c], fex.v[c] = 1.f;
-  for (int i2 = i + 1; i2 < C; ++i2) {
-    const float4 a = ld4(dA + 4 * (i2 * C + i));
+  for (int c = 0; c < CW; ++c) fex.v[c] = 1.f;
+  for (int i2 = i1 + 1; i2 < C; ++i2) {
+    const float4 a0 = ld4(dA + 4 * (i2 * C + i)), a1 = ld4(dA + 4 * (i2 * C + i1));
     const V e2 = V::ld(ew + i2 * KP), r2 = V::ld(rr + i2 * KP), a2 = V::ld(ar + i2 * KP);
 #pragma unroll
     for (int c = 0; c < CW; ++c) {
-      const float re = r2.v[c] * e2.v[c];
-      dk.v[c] += (a.x * re + a.z * a2.v[c]) * fex.v[c];
-      db.v[c] += (a.y * re + a.w * a2.v[c]) * fex.v[c];
+      const float re = r2.v[c] * e2.v[c] * fex.v[c], af = a2.v[c] * fex.v[c];
+      dk0.v[c] += a0.x * re + a0.z * af, db0.v[c] += a0.y * re + a0.w * af;
+      dk1.v[c] += a1.x * re + a1.z * af, db1.v[c] += a1.y * re + a1.w * af;
       fex.v[c] *= e2.v[c];
     }
   }
+  const V a1r = V::ld(ar + i1 * KP);
 #pragma unroll
-  for (int c = 0; c < CW; ++c) {  // fex = exp(Omega_i) now
-    dk.v[c] += sk.v[c] * fex.v[c], db.v[c] += sb.v[c] * fex.v[c];
-    zp.v[c] += (ki.v[c] * sk.v[c] + bi.v[c] * sb.v[c]) * fex.v[c];
+  for (int c = 0; c < CW; ++c) {  // fex = exp(Omega_{i+1}) now; exp(Omega_i) = exp(w_{i+1}) exp(Omega_{i+1})
+    const float f0 = e1.v[c] * fex.v[c], re1 = r1.v[c] * e1.v[c];
+    // key i: the diagonal, the step i2 = i + 1, the shared steps times exp(w_{i+1})
+    dk0.v[c] = d0.x * r0.v[c] + x.x * re1 + x.z * a1r.v[c] + dk0.v[c] * e1.v[c] + st[0][2].v[c] * f0;
+    db0.v[c] = d0.y * r0.v[c] + x.y * re1 + x.w * a1r.v[c] + db0.v[c] * e1.v[c] + st[0][3].v[c] * f0;
+    dk1.v[c] += d1.x * r1.v[c] + st[1][2].v[c] * fex.v[c];
+    db1.v[c] += d1.y * r1.v[c] + st[1][3].v[c] * fex.v[c];
+    zp[0].v[c] += (k0.v[c] * st[0][2].v[c] + b0.v[c] * st[0][3].v[c]) * f0;
+    zp[1].v[c] += (k1.v[c] * st[1][2].v[c] + b1.v[c] * st[1][3].v[c]) * fex.v[c];
   }
-  dk.st(sm + L.dk_rows + i * KP + d), db.st(sm + L.db_rows + i * KP + d);
+  dk0.st(sm + L.dk_rows + i * KP + d), db0.st(sm + L.db_rows + i * KP + d);
+  dk1.st(sm + L.dk_rows + i1 * KP + d), db1.st(sm + L.db_rows + i1 * KP + d);
 }
 
 }  // namespace dplr_chunk_detail
