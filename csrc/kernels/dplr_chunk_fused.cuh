@@ -28,11 +28,8 @@ template <typename T, int kCtas, bool kStates>
 __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using L = FusedSmem;
-  extern __shared__ float4 fused_sm4[];
-  float* const sm = reinterpret_cast<float*>(fused_sm4);
-  const int h = int(blockIdx.x) % p.H, n = int(blockIdx.x) / p.H;
-  const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
-  const int64_t nch = (s.len + C - 1) / C;
+  float* const sm = fused_smem();
+  const auto [h, n, s, nch] = FusedTask(p);
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
   const float rho = float(p.scale);
 

@@ -23,6 +23,12 @@ namespace fla {
 // __launch_bounds__).
 constexpr int kDplrFusedThreads = 128;
 
+// A fused kernel's dynamic shared memory (FusedSmem's floats; 16-byte aligned).
+__device__ __forceinline__ float* fused_smem() {
+  extern __shared__ float4 fused_sm4[];
+  return reinterpret_cast<float*>(fused_sm4);
+}
+
 namespace dplr_fused_detail {
 
 using elements::from_f;
@@ -72,6 +78,16 @@ constexpr int kMatArk = 0, kMatArb = 1, kMatAak = 2, kMatAab = 3, kMatX = 4;  //
 constexpr int kPieceElems = 8, kPiecesPerRow = K / kPieceElems;
 static_assert(NTF == C * kPiecesPerRow, "a piece of each block per thread");
 static_assert(LA % 4 == 0 && LB % 4 == 0, "rows of 16-byte aligned floats");
+
+// A fused CTA's task: head h of sequence n (blockIdx.x = n H + h), the sequence's rows and chunks.
+struct FusedTask {
+  int h, n;
+  SeqSpan s;
+  int64_t nch;
+  __device__ explicit FusedTask(const DplrChunkPass& p)
+      : h(int(blockIdx.x) % p.H), n(int(blockIdx.x) / p.H), s(seq_span(p.cu_seqlens, n, p.T)),
+        nch((s.len + C - 1) / C) {}
+};
 
 // The six row blocks of a sequence's chunks (r, w, k, the column side `cols`: v or dO, a, b), a
 // 16-byte piece of each per thread: row tid / kPiecesPerRow, channels kPieceElems (tid %
