@@ -196,9 +196,9 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   MatArg dcarry;
 };
 
-// The slot of sequence n's chunk ci in the backward's dhst (and in the ws a backward's prep
-// makes): hst's slot (chunk_slot), or in a window (window_chunks > 0) n * window_chunks + ci -
-// window_begin.
+// The slot of sequence n's chunk ci in the backward's dhst (and in the ws the backward makes:
+// prep's, or the fused reverse pass's matrices): hst's slot (chunk_slot), or in a window
+// (window_chunks > 0) n * window_chunks + ci - window_begin.
 FLA_HD int64_t dplr_work_slot(const DplrChunkPass& p, int n, int64_t ci) {
   return p.window_chunks > 0 ? int64_t(n) * p.window_chunks + ci - p.window_begin
                              : chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci);

@@ -53,8 +53,8 @@ bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
 
 // What a CUDA training forward keeps (`saved`, fp32, flat): the chunk-start states, padded to a
 // multiple of 4 floats (16-byte aligned workspace rows), then the two-kernel forward's workspace;
-// the fused forward keeps the states alone (its backward's prep makes the workspace:
-// DplrKept::states).
+// the fused forward keeps the states alone (its backward's fused reverse pass makes the pair
+// matrices and X: DplrKept::states).
 int64_t saved_states_floats(const DiagArgs& d) { return (dplr_state_floats(d) + 3) / 4 * 4; }
 int64_t saved_floats(const DiagArgs& d, const Tensor& r) {
   return saved_states_floats(d) + (fused_forward(d, r, true) ? 0 : dplr_ws_floats(d));
