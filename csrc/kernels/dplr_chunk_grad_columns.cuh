@@ -10,47 +10,70 @@ namespace fla {
 namespace dplr_chunk_detail {
 
 // grad_kernel, step 4 (TC): dv of the tile's columns to its output, and M + P, U, dU, dM into
-// shared memory. A warp per 8 columns chains every 16-row product of its columns on tensor cores,
-// with __syncwarp between them (the SIMT forms need a CTA barrier after each):
+// shared memory. A warp per slab of NTL 8-column n-tiles chains every 16-row product of its
+// columns on tensor cores, with __syncwarp between them (the SIMT forms need a CTA barrier after
+// each):
 //   M + P = A_ak V + Â S,  U = X (M + P),  dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU,
 //   dV = scale A_rk^T dO + A_ak^T dM + K^ dS+.
 // Every operand a TF32 value as stored (v, dO widened from 16 bits; S, dS rounded by
 // state_rowsum; the chain's own rows rounded by put), so that no product rounds per read; the
-// scale goes into the A_rb, A_rk fragments. Rows at kp_row (rows_state_mma). After a barrier
-// that follows decay_factor_rows; not synchronised.
-template <typename T>
-__device__ __forceinline__ void column_chain_tc(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
-                                                int64_t t0, int nrow, float rho) {
-  const int cols = L.cols, BP = L.BP;
-  for (int x0 = 8 * (threadIdx.x / 32); x0 < cols; x0 += NT / 4) {
-    auto col = [&](int arr) {
-      return [=](int k, int n) { return sm[arr + k * BP + x0 + n]; };
-    };
-    auto put = [&](int arr, const float(&acc)[4]) {  // 8-byte stores, conflict-free (kp_row)
+// scale goes into the A_rb, A_rk fragments. Rows at kp_row (rows_state_mma).
+template <typename T, int NTL>
+__device__ __forceinline__ void column_slab_tc(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
+                                               int64_t t0, int nrow, float rho, int x0) {
+  const int BP = L.BP;
+  auto col = [&](int arr, int t) {
+    const int xb = x0 + 8 * t;
+    return [=](int k, int n) { return sm[arr + k * BP + xb + n]; };
+  };
+  auto put = [&](int arr, const float (&acc)[NTL][4]) {  // 8-byte stores, conflict-free (kp_row)
+#pragma unroll
+    for (int t = 0; t < NTL; ++t)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(sm + arr + kp_row(0, 2 * h) * BP + acc_col(x0, 0)) =
-            make_float2(tf32_round(acc[2 * h]), tf32_round(acc[2 * h + 1]));
-    };
-    float mp[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
-    rows_state_mma(sm, L, L.da_rows, L.S, x0, mp);
-    MatFrag(sm, L.Aak).mma<true>(mp, col(L.v));
-    put(L.M, mp);
-    __syncwarp();
-    MatFrag(sm, L.X).mma<true>(u, col(L.M));
-    put(L.U, u);
-    float du[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f}, dv[4] = {0.f, 0.f, 0.f, 0.f};
-    rows_state_mma(sm, L, L.db_rows, L.dS, x0, du);
-    MatFrag(sm, L.Arb, true, rho).mma<true>(du, col(L.dO));
-    put(L.dU, du);
-    __syncwarp();
-    MatFrag(sm, L.X, true).mma<true>(dm, col(L.dU));
-    put(L.dM, dm);
-    __syncwarp();
-    rows_state_mma(sm, L, L.dk_rows, L.dS, x0, dv);
-    MatFrag(sm, L.Ark, true, rho).mma<true>(dv, col(L.dO));
-    MatFrag(sm, L.Aak, true).mma<true>(dv, col(L.dM));
-    const int xx = acc_col(x0, 0), j = kp_row(0, 0);  // this lane's columns xx, xx + 1; rows j, j + 8
+        *reinterpret_cast<float2*>(sm + arr + kp_row(0, 2 * h) * BP + acc_col(x0 + 8 * t, 0)) =
+            make_float2(tf32_round(acc[t][2 * h]), tf32_round(acc[t][2 * h + 1]));
+  };
+  float mp[NTL][4] = {}, u[NTL][4] = {};
+  rows_state_mma(sm, L, L.da_rows, L.S, x0, mp);
+  {
+    const MatFrag Aak(sm, L.Aak);
+#pragma unroll
+    for (int t = 0; t < NTL; ++t) Aak.mma<true>(mp[t], col(L.v, t));
+  }
+  put(L.M, mp);
+  __syncwarp();
+  {
+    const MatFrag X(sm, L.X);
+#pragma unroll
+    for (int t = 0; t < NTL; ++t) X.mma<true>(u[t], col(L.M, t));
+  }
+  put(L.U, u);
+  float du[NTL][4] = {}, dm[NTL][4] = {}, dv[NTL][4] = {};
+  rows_state_mma(sm, L, L.db_rows, L.dS, x0, du);
+  {
+    const MatFrag Arb(sm, L.Arb, true, rho);
+#pragma unroll
+    for (int t = 0; t < NTL; ++t) Arb.mma<true>(du[t], col(L.dO, t));
+  }
+  put(L.dU, du);
+  __syncwarp();
+  {
+    const MatFrag Xt(sm, L.X, true);
+#pragma unroll
+    for (int t = 0; t < NTL; ++t) Xt.mma<true>(dm[t], col(L.dU, t));
+  }
+  put(L.dM, dm);
+  __syncwarp();
+  rows_state_mma(sm, L, L.dk_rows, L.dS, x0, dv);
+  {
+    const MatFrag Ark(sm, L.Ark, true, rho), Aak(sm, L.Aak, true);
+#pragma unroll
+    for (int t = 0; t < NTL; ++t) Ark.mma<true>(dv[t], col(L.dO, t)), Aak.mma<true>(dv[t], col(L.dM, t));
+  }
+#pragma unroll
+  for (int t = 0; t < NTL; ++t) {
+    const int xx = acc_col(x0 + 8 * t, 0), j = kp_row(0, 0);  // this lane's columns xx, xx + 1; rows j, j + 8
     if (xx >= c.nc) continue;
     T* const row = vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx);
 #pragma unroll
@@ -58,16 +81,30 @@ __device__ __forceinline__ void column_chain_tc(float* sm, const Smem& L, const 
       if (j + 8 * h >= nrow) continue;
       T* const at = row + 8 * h * p.dv.st;
       if (p.paths.dv_pairs) {  // (V even: xx + 1 < c.nc too)
-        const T pair[2] = {from_f<T>(dv[2 * h]), from_f<T>(dv[2 * h + 1])};
+        const T pair[2] = {from_f<T>(dv[t][2 * h]), from_f<T>(dv[t][2 * h + 1])};
         uint32_t raw;
         memcpy(&raw, pair, sizeof(raw));
         *reinterpret_cast<uint32_t*>(at) = raw;
       } else {
-        at[0] = from_f<T>(dv[2 * h]);
-        if (xx + 1 < c.nc) at[p.dv.sd] = from_f<T>(dv[2 * h + 1]);
+        at[0] = from_f<T>(dv[t][2 * h]);
+        if (xx + 1 < c.nc) at[p.dv.sd] = from_f<T>(dv[t][2 * h + 1]);
       }
     }
   }
+}
+// The column chain over the tile: 16-column slabs where the tile has them (at 64 columns warps
+// 0-3 make it, 4-7 wait at the barrier after it), so that each A fragment (the K-rows, the 16 x
+// 16 matrices) is read once for two n-tiles: the A reads were half of the chain's shared-memory
+// wavefronts with a warp per 8 columns. After a barrier that follows decay_factor_rows; not
+// synchronised.
+template <typename T>
+__device__ __forceinline__ void column_chain_tc(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
+                                                int64_t t0, int nrow, float rho) {
+  const int cols = L.cols, warp = threadIdx.x / 32;
+  if (cols % 16 == 0)
+    for (int x0 = 16 * warp; x0 < cols; x0 += 16 * (NT / 32)) column_slab_tc<T, 2>(sm, L, p, c, t0, nrow, rho, x0);
+  else
+    for (int x0 = 8 * warp; x0 < cols; x0 += 8 * (NT / 32)) column_slab_tc<T, 1>(sm, L, p, c, t0, nrow, rho, x0);
 }
 
 // The TC column products after the chain (after its barrier): sums over the tile's columns, each

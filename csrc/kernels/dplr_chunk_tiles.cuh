@@ -22,15 +22,17 @@ __device__ __forceinline__ void rows_dot_state(const float* sm, const Smem& L, i
   for (; d < L.K; ++d) s0 += r0[d] * st[d * BP], s1 += r1[d] * st[d * BP];
 }
 
-// acc (this lane's m16n8 tile, columns n0..n0 + 8 of a tile) += R St on TF32 tensor cores: R a
-// K-row array [C][KP] at offset `rows`, St a state array [K][BP] at offset `st` holding TF32
-// values (grad rounds its states once). bf16 / fp16 inputs only, as warp_mma. The k of lane q in
-// a k-step are 2q, 2q + 1 (not q, q + 4): its A fragment is one 8-byte load per row, and its B
-// rows are 2 apart, at banks 8 apart for BP = 4 mod 32 (q, q + 4 were 4 apart: two-way
-// conflicts). Lane g takes rows tile::kp_perm(g) and + 8 (accumulator rows at kp_row, columns
-// at acc_col). With K % 8 != 0, channels past K are masked (the row padding may be unset).
+// acc[t] (this lane's m16n8 tiles, columns n0 + 8 t .. + 8 of a tile, t < NTL) += R St on TF32
+// tensor cores: R a K-row array [C][KP] at offset `rows`, St a state array [K][BP] at offset `st`
+// holding TF32 values (grad rounds its states once); each A fragment serves the NTL n-tiles.
+// bf16 / fp16 inputs only, as warp_mma. The k of lane q in a k-step are 2q, 2q + 1 (not q,
+// q + 4): its A fragment is one 8-byte load per row, and its B rows are 2 apart, at banks 8
+// apart for BP = 4 mod 32 (q, q + 4 were 4 apart: two-way conflicts). Lane g takes rows
+// tile::kp_perm(g) and + 8 (accumulator rows at kp_row, columns at acc_col). With K % 8 != 0,
+// channels past K are masked (the row padding may be unset).
+template <int NTL>
 __device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, int rows, int st,
-                                               int n0, float (&acc)[4]) {
+                                               int n0, float (&acc)[NTL][4]) {
   const int K = L.K, KP = L.KP, BP = L.BP;
   const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, pg = tile::kp_perm(g);
   using tile::to_tf32;
@@ -39,16 +41,20 @@ __device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, i
     const float* pb = sm + st + 2 * q * BP + n0 + g;
     for (int k = 0; k < K; k += 8, pa += 8, pb += 8 * BP) {
       const float2 lo = *reinterpret_cast<const float2*>(pa), hi = *reinterpret_cast<const float2*>(pa + 8 * KP);
-      mma_tf32(acc, to_tf32(lo.x), to_tf32(hi.x), to_tf32(lo.y), to_tf32(hi.y), __float_as_uint(pb[0]),
-               __float_as_uint(pb[BP]));
+      const uint32_t a0 = to_tf32(lo.x), a1 = to_tf32(hi.x), a2 = to_tf32(lo.y), a3 = to_tf32(hi.y);
+#pragma unroll
+      for (int t = 0; t < NTL; ++t)
+        mma_tf32(acc[t], a0, a1, a2, a3, __float_as_uint(pb[8 * t]), __float_as_uint(pb[8 * t + BP]));
     }
     return;
   }
   for (int k = 0; k < K; k += 8) {
     auto a = [&](int r, int kk) { return kk < K ? to_tf32(sm[rows + r * KP + kk]) : 0u; };
-    auto b = [&](int kk) { return kk < K ? __float_as_uint(sm[st + kk * BP + n0 + g]) : 0u; };
+    auto b = [&](int kk, int t) { return kk < K ? __float_as_uint(sm[st + kk * BP + n0 + 8 * t + g]) : 0u; };
     const int k0 = k + 2 * q;
-    mma_tf32(acc, a(pg, k0), a(pg + 8, k0), a(pg, k0 + 1), a(pg + 8, k0 + 1), b(k0), b(k0 + 1));
+#pragma unroll
+    for (int t = 0; t < NTL; ++t)
+      mma_tf32(acc[t], a(pg, k0), a(pg + 8, k0), a(pg, k0 + 1), a(pg + 8, k0 + 1), b(k0, t), b(k0 + 1, t));
   }
 }
 
