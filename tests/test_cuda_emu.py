@@ -211,7 +211,7 @@ def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):
 def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
     """The fused training forward's kept states (DplrKept::states): the fused kernel stores the
     chunk-start states into a poisoned hst, and the backward runs the fused reverse pass (dS+, the
-    pair matrices and X into poisoned buffers: DplrChunkPass::fused), then grad. Its states come
+    pair matrices and X into poisoned buffers), then grad. Its states come
     from single-TF32 pair matrices and its chain's products are its own, so the gradients match
     the reference at the bf16 tolerance, not bitwise. Without cu_seqlens also the backward in
     windows of the chunk index (DplrChunkPass::window_chunks): bitwise equal to one pass."""

@@ -140,8 +140,9 @@ FLA_HD bool dplr_fused_forward(DType dtype, int K, int V) {
 // What a CUDA training forward kept for its backward (DplrChunkPass::kept).
 enum class DplrKept : int {
   nothing,
-  // hst holds the chunk-start states (the fused forward's): the fused reverse pass runs
-  // (DplrChunkPass::fused), in place of prep and both sweeps.
+  // hst holds the chunk-start states (the fused forward's): the fused reverse pass runs in
+  // place of prep and both sweeps, and ws holds the pair matrices and X alone,
+  // DplrWorkspaceLayout::kMatsFloats per (slot, head) (dplr_mats_offset).
   states,
   // hst and ws hold the two-kernel forward's states and workspace (its prep also stored the pair
   // matrices and X): neither prep nor the forward sweep runs.
@@ -178,20 +179,18 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   void* uo = nullptr;
   void* dhst = nullptr;
   DplrChunkPaths paths;  // CUDA: set by the launch
-  // CUDA: run the fused kernel (the op decides, where dplr_fused_forward allows it). Forward: no
-  // workspace is then set; hst, when set, receives the chunk-start states. Backward (on the fused
-  // forward's states, DplrKept::states): the fused reverse pass makes dhst and every chunk's pair
-  // matrices and X in place of prep and the reverse sweep; ws then holds those alone,
-  // DplrWorkspaceLayout::kMatsFloats per (slot, head) (dplr_mats_offset).
+  // CUDA forward: run the fused kernel (the op decides, where dplr_fused_forward allows it; no
+  // workspace is then set; hst, when set, receives the chunk-start states). The backward on those
+  // states (kept == DplrKept::states) always runs the fused reverse pass.
   bool fused = false;
   // CUDA backward on kept states (DplrKept::states or states_and_workspace, no cu_seqlens) in a
-  // window of the chunk index (the op's backward windows), when window_chunks > 0: prep (when it
-  // runs), the reverse sweep and grad take chunks [window_begin, window_begin + window_chunks) of
-  // every sequence, and dhst holds those alone (dplr_work_slot), ws too unless the training
-  // forward kept it whole (dplr_ws_slot); hst stays whole. The reverse sweep starts from dht
-  // where the window holds a sequence's last chunk, else from dcarry (the gradient at the
-  // window's end, which the later window left there), and ends in dh0 where it holds the first
-  // chunk, else in dcarry ([N, H, K, V] fp32).
+  // window of the chunk index (the op's backward windows), when window_chunks > 0: the reverse
+  // sweep (or the fused reverse pass) and grad take chunks [window_begin, window_begin +
+  // window_chunks) of every sequence, and dhst holds those alone (dplr_work_slot), ws too unless
+  // the training forward kept it whole (dplr_ws_slot); hst stays whole. The reverse pass starts
+  // from dht where the window holds a sequence's last chunk, else from dcarry (the gradient at
+  // the window's end, which the later window left there), and ends in dh0 where it holds the
+  // first chunk, else in dcarry ([N, H, K, V] fp32).
   int64_t window_begin = 0, window_chunks = 0;
   MatArg dcarry;
 };
@@ -210,9 +209,9 @@ FLA_HD int64_t dplr_ws_slot(const DplrChunkPass& p, int n, int64_t ci) {
 }
 // Where in ws (floats) grad reads the pair matrices and X of ws slot `slot` (dplr_ws_slot), head
 // h: in the chunk's workspace block, or in blocks of their own where the fused reverse pass made
-// them.
+// them (DplrKept::states).
 FLA_HD int64_t dplr_mats_offset(const DplrChunkPass& p, int64_t slot, int h) {
-  if (p.fused) return (slot * p.H + h) * DplrWorkspaceLayout::kMatsFloats;
+  if (p.kept == DplrKept::states) return (slot * p.H + h) * DplrWorkspaceLayout::kMatsFloats;
   const DplrWorkspaceLayout ws(p.K, p.V);
   return (slot * p.H + h) * ws.floats_per_chunk() + ws.mats_at();
 }

@@ -117,12 +117,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
       for (int e = 0; e < 4; ++e)
         S[(d0 + g + 8 * (e / 2)) * LB + 8 * nt + 2 * q + e % 2] = next[nt][e];
     __syncthreads();
-    if (kStates) {  // chunk ci + 1's start
-      float* const at = hst + (ci + 1) * slot_floats;
-#pragma unroll
-      for (int e = 4 * tid; e < K * V; e += 4 * NTF)
-        *reinterpret_cast<float4*>(at + e) = *reinterpret_cast<const float4*>(S + e / V * LB + e % V);
-    }
+    if (kStates) store_state(hst + (ci + 1) * slot_floats, S);  // chunk ci + 1's start
   }
   if (kStates && p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
     const int64_t next =

@@ -5,7 +5,7 @@
 // (dplr_chunk_fused_steps.cuh), then (docs/algorithms.md §6.4)
 //   dU = scale A_rb^T dO + B^ D,  dM = X^T dU,  D <- gamma D + scale R^^T dO + Â^T dM.
 // It stores what grad reads: D at every chunk's end (dhst) and the chunk's pair matrices and X
-// (ws, in blocks of their own: DplrChunkPass::fused). In place of prep for every chunk and the
+// (ws, in blocks of their own: dplr_mats_offset). In place of prep for every chunk and the
 // reverse sweep, which moved the K-part of the workspace (W, Q~, K^, B^: 16 KB a chunk and head)
 // through memory twice; this one reads the inputs and writes 22 KB a chunk and head. None of its
 // chain needs the state itself.
@@ -53,12 +53,8 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_reverse_kernel
     rows.stage(sm, rho);  // crow: scale dO
     __syncthreads();
     if (ci > c_lo) rows.fetch(ci - 1);  // in flight during this chunk's work
-    {  // D = dS+ of chunk ci into its dhst slot (16-byte stores)
-      float* const at = static_cast<float*>(p.dhst) + (dplr_work_slot(p, n, ci) * p.H + h) * int64_t(K * V);
-#pragma unroll
-      for (int e = 4 * tid; e < K * V; e += 4 * NTF)
-        *reinterpret_cast<float4*>(at + e) = *reinterpret_cast<const float4*>(D + e / V * LB + e % V);
-    }
+    // D = dS+ of chunk ci into its dhst slot
+    store_state(static_cast<float*>(p.dhst) + (dplr_work_slot(p, n, ci) * p.H + h) * int64_t(K * V), D);
     const bool bounded = chunk_decays(sm);
     pair_matrices<T, true>(sm, bounded, p, s, h, ci);
 

@@ -89,6 +89,14 @@ struct FusedTask {
         nch((s.len + C - 1) / C) {}
 };
 
+// A K x V state held in shared memory at row stride LB (`state`) to a contiguous fp32 slot of
+// hst or dhst, 16-byte stores. After the barrier that ends its update; not synchronised.
+__device__ __forceinline__ void store_state(float* at, const float* state) {
+#pragma unroll
+  for (int e = 4 * int(threadIdx.x); e < K * V; e += 4 * NTF)
+    *reinterpret_cast<float4*>(at + e) = *reinterpret_cast<const float4*>(state + e / V * LB + e % V);
+}
+
 // The six row blocks of a sequence's chunks (r, w, k, the column side `cols`: v or dO, a, b), a
 // 16-byte piece of each per thread: row tid / kPiecesPerRow, channels kPieceElems (tid %
 // kPiecesPerRow) on. fetch() takes chunk ci's into registers (0 past the sequence: w = 0 keeps

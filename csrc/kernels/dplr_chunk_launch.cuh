@@ -5,8 +5,8 @@
 // unless a chunk's decays allow their fp32-accurate 3xTF32 form). The launch compiles K = 64
 // and 128 as constants (launch_k).
 //
-// Fused kernels where the op sets DplrChunkPass::fused (bf16 / fp16, K = V = 64), one CTA per
-// (sequence, head): the forward (fused_forward_kernel, dplr_chunk_fused.cuh; enough pairs), no
+// Fused kernels (bf16 / fp16, K = V = 64), one CTA per (sequence, head): the forward where the
+// op sets DplrChunkPass::fused (fused_forward_kernel, dplr_chunk_fused.cuh; enough pairs), no
 // workspace, a training forward's storing the chunk-start states (DplrKept::states); and on
 // those states the backward's reverse pass (fused_reverse_kernel, dplr_chunk_fused_reverse.cuh:
 // dS+ and the pair matrices with X, in place of prep and the reverse sweep), then grad.
@@ -89,7 +89,7 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
     if constexpr (std::is_same<T, float>::value) {
       return cudaErrorInvalidValue;  // (no fused forward made these states)
     } else {
-      if (!p.fused || !dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
+      if (!dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
       e = launch_fused<T>(fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p, p.dout, stream);
       if (e != cudaSuccess) return e;
       return launch_with_smem(grad_kernel<T, KC>, dim3(unsigned(slots), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)),

@@ -66,7 +66,7 @@ DplrKept saved_kind(const DiagArgs& d, const Tensor* saved) {
 }
 // Floats per (chunk slot, head) of the workspace a backward makes: the whole per-chunk block for
 // grad and the reverse sweep (no kept states), or the pair matrices and X alone where the fused
-// reverse pass makes them (the fused forward's states, DplrChunkPass::fused).
+// reverse pass makes them (the fused forward's states, DplrKept::states).
 int64_t backward_ws_floats_per_chunk(const DiagArgs& d, DplrKept kept) {
   return kept == DplrKept::states ? DplrWorkspaceLayout::kMatsFloats
                                   : DplrWorkspaceLayout(int(d.K), int(d.V)).floats_per_chunk();
@@ -88,11 +88,9 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   if (saved) p.hst = saved->data_ptr();
   p.fused = sweep && fused_forward(d, r, saved != nullptr);
   if (p.fused) return p;
+  // (a backward on the fused forward's states, DplrKept::states, runs the fused reverse pass:
+  // kernels/dplr_chunk_fused_reverse.cuh, whose support is the fused forward's)
   const DplrKept kind = saved_kind(d, saved);
-  // A backward on the fused forward's states runs the fused reverse pass
-  // (kernels/dplr_chunk_fused_reverse.cuh: dS+ and the pair matrices with X, one walk per
-  // (sequence, head)), whose support is the fused forward's.
-  p.fused = !sweep && kind == DplrKept::states;
   if (kind == DplrKept::states_and_workspace) {
     p.ws = saved->data_ptr<float>() + saved_states_floats(d);
   } else {

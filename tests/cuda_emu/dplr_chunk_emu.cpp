@@ -55,8 +55,8 @@ void fused_reverse(const DplrChunkPass& p) {
 // fp32. keep (backward), as chunk_rwkv7_train does: 1, the two-kernel training forward stores hst
 // and its workspace (with the pair matrices) first, and the backward reads them
 // (DplrKept::states_and_workspace: no prep, no forward sweep); 2, the fused forward (bf16, K = V =
-// 64) stores hst, and the backward runs the fused reverse pass (DplrKept::states,
-// DplrChunkPass::fused: ws holds the pair matrices and X alone); 3 and 4, as 2 and 1 with the
+// 64) stores hst, and the backward runs the fused reverse pass (DplrKept::states:
+// ws holds the pair matrices and X alone); 3 and 4, as 2 and 1 with the
 // backward in windows of two chunks (no cu_seqlens), latest first, as the op's
 // backward_window_chunks runs it.
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
@@ -106,7 +106,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
       f.o = vec(o), f.hst = hst.data_ptr(), f.fused = true;
       f.paths.rows_16byte = input_rows_in_pieces<E>(f, f.v);
       fused_forward<4>(f);
-      p.kept = DplrKept::states, p.fused = true, p.uo = nullptr;
+      p.kept = DplrKept::states, p.uo = nullptr;
       wsb = poison({slots * H * DplrWorkspaceLayout::kMatsFloats});
       p.ws = wsb.data_ptr();
     }
@@ -129,7 +129,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   }
   auto backward = [&] {  // as the launch runs it
     const int64_t work = dplr_work_slots(p);
-    if (p.fused) {
+    if (p.kept == DplrKept::states) {
       if constexpr (!std::is_same_v<E, float>) fused_reverse(p);
       emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
       return;
@@ -146,7 +146,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   } else {  // window-sized dhst (and ws, unless kept), poisoned once: every window writes its slots before reading them
     TORCH_CHECK(!varlen, "backward windows take no cu_seqlens");
     constexpr int64_t kWindow = 2;
-    Tensor wws = poison({N * kWindow * H * (p.fused ? DplrWorkspaceLayout::kMatsFloats : ws.floats_per_chunk())}), wdhst = poison({N * kWindow, H, K, V}),
+    Tensor wws = poison({N * kWindow * H * (p.kept == DplrKept::states ? DplrWorkspaceLayout::kMatsFloats : ws.floats_per_chunk())}), wdhst = poison({N * kWindow, H, K, V}),
            dcarry = poison({N, H, K, V});
     if (keep == 3) p.ws = wws.data_ptr();
     p.dhst = wdhst.data_ptr(), p.dcarry = mat(dcarry), p.window_chunks = kWindow;
