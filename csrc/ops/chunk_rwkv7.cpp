@@ -256,8 +256,8 @@ void forward_in_windows(const DiagArgs& d, const ForwardWindows& windows, const 
 // Chunks per window, 0 for one pass. The budget: FLA_EXT_WORKSPACE_MIB, else the larger of the
 // forward's default (64 MiB, 32 states per sequence) and a part of one pass's workspaces: an
 // eighth on the fused forward's states (at most ~8 windows of two launches), a quarter on the
-// two-kernel forward's kept workspace (each window's grad launch ends in a partial wave: at K =
-// 128, one CTA per SM, eight windows cost +4 to +7 %; benchmarks/NOTES.md c29).
+// two-kernel forward's kept workspace (each window's grad launch ends in a partial wave, which
+// costs most at K = 128, one CTA per SM; benchmarks/NOTES.md c29 has the measurements).
 int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept) {
   if (kept == DplrKept::nothing || d.cu.defined()) return 0;
   const int64_t nch = sequence_chunks(d);
