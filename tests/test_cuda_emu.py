@@ -155,11 +155,12 @@ def test_chunk_rwkv7_kernels_descending_warps(descending, shape, dtype, tol, gen
     # input takes the element loads; o's stores step by its column stride
     ((1, 37, 2, 64, 64), "rwkv7", None, "strided"),
 ], ids=["rwkv7", "mixedinf", "edge60", "varlen", "repeated", "strided"])
-@pytest.mark.parametrize("ctas", [3, 4])
+@pytest.mark.parametrize("ctas", [2, 3, 4])
 def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, ctas, gen):
     """The fused inference forward (one CTA per sequence and head, no workspace; bf16, K = V =
     64) against the CPU op on the same bf16 inputs, warps in descending order between barriers;
-    both register budgets (three or four CTAs per SM)."""
+    every build the launch picks from: the two-block kernel (two CTAs per SM) and the one-block
+    kernel's two register budgets (three or four CTAs per SM)."""
     N = len(cu) - 1 if cu else shape[0]
     strided = lr == "strided"
     *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr="rwkv" if strided else lr)
@@ -215,12 +216,18 @@ def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
     from single-TF32 pair matrices and its chain's products are its own, so the gradients match
     the reference at the bf16 tolerance, not bitwise. Without cu_seqlens also the backward in
     windows of the chunk index (DplrChunkPass::window_chunks): bitwise equal to one pass."""
-    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, 2)
-    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
-        assert_close(f"d{name} (fused forward's states)", x, y, 5 * tol if name == "w" else tol, 1e-6)
-    if cu_e.numel() == 0:
-        for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 3), eg):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    for ctas in (4, 2):  # the one-block reverse pass, then the two-block one (few tasks)
+        emu.set_fused_ctas(ctas)
+        try:
+            eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, 2)
+            for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
+                assert_close(f"d{name} (fused forward's states, {ctas} CTAs an SM)", x, y,
+                             5 * tol if name == "w" else tol, 1e-6)
+            if cu_e.numel() == 0:
+                for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 3), eg):
+                    torch.testing.assert_close(x, y, rtol=0, atol=0)
+        finally:
+            emu.set_fused_ctas(4)
 
 
 # The chunk engine: K <= 64 and K = 128 take the state kernel that forms o (one or two K tiles

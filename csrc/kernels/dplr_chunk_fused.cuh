@@ -1,8 +1,9 @@
-// The chunked RWKV7 engine's fused forward (dplr_chunk_launch.cuh): one CTA of 128 threads per
-// (sequence, head) walks the sequence's 16-row chunks with the whole K x V state in shared
-// memory and does each chunk's work (docs/algorithms.md §6.3) itself: decays, pair matrices, X
-// (dplr_chunk_fused_steps.cuh), U, o and the state update. No workspace: nothing of a chunk
-// leaves the CTA but o and, for a training forward, the chunk-start state (hst). The two-kernel
+// The chunked RWKV7 engine's fused forward (dplr_chunk_launch.cuh): one CTA (128 threads, or 256 in
+// the two-block inference build) per (sequence, head) walks the sequence's 16-row chunks with the
+// whole K x V state in shared memory and does each chunk's work (docs/algorithms.md §6.3)
+// itself: decays, pair matrices, X (dplr_chunk_fused_steps.cuh), U, o and the state update. No
+// workspace: nothing of a chunk leaves the CTA but o and, for a training forward, the
+// chunk-start state (hst). The two-kernel
 // forward (prep for every chunk, then the sweep) moves ~16x an input's bytes through memory;
 // this one reads the inputs and writes o (and the states: 4x an input at K = V = 64). Taken for
 // bf16 / fp16 with K = V = 64 (dplr_chunk.h dplr_fused_forward) where the op finds it the faster
@@ -17,120 +18,229 @@
 #include "dplr_chunk_fused_steps.cuh"
 
 namespace fla {
+namespace dplr_fused_detail {
 
-// kCtas: the CTAs per SM the register budget is cut for (3: up to 168 registers, 4: 128).
-// Shared memory holds four. Three give each CTA the shorter chunk step, so the launch takes four
-// only where three per SM would leave CTAs for a second wave.
-// kStates: a training forward, which stores the chunk-start states in p.hst (an instantiation of
-// its own: the stores' addresses cost the four-CTA budget spills that the inference forward
-// need not pay).
-template <typename T, int kCtas, bool kStates>
-__global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel(const DplrChunkPass p) {
-  using namespace dplr_fused_detail;
-  using L = FusedSmem;
-  float* const sm = fused_smem();
-  const auto [h, n, s, nch] = FusedTask(p);
-  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
-  const float rho = float(p.scale);
+// The chain's steps over a chunk's block (forward: the state S), each by a group of 128 threads
+// (tid its index), warp w of it on the columns 16w .. 16w + 15 unless said otherwise.
 
-  ChunkRows<T> rows(p, p.v, s, h);
-
-  // A training forward's chunk-start states: slot chunk_slot(n, ci) holds the state before chunk
-  // ci, the slot after the last chunk the final state (as the sweep stores them).
-  const int64_t slot0 = chunk_slot<C>(p.cu_seqlens, n, p.T, 0), slot_floats = int64_t(p.H) * K * V;
-  float* const hst = kStates ? static_cast<float*>(p.hst) + (slot0 * p.H + h) * int64_t(K * V) : nullptr;
-  float* const S = sm + L::state;
-  for (int e = tid; e < K * V; e += NTF) {
-    const int d = e / V, x = e % V;
-    const float v = p.h0.on() ? *mptr(p.h0, n, h, d, x) : 0.f;
-    S[d * LB + x] = v;
-    if (kStates) hst[e] = v;
+// M + P = A_ak V + Â S into mp.
+__device__ inline void forward_mp(const float* blk, const float* S, float* mp, int tid) {
+  using B = ChunkBlock;
+  const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+#pragma unroll
+  for (int n0 = 16 * warp; n0 < 16 * warp + 16; n0 += 8) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    warp_mma_ld(acc, C, blk + B::mats + kMatAak * C * LM, LM, blk + B::crow + n0, LB);
+    warp_mma_ld(acc, K, blk + B::ahat, LA, S + n0, LB);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mp[(g + 8 * (e / 2)) * LB + n0 + 2 * q + e % 2] = acc[e];
   }
-  if (nch > 0) rows.fetch(0);
-  const int64_t o_row = p.o.st;
-  T* const o0 = vptr<T>(p.o, s.b, s.bos, h, 0);
+}
 
-  for (int64_t ci = 0; ci < nch; ++ci) {
-    const int64_t rem = s.len - ci * C;
-    rows.stage(sm, 1.f);
-    __syncthreads();
-    if (ci + 1 < nch) rows.fetch(ci + 1);  // in flight during this chunk's work
-    const bool bounded = chunk_decays(sm);
-    pair_matrices<T, false>(sm, bounded, p, s, h, ci);
-    float* const mats = sm + L::mats;
+// U = X (M + P) into u.
+__device__ inline void forward_u(const float* blk, const float* mp, float* u, int tid) {
+  const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+#pragma unroll
+  for (int n0 = 16 * warp; n0 < 16 * warp + 16; n0 += 8) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    warp_mma_ld(acc, C, blk + ChunkBlock::mats + kMatX * C * LM, LM, mp + n0, LB);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) u[(g + 8 * (e / 2)) * LB + n0 + 2 * q + e % 2] = acc[e];
+  }
+}
 
-    // X (warp 0), and M + P = A_ak V + Â S (a warp per 16 columns).
-    if (warp == 0) solve_x(sm);
+// S+ = gamma S + K^^T V + B^^T U into `next`: warp w the channels 16w .. 16w + 15, all columns.
+__device__ inline void forward_next(const float* blk, const float* S, const float* u, float (&next)[V / 8][4],
+                                    int tid) {
+  using B = ChunkBlock;
+  const int d0 = 16 * (tid / 32), g = tid % 32 / 4, q = tid % 4;
 #pragma unroll
-    for (int n0 = 16 * warp; n0 < 16 * warp + 16; n0 += 8) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      warp_mma_ld(acc, C, mats + kMatAak * C * LM, LM, sm + L::crow + n0, LB);
-      warp_mma_ld(acc, K, sm + L::ahat, LA, S + n0, LB);
+  for (int nt = 0; nt < V / 8; ++nt) {
+    float* const acc = next[nt];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sm[L::scr0 + (g + 8 * (e / 2)) * LB + n0 + 2 * q + e % 2] = acc[e];
+    for (int e = 0; e < 4; ++e) {
+      const int d = d0 + g + 8 * (e / 2), x = 8 * nt + 2 * q + e % 2;
+      acc[e] = blk[B::gam + d] * S[d * LB + x];
     }
-    __syncthreads();
+    warp_mma_ld<true, false>(acc, C, blk + B::khat + d0, LB, blk + B::crow + 8 * nt, LB);
+    warp_mma_ld<true, false>(acc, C, blk + B::bhat + d0, LB, u + 8 * nt, LB);
+  }
+}
 
-    // U = X (M + P).
+// forward_next's S+ over S, after every warp's reads of S.
+__device__ inline void write_state(float* S, const float (&next)[V / 8][4], int tid) {
+  const int d0 = 16 * (tid / 32), g = tid % 32 / 4, q = tid % 4;
 #pragma unroll
-    for (int n0 = 16 * warp; n0 < 16 * warp + 16; n0 += 8) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      warp_mma_ld(acc, C, mats + kMatX * C * LM, LM, sm + L::scr0 + n0, LB);
+  for (int nt = 0; nt < V / 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sm[L::scr1 + (g + 8 * (e / 2)) * LB + n0 + 2 * q + e % 2] = acc[e];
+    for (int e = 0; e < 4; ++e) S[(d0 + g + 8 * (e / 2)) * LB + 8 * nt + 2 * q + e % 2] = next[nt][e];
+}
+
+// What a fused forward writes of its task: o, a training forward's chunk-start states (kStates:
+// slot chunk_slot(n, ci) of hst holds the state before chunk ci, the slot after the last chunk
+// the final state, as the sweep stores them) and the final state.
+template <typename T, bool kStates>
+struct ForwardOut {
+  int n, h;
+  int64_t slot0, nch, slot_floats;
+  float* hst;
+  T* o0;
+  __device__ ForwardOut(const DplrChunkPass& p, const FusedTask& t)
+      : n(t.n), h(t.h), slot0(chunk_slot<C>(p.cu_seqlens, t.n, p.T, 0)), nch(t.nch),
+        slot_floats(int64_t(p.H) * K * V),
+        hst(kStates ? static_cast<float*>(p.hst) + (slot0 * p.H + t.h) * int64_t(K * V) : nullptr),
+        o0(vptr<T>(p.o, t.s.b, t.s.bos, t.h, 0)) {}
+  // The state before chunk ci's slot.
+  __device__ float* slot(int64_t ci) const { return hst + ci * slot_floats; }
+  // S from h0 (0 without it), and slot 0.
+  __device__ void init(const DplrChunkPass& p, float* S, int tid, int threads) const {
+    for (int e = tid; e < K * V; e += threads) {
+      const int d = e / V, x = e % V;
+      const float v = p.h0.on() ? *mptr(p.h0, n, h, d, x) : 0.f;
+      S[d * LB + x] = v;
+      if (kStates) hst[e] = v;
     }
-    __syncthreads();
-
-    // o = scale (R^ S + A_rk V + A_rb U), straight from the accumulators.
-    T* const oc = o0 + ci * C * o_row;
+  }
+  // o = scale (R^ S + A_rk V + A_rb U) of chunk ci's rows, straight from the accumulators.
+  __device__ void rows(const DplrChunkPass& p, int64_t ci, int64_t rem, const float* blk, const float* S, const float* u,
+                       int tid) const {
+    using B = ChunkBlock;
+    const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+    const float rho = float(p.scale);
+    T* const oc = o0 + ci * C * p.o.st;
 #pragma unroll
     for (int n0 = 16 * warp; n0 < 16 * warp + 16; n0 += 8) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      warp_mma_ld(acc, K, sm + L::rhat, LA, S + n0, LB);
-      warp_mma_ld(acc, C, mats + kMatArk * C * LM, LM, sm + L::crow + n0, LB);
-      warp_mma_ld(acc, C, mats + kMatArb * C * LM, LM, sm + L::scr1 + n0, LB);
+      warp_mma_ld(acc, K, blk + B::rhat, LA, S + n0, LB);
+      warp_mma_ld(acc, C, blk + B::mats + kMatArk * C * LM, LM, blk + B::crow + n0, LB);
+      warp_mma_ld(acc, C, blk + B::mats + kMatArb * C * LM, LM, u + n0, LB);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = g + 8 * (e / 2), x = n0 + 2 * q + e % 2;
-        if (i < rem) oc[i * o_row + x * p.o.sd] = from_f<T>(rho * acc[e]);
+        if (i < rem) oc[i * p.o.st + x * p.o.sd] = from_f<T>(rho * acc[e]);
       }
     }
-    // S+ = gamma S + K^^T V + B^^T U: warp w the channels 16w .. 16w + 15, all columns; written
-    // after every warp's reads of S above.
+  }
+  // After the last chunk: a varlen training forward's gap slots (hst may be kept as an op
+  // output: they read 0) and the final state.
+  __device__ void finish(const DplrChunkPass& p, const float* S, int tid, int threads) const {
+    if (kStates && p.cu_seqlens) {
+      const int64_t next =
+          n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
+      for (int64_t sl = slot0 + nch + 1; sl < next; ++sl)
+        for (int e = tid; e < K * V; e += threads) slot(sl - slot0)[e] = 0.f;
+    }
+    if (p.hT.on())
+      for (int e = tid; e < K * V; e += threads) {
+        const int d = e / V, x = e % V;
+        *mptr(p.hT, n, h, d, x) = S[d * LB + x];
+      }
+  }
+};
+
+}  // namespace dplr_fused_detail
+
+// One block (128 threads): each chunk's steps, then its chain. kCtas: the CTAs per SM the
+// register budget is cut for (3: up to 168 registers, 4: 128). Shared memory holds four. Three
+// give each CTA the shorter chunk step, so the launch takes four only where three per SM would
+// leave CTAs for a second wave. kStates: a training forward, which stores the chunk-start
+// states in p.hst (an instantiation of its own: the stores' addresses cost the four-CTA budget
+// spills that the inference forward need not pay).
+template <typename T, int kCtas, bool kStates>
+__global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel(const DplrChunkPass p) {
+  using namespace dplr_fused_detail;
+  using L = FusedSmem<1>;
+  float* const sm = fused_smem();
+  const FusedTask task(p);
+  const auto [h, n, s, nch] = task;
+  const int tid = threadIdx.x;
+  const ChunkSteps at = ChunkSteps::at<L>(sm, 0);
+  const ForwardOut<T, kStates> out(p, task);
+  ChunkRows<T> rows(p, p.v, s, h, tid);
+  float* const S = sm + L::state;
+  out.init(p, S, tid, NTF);
+  if (nch > 0) rows.fetch(0);
+  for (int64_t ci = 0; ci < nch; ++ci) {
+    rows.stage(at, 1.f);
+    __syncthreads();
+    if (ci + 1 < nch) rows.fetch(ci + 1);  // in flight during this chunk's work
+    chunk_steps<T, false>(at, p, s, h, ci);
+    if (tid < 32) solve_x(at.blk, tid);
+    forward_mp(at.blk, S, sm + L::scr0, tid);
+    __syncthreads();
+    forward_u(at.blk, sm + L::scr0, sm + L::scr1, tid);
+    __syncthreads();
+    out.rows(p, ci, s.len - ci * C, at.blk, S, sm + L::scr1, tid);
     float next[V / 8][4];
-    const int d0 = 16 * warp;
-#pragma unroll
-    for (int nt = 0; nt < V / 8; ++nt) {
-      float* const acc = next[nt];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int d = d0 + g + 8 * (e / 2), x = 8 * nt + 2 * q + e % 2;
-        acc[e] = sm[L::gam + d] * S[d * LB + x];
-      }
-      warp_mma_ld<true, false>(acc, C, sm + L::khat + d0, LB, sm + L::crow + 8 * nt, LB);
-      warp_mma_ld<true, false>(acc, C, sm + L::bhat + d0, LB, sm + L::scr1 + 8 * nt, LB);
-    }
+    forward_next(at.blk, S, sm + L::scr1, next, tid);
     __syncthreads();
-#pragma unroll
-    for (int nt = 0; nt < V / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        S[(d0 + g + 8 * (e / 2)) * LB + 8 * nt + 2 * q + e % 2] = next[nt][e];
+    write_state(S, next, tid);
     __syncthreads();
-    if (kStates) store_state(hst + (ci + 1) * slot_floats, S);  // chunk ci + 1's start
+    if (kStates) store_state(out.slot(ci + 1), S, tid, NTF);
   }
-  if (kStates && p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
-    const int64_t next =
-        n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
-    for (int64_t slot = slot0 + nch + 1; slot < next; ++slot)
-      for (int e = tid; e < K * V; e += NTF) hst[(slot - slot0) * slot_floats + e] = 0.f;
-  }
-  if (p.hT.on())
-    for (int e = tid; e < K * V; e += NTF) {
-      const int d = e / V, x = e % V;
-      *mptr(p.hT, n, h, d, x) = S[d * LB + x];
-    }
+  out.finish(p, S, tid, NTF);
 }
 
+// Two blocks (256 threads, two CTAs an SM; the inference forward at few (sequence, head) pairs,
+// where one CTA an SM leaves the chunk walk's latency exposed): warps 0-3 run chunk ci's chain on
+// one block while warps 4-7 make chunk ci + 1's (staging, decays, pair matrices, X) in the
+// other: four barriers a chunk in place of eight, each phase holding work of both halves. (A
+// training forward, storing the chunk-start states, gains nothing from it: benchmarks/NOTES.md
+// c32.)
+template <typename T>
+__global__ void __launch_bounds__(2 * kDplrFusedThreads, 2) fused_forward_two_block_kernel(const DplrChunkPass p) {
+  using namespace dplr_fused_detail;
+  using L = FusedSmem<2>;
+  float* const sm = fused_smem();
+  const FusedTask task(p);
+  const auto [h, n, s, nch] = task;
+  const bool chain = threadIdx.x < NTF;  // else the chunk steps
+  const int tid = int(threadIdx.x) % NTF;
+  const ForwardOut<T, false> out(p, task);
+  ChunkRows<T> rows(p, p.v, s, h, tid);
+  float* const S = sm + L::state;
+  if (chain) {
+    out.init(p, S, tid, NTF);
+  } else if (nch > 0) {
+    rows.fetch(0);
+    rows.stage(ChunkSteps::at<L>(sm, 0), 1.f);
+    if (nch > 1) rows.fetch(1);
+  }
+  __syncthreads();
+  if (nch > 0) {  // chunk 0's steps
+    const ChunkSteps at = ChunkSteps::at<L>(sm, 0);
+    const bool bounded = __syncthreads_and(chain || decay_scan(at, tid));
+    if (!chain && bounded) factor_keys(at, tid);
+    __syncthreads();
+    if (!chain) pair_matrices<T, false, 4>(at, bounded, p, s, h, 0, tid);
+    __syncthreads();
+  }
+  for (int64_t ci = 0; ci < nch; ++ci) {
+    const ChunkSteps cur = ChunkSteps::at<L>(sm, int(ci & 1)), nxt = ChunkSteps::at<L>(sm, int(~ci & 1));
+    const bool more = ci + 1 < nch;
+    if (chain) {
+      forward_mp(cur.blk, S, sm + L::scr0, tid);
+    } else {
+      if (tid < 32) solve_x(cur.blk, tid);
+      if (more) rows.stage(nxt, 1.f);
+      if (ci + 2 < nch) rows.fetch(ci + 2);
+    }
+    __syncthreads();
+    if (chain) forward_u(cur.blk, sm + L::scr0, sm + L::scr1, tid);
+    const bool bounded = __syncthreads_and(chain || !more || decay_scan(nxt, tid));
+    float next[V / 8][4];
+    if (chain) {
+      out.rows(p, ci, s.len - ci * C, cur.blk, S, sm + L::scr1, tid);
+      forward_next(cur.blk, S, sm + L::scr1, next, tid);
+    } else if (more && bounded) {
+      factor_keys(nxt, tid);
+    }
+    __syncthreads();
+    if (chain) write_state(S, next, tid);
+    else if (more) pair_matrices<T, false, 4>(nxt, bounded, p, s, h, ci + 1, tid);
+    __syncthreads();
+  }
+  if (chain) out.finish(p, S, tid, NTF);
+}
 
 }  // namespace fla

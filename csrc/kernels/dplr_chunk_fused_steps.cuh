@@ -1,7 +1,9 @@
-// What the chunked RWKV7 engine's fused kernels (one CTA of 128 threads per (sequence, head)
-// walking the sequence's 16-row chunks: the forward, dplr_chunk_fused.cuh, and the reverse pass,
+// What the chunked RWKV7 engine's fused kernels (one CTA per (sequence, head) walking the
+// sequence's 16-row chunks: the forward, dplr_chunk_fused.cuh, and the reverse pass,
 // dplr_chunk_fused_reverse.cuh) do alike for every chunk: fetch its rows, the decays, the pair
-// matrices and X (docs/algorithms.md §6.3). Taken for bf16 / fp16 with K = V = 64
+// matrices and X (docs/algorithms.md §6.3), none of which reads the state. A one-block kernel
+// (128 threads) runs them before each chunk's chain; a two-block one (256) on warps 4-7 for the
+// next chunk while warps 0-3 run this one's chain. Taken for bf16 / fp16 with K = V = 64
 // (dplr_chunk.h dplr_fused_forward).
 //
 // Numerics: TF32 tensor-core products with fp32 accumulators; every exponent from an added-up
@@ -19,7 +21,8 @@
 
 namespace fla {
 
-// Threads of a fused CTA (at namespace scope: nvcc takes no qualified name in a template's
+// Threads of a fused CTA's group: the whole CTA of the one-block kernels; each half of a
+// two-block kernel's (at namespace scope: nvcc takes no qualified name in a template's
 // __launch_bounds__).
 constexpr int kDplrFusedThreads = 128;
 
@@ -44,37 +47,60 @@ constexpr int C = kDplrChunk, K = 64, V = 64, NTF = kDplrFusedThreads;
 // kDplrMatStride).
 constexpr int LA = K + 4, LB = V + 8, LM = kDplrMatStride;
 
-// Shared memory (floats), sized so that four CTAs fit an SM (the kernels are latency-bound: at
-// 512 (sequence, head) pairs on 132 SMs, three CTAs per SM leave a second, mostly empty wave).
-// `crow`, the column-side rows, holds v in the forward and scale dO in the reverse pass; `state`
-// S in the forward and D (the gradient at the chunk's end) in the reverse pass. Two scratch
-// blocks hold in turn what a chunk needs only for a phase, barriers between:
-//   scr0: w [C][K] (the decay scan; the exact pair walks) -> k e^-G [C][LA] (the factored pair
-//         products) -> M + P (forward) or dU (reverse) [C][LB];
-//   scr1: b e^-G [C][LA] (the factored pair products) -> U (forward) or dM (reverse) [C][LB].
-struct FusedSmem {
+// A chunk's block: what the chain over the state (S forward, D reverse) reads of the chunk,
+// made by the chunk's own steps (below), none of which needs the state.
+struct ChunkBlock {
   static constexpr int rhat = 0;                  // R^ = r e^G                       [C][LA]
   static constexpr int ahat = rhat + C * LA;      // Â = a e^E                        [C][LA]
   static constexpr int khat = ahat + C * LA;      // K^ = k e^Omega (raw k first)      [C][LB]
   static constexpr int bhat = khat + C * LB;      // B^ = b e^Omega (raw b first)      [C][LB]
-  static constexpr int crow = bhat + C * LB;      // v, or scale dO                    [C][LB]
-  static constexpr int scr0 = crow + C * LB;      // w, then k e^-G, then M + P or dU   [C][LB]
-  static constexpr int scr1 = scr0 + C * LB;      // b e^-G, then U or dM               [C][LB]
-  static constexpr int wrow = scr0, ktil = scr0;
-  static constexpr int btil = scr1;
-  static constexpr int state = scr1 + C * LB;     // S, or D                           [K][LB]
-  static constexpr int gam = state + K * LB;      // gamma = e^(chunk total)           [K]
+  static constexpr int crow = bhat + C * LB;      // the column side: v, or scale dO   [C][LB]
+  static constexpr int gam = crow + C * LB;       // gamma = e^(chunk total)           [K]
+  static constexpr int ginv = gam + K;            // 1 / gamma                         [K]
   // A_rk, A_rb, A_ak, A_ab, then X: [5][C][LM], laid out as DplrWorkspaceLayout::mats_at() holds
   // them (the reverse pass stores them for grad as one block)
-  static constexpr int mats = gam + K;
+  static constexpr int mats = ginv + K;
   static constexpr int total = mats + 5 * C * LM;
-  static constexpr size_t bytes() { return size_t(total) * sizeof(float); }
-  static_assert(C * K <= C * LB && C * LA <= C * LB, "scratch blocks hold w, k e^-G, b e^-G");
-  static_assert(mats % 4 == 0 && (C * LM) % 4 == 0, "the matrices move as 16-byte pieces");
+  static_assert(mats % 4 == 0 && (C * LM) % 4 == 0 && total % 4 == 0, "16-byte pieces and blocks");
 };
 constexpr int kMatArk = 0, kMatArb = 1, kMatAak = 2, kMatAab = 3, kMatX = 4;  // blocks of `mats`
 
-// A chunk's six input row blocks move as 16-byte pieces, one of each block per thread.
+// Shared memory (floats) of a fused kernel with kBlocks chunk blocks. One block (128 threads,
+// 57 KB: four CTAs fit an SM (with 2 KB to spare), which the kernels need where they are latency-bound at 512
+// (sequence, head) pairs on 132 SMs): a chunk's own steps, then its chain, barriers between;
+// the steps' scratch (w for the decay scan and the exact pair walks, then k e^-G; b e^-G) is
+// the chain's scratch too (forward: M + P, U; reverse: dU, dM). Two blocks (256 threads, 95 KB,
+// two CTAs an SM): one half of the CTA makes the next chunk's block while the other runs the
+// chain on this one's, each with scratch of its own.
+template <int kBlocks>
+struct FusedSmem {
+  static_assert(kBlocks == 1 || kBlocks == 2, "one block, or two in turn");
+  static constexpr int block(int i) { return i * ChunkBlock::total; }
+  static constexpr int wrow = kBlocks * ChunkBlock::total;  // w [C][K], then k e^-G [C][LA]
+  static constexpr int btil = wrow + C * LB;                // b e^-G                  [C][LA]
+  static constexpr int scr0 = kBlocks == 1 ? wrow : btil + C * LB;  // M + P, or dU   [C][LB]
+  static constexpr int scr1 = scr0 + C * LB;                        // U, or dM       [C][LB]
+  static constexpr int state = scr1 + C * LB;                       // S, or D        [K][LB]
+  static constexpr int total = state + K * LB;
+  static constexpr size_t bytes() { return size_t(total) * sizeof(float); }
+  static_assert(C * K <= C * LB && C * LA <= C * LB, "scratch rows hold w, k e^-G, b e^-G");
+  // an SM's 228 KB, less 1 KB the driver holds per CTA
+  static_assert(kBlocks == 2 || 4 * (bytes() + 1024) <= 228 * 1024, "four one-block CTAs fit an SM");
+  static_assert(kBlocks == 1 || 2 * (bytes() + 1024) <= 228 * 1024, "two two-block CTAs fit an SM");
+};
+
+// Where a chunk's own steps work: its block and the steps' scratch.
+struct ChunkSteps {
+  float* blk;   // ChunkBlock
+  float* wrow;  // w [C][K], then k e^-G [C][LA]
+  float* btil;  // b e^-G [C][LA]
+  template <class L>
+  __device__ static ChunkSteps at(float* sm, int block) {
+    return {sm + L::block(block), sm + L::wrow, sm + L::btil};
+  }
+};
+
+// A chunk's six input row blocks move as 16-byte pieces, one of each block per thread of a group.
 constexpr int kPieceElems = 8, kPiecesPerRow = K / kPieceElems;
 static_assert(NTF == C * kPiecesPerRow, "a piece of each block per thread");
 static_assert(LA % 4 == 0 && LB % 4 == 0, "rows of 16-byte aligned floats");
@@ -90,19 +116,21 @@ struct FusedTask {
 };
 
 // A K x V state held in shared memory at row stride LB (`state`) to a contiguous fp32 slot of
-// hst or dhst, 16-byte stores. After the barrier that ends its update; not synchronised.
-__device__ __forceinline__ void store_state(float* at, const float* state) {
-#pragma unroll
-  for (int e = 4 * int(threadIdx.x); e < K * V; e += 4 * NTF)
+// hst or dhst, 16-byte stores by the `threads` threads tid = 0, 1, ... After the barrier that
+// ends its update; not synchronised.
+__device__ __forceinline__ void store_state(float* at, const float* state, int tid, int threads) {
+#pragma unroll 4
+  for (int e = 4 * tid; e < K * V; e += 4 * threads)
     *reinterpret_cast<float4*>(at + e) = *reinterpret_cast<const float4*>(state + e / V * LB + e % V);
 }
 
 // The six row blocks of a sequence's chunks (r, w, k, the column side `cols`: v or dO, a, b), a
-// 16-byte piece of each per thread: row tid / kPiecesPerRow, channels kPieceElems (tid %
-// kPiecesPerRow) on. fetch() takes chunk ci's into registers (0 past the sequence: w = 0 keeps
-// the state, k = v = b = 0 add nothing, dO = 0 sends nothing back), stage() puts them into their
-// arrays. With `vec` (the launch's input_rows_in_pieces: rows in whole aligned pieces) a piece is
-// one load, else one per element. Addresses step from this thread's piece of the sequence's
+// 16-byte piece of each per thread of the group that stages them (tid: the thread's index in
+// it): row tid / kPiecesPerRow, channels kPieceElems (tid % kPiecesPerRow) on. fetch() takes
+// chunk ci's into registers (0 past the sequence: w = 0 keeps the state, k = v = b = 0 add
+// nothing, dO = 0 sends nothing back), stage() puts them into a chunk's block and the steps'
+// scratch. With `vec` (the launch's input_rows_in_pieces: rows in whole aligned pieces) a piece
+// is one load, else one per element. Addresses step from this thread's piece of the sequence's
 // first rows: the batch, head and channel terms stay out of the chunk loop.
 template <typename T>
 struct ChunkRows {
@@ -112,9 +140,9 @@ struct ChunkRows {
   int prow, pcol;
   int64_t len;
   bool vec;
-  __device__ ChunkRows(const DplrChunkPass& p, const VecArg& cols, const SeqSpan& s, int h)
-      : prow(int(threadIdx.x) / kPiecesPerRow), pcol(kPieceElems * (int(threadIdx.x) % kPiecesPerRow)),
-        len(s.len), vec(p.paths.rows_16byte) {
+  __device__ ChunkRows(const DplrChunkPass& p, const VecArg& cols, const SeqSpan& s, int h, int tid)
+      : prow(tid / kPiecesPerRow), pcol(kPieceElems * (tid % kPiecesPerRow)), len(s.len),
+        vec(p.paths.rows_16byte) {
     src[0] = &p.r, src[1] = &p.w, src[2] = &p.k, src[3] = &cols, src[4] = &p.a, src[5] = &p.b;
 #pragma unroll
     for (int m = 0; m < 6; ++m) first[m] = vptr<T>(*src[m], s.b, s.bos + prow, h, pcol);
@@ -134,119 +162,124 @@ struct ChunkRows {
       }
     }
   }
-  // r, a into R^, Â (scaled in place by chunk_decays), k, b into K^, B^, w to its scratch and the
+  // r, a into R^, Â (scaled in place by decay_scan), k, b into K^, B^, w to the scratch and the
   // column side times col_scale to crow.
-  __device__ void stage(float* sm, float col_scale) const {
-    using L = FusedSmem;
-    const int dst[6] = {L::rhat, L::wrow, L::khat, L::crow, L::ahat, L::bhat};
+  __device__ void stage(const ChunkSteps& at, float col_scale) const {
+    using B = ChunkBlock;
+    float* const dst[6] = {at.blk + B::rhat, at.wrow, at.blk + B::khat, at.blk + B::crow, at.blk + B::ahat,
+                           at.blk + B::bhat};
     const int ld[6] = {LA, K, LB, LB, LA, LB};
 #pragma unroll
     for (int m = 0; m < 6; ++m) {
       T e[kPieceElems];
       memcpy(e, &piece[m], sizeof e);
       const float f = m == 3 ? col_scale : 1.f;
-      float4* const d = reinterpret_cast<float4*>(sm + dst[m] + prow * ld[m] + pcol);
+      float4* const d = reinterpret_cast<float4*>(dst[m] + prow * ld[m] + pcol);
       d[0] = make_float4(f * to_f(e[0]), f * to_f(e[1]), f * to_f(e[2]), f * to_f(e[3]));
       d[1] = make_float4(f * to_f(e[4]), f * to_f(e[5]), f * to_f(e[6]), f * to_f(e[7]));
     }
   }
 };
 
-// The decays of a staged chunk, a thread per channel and direction, the channel's w in
-// registers: Omega_i (rows after i) from a backward sum (threads 0..K-1: K^, B^), E_i (exclusive)
-// and G_i = E_{i+1} from a forward one (threads K..2K-1: R^, Â, gamma and the bound). Every
-// exponent an added-up sum of w <= 0, except the factored key rows' -G, bounded by the check.
-// Then, where bounded, k e^-G = K^ / gamma and b e^-G = B^ / gamma (gamma >= e^-60 there).
-// After the staging barrier; ends synchronised. Returns whether the chunk is bounded
-// (CTA-uniform).
-__device__ inline bool chunk_decays(float* sm) {
-  using L = FusedSmem;
-  const int tid = threadIdx.x;
-  bool bounded = true;
-  {
-    const int d = tid % K;
-    float wv[C];
+// The decays of a staged chunk, a thread per channel and direction (tid < 2K of the group), the
+// channel's w in registers: Omega_i (rows after i) from a backward sum (tid 0..K-1: K^, B^),
+// E_i (exclusive) and G_i = E_{i+1} from a forward one (tid K..2K-1: R^, Â, gamma and its
+// reciprocal). Every exponent an added-up sum of w <= 0. Returns this thread's part of whether the chunk is
+// bounded (every channel's total >= -60), to be AND-ed over the CTA at the barrier after it.
+__device__ inline bool decay_scan(const ChunkSteps& at, int tid) {
+  using B = ChunkBlock;
+  const int d = tid % K;
+  float wv[C];
 #pragma unroll
-    for (int i = 0; i < C; ++i) wv[i] = sm[L::wrow + i * K + d];
-    float e = 0.f;
-    if (tid < K) {
+  for (int i = 0; i < C; ++i) wv[i] = at.wrow[i * K + d];
+  float e = 0.f;
+  if (tid < K) {
 #pragma unroll
-      for (int i = C - 1; i >= 0; --i) {  // K^, B^ = (k, b) e^Omega
-        const float f = expf(e);
-        sm[L::khat + i * LB + d] *= f;
-        sm[L::bhat + i * LB + d] *= f;
-        e += wv[i];
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < C; ++i) {
-        const float gi = e + wv[i];
-        sm[L::rhat + i * LA + d] *= expf(gi);
-        sm[L::ahat + i * LA + d] *= expf(e);
-        e = gi;
-      }
-      sm[L::gam + d] = expf(e);
-      bounded = e >= -60.f;
+    for (int i = C - 1; i >= 0; --i) {  // K^, B^ = (k, b) e^Omega
+      const float f = expf(e);
+      at.blk[B::khat + i * LB + d] *= f;
+      at.blk[B::bhat + i * LB + d] *= f;
+      e += wv[i];
     }
+    return true;
   }
-  bounded = __syncthreads_and(bounded);
-  if (bounded)
-    for (int e = tid; e < C * K; e += NTF) {
-      const int i = e / K, d = e % K;
-      const float inv = 1.f / sm[L::gam + d];
-      sm[L::ktil + i * LA + d] = sm[L::khat + i * LB + d] * inv;
-      sm[L::btil + i * LA + d] = sm[L::bhat + i * LB + d] * inv;
-    }
-  __syncthreads();
-  return bounded;
+#pragma unroll
+  for (int i = 0; i < C; ++i) {
+    const float gi = e + wv[i];
+    at.blk[B::rhat + i * LA + d] *= expf(gi);
+    at.blk[B::ahat + i * LA + d] *= expf(e);
+    e = gi;
+  }
+  const float gamma = expf(e);
+  at.blk[B::gam + d] = gamma;
+  at.blk[B::ginv + d] = 1.f / gamma;  // (inf where gamma underflows: read only where bounded)
+  return e >= -60.f;
 }
 
-// The pair matrices A_rk, A_rb (j <= i), A_ak, A_ab (j < i) into `mats`. Bounded: warp m makes
-// matrix m as 16 x 16 tensor-core products over K of the factored rows, single TF32 (kX3 =
-// false: the forward, whose inputs are 16-bit and whose o stays within their tolerance) or
-// fp32-accurate 3xTF32 (kX3: the reverse pass, whose matrices grad reads, as prep's). Else every
-// pair's factor from its own segment sum, the raw rows re-read (a rare path). Ends synchronised.
-template <typename T, bool kX3>
-__device__ inline void pair_matrices(float* sm, bool bounded, const DplrChunkPass& p, const SeqSpan& s, int h,
-                                     int64_t ci) {
-  using L = FusedSmem;
-  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
-  float* const mats = sm + L::mats;
+// Where the chunk is bounded: k e^-G = K^ / gamma and b e^-G = B^ / gamma over w's scratch
+// (gamma >= e^-60 there: the one negative exponent, bounded), by `threads` threads. After the
+// barrier that ANDs decay_scan's flags; not synchronised.
+__device__ inline void factor_keys(const ChunkSteps& at, int tid, int threads = NTF) {
+  using B = ChunkBlock;
+  for (int e = tid; e < C * K; e += threads) {
+    const int i = e / K, d = e % K;
+    const float inv = at.blk[B::ginv + d];
+    at.wrow[i * LA + d] = at.blk[B::khat + i * LB + d] * inv;
+    at.btil[i * LA + d] = at.blk[B::bhat + i * LB + d] * inv;
+  }
+}
+
+// The pair matrices A_rk, A_rb (j <= i), A_ak, A_ab (j < i) into the block's `mats`, by the
+// kWarps warps of a group (tid its thread index). Bounded (after factor_keys): warp m makes
+// matrix m % 4's 8-column tiles m / 4, m / 4 + kWarps / 4, ... as 16 x 16 tensor-core products
+// over K of the factored rows, single TF32 (kX3 = false: the forward, whose inputs are 16-bit
+// and whose o stays within their tolerance) or fp32-accurate 3xTF32 (kX3: the reverse pass,
+// whose matrices grad reads, as prep's). Else every pair's factor from its own segment sum (w
+// still in the scratch), the raw rows re-read (a rare path). Not synchronised.
+template <typename T, bool kX3, int kWarps>
+__device__ inline void pair_matrices(const ChunkSteps& at, bool bounded, const DplrChunkPass& p, const SeqSpan& s,
+                                     int h, int64_t ci, int tid) {
+  static_assert(kWarps == 4 || kWarps == 8, "a warp per matrix, or per matrix and column tile");
+  using B = ChunkBlock;
+  const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+  float* const mats = at.blk + B::mats;
   if (bounded) {
-    const int rows = warp < 2 ? L::rhat : L::ahat, cols = warp % 2 ? L::btil : L::ktil;
-    const bool incl = warp < 2;
+    const int m = warp % 4;
+    const float* const rows = at.blk + (m < 2 ? B::rhat : B::ahat);
+    const float* const cols = m % 2 ? at.btil : at.wrow;
+    const bool incl = m < 2;
 #pragma unroll
-    for (int n0 = 0; n0 < C; n0 += 8) {
+    for (int n0 = 8 * (warp / 4); n0 < C; n0 += 8 * (kWarps / 4)) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
       if (kX3) {
-        const float* pa = sm + rows + g * LA + q;
-        const float* pb = sm + cols + (n0 + g) * LA + q;
+        const float* pa = rows + g * LA + q;
+        const float* pb = cols + (n0 + g) * LA + q;
 #pragma unroll 4
         for (int c0 = 0; c0 < K; c0 += 8, pa += 8, pb += 8) {
           const float av[4] = {pa[0], pa[8 * LA], pa[4], pa[8 * LA + 4]}, bv[2] = {pb[0], pb[4]};
           tile::mma_tf32x3(acc, av, bv);
         }
       } else {
-        warp_mma_ld<false, true>(acc, K, sm + rows, LA, sm + cols + n0 * LA, LA);
+        warp_mma_ld<false, true>(acc, K, rows, LA, cols + n0 * LA, LA);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = g + 8 * (e / 2), j = n0 + 2 * q + e % 2;
-        mats[warp * C * LM + i * LM + j] = (incl ? j <= i : j < i) ? acc[e] : 0.f;
+        mats[m * C * LM + i * LM + j] = (incl ? j <= i : j < i) ? acc[e] : 0.f;
       }
     }
   } else {
     const int64_t rem = s.len - ci * C;
-    for (int e = tid; e < C * C; e += NTF) {
+    for (int e = tid; e < C * C; e += 32 * kWarps) {
       const int i = e / C, j = e % C;
       float rk = 0.f, rb = 0.f, ak = 0.f, ab = 0.f;
       if (j <= i && i < rem) {
         const int64_t ti = s.bos + ci * C + i, tj = s.bos + ci * C + j;
         for (int d = 0; d < K; ++d) {
           float seg = 0.f;  // sum of w over rows j < s < i
-          for (int r = j + 1; r < i; ++r) seg += sm[L::wrow + r * K + d];
+          for (int r = j + 1; r < i; ++r) seg += at.wrow[r * K + d];
           const float kj = to_f(*vptr<T>(p.k, s.b, tj, h, d)), bj = to_f(*vptr<T>(p.b, s.b, tj, h, d));
-          const float fi = expf(seg + (i > j ? sm[L::wrow + i * K + d] : 0.f));
+          const float fi = expf(seg + (i > j ? at.wrow[i * K + d] : 0.f));
           const float ri = to_f(*vptr<T>(p.r, s.b, ti, h, d)) * fi;
           rk += ri * kj, rb += ri * bj;
           if (j < i) {
@@ -259,18 +292,29 @@ __device__ inline void pair_matrices(float* sm, bool bounded, const DplrChunkPas
       mats[kMatAak * C * LM + i * LM + j] = ak, mats[kMatAab * C * LM + i * LM + j] = ab;
     }
   }
+}
+
+// A one-block kernel's chunk steps after staging (its 128 threads): the decays, the keys
+// factored where bounded, the pair matrices. After the staging barrier; ends synchronised.
+template <typename T, bool kX3>
+__device__ inline void chunk_steps(const ChunkSteps& at, const DplrChunkPass& p, const SeqSpan& s, int h,
+                                   int64_t ci) {
+  const int tid = threadIdx.x;
+  const bool bounded = __syncthreads_and(decay_scan(at, tid));
+  if (bounded) factor_keys(at, tid);
+  __syncthreads();
+  pair_matrices<T, kX3, 4>(at, bounded, p, s, h, ci, tid);
   __syncthreads();
 }
 
-// X = (I - A_ab)^-1 by forward substitution into its block of `mats`, on warp 0 (a lane per
-// column, held in registers; A_ab's rows read as broadcasts). Every entry is written (the upper
-// triangle explicit zeros). Not synchronised.
-__device__ inline void solve_x(float* sm) {
-  using L = FusedSmem;
-  const int j = threadIdx.x;
+// X = (I - A_ab)^-1 by forward substitution into its block of `mats`, on the group's warp 0
+// (tid < C: a lane per column, held in registers; A_ab's rows read as broadcasts). Every entry
+// is written (the upper triangle explicit zeros). Not synchronised.
+__device__ inline void solve_x(float* blk, int tid) {
+  const int j = tid;
   if (j >= C) return;
-  const float* const A = sm + L::mats + kMatAab * C * LM;
-  float* const X = sm + L::mats + kMatX * C * LM;
+  const float* const A = blk + ChunkBlock::mats + kMatAab * C * LM;
+  float* const X = blk + ChunkBlock::mats + kMatX * C * LM;
   float x[C];
 #pragma unroll
   for (int i = 0; i < C; ++i) {

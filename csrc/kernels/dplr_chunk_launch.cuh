@@ -9,7 +9,9 @@
 // op sets DplrChunkPass::fused (fused_forward_kernel, dplr_chunk_fused.cuh; enough pairs), no
 // workspace, a training forward's storing the chunk-start states (DplrKept::states); and on
 // those states the backward's reverse pass (fused_reverse_kernel, dplr_chunk_fused_reverse.cuh:
-// dS+ and the pair matrices with X, in place of prep and the reverse sweep), then grad.
+// dS+ and the pair matrices with X, in place of prep and the reverse sweep), then grad. Where
+// two CTAs per SM hold every pair, the two-block builds (the next chunk's steps on warps of
+// their own beside this chunk's chain) run the reverse pass and the inference forward.
 // Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
 //          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
@@ -68,15 +70,21 @@ cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, con
   return cudaGetLastError();
 }
 
-// A fused kernel (one CTA per (sequence, head)) with kCtas = 3 or 4 CTAs per SM: three give each
-// CTA the shorter chunk step, so four only where three per SM would leave CTAs for a second wave.
-template <typename T, class Kernel>
-cudaError_t launch_fused(Kernel three, Kernel four, const DplrChunkPass& p, const VecArg& cols, cudaStream_t stream) {
-  const int64_t tasks = int64_t(p.N) * p.H;
+// A fused kernel (one CTA per (sequence, head)): where two CTAs per SM hold every task, the
+// two-block kernel (the next chunk's steps beside this one's chain), if there is one (`two` not
+// null); else the one-block kernel with kCtas = 3 or 4 CTAs per SM: three give each CTA the
+// shorter chunk step, so four only where three per SM would leave CTAs for a second wave.
+using FusedKernel = void (*)(DplrChunkPass);
+template <typename T>
+cudaError_t launch_fused(FusedKernel two, FusedKernel three, FusedKernel four, const DplrChunkPass& p,
+                         const VecArg& cols, cudaStream_t stream) {
+  using namespace dplr_fused_detail;
+  const int64_t tasks = int64_t(p.N) * p.H, sms = device_sm_count();
   DplrChunkPass f = p;
   f.paths.rows_16byte = input_rows_in_pieces<T>(p, cols);
-  return launch_with_smem(tasks > 3 * int64_t(device_sm_count()) ? four : three, dim3(unsigned(tasks)),
-                          dplr_fused_detail::NTF, dplr_fused_detail::FusedSmem::bytes(), f, stream);
+  const dim3 grid{unsigned(tasks)};
+  if (two && tasks <= 2 * sms) return launch_with_smem(two, grid, 2 * NTF, FusedSmem<2>::bytes(), f, stream);
+  return launch_with_smem(tasks > 3 * sms ? four : three, grid, NTF, FusedSmem<1>::bytes(), f, stream);
 }
 
 template <typename T, int KC>
@@ -90,7 +98,8 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
       return cudaErrorInvalidValue;  // (no fused forward made these states)
     } else {
       if (!dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
-      e = launch_fused<T>(fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p, p.dout, stream);
+      e = launch_fused<T>(fused_reverse_two_block_kernel<T>, fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p,
+                          p.dout, stream);
       if (e != cudaSuccess) return e;
       return launch_with_smem(grad_kernel<T, KC>, dim3(unsigned(slots), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)),
                               NT, Smem(p.K, true).bytes(), p, stream);
@@ -122,8 +131,10 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value)
     if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V))
-      return p.hst ? launch_fused<T>(fused_forward_kernel<T, 3, true>, fused_forward_kernel<T, 4, true>, p, p.v, stream)
-                   : launch_fused<T>(fused_forward_kernel<T, 3, false>, fused_forward_kernel<T, 4, false>, p, p.v, stream);
+      return p.hst ? launch_fused<T>(nullptr, fused_forward_kernel<T, 3, true>, fused_forward_kernel<T, 4, true>, p,
+                                     p.v, stream)
+                   : launch_fused<T>(fused_forward_two_block_kernel<T>, fused_forward_kernel<T, 3, false>,
+                                     fused_forward_kernel<T, 4, false>, p, p.v, stream);
   return p.K == 64 ? launch_k<T, 64>(p, stream) : p.K == 128 ? launch_k<T, 128>(p, stream) : launch_k<T, 0>(p, stream);
 }
 

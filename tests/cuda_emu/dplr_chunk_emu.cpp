@@ -15,7 +15,7 @@ float sm[64 * 1024];     // extern __shared__ of the kernels: one CTA at a time
 float4 sm4[16 * 1024];
 }  // namespace fla::dplr_chunk_detail
 namespace fla {
-float4 fused_sm4[(dplr_fused_detail::FusedSmem::total + 3) / 4];  // the fused kernels'
+float4 fused_sm4[(dplr_fused_detail::FusedSmem<2>::total + 3) / 4];  // the fused kernels'
 
 }  // namespace fla
 
@@ -31,22 +31,41 @@ void cta(const F& kernel) {
   emu::poisoned_cta(kernel, sm, sm4);
 }
 
+// The fused kernels' build that the launch picks by the number of tasks: two blocks (two CTAs
+// per SM: the reverse pass; the forward's is for inference alone), or one block with kCtas = 3
+// or 4 CTAs per SM (set_fused_ctas; the register budget changes nothing here, the schedule of
+// the two-block kernels does).
+int fused_ctas = 4;
+using dplr_fused_detail::NTF;
+
 template <int kCtas>
 void fused_forward(const DplrChunkPass& p) {
-  emu::launch(dim3(unsigned(p.N * p.H)), dplr_fused_detail::NTF, [&] {
+  emu::launch(dim3(unsigned(p.N * p.H)), kCtas == 2 ? 2 * NTF : NTF, [&] {
     emu::poisoned_cta([&] {
-      if (p.hst) fused_forward_kernel<__nv_bfloat16, kCtas, true>(p);
-      else fused_forward_kernel<__nv_bfloat16, kCtas, false>(p);
+      if constexpr (kCtas == 2) {
+        fused_forward_two_block_kernel<__nv_bfloat16>(p);  // (inference only)
+      } else {
+        if (p.hst) fused_forward_kernel<__nv_bfloat16, kCtas, true>(p);
+        else fused_forward_kernel<__nv_bfloat16, kCtas, false>(p);
+      }
     }, fused_sm4);
   });
+}
+// A training forward (hst): the one-block kernel, as the launch runs it.
+void fused_training_forward(const DplrChunkPass& p) {
+  if (fused_ctas == 3) fused_forward<3>(p);
+  else fused_forward<4>(p);
 }
 
 // The fused reverse pass (dplr_chunk_fused_reverse.cuh), bf16, as the launch runs it.
 void fused_reverse(const DplrChunkPass& p) {
   DplrChunkPass f = p;
   f.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.dout);
-  emu::launch(dim3(unsigned(p.N * p.H)), dplr_fused_detail::NTF, [&] {
-    emu::poisoned_cta([&] { fused_reverse_kernel<__nv_bfloat16, 4>(f); }, fused_sm4);
+  emu::launch(dim3(unsigned(p.N * p.H)), fused_ctas == 2 ? 2 * NTF : NTF, [&] {
+    emu::poisoned_cta([&] {
+      if (fused_ctas == 2) fused_reverse_two_block_kernel<__nv_bfloat16>(f);
+      else fused_reverse_kernel<__nv_bfloat16, 4>(f);
+    }, fused_sm4);
   });
 }
 
@@ -105,7 +124,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
       DplrChunkPass f = p;
       f.o = vec(o), f.hst = hst.data_ptr(), f.fused = true;
       f.paths.rows_16byte = input_rows_in_pieces<E>(f, f.v);
-      fused_forward<4>(f);
+      fused_training_forward(f);
       p.kept = DplrKept::states, p.uo = nullptr;
       wsb = poison({slots * H * DplrWorkspaceLayout::kMatsFloats});
       p.ws = wsb.data_ptr();
@@ -177,8 +196,9 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
          hT = poison({N, H, K, V});
   p.o = vec(o), p.hT = mat(hT), p.fused = true;
   p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.v);  // as the launch sets it
-  TORCH_CHECK(ctas == 3 || ctas == 4, "ctas is 3 or 4");
-  if (ctas == 3) fused_forward<3>(p);
+  TORCH_CHECK(ctas >= 2 && ctas <= 4, "ctas is 2 (the two-block kernel), 3 or 4");
+  if (ctas == 2) fused_forward<2>(p);
+  else if (ctas == 3) fused_forward<3>(p);
   else fused_forward<4>(p);
   return {o, hT};
 }
@@ -200,4 +220,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run);
   m.def("run_fused", &run_fused);
   m.def("set_warp_order", [](int order) { emu::warp_order = order; });
+  m.def("set_fused_ctas", [](int ctas) { fused_ctas = ctas; });
 }

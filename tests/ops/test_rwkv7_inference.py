@@ -159,6 +159,10 @@ FUSED_CASES = {  # (B, T, H, K, V), cu_seqlens, w_kind, lr
     "varlen": ((1, 150, 2, 64, 64), [0, 7, 7, 40, 41, 150], "u5", "rwkv"),
     # X from cancelling binomial-size terms, and the fused kernel's pair matrices single TF32
     "repeated": ((1, 64, 2, 64, 64), None, "zero", "repeated"),
+    # enough (sequence, head) pairs for the one-block kernels, at three and at four CTAs per SM
+    # (the launch takes the two-block ones up to two per SM: 264 pairs on 132 SMs)
+    "wide3": ((1, 40, 300, 64, 64), None, "rwkv7", "rwkv"),
+    "wide4": ((2, 40, 210, 64, 64), None, "rwkv7", "rwkv"),
 }
 
 
