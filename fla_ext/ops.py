@@ -59,6 +59,17 @@ def _full_scale(scale, k):
     return k.shape[-1] ** -0.5 if scale is None else scale
 
 
+def _lift_state(state, ref: torch.Tensor):
+    """A 16-bit initial state (fla's ops take one in the inputs' dtype, as fla's tests pass it) as
+    the float32 state the kernels hold: an exact, differentiable cast, so its gradient comes back
+    in the caller's dtype. Any other dtype goes to the op as given (and is refused there unless it
+    is the state type)."""
+    if (isinstance(state, torch.Tensor) and state.dtype in (torch.float16, torch.bfloat16)
+            and isinstance(ref, torch.Tensor) and ref.dtype != torch.float64):
+        return state.float()
+    return state
+
+
 def _state_in(state, state_v_first: bool):
     """An initial state given as fla's ``state_v_first`` [N, H, V, K], as the ops read it: a
     transposed view (the kernels take any strides)."""
@@ -98,7 +109,8 @@ def fused_recurrent_rwkv6(
         v: ``[B, T, H, V]``; K and V are independent (1..512; above 256 as slices: fla_ext/wide.py).
         u: ``[H, K]`` bonus for the current token.
         scale: defaults to ``K ** -0.5``.
-        initial_state: float32 ``[N, H, K, V]``.
+        initial_state: float32 ``[N, H, K, V]`` (a float16 / bfloat16 one, as fla takes it, is
+            lifted to float32 exactly; its gradient comes back in its dtype).
         output_final_state: also return the float32 final state ``[N, H, K, V]``.
         reverse: run the recurrence from the last token to the first.
         cu_seqlens: int64 ``[N + 1]`` sequence boundaries (B must be 1): 0, non-decreasing, T
@@ -121,6 +133,7 @@ def fused_recurrent_rwkv6(
         >>> o, ht = fused_recurrent_rwkv6(r, k, v, w, u, output_final_state=True)
     """
     _require_tensors(r=r, k=k, v=v, w=w, u=u)
+    initial_state = _lift_state(initial_state, r)
     if cp_context is not None:
         _cp.check_inputs(cp_context, r, head_first, cu_seqlens, reverse, name="r")
         return _cp.rwkv6(fused_recurrent_rwkv6, cp_context, r, k, v, w, u, scale, initial_state,
@@ -169,8 +182,8 @@ def fused_recurrent_gla(
             the value dimension (<= 0, ``-inf`` allowed), or None. ``gk`` and ``gv`` may be given
             together; every gradient (``gk`` and ``gv`` included) is returned by autograd.
         scale: defaults to ``K ** -0.5``.
-        initial_state: float32 ``[N, H, K, V]``; output_final_state, reverse, cu_seqlens,
-            head_first: as in :func:`fused_recurrent_rwkv6`.
+        initial_state, output_final_state, reverse, cu_seqlens, head_first: as in
+            :func:`fused_recurrent_rwkv6`.
         state_v_first: as in fla: the initial and final states are ``[N, H, V, K]`` (the
             transposed layout). ``transpose_state_layout``: fla's older name for it.
 
@@ -185,6 +198,7 @@ def fused_recurrent_gla(
         >>> o, ht = fused_recurrent_gla(q, k, v, gv=gv, output_final_state=True)
     """
     _require_tensors(q=q, k=k, v=v)
+    initial_state = _lift_state(initial_state, q)
     if gk is not None:
         _require_tensors(gk=gk)
     if gv is not None:
@@ -270,6 +284,7 @@ def chunk_gla(
         >>> ok, hk = fla_ext.chunk_gla(q, k, s, gv=g, output_final_state=True)  # GSA pass 1
     """
     _require_tensors(q=q, k=k, v=v)
+    initial_state = _lift_state(initial_state, q)
     if cp_context is not None:
         _cp.check_inputs(cp_context, q, head_first, cu_seqlens, name="q")
         o, ht = _cp.gla(chunk_gla, cp_context, q, k, v, g, gv, scale,
@@ -315,6 +330,7 @@ def chunk_rwkv6(
     ``chunk_size``: fla's tuning hint, accepted and without effect (the kernels' chunk is their
     own)."""
     _require_tensors(r=r, k=k, v=v, w=w, u=u)
+    initial_state = _lift_state(initial_state, r)
     if cp_context is not None:
         _cp.check_inputs(cp_context, r, head_first, cu_seqlens, name="r")
         return _cp.rwkv6(chunk_rwkv6, cp_context, r, k, v, w, u, scale, initial_state,
@@ -364,7 +380,8 @@ def fused_recurrent_rwkv7(
         v: ``[B, T, H, V]``; K and V are independent (1..256).
         scale: defaults to ``K ** -0.5``, as fla's ``fused_recurrent_rwkv7`` (which forwards
             ``scale=None`` to ``fused_recurrent_dplr_delta_rule``). RWKV-7 models use ``1.0``.
-        initial_state: float32 ``[N, H, K, V]``.
+        initial_state: float32 ``[N, H, K, V]`` (a float16 / bfloat16 one, as fla takes it, is
+            lifted to float32 exactly; its gradient comes back in its dtype).
         output_final_state: also return the float32 final state ``[N, H, K, V]``; default
             ``True``, as in fla.
         cu_seqlens: int64 ``[N + 1]`` sequence boundaries (B must be 1).
@@ -386,6 +403,7 @@ def fused_recurrent_rwkv7(
         >>> o, ht = fused_recurrent_rwkv7(r, w, k, v, -kk, kk * iclr, scale=1.0)
     """
     _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
+    initial_state = _lift_state(initial_state, r)
     if cp_context is not None:
         _cp.check_inputs(cp_context, r, head_first, cu_seqlens, reverse, name="r")
         return _cp.rwkv7(fused_recurrent_rwkv7, cp_context, r, w, k, v, a, b, scale, initial_state,
@@ -488,7 +506,8 @@ def chunk_rwkv7(
             ``b = kk * iclr``; any a, b are accepted.
         v: ``[B, T, H, V]``; K and V are independent (1..256).
         scale: default ``1.0`` as in fla's ``chunk_rwkv7``; ``None`` means ``K ** -0.5``.
-        initial_state: float32 ``[N, H, K, V]``.
+        initial_state: float32 ``[N, H, K, V]`` (a float16 / bfloat16 one, as fla takes it, is
+            lifted to float32 exactly; its gradient comes back in its dtype).
         output_final_state: also return the float32 final state; default ``False``, as in fla.
         cu_seqlens: int64 ``[N + 1]`` sequence boundaries (B must be 1).
         head_first: inputs are ``[B, H, T, D]``.
@@ -504,6 +523,7 @@ def chunk_rwkv7(
         ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
     """
     _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
+    initial_state = _lift_state(initial_state, r)
     if cp_context is not None:
         _cp.check_inputs(cp_context, r, head_first, cu_seqlens, name="r")
         return _cp.rwkv7(chunk_rwkv7, cp_context, r, w, k, v, a, b, scale, initial_state,
@@ -597,7 +617,8 @@ def chunk_gsa(
         g: None reproduces fla (ABC without a learned gate): with ``z_t = logcumsumexp(s)`` per
             sequence, the slot keys become ``exp(s - z)`` and ``g_t = z_{t-1} - z_t``.
         scale: defaults to ``K ** -0.5``.
-        initial_state: None or ``(hk0, hv0)``, float32 ``[N, H, K, M]`` and ``[N, H, M, V]``.
+        initial_state: None or ``(hk0, hv0)``, float32 ``[N, H, K, M]`` and ``[N, H, M, V]`` (16-bit
+            ones lifted, as in :func:`fused_recurrent_rwkv6`).
         output_final_state, cu_seqlens, head_first: as in :func:`chunk_gla`.
         cu_seqlens_cpu: fla's host copy of a CUDA ``cu_seqlens`` (its values are then checked).
         checkpoint_level, chunk_size: accepted for drop-in use (fla's positional order) and
@@ -621,7 +642,7 @@ def chunk_gsa(
         return _cp.gsa(chunk_gla, cp_context, q, k, v, s, g, scale, initial_state, output_final_state)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
-    hk0, hv0 = _gsa_states(initial_state)
+    hk0, hv0 = (_lift_state(h, q) for h in _gsa_states(initial_state))
     if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1], s.shape[-1]):
         return _gsa_by_passes(chunk_gla, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
                               cu_seqlens_cpu, head_first)
@@ -663,7 +684,7 @@ def fused_recurrent_gsa(
                        output_final_state)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
-    hk0, hv0 = _gsa_states(initial_state)
+    hk0, hv0 = (_lift_state(h, q) for h in _gsa_states(initial_state))
     if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1], s.shape[-1]):
         return _gsa_by_passes(fused_recurrent_gla, q, k, v, s, g, scale, hk0, hv0, output_final_state,
                               cu_seqlens, cu_seqlens_cpu, head_first, reverse=reverse)

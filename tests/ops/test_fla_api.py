@@ -112,3 +112,52 @@ def test_fla_positional_calls(gen):
     o, _ = fla_ext.chunk_gsa(q, k, v, s, gs, 0.5, None, False, 2, cu, cu)
     o_ref, _ = fla_ext.fused_recurrent_gsa(q, k, v, s, gs, 0.5, None, False, False, cu)
     assert_close("o gsa", o, o_ref, 1e-5, 1e-6)
+
+
+def _low_state_calls(op, q, k, v, g, h0, gen):
+    """(call(h0) -> (o, final state), the state args) of one fla-compatible op at small shapes."""
+    H, K = q.shape[2], q.shape[3]
+    if op in ("chunk_gla", "fused_recurrent_gla"):
+        f = getattr(fla_ext, op)
+        return lambda h: f(q, k, v, g, initial_state=h, output_final_state=True), [h0]
+    if op in ("chunk_rwkv6", "fused_recurrent_rwkv6"):
+        u = torch.randn(H, K, generator=gen).to(q)
+        f = getattr(fla_ext, op)
+        return lambda h: f(q, k, v, g, u, initial_state=h, output_final_state=True), [h0]
+    if op in ("chunk_rwkv7", "fused_recurrent_rwkv7"):
+        kk = torch.nn.functional.normalize(k.float(), dim=-1)
+        a, b = (-kk).to(q), (kk * 0.5).to(q)
+        f = getattr(fla_ext, op)
+        return (lambda h: f(q, g.clamp(min=-5), k, v, a, b, initial_state=h, output_final_state=True),
+                [h0])
+    M = 4  # GSA: slots, (hk0, hv0)
+    s = torch.randn(*q.shape[:3], M, generator=gen).to(q)
+    gs = torch.nn.functional.logsigmoid(torch.randn(*q.shape[:3], M, generator=gen)).to(q)
+    hk0 = torch.randn(h0.shape[0], H, K, M, generator=gen)
+    hv0 = torch.randn(h0.shape[0], H, M, v.shape[-1], generator=gen)
+    f = getattr(fla_ext, op)
+    return lambda h: f(q, k, v, s, gs, initial_state=tuple(h), output_final_state=True), [hk0, hv0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("op", list(FLA_060) + ["chunk_rwkv7", "fused_recurrent_rwkv7"])
+def test_initial_state_in_input_dtype(op, dtype, gen):
+    """fla's ops take an initial state in the inputs' 16-bit dtype (fla's own tests pass one):
+    it is lifted to the float32 state exactly, so the outputs equal those of the float32 state,
+    and its gradient comes back in its own dtype, equal to the float32 state's gradient rounded."""
+    q, k, v, g, h0 = make_diag(1, 20, 2, 8, 8, dtype, "cpu", gen)
+    call, states = _low_state_calls(op, q, k, v, g, h0, gen)
+    low = [x.to(dtype).requires_grad_(True) for x in states]
+    full = [x.to(dtype).float().requires_grad_(True) for x in states]
+    o1, ht1 = call(low if len(low) > 1 else low[0])
+    o2, ht2 = call(full if len(full) > 1 else full[0])
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    for x, y in zip(ht1 if isinstance(ht1, tuple) else [ht1], ht2 if isinstance(ht2, tuple) else [ht2]):
+        assert x.dtype == torch.float32
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    loss = lambda o, ht: o.float().sum() + sum(x.sum() for x in (ht if isinstance(ht, tuple) else [ht]))
+    loss(o1, ht1).backward()
+    loss(o2, ht2).backward()
+    for x, y in zip(low, full):
+        assert x.grad.dtype == dtype
+        torch.testing.assert_close(x.grad, y.grad.to(dtype), rtol=0, atol=0)
