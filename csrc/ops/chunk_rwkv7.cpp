@@ -40,9 +40,11 @@ int64_t dplr_state_floats(const DiagArgs& d) { return dplr_chunk_slots(d) * d.H 
 // sequential walk, where the two-kernel forward spreads every chunk over the GPU. An inference
 // forward takes it from kFusedMinTasks pairs (on an H200's 132 SMs the faster one at 128 pairs
 // and the slower at 32: benchmarks/NOTES.md c25). A training forward (`keeps`) takes it from
-// kFusedTrainingMinTasks: its backward then runs prep, which the two-kernel forward ran and kept,
-// so fwd + bwd gains only where the fused forward is well ahead (H100: +17 % at 128 pairs, -3 % at
-// 256; NOTES c29). FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice (benchmarks compare the two).
+// kFusedTrainingMinTasks: its backward then runs the fused reverse pass, making the pair
+// matrices and X again where the two-kernel forward kept them, and both fused walks are
+// latency-bound at few pairs. At 128 pairs the fused fwd + bwd is still the slower one (H100:
+// 3.79 against 3.25 ms of kernels at B = 8, H = 16; NOTES c29, c32). FLA_EXT_RWKV7_FUSED=0 / 1
+// overrides the choice (benchmarks compare the two).
 constexpr int64_t kFusedMinTasks = 128, kFusedTrainingMinTasks = 256;
 bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
   if (!r.is_cuda() || !dplr_fused_forward(kernel_dtype(r), int(d.K), int(d.V))) return false;
