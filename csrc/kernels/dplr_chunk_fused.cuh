@@ -186,9 +186,10 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
 // one block while warps 4-7 make chunk ci + 1's (staging, decays, pair matrices, X) in the
 // other: four barriers a chunk in place of eight, each phase holding work of both halves. (A
 // training forward, storing the chunk-start states, gains nothing from it: benchmarks/NOTES.md
-// c32.)
-template <typename T>
-__global__ void __launch_bounds__(2 * kDplrFusedThreads, 2) fused_forward_two_block_kernel(const DplrChunkPass p) {
+// c32.) kCtas: the CTAs per SM the register budget is cut for (2: 128 registers, 1: up to 255,
+// for at most one pair per SM).
+template <typename T, int kCtas>
+__global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_two_block_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using L = FusedSmem<2>;
   float* const sm = fused_smem();

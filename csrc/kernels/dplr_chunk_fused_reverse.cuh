@@ -152,9 +152,10 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_reverse_kernel
 
 // Two blocks (256 threads, two CTAs an SM; for few (sequence, head) pairs): warps 0-3 run chunk
 // ci's chain on one block while warps 4-7 make chunk ci - 1's in the other; the factored keys
-// and the pair matrices, after the chain's part of the chunk, on all eight warps.
-template <typename T>
-__global__ void __launch_bounds__(2 * kDplrFusedThreads, 2) fused_reverse_two_block_kernel(const DplrChunkPass p) {
+// and the pair matrices, after the chain's part of the chunk, on all eight warps. kCtas: as
+// fused_forward_two_block_kernel's.
+template <typename T, int kCtas>
+__global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_reverse_two_block_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using L = FusedSmem<2>;
   float* const sm = fused_smem();

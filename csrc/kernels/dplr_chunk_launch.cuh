@@ -72,18 +72,19 @@ cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, con
 
 // A fused kernel (one CTA per (sequence, head)): where two CTAs per SM hold every task, the
 // two-block kernel (the next chunk's steps beside this one's chain), if there is one (`two` not
-// null); else the one-block kernel with kCtas = 3 or 4 CTAs per SM: three give each CTA the
+// null; `one_two` its build for at most one CTA per SM, with the registers of a whole SM); else the one-block kernel with kCtas = 3 or 4 CTAs per SM: three give each CTA the
 // shorter chunk step, so four only where three per SM would leave CTAs for a second wave.
 using FusedKernel = void (*)(DplrChunkPass);
 template <typename T>
-cudaError_t launch_fused(FusedKernel two, FusedKernel three, FusedKernel four, const DplrChunkPass& p,
-                         const VecArg& cols, cudaStream_t stream) {
+cudaError_t launch_fused(FusedKernel one_two, FusedKernel two, FusedKernel three, FusedKernel four,
+                         const DplrChunkPass& p, const VecArg& cols, cudaStream_t stream) {
   using namespace dplr_fused_detail;
   const int64_t tasks = int64_t(p.N) * p.H, sms = device_sm_count();
   DplrChunkPass f = p;
   f.paths.rows_16byte = input_rows_in_pieces<T>(p, cols);
   const dim3 grid{unsigned(tasks)};
-  if (two && tasks <= 2 * sms) return launch_with_smem(two, grid, 2 * NTF, FusedSmem<2>::bytes(), f, stream);
+  if (two && tasks <= 2 * sms)
+    return launch_with_smem(tasks <= sms ? one_two : two, grid, 2 * NTF, FusedSmem<2>::bytes(), f, stream);
   return launch_with_smem(tasks > 3 * sms ? four : three, grid, NTF, FusedSmem<1>::bytes(), f, stream);
 }
 
@@ -98,8 +99,8 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
       return cudaErrorInvalidValue;  // (no fused forward made these states)
     } else {
       if (!dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
-      e = launch_fused<T>(fused_reverse_two_block_kernel<T>, fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p,
-                          p.dout, stream);
+      e = launch_fused<T>(fused_reverse_two_block_kernel<T, 1>, fused_reverse_two_block_kernel<T, 2>,
+                          fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p, p.dout, stream);
       if (e != cudaSuccess) return e;
       return launch_with_smem(grad_kernel<T, KC>, dim3(unsigned(slots), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)),
                               NT, Smem(p.K, true).bytes(), p, stream);
@@ -131,10 +132,11 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value)
     if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V))
-      return p.hst ? launch_fused<T>(nullptr, fused_forward_kernel<T, 3, true>, fused_forward_kernel<T, 4, true>, p,
-                                     p.v, stream)
-                   : launch_fused<T>(fused_forward_two_block_kernel<T>, fused_forward_kernel<T, 3, false>,
-                                     fused_forward_kernel<T, 4, false>, p, p.v, stream);
+      return p.hst ? launch_fused<T>(nullptr, nullptr, fused_forward_kernel<T, 3, true>,
+                                     fused_forward_kernel<T, 4, true>, p, p.v, stream)
+                   : launch_fused<T>(fused_forward_two_block_kernel<T, 1>, fused_forward_two_block_kernel<T, 2>,
+                                     fused_forward_kernel<T, 3, false>, fused_forward_kernel<T, 4, false>, p, p.v,
+                                     stream);
   return p.K == 64 ? launch_k<T, 64>(p, stream) : p.K == 128 ? launch_k<T, 128>(p, stream) : launch_k<T, 0>(p, stream);
 }
 

@@ -43,7 +43,7 @@ void fused_forward(const DplrChunkPass& p) {
   emu::launch(dim3(unsigned(p.N * p.H)), kCtas == 2 ? 2 * NTF : NTF, [&] {
     emu::poisoned_cta([&] {
       if constexpr (kCtas == 2) {
-        fused_forward_two_block_kernel<__nv_bfloat16>(p);  // (inference only)
+        fused_forward_two_block_kernel<__nv_bfloat16, 2>(p);  // (inference only)
       } else {
         if (p.hst) fused_forward_kernel<__nv_bfloat16, kCtas, true>(p);
         else fused_forward_kernel<__nv_bfloat16, kCtas, false>(p);
@@ -63,7 +63,7 @@ void fused_reverse(const DplrChunkPass& p) {
   f.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.dout);
   emu::launch(dim3(unsigned(p.N * p.H)), fused_ctas == 2 ? 2 * NTF : NTF, [&] {
     emu::poisoned_cta([&] {
-      if (fused_ctas == 2) fused_reverse_two_block_kernel<__nv_bfloat16>(f);
+      if (fused_ctas == 2) fused_reverse_two_block_kernel<__nv_bfloat16, 2>(f);
       else fused_reverse_kernel<__nv_bfloat16, 4>(f);
     }, fused_sm4);
   });

@@ -159,8 +159,10 @@ FUSED_CASES = {  # (B, T, H, K, V), cu_seqlens, w_kind, lr
     "varlen": ((1, 150, 2, 64, 64), [0, 7, 7, 40, 41, 150], "u5", "rwkv"),
     # X from cancelling binomial-size terms, and the fused kernel's pair matrices single TF32
     "repeated": ((1, 64, 2, 64, 64), None, "zero", "repeated"),
-    # enough (sequence, head) pairs for the one-block kernels, at three and at four CTAs per SM
-    # (the launch takes the two-block ones up to two per SM: 264 pairs on 132 SMs)
+    # the launch's builds by (sequence, head) pairs on 132 SMs: the cases above take the two-block
+    # kernels' one-CTA-per-SM build; 200 pairs their two-per-SM build; 300 and 420 the one-block
+    # kernels at three and at four CTAs per SM
+    "wide2": ((1, 40, 200, 64, 64), None, "rwkv7", "rwkv"),
     "wide3": ((1, 40, 300, 64, 64), None, "rwkv7", "rwkv"),
     "wide4": ((2, 40, 210, 64, 64), None, "rwkv7", "rwkv"),
 }
