@@ -161,3 +161,37 @@ def test_initial_state_in_input_dtype(op, dtype, gen):
     for x, y in zip(low, full):
         assert x.grad.dtype == dtype
         torch.testing.assert_close(x.grad, y.grad.to(dtype), rtol=0, atol=0)
+
+
+def _rms_ratio(x, ref):
+    """fla's assert_close measure: rms of the difference over rms of the reference."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["chunk", "fused"])
+@pytest.mark.parametrize("B,T,H,D,gate_logit_normalizer", [
+    (1, 15, 2, 60, 1.0), (3, 60, 3, 64, 0.1), (3, 64, 2, 64, 1.0)])
+def test_fla_rwkv6_fp16_suite_inputs(device, mode, B, T, H, D, gate_logit_normalizer, gen):
+    """fla's own chunk_rwkv6 fp16 test inputs (short sequences, an fp16 initial state, decays up
+    to 10x logsigmoid): o, the final state and every gradient against the float64 oracle within
+    fla's tolerances (4e-3 for o, 5e-3 for the rest, its rms measure)."""
+    from fla_ext import reference
+    dt = torch.float16
+    draw = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dt)  # noqa: E731
+    r, k, v = draw(B, T, H, D), draw(B, T, H, D), draw(B, T, H, D)
+    w = (torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, generator=gen)) / gate_logit_normalizer
+         ).to(device=device, dtype=dt)
+    u, h0, do = draw(H, D), draw(B, H, D, D), draw(B, T, H, D)
+    xs = [x.clone().requires_grad_(True) for x in (r, k, v, w, u, h0)]
+    op = fla_ext.chunk_rwkv6 if mode == "chunk" else fla_ext.fused_recurrent_rwkv6
+    o, ht = op(*xs[:5], initial_state=xs[5], output_final_state=True)
+    grads = torch.autograd.grad((o * do).sum(), xs)
+    o_ref, ht_ref = reference.rwkv6(r, k, v, w, u, initial_state=h0)
+    g_ref = reference.rwkv6_bwd(r, k, v, w, u, do, initial_state=h0)
+    assert _rms_ratio(o, o_ref) < 4e-3
+    assert _rms_ratio(ht, ht_ref) < 5e-3
+    for name, x in zip(["r", "k", "v", "w", "u", "h0"], grads):
+        assert x.dtype == dt
+        assert _rms_ratio(x, g_ref[name]) < 5e-3, name
