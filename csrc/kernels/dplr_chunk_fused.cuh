@@ -185,9 +185,10 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
 // where one CTA an SM leaves the chunk walk's latency exposed): warps 0-3 run chunk ci's chain on
 // one block while warps 4-7 make chunk ci + 1's (staging, decays, pair matrices, X) in the
 // other: four barriers a chunk in place of eight, each phase holding work of both halves. (A
-// training forward, storing the chunk-start states, gains nothing from it: benchmarks/NOTES.md
-// c32.) kCtas: the CTAs per SM the register budget is cut for (2: 128 registers, 1: up to 255,
-// for at most one pair per SM).
+// training forward, storing the chunk-start states, was slower with it in the two-CTA build and
+// keeps the one-block kernel; the one-CTA build was not tried for it: benchmarks/NOTES.md c32.)
+// kCtas: the CTAs per SM the register budget is cut for (2: 128 registers, 1: up to 255, for at
+// most one pair per SM).
 template <typename T, int kCtas>
 __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_two_block_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
