@@ -94,12 +94,7 @@ struct ForwardOut {
   __device__ float* slot(int64_t ci) const { return hst + ci * slot_floats; }
   // S from h0 (0 without it), and slot 0.
   __device__ void init(const DplrChunkPass& p, float* S, int tid, int threads) const {
-    for (int e = tid; e < K * V; e += threads) {
-      const int d = e / V, x = e % V;
-      const float v = p.h0.on() ? *mptr(p.h0, n, h, d, x) : 0.f;
-      S[d * LB + x] = v;
-      if (kStates) hst[e] = v;
-    }
+    load_state(S, p.h0, n, h, tid, threads, kStates ? hst : nullptr);
   }
   // o = scale (R^ S + A_rk V + A_rb U) of chunk ci's rows, straight from the accumulators.
   __device__ void rows(const DplrChunkPass& p, int64_t ci, int64_t rem, const float* blk, const float* S, const float* u,
@@ -130,11 +125,7 @@ struct ForwardOut {
       for (int64_t sl = slot0 + nch + 1; sl < next; ++sl)
         for (int e = tid; e < K * V; e += threads) slot(sl - slot0)[e] = 0.f;
     }
-    if (p.hT.on())
-      for (int e = tid; e < K * V; e += threads) {
-        const int d = e / V, x = e % V;
-        *mptr(p.hT, n, h, d, x) = S[d * LB + x];
-      }
+    save_state(p.hT, n, h, S, tid, threads);
   }
 };
 

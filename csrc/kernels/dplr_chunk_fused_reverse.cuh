@@ -80,21 +80,18 @@ __device__ inline void reverse_update(const float* blk, float* D, const float* d
 // dht on to dh0). What it reads and writes of its task besides the chunks' rows.
 struct ReverseWalk {
   int64_t lo, hi;
-  bool idle;
+  bool idle, carried;  // carried: D at the walk's end comes from a later window
   __device__ ReverseWalk(const DplrChunkPass& p, int64_t nch) {
     const bool windowed = p.window_chunks > 0;
     const int64_t end = p.window_begin + p.window_chunks;
     lo = windowed ? p.window_begin : 0;
     hi = windowed && end < nch ? end : nch;
     idle = windowed && lo >= nch && !(nch == 0 && lo == 0);
+    carried = hi < nch;
   }
   // D at the walk's end: the next window's carry, or dht.
-  __device__ void init(const DplrChunkPass& p, int64_t nch, int n, int h, float* D, int tid, int threads) const {
-    const MatArg& from = hi < nch ? p.dcarry : p.dht;
-    for (int e = tid; e < K * V; e += threads) {
-      const int d = e / V, x = e % V;
-      D[d * LB + x] = from.on() ? *mptr(from, n, h, d, x) : 0.f;
-    }
+  __device__ void init(const DplrChunkPass& p, int n, int h, float* D, int tid, int threads) const {
+    load_state(D, carried ? p.dcarry : p.dht, n, h, tid, threads);
   }
   // D = dS+ of chunk ci into its dhst slot.
   __device__ static void store_d(const DplrChunkPass& p, int n, int h, int64_t ci, const float* D, int tid) {
@@ -108,12 +105,7 @@ struct ReverseWalk {
   }
   // D at the walk's start: the previous window's carry, or dh0.
   __device__ void finish(const DplrChunkPass& p, int n, int h, const float* D, int tid, int threads) const {
-    const MatArg& to = lo > 0 ? p.dcarry : p.dh0;
-    if (to.on())
-      for (int e = tid; e < K * V; e += threads) {
-        const int d = e / V, x = e % V;
-        *mptr(to, n, h, d, x) = D[d * LB + x];
-      }
+    save_state(lo > 0 ? p.dcarry : p.dh0, n, h, D, tid, threads);
   }
 };
 
@@ -132,7 +124,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_reverse_kernel
   const ChunkSteps at = ChunkSteps::at<L>(sm, 0);
   ChunkRows<T> rows(p, p.dout, s, h, tid);
   float* const D = sm + L::state;
-  walk.init(p, nch, n, h, D, tid, NTF);
+  walk.init(p, n, h, D, tid, NTF);
   if (walk.hi > walk.lo) rows.fetch(walk.hi - 1);
   for (int64_t ci = walk.hi - 1; ci >= walk.lo; --ci) {
     rows.stage(at, float(p.scale));
@@ -168,7 +160,7 @@ __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_reverse_tw
   float* const D = sm + L::state;
   const float rho = float(p.scale);
   if (chain) {
-    walk.init(p, nch, n, h, D, tid, NTF);
+    walk.init(p, n, h, D, tid, NTF);
   } else if (walk.hi > walk.lo) {
     rows.fetch(walk.hi - 1);
     rows.stage(ChunkSteps::at<L>(sm, 0), rho);

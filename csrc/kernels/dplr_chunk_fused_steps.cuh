@@ -124,6 +124,27 @@ __device__ __forceinline__ void store_state(float* at, const float* state, int t
     *reinterpret_cast<float4*>(at + e) = *reinterpret_cast<const float4*>(state + e / V * LB + e % V);
 }
 
+// A K x V state argument (h0, hT, dht, dh0, the windows' dcarry) of head h of sequence n and
+// the state in shared memory at row stride LB, by the `threads` threads tid = 0, 1, ...:
+// load_state reads it (0 where the argument is off), also into `copy` (a contiguous fp32 slot)
+// if given; save_state writes it where the argument is on. Not synchronised.
+__device__ inline void load_state(float* state, const MatArg& from, int n, int h, int tid, int threads,
+                                  float* copy = nullptr) {
+  for (int e = tid; e < K * V; e += threads) {
+    const int d = e / V, x = e % V;
+    const float v = from.on() ? *mptr(from, n, h, d, x) : 0.f;
+    state[d * LB + x] = v;
+    if (copy) copy[e] = v;
+  }
+}
+__device__ inline void save_state(const MatArg& to, int n, int h, const float* state, int tid, int threads) {
+  if (to.on())
+    for (int e = tid; e < K * V; e += threads) {
+      const int d = e / V, x = e % V;
+      *mptr(to, n, h, d, x) = state[d * LB + x];
+    }
+}
+
 // The six row blocks of a sequence's chunks (r, w, k, the column side `cols`: v or dO, a, b), a
 // 16-byte piece of each per thread of the group that stages them (tid: the thread's index in
 // it): row tid / kPiecesPerRow, channels kPieceElems (tid % kPiecesPerRow) on. fetch() takes
