@@ -155,12 +155,15 @@ def test_chunk_rwkv7_kernels_descending_warps(descending, shape, dtype, tol, gen
     # input takes the element loads; o's stores step by its column stride
     ((1, 37, 2, 64, 64), "rwkv7", None, "strided"),
 ], ids=["rwkv7", "mixedinf", "edge60", "varlen", "repeated", "strided"])
-@pytest.mark.parametrize("ctas", [2, 3, 4])
+@pytest.mark.parametrize("ctas", [1, 2, 3, 4])
 def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, ctas, gen):
     """The fused inference forward (one CTA per sequence and head, no workspace; bf16, K = V =
     64) against the CPU op on the same bf16 inputs, warps in descending order between barriers;
     every build the launch picks from: the two-block kernel (two CTAs per SM) and the one-block
-    kernel's two register budgets (three or four CTAs per SM)."""
+    kernel's two register budgets (three or four CTAs per SM). ctas = 1: the two-block kernel
+    of a training forward at few pairs, which keeps what prep and the forward sweep keep (the
+    chunk-start states and prep's workspace): those against the two kernels' on the same inputs,
+    every float written (poisoned buffers)."""
     N = len(cu) - 1 if cu else shape[0]
     strided = lr == "strided"
     *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr="rwkv" if strided else lr)
@@ -171,9 +174,15 @@ def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, ctas, gen)
     cu_t = torch.tensor(cu) if cu else None
     o, ht = chunk_rwkv7(*ins, scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
     cu_e = cu_t if cu else torch.empty(0, dtype=torch.int64)
-    eo, eht = descending.run_fused(*ins, h0, 0.7, cu_e, ctas, strided)
+    eo, eht, *kept = descending.run_fused(*ins, h0, 0.7, cu_e, ctas, strided)
     assert_close("o", eo, o, 1e-2, 1e-6)
     assert_close("ht", eht, ht, 1e-2, 1e-6)
+    if ctas == 1:
+        hst, ws, hst_ref, ws_ref = kept
+        for name, x, ref in [("hst", hst, hst_ref), ("ws", ws, ws_ref)]:
+            assert not torch.isnan(x).any(), f"{name}: a float not written"
+            written = ~torch.isnan(ref)  # (prep leaves the matrices' padding columns as it found them)
+            assert_close(name, x[written], ref[written], 1e-2, 1e-6)
 
 
 def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):
@@ -216,6 +225,15 @@ def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
     from single-TF32 pair matrices and its chain's products are its own, so the gradients match
     the reference at the bf16 tolerance, not bitwise. Without cu_seqlens also the backward in
     windows of the chunk index (DplrChunkPass::window_chunks): bitwise equal to one pass."""
+    # The two-block forward keeping the states and prep's workspace (a training forward at few
+    # pairs): the two-kernel path's backward on them, and in windows bitwise equal to one pass.
+    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, 5)
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
+        assert_close(f"d{name} (two-block forward's states and workspace)", x, y,
+                     5 * tol if name == "w" else tol, 1e-6)
+    if cu_e.numel() == 0:
+        for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 6), eg):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
     for ctas in (4, 2):  # the one-block reverse pass, then the two-block one (few tasks)
         emu.set_fused_ctas(ctas)
         try:

@@ -183,6 +183,11 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // workspace is then set; hst, when set, receives the chunk-start states). The backward on those
   // states (kept == DplrKept::states) always runs the fused reverse pass.
   bool fused = false;
+  // CUDA training forward on the two-kernel path (not `fused`; hst and the kept workspace set):
+  // where few (sequence, head) pairs leave the two kernels' chunk walk latency-bound, the launch
+  // runs it as the two-block fused kernel that stores the same states and workspace
+  // (dplr_chunk_launch.cuh), unless this is off (the op's FLA_EXT_RWKV7_FUSED=0).
+  bool fused_may_keep = true;
   // CUDA backward on kept states (DplrKept::states or states_and_workspace, no cu_seqlens) in a
   // window of the chunk index (the op's backward windows), when window_chunks > 0: the reverse
   // sweep (or the fused reverse pass) and grad take chunks [window_begin, window_begin +

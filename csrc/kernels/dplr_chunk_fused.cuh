@@ -1,5 +1,5 @@
 // The chunked RWKV7 engine's fused forward (dplr_chunk_launch.cuh): one CTA (128 threads, or 256 in
-// the two-block inference build) per (sequence, head) walks the sequence's 16-row chunks with the
+// the two-block builds) per (sequence, head) walks the sequence's 16-row chunks with the
 // whole K x V state in shared memory and does each chunk's work (docs/algorithms.md §6.3)
 // itself: decays, pair matrices, X (dplr_chunk_fused_steps.cuh), U, o and the state update. No
 // workspace: nothing of a chunk leaves the CTA but o and, for a training forward, the
@@ -7,13 +7,14 @@
 // forward (prep for every chunk, then the sweep) moves ~16x an input's bytes through memory;
 // this one reads the inputs and writes o (and the states: 4x an input at K = V = 64). Taken for
 // bf16 / fp16 with K = V = 64 (dplr_chunk.h dplr_fused_forward) where the op finds it the faster
-// one.
+// one. One build (kKeep, at about one pair per SM) is a training forward that also stores prep's
+// workspace, in place of the two kernels.
 //
 // Unlike prep, whose factored pair matrices are 3xTF32 (the backward reads them), these are
-// single TF32 products: the inputs are 16-bit here, and the repeated-token case (X from
-// cancelling terms) stays within the 16-bit tolerance (tests/test_cuda_emu.py,
-// tests/ops/test_rwkv7_inference.py). So o is close to, not bitwise equal to, the two-kernel
-// forward's.
+// single TF32 products (kKeep: 3xTF32, as prep's): the inputs are 16-bit here, and the
+// repeated-token case (X from cancelling terms) stays within the 16-bit tolerance
+// (tests/test_cuda_emu.py, tests/ops/test_rwkv7_inference.py). So o is close to, not bitwise
+// equal to, the two-kernel forward's.
 #pragma once
 #include "dplr_chunk_fused_steps.cuh"
 
@@ -129,6 +130,76 @@ struct ForwardOut {
   }
 };
 
+// What the two-kernel training forward keeps for its backward besides the states (prep's
+// workspace, DplrWorkspaceLayout; the backward then runs neither prep nor the forward sweep), made
+// by a fused forward instead: each chunk's W = X Â, Q~ = R^ + A_rb W, K^, B^ (TF32 values, as the
+// reverse sweep reads them), gamma, the pair matrices and X. By the steps' group of 128 threads;
+// each function after the barrier that makes what it reads.
+struct KeptWorkspace {
+  float* base;  // chunk slot 0 of the (sequence, head)
+  int64_t slot0, slot_floats;
+  __device__ static DplrWorkspaceLayout ws() { return DplrWorkspaceLayout(K, V); }
+  __device__ KeptWorkspace(const DplrChunkPass& p, const FusedTask& t)
+      : slot0(chunk_slot<C>(p.cu_seqlens, t.n, p.T, 0)), slot_floats(int64_t(p.H) * ws().floats_per_chunk()) {
+    base = static_cast<float*>(p.ws) + (slot0 * p.H + t.h) * ws().floats_per_chunk();
+  }
+  __device__ float* block(int64_t ci) const { return base + ci * slot_floats; }
+  // The pair matrices and X (after X's solve), 16-byte copies of the block's; the rows' padding
+  // columns (never written in the block) as zeros, so that every float kept is defined.
+  __device__ void store_mats(int64_t ci, const float* blk, int tid) const {
+    static_assert(LM == C + 4, "one 16-byte piece of padding per row");
+    float* const out = block(ci) + ws().mats_at();
+    for (int e = tid; e < 5 * C * LM / 4; e += NTF)
+      reinterpret_cast<float4*>(out)[e] = e % (LM / 4) == C / 4 ? make_float4(0.f, 0.f, 0.f, 0.f)
+                                                                : reinterpret_cast<const float4*>(blk + ChunkBlock::mats)[e];
+  }
+  // W and Q~ (warp w: channels 16w .. 16w + 15; W through `scratch`, [C][LB], as Q~'s operand),
+  // K^, B^ and gamma. The rows go to krow_at's swizzled places, a lane's two adjacent channels
+  // as one 8-byte store.
+  __device__ void store_rows(int64_t ci, const float* blk, float* scratch, int tid) const {
+    using B = ChunkBlock;
+    const DplrWorkspaceLayout L = ws();
+    float* const out = block(ci);
+    const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+    auto put = [&](int m, int n0, const float (&acc)[4]) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(out + L.krow_at(m * C + g + 8 * h, n0 + 2 * q)) =
+            make_float2(tile::tf32_round(acc[2 * h]), tile::tf32_round(acc[2 * h + 1]));
+    };
+#pragma unroll
+    for (int n0 = 16 * warp; n0 < 16 * warp + 16; n0 += 8) {
+      float w[4] = {0.f, 0.f, 0.f, 0.f};
+      warp_mma_ld(w, C, blk + B::mats + kMatX * C * LM, LM, blk + B::ahat + n0, LA);
+      put(0, n0, w);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) scratch[(g + 8 * (e / 2)) * LB + n0 + 2 * q + e % 2] = w[e];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int n0 = 16 * warp; n0 < 16 * warp + 16; n0 += 8) {
+      float qt[4], kh[4], bh[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = g + 8 * (e / 2), d = n0 + 2 * q + e % 2;
+        qt[e] = blk[B::rhat + i * LA + d], kh[e] = blk[B::khat + i * LB + d], bh[e] = blk[B::bhat + i * LB + d];
+      }
+      warp_mma_ld(qt, C, blk + B::mats + kMatArb * C * LM, LM, scratch + n0, LB);
+      put(1, n0, qt), put(2, n0, kh), put(3, n0, bh);
+    }
+    if (tid < K) out[L.gamma_at() + tid] = blk[B::gam + tid];
+  }
+  // The slots after the sequence's chunks (the final state's, a varlen batch's gaps): zeros, as
+  // prep writes them (the workspace is kept as an op output).
+  __device__ void finish(const DplrChunkPass& p, int n, int64_t nch, int tid, int threads) const {
+    const int64_t next = n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0)
+                                     : chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
+    for (int64_t sl = slot0 + nch; sl < next; ++sl)
+      for (int e = tid; e < ws().floats_per_chunk() / 4; e += threads)
+        reinterpret_cast<float4*>(block(sl - slot0))[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+};
+
 }  // namespace dplr_fused_detail
 
 // One block (128 threads): each chunk's steps, then its chain. kCtas: the CTAs per SM the
@@ -172,15 +243,23 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
   out.finish(p, S, tid, NTF);
 }
 
-// Two blocks (256 threads, two CTAs an SM; the inference forward at few (sequence, head) pairs,
-// where one CTA an SM leaves the chunk walk's latency exposed): warps 0-3 run chunk ci's chain on
-// one block while warps 4-7 make chunk ci + 1's (staging, decays, pair matrices, X) in the
-// other: four barriers a chunk in place of eight, each phase holding work of both halves. (A
-// training forward, storing the chunk-start states, was slower with it in the two-CTA build and
-// keeps the one-block kernel; the one-CTA build was not tried for it: benchmarks/NOTES.md c32.)
-// kCtas: the CTAs per SM the register budget is cut for (2: 128 registers, 1: up to 255, for at
-// most one pair per SM).
-template <typename T, int kCtas>
+// Two blocks (256 threads): warps 0-3 run chunk ci's chain on one block while warps 4-7 make
+// chunk ci + 1's (staging, decays, pair matrices, X) in the other: four barriers a chunk in place
+// of eight, each phase holding work of both halves. For few (sequence, head) pairs, where one
+// 128-thread CTA an SM leaves the chunk walk's latency exposed. kCtas: the CTAs per SM the
+// register budget is cut for (2: 128 registers, 1: up to 255, for at most one pair per SM).
+// kKeep: a training forward that keeps what the two-kernel forward keeps (DplrKept::
+// states_and_workspace: the chunk-start states and, KeptWorkspace, prep's workspace), so that its
+// backward runs the reverse sweep and grad alone; the steps' warps store them, and make the pair
+// matrices 3xTF32 (grad reads them, as prep's). A training forward keeping the states alone (for
+// the fused reverse pass) keeps the one-block kernel: with the state stores the two-CTA build of
+// this one was slower (benchmarks/NOTES.md c32).
+//   phase  chain (warps 0-3)          steps (warps 4-7)
+//   1      M + P                      X of ci; stage ci + 1; fetch ci + 2; kKeep: state before ci
+//   2      U                          decays of ci + 1; kKeep: ci's pair matrices and X
+//   3      o, S+ into registers       factored keys of ci + 1; kKeep: ci's W, Q~, K^, B^, gamma
+//   4      S+ over S                  pair matrices of ci + 1 (kKeep: with the chain's warps)
+template <typename T, int kCtas, bool kKeep>
 __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_two_block_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using L = FusedSmem<2>;
@@ -189,7 +268,8 @@ __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_tw
   const auto [h, n, s, nch] = task;
   const bool chain = threadIdx.x < NTF;  // else the chunk steps
   const int tid = int(threadIdx.x) % NTF;
-  const ForwardOut<T, false> out(p, task);
+  const ForwardOut<T, kKeep> out(p, task);
+  const KeptWorkspace kept(p, task);  // (kKeep)
   ChunkRows<T> rows(p, p.v, s, h, tid);
   float* const S = sm + L::state;
   if (chain) {
@@ -205,7 +285,8 @@ __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_tw
     const bool bounded = __syncthreads_and(chain || decay_scan(at, tid));
     if (!chain && bounded) factor_keys(at, tid);
     __syncthreads();
-    if (!chain) pair_matrices<T, false, 4>(at, bounded, p, s, h, 0, tid);
+    if (kKeep) pair_matrices<T, true, 8>(at, bounded, p, s, h, 0, int(threadIdx.x));
+    else if (!chain) pair_matrices<T, false, 4>(at, bounded, p, s, h, 0, tid);
     __syncthreads();
   }
   for (int64_t ci = 0; ci < nch; ++ci) {
@@ -217,21 +298,31 @@ __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_tw
       if (tid < 32) solve_x(cur.blk, tid);
       if (more) rows.stage(nxt, 1.f);
       if (ci + 2 < nch) rows.fetch(ci + 2);
+      if (kKeep && ci > 0) store_state(out.slot(ci), S, tid, NTF);  // (slot 0: init)
     }
     __syncthreads();
     if (chain) forward_u(cur.blk, sm + L::scr0, sm + L::scr1, tid);
+    else if (kKeep) kept.store_mats(ci, cur.blk, tid);
     const bool bounded = __syncthreads_and(chain || !more || decay_scan(nxt, tid));
     float next[V / 8][4];
     if (chain) {
       out.rows(p, ci, s.len - ci * C, cur.blk, S, sm + L::scr1, tid);
       forward_next(cur.blk, S, sm + L::scr1, next, tid);
-    } else if (more && bounded) {
-      factor_keys(nxt, tid);
+    } else {
+      if (more && bounded) factor_keys(nxt, tid);
+      // W through M + P's rows, which the chain read last in phase 2
+      if (kKeep) kept.store_rows(ci, cur.blk, sm + L::scr0, tid);
     }
     __syncthreads();
     if (chain) write_state(S, next, tid);
-    else if (more) pair_matrices<T, false, 4>(nxt, bounded, p, s, h, ci + 1, tid);
+    // kKeep: the 3xTF32 pair matrices on all eight warps (the chain's part of this phase is short)
+    if (kKeep && more) pair_matrices<T, true, 8>(nxt, bounded, p, s, h, ci + 1, int(threadIdx.x));
+    else if (!kKeep && !chain && more) pair_matrices<T, false, 4>(nxt, bounded, p, s, h, ci + 1, tid);
     __syncthreads();
+  }
+  if (kKeep) {
+    if (!chain) store_state(out.slot(nch), S, tid, NTF);
+    else kept.finish(p, n, nch, tid, NTF);
   }
   if (chain) out.finish(p, S, tid, NTF);
 }

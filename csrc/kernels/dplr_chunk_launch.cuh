@@ -11,7 +11,9 @@
 // those states the backward's reverse pass (fused_reverse_kernel, dplr_chunk_fused_reverse.cuh:
 // dS+ and the pair matrices with X, in place of prep and the reverse sweep), then grad. Where
 // two CTAs per SM hold every pair, the two-block builds (the next chunk's steps on warps of
-// their own beside this chunk's chain) run the reverse pass and the inference forward.
+// their own beside this chunk's chain) run the reverse pass and the inference forward. Where
+// nearly every SM holds one pair, a training forward on the two-kernel path runs as the
+// two-block kernel that stores what prep and the sweep would keep (fused_keeps_workspace).
 // Forward, two kernels:
 //   prep   (chunk slot, H)  everything of a chunk that does not depend on the state: the pair
 //          matrices (every thread pair (i, j) of the 16 x 16 grid adds its exponent
@@ -127,16 +129,36 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
 // K = 64 (RWKV-7's head size) and 128 with every index derived from K a compile-time constant:
 // with a runtime K, the integer multiply-adds of the shared-memory and workspace indices are a
 // large share of the sweep's and prep's instructions.
+// Whether a two-kernel training forward (DplrChunkPass::fused_may_keep) runs as the two-block
+// fused kernel that keeps the same states and workspace (its one-CTA-per-SM build): where every
+// pair has an SM of its own and nearly every SM a pair. The fused walk's time per pair is its
+// sequence's chunks one after another, whatever the pairs; prep and the sweep's grows with them:
+// on an H100 the fused kernel is the faster at 128 pairs and the slower at 96 (benchmarks/
+// NOTES.md c33), so it takes at least 7/8 of the SMs. (Its two-CTA build spilled 216 bytes and
+// lost at 192 pairs; there is none.)
+inline bool fused_keeps_workspace(const DplrChunkPass& p) {
+  const int64_t tasks = int64_t(p.N) * p.H, sms = device_sm_count();
+  return p.fused_may_keep && !p.fused && !p.backward() && p.hst && p.ws &&
+         dplr_fused_forward(p.dtype, p.K, p.V) && 8 * tasks >= 7 * sms && tasks <= sms;
+}
+
 template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
-  if constexpr (!std::is_same<T, float>::value)
+  if constexpr (!std::is_same<T, float>::value) {
     if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V))
       return p.hst ? launch_fused<T>(nullptr, nullptr, fused_forward_kernel<T, 3, true>,
                                      fused_forward_kernel<T, 4, true>, p, p.v, stream)
-                   : launch_fused<T>(fused_forward_two_block_kernel<T, 1>, fused_forward_two_block_kernel<T, 2>,
-                                     fused_forward_kernel<T, 3, false>, fused_forward_kernel<T, 4, false>, p, p.v,
-                                     stream);
+                   : launch_fused<T>(fused_forward_two_block_kernel<T, 1, false>,
+                                     fused_forward_two_block_kernel<T, 2, false>, fused_forward_kernel<T, 3, false>,
+                                     fused_forward_kernel<T, 4, false>, p, p.v, stream);
+    if (fused_keeps_workspace(p)) {
+      DplrChunkPass f = p;
+      f.paths.rows_16byte = input_rows_in_pieces<T>(p, p.v);
+      return launch_with_smem(fused_forward_two_block_kernel<T, 1, true>, dim3(unsigned(int64_t(p.N) * p.H)),
+                              2 * kDplrFusedThreads, dplr_fused_detail::FusedSmem<2>::bytes(), f, stream);
+    }
+  }
   return p.K == 64 ? launch_k<T, 64>(p, stream) : p.K == 128 ? launch_k<T, 128>(p, stream) : launch_k<T, 0>(p, stream);
 }
 

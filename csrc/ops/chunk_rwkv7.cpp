@@ -43,13 +43,19 @@ int64_t dplr_state_floats(const DiagArgs& d) { return dplr_chunk_slots(d) * d.H 
 // kFusedTrainingMinTasks: its backward then runs the fused reverse pass, making the pair
 // matrices and X again where the two-kernel forward kept them, and both fused walks are
 // latency-bound at few pairs. At 128 pairs the fused fwd + bwd is still the slower one (H100:
-// 3.79 against 3.25 ms of kernels at B = 8, H = 16; NOTES c29, c32). FLA_EXT_RWKV7_FUSED=0 / 1
-// overrides the choice (benchmarks compare the two).
+// 3.79 against 3.25 ms of kernels at B = 8, H = 16; NOTES c29, c32); there the launch may run
+// the two-kernel forward's work as one fused kernel that keeps the same states and workspace
+// (DplrChunkPass::fused_may_keep; NOTES c33). FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice
+// (benchmarks compare the two; 0 also keeps the launch to the two kernels).
 constexpr int64_t kFusedMinTasks = 128, kFusedTrainingMinTasks = 256;
+// FLA_EXT_RWKV7_FUSED: 1 or 0 (forced on or off), else -1.
+int fused_override() {
+  const char* force = std::getenv("FLA_EXT_RWKV7_FUSED");
+  return force && *force ? force[0] == '1' : -1;
+}
 bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
   if (!r.is_cuda() || !dplr_fused_forward(kernel_dtype(r), int(d.K), int(d.V))) return false;
-  const char* force = std::getenv("FLA_EXT_RWKV7_FUSED");
-  if (force && *force) return force[0] == '1';
+  if (fused_override() >= 0) return fused_override() == 1;
   return d.N * d.H >= (keeps ? kFusedTrainingMinTasks : kFusedMinTasks);
 }
 
@@ -102,6 +108,7 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
     p.ws = ws.data_ptr();
   }
   if (!sweep) p.kept = kind;
+  p.fused_may_keep = fused_override() != 0;
   p.window_chunks = window_chunks;
   if (sweep || !saved) {
     uo = at::empty({dplr_uo_floats(d)}, r.options().dtype(at::kFloat));

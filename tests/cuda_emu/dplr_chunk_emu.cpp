@@ -38,12 +38,16 @@ void cta(const F& kernel) {
 int fused_ctas = 4;
 using dplr_fused_detail::NTF;
 
+// kCtas = 1 here: the two-block kernel keeping the two-kernel forward's states and workspace
+// (a training forward at few pairs).
 template <int kCtas>
 void fused_forward(const DplrChunkPass& p) {
-  emu::launch(dim3(unsigned(p.N * p.H)), kCtas == 2 ? 2 * NTF : NTF, [&] {
+  emu::launch(dim3(unsigned(p.N * p.H)), kCtas <= 2 ? 2 * NTF : NTF, [&] {
     emu::poisoned_cta([&] {
-      if constexpr (kCtas == 2) {
-        fused_forward_two_block_kernel<__nv_bfloat16, 2>(p);  // (inference only)
+      if constexpr (kCtas == 1) {
+        fused_forward_two_block_kernel<__nv_bfloat16, 1, true>(p);
+      } else if constexpr (kCtas == 2) {
+        fused_forward_two_block_kernel<__nv_bfloat16, 2, false>(p);  // (inference)
       } else {
         if (p.hst) fused_forward_kernel<__nv_bfloat16, kCtas, true>(p);
         else fused_forward_kernel<__nv_bfloat16, kCtas, false>(p);
@@ -77,7 +81,8 @@ void fused_reverse(const DplrChunkPass& p) {
 // 64) stores hst, and the backward runs the fused reverse pass (DplrKept::states:
 // ws holds the pair matrices and X alone); 3 and 4, as 2 and 1 with the
 // backward in windows of two chunks (no cu_seqlens), latest first, as the op's
-// backward_window_chunks runs it.
+// backward_window_chunks runs it; 5 and 6, as 1 and 4 with hst and the workspace made by the
+// two-block fused forward that keeps them (bf16, K = V = 64: a training forward at few pairs).
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
@@ -108,12 +113,22 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   Tensor kg = torch::zeros({(tiles + 1) / 2, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
          dh0 = poison({N, H, K, V});
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
-  if (bwd && (keep == 1 || keep == 4)) {
+  if (bwd && (keep == 1 || keep == 4 || keep == 5 || keep == 6)) {
     DplrChunkPass f = p;
     f.o = vec(o), f.hst = hst.data_ptr();
-    pick_paths<E>(f);
-    emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
-    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
+    if (keep == 5 || keep == 6) {
+      if constexpr (std::is_same_v<E, float>) {
+        TORCH_CHECK(false, "the fused forward takes bf16");
+      } else {
+        TORCH_CHECK(dplr_fused_forward(p.dtype, K, V), "not a fused-forward shape");
+        f.paths.rows_16byte = input_rows_in_pieces<E>(f, f.v);
+        fused_forward<1>(f);
+      }
+    } else {
+      pick_paths<E>(f);
+      emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
+      emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
+    }
     p.kept = DplrKept::states_and_workspace;
     uob.fill_(NAN);  // a kept backward reads no U0 / O0
   } else if (bwd && (keep == 2 || keep == 3)) {
@@ -160,14 +175,14 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
     emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
   };
-  if (keep != 3 && keep != 4) {
+  if (keep != 3 && keep != 4 && keep != 6) {
     backward();
   } else {  // window-sized dhst (and ws, unless kept), poisoned once: every window writes its slots before reading them
     TORCH_CHECK(!varlen, "backward windows take no cu_seqlens");
     constexpr int64_t kWindow = 2;
     Tensor wws = poison({N * kWindow * H * (p.kept == DplrKept::states ? DplrWorkspaceLayout::kMatsFloats : ws.floats_per_chunk())}), wdhst = poison({N * kWindow, H, K, V}),
            dcarry = poison({N, H, K, V});
-    if (keep == 3) p.ws = wws.data_ptr();
+    if (keep == 3) p.ws = wws.data_ptr();  // (4, 6: the kept workspace)
     p.dhst = wdhst.data_ptr(), p.dcarry = mat(dcarry), p.window_chunks = kWindow;
     const int64_t nch = (T + C - 1) / C;
     for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow) backward();
@@ -196,7 +211,32 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
          hT = poison({N, H, K, V});
   p.o = vec(o), p.hT = mat(hT), p.fused = true;
   p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.v);  // as the launch sets it
-  TORCH_CHECK(ctas >= 2 && ctas <= 4, "ctas is 2 (the two-block kernel), 3 or 4");
+  TORCH_CHECK(ctas >= 1 && ctas <= 4, "ctas is 1 (the two-block kernel keeping hst and ws), 2 (the two-block kernel), 3 or 4");
+  if (ctas == 1) {
+    // A training forward on the two-kernel path keeps hst and prep's workspace: made here by the
+    // fused kernel and by prep and the sweep (o, hT of their own), every buffer poisoned first.
+    const int64_t slots = chunk_slots<C>(N, T, varlen);
+    const DplrWorkspaceLayout ws(K, V);
+    std::vector<Tensor> kept;
+    for (int run = 0; run < 2; ++run) {
+      Tensor hst = poison({slots, H, K, V}), wsb = poison({slots * H * ws.floats_per_chunk()});
+      DplrChunkPass f = p;
+      f.hst = hst.data_ptr(), f.ws = wsb.data_ptr(), f.fused = false;
+      if (run == 0) {
+        fused_forward<1>(f);
+      } else {
+        Tensor uob = poison({slots * H * ws.uo_floats_per_chunk()});
+        Tensor o2 = poison(v.sizes(), v.scalar_type()), hT2 = poison({N, H, K, V});
+        f.uo = uob.data_ptr(), f.o = vec(o2), f.hT = mat(hT2);
+        pick_paths<__nv_bfloat16>(f);
+        emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<__nv_bfloat16, 64>(f); }); });
+        emu::launch(dim3(unsigned(N * H * state_tiles(V))), NTS,
+                    [&] { cta([&] { sweep_kernel<__nv_bfloat16, false, true, 64>(f); }); });
+      }
+      kept.push_back(hst), kept.push_back(wsb);
+    }
+    return {o, hT, kept[0], kept[1], kept[2], kept[3]};
+  }
   if (ctas == 2) fused_forward<2>(p);
   else if (ctas == 3) fused_forward<3>(p);
   else fused_forward<4>(p);

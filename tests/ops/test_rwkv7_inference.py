@@ -226,6 +226,38 @@ def test_fused_training_forward_matches_oracle(case, head_first, dtype, monkeypa
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("shape,cu,w_kind", [
+    ((2, 100, 60, 64, 64), None, "rwkv7"),                      # 120 pairs
+    ((1, 150, 32, 64, 64), [0, 7, 7, 40, 150], "mixedinf"),     # 128 pairs, an empty sequence
+], ids=["pairs120", "varlen128"])
+@pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_two_block_training_forward_matches_oracle(shape, cu, w_kind, head_first, dtype, gen):
+    """A training forward with 7/8 of the SMs' count to the SMs' count of (sequence, head) pairs
+    runs as the two-block fused kernel that keeps the two-kernel forward's states and workspace
+    (dplr_chunk_launch.cuh fused_keeps_workspace): `saved` holds both, every float written (the
+    slots after each sequence's chunks 0, as prep's), and the backward on them (the reverse
+    sweep, grad) gives o, the final state and every gradient within the oracle's 16-bit
+    tolerances."""
+    if cu is not None and head_first:
+        pytest.skip("varlen takes [1, T, H, D]")
+    B, T, H, K, V = shape
+    N = len(cu) - 1 if cu else B
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if not 7 * sms <= 8 * N * H <= 8 * sms:
+        pytest.skip(f"{N * H} pairs do not take the kernel on {sms} SMs")
+    cu_t = torch.tensor(cu, device="cuda") if cu else None
+    r, w, k, v, a, b, h0 = make(*shape, dtype, "cuda", gen, w_kind=w_kind, N=N, head_first=head_first)
+    _, _, saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 0.7, h0, True, cu_t, head_first)
+    slots = (T // 16 + 2 * N + 1) if cu else N * ((T + 15) // 16 + 1)
+    per = 4 * 16 * K + K + 5 * 16 * 20  # DplrWorkspaceLayout::floats_per_chunk()
+    assert saved.numel() == (slots * H * K * V + 3) // 4 * 4 + slots * H * per  # states and workspace
+    assert torch.isfinite(saved).all()
+    run_and_check(CHUNK, r, w, k, v, a, b, h0, scale=0.7, cu=cu_t, head_first=head_first, gen=gen)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
 @pytest.mark.parametrize("fused,K,saves", [("1", 64, 10 << 20), ("0", 64, 6 << 20),
                                            ("0", 128, 24 << 20)],
