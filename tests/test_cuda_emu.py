@@ -225,28 +225,25 @@ def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
     from single-TF32 pair matrices and its chain's products are its own, so the gradients match
     the reference at the bf16 tolerance, not bitwise. Without cu_seqlens also the backward in
     windows of the chunk index (DplrChunkPass::window_chunks): bitwise equal to one pass."""
-    # The two-block forward keeping the states and prep's workspace (a training forward at few
-    # pairs): the two-kernel path's backward on them, and in windows bitwise equal to one pass.
-    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, 5)
-    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
-        assert_close(f"d{name} (two-block forward's states and workspace)", x, y,
-                     5 * tol if name == "w" else tol, 1e-6)
-    if cu_e.numel() == 0:
-        for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 6), eg):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    def kept_run(keep, windowed, what):
+        """The backward on what forward `keep` kept against the reference at the bf16
+        tolerance; without cu_seqlens, in windows (`windowed`) bitwise equal to one pass."""
+        eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, keep)
+        for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
+            assert_close(f"d{name} ({what})", x, y, 5 * tol if name == "w" else tol, 1e-6)
+        if cu_e.numel() == 0:
+            for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, windowed), eg):
+                torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+    # The two-block forward keeping the states and prep's workspace (a training forward at about
+    # one pair per SM): the two-kernel path's backward on them.
+    kept_run(5, 6, "two-block forward's states and workspace")
     for ctas in (4, 2):  # the one-block reverse pass, then the two-block one (few tasks)
         emu.set_fused_ctas(ctas)
         try:
-            eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, 2)
-            for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
-                assert_close(f"d{name} (fused forward's states, {ctas} CTAs an SM)", x, y,
-                             5 * tol if name == "w" else tol, 1e-6)
-            if cu_e.numel() == 0:
-                for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 3), eg):
-                    torch.testing.assert_close(x, y, rtol=0, atol=0)
+            kept_run(2, 3, f"fused forward's states, {ctas} CTAs an SM")
         finally:
             emu.set_fused_ctas(4)
-
 
 # The chunk engine: K <= 64 and K = 128 take the state kernel that forms o (one or two K tiles
 # per CTA), K = 136 the state kernel per K tile plus the out kernel; partial chunks, V not a
