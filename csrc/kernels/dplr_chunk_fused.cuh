@@ -121,8 +121,7 @@ struct ForwardOut {
   // output: they read 0) and the final state.
   __device__ void finish(const DplrChunkPass& p, const float* S, int tid, int threads) const {
     if (kStates && p.cu_seqlens) {
-      const int64_t next =
-          n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
+      const int64_t next = slots_after(p, n);
       for (int64_t sl = slot0 + nch + 1; sl < next; ++sl)
         for (int e = tid; e < K * V; e += threads) slot(sl - slot0)[e] = 0.f;
     }
@@ -144,14 +143,9 @@ struct KeptWorkspace {
     base = static_cast<float*>(p.ws) + (slot0 * p.H + t.h) * ws().floats_per_chunk();
   }
   __device__ float* block(int64_t ci) const { return base + ci * slot_floats; }
-  // The pair matrices and X (after X's solve), 16-byte copies of the block's; the rows' padding
-  // columns (never written in the block) as zeros, so that every float kept is defined.
+  // The pair matrices and X (after X's solve).
   __device__ void store_mats(int64_t ci, const float* blk, int tid) const {
-    static_assert(LM == C + 4, "one 16-byte piece of padding per row");
-    float* const out = block(ci) + ws().mats_at();
-    for (int e = tid; e < 5 * C * LM / 4; e += NTF)
-      reinterpret_cast<float4*>(out)[e] = e % (LM / 4) == C / 4 ? make_float4(0.f, 0.f, 0.f, 0.f)
-                                                                : reinterpret_cast<const float4*>(blk + ChunkBlock::mats)[e];
+    dplr_fused_detail::store_mats(block(ci) + ws().mats_at(), blk, tid);
   }
   // W and Q~ (warp w: channels 16w .. 16w + 15; W through `scratch`, [C][LB], as Q~'s operand),
   // K^, B^ and gamma. The rows go to krow_at's swizzled places, a lane's two adjacent channels
@@ -192,8 +186,7 @@ struct KeptWorkspace {
   // The slots after the sequence's chunks (the final state's, a varlen batch's gaps): zeros, as
   // prep writes them (the workspace is kept as an op output).
   __device__ void finish(const DplrChunkPass& p, int n, int64_t nch, int tid, int threads) const {
-    const int64_t next = n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0)
-                                     : chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
+    const int64_t next = slots_after(p, n);
     for (int64_t sl = slot0 + nch; sl < next; ++sl)
       for (int e = tid; e < ws().floats_per_chunk() / 4; e += threads)
         reinterpret_cast<float4*>(block(sl - slot0))[e] = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -97,11 +97,9 @@ struct ReverseWalk {
   __device__ static void store_d(const DplrChunkPass& p, int n, int h, int64_t ci, const float* D, int tid) {
     store_state(static_cast<float*>(p.dhst) + (dplr_work_slot(p, n, ci) * p.H + h) * int64_t(K * V), D, tid, NTF);
   }
-  // The chunk's pair matrices and X to grad's block (16-byte stores).
+  // The chunk's pair matrices and X to grad's block.
   __device__ static void store_mats(const DplrChunkPass& p, int n, int h, int64_t ci, const float* blk, int tid) {
-    float* const out = static_cast<float*>(p.ws) + dplr_mats_offset(p, dplr_ws_slot(p, n, ci), h);
-    for (int e = tid; e < 5 * C * LM / 4; e += NTF)
-      reinterpret_cast<float4*>(out)[e] = reinterpret_cast<const float4*>(blk + ChunkBlock::mats)[e];
+    dplr_fused_detail::store_mats(static_cast<float*>(p.ws) + dplr_mats_offset(p, dplr_ws_slot(p, n, ci), h), blk, tid);
   }
   // D at the walk's start: the previous window's carry, or dh0.
   __device__ void finish(const DplrChunkPass& p, int n, int h, const float* D, int tid, int threads) const {

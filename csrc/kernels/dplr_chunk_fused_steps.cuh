@@ -124,6 +124,23 @@ __device__ __forceinline__ void store_state(float* at, const float* state, int t
     *reinterpret_cast<float4*>(at + e) = *reinterpret_cast<const float4*>(state + e / V * LB + e % V);
 }
 
+// A chunk block's pair matrices and X to a [5][C][LM] block of a workspace (laid out as
+// DplrWorkspaceLayout::mats_at() holds them, for grad), 16-byte stores by the group's threads;
+// each row's padding piece, never written in the block, as zeros, so that every float stored is
+// defined. After the barrier that follows X's solve; not synchronised.
+__device__ __forceinline__ void store_mats(float* out, const float* blk, int tid) {
+  static_assert(LM == C + 4, "one 16-byte piece of padding per row");
+  const float4* const mats = reinterpret_cast<const float4*>(blk + ChunkBlock::mats);
+  for (int e = tid; e < 5 * C * LM / 4; e += NTF)
+    reinterpret_cast<float4*>(out)[e] = e % (LM / 4) == C / 4 ? make_float4(0.f, 0.f, 0.f, 0.f) : mats[e];
+}
+
+// The first chunk slot after sequence n's (its chunks' and its final state's, then a varlen
+// batch's gap slots up to here): the next sequence's first slot, or the end of the slots.
+__device__ __forceinline__ int64_t slots_after(const DplrChunkPass& p, int n) {
+  return n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
+}
+
 // A K x V state argument (h0, hT, dht, dh0, the windows' dcarry) of head h of sequence n and
 // the state in shared memory at row stride LB, by the `threads` threads tid = 0, 1, ...:
 // load_state reads it (0 where the argument is off), also into `copy` (a contiguous fp32 slot)
