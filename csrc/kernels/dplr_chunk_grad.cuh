@@ -170,30 +170,26 @@ __device__ __forceinline__ void decay_factor_rows(float* sm, const Smem& L, bool
 template <bool TC>
 __device__ __forceinline__ void kvector_grads(float* sm, const Smem& L, float rho) {
   const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
-  // K-vector gradients, 2 channels of rows 2 p and 2 p + 1 per task: one pair walk serves both
+  // K-vector gradients, 2 channels of rows 4 p .. 4 p + 3 per task: one pair walk serves the four
   // rows (pair_walks), and SIMT, their state parts share one read of S and dS. State parts
   // first, then the pair walks.
   {
-    constexpr int CW = 2;
+    constexpr int CW = 2, R = kWalkRows;
     using V = Chans<CW>;
     const int nq = (K + CW - 1) / CW;
-    for (int e = threadIdx.x; e < (C / 2) * nq; e += NT) {
-      const int i0 = e / nq, d = CW * (e - i0 * nq);
-      V g[2][4];  // per row: the state parts of dr, da, dk, db
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int at = (2 * i0 + h) * KP + d;
-#pragma unroll
-        for (int m = 0; m < 4; ++m) g[h][m] = TC ? V::ld(sm + (m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows) + at) : V{};
-      }
+    for (int e = threadIdx.x; e < (C / R) * nq; e += NT) {
+      const int blk = e / nq, i0 = R * blk, d = CW * (e - blk * nq);
+      // The state parts of dr, da, dk, db per row: TC, in the gradient rows (read by the walks
+      // where they need them, the same elements they then write); SIMT, made here from S and dS.
+      V g[TC ? 1 : R][4];
       for (int q = 0; q < (TC ? 0 : cols); q += 4) {
 #pragma unroll
         for (int c = 0; c < CW; ++c) {
           const int dc = min(d + c, K - 1) * BP + q;  // channels past K: any finite value
           const float4 s = ld4(sm + L.S + dc), ds = ld4(sm + L.dS + dc);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = (2 * i0 + h) * BP + q;
+          for (int h = 0; h < (TC ? 0 : R); ++h) {
+            const int i = (i0 + h) * BP + q;
             g[h][0].v[c] = dot4(ld4(sm + L.dO + i), s, g[h][0].v[c]);
             g[h][1].v[c] = dot4(ld4(sm + L.dM + i), s, g[h][1].v[c]);
             g[h][2].v[c] = dot4(ld4(sm + L.v + i), ds, g[h][2].v[c]);
@@ -201,12 +197,21 @@ __device__ __forceinline__ void kvector_grads(float* sm, const Smem& L, float rh
           }
         }
       }
-      V zp[2] = {};  // SIMT: these rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
-      pair_walks<CW>(sm, L, 2 * i0, d, rho, g, zp);
+      auto state_part = [&](int r, int m) {
+        if (!TC) return g[TC ? 0 : r][m];
+        const int rows = m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows;
+        return V::ld(sm + rows + (i0 + r) * KP + d);
+      };
+      V zp[R] = {};  // SIMT: these rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
+      pair_walks<CW, R>(sm, L, i0, d, rho, state_part, zp);
       if (!TC)
 #pragma unroll
-        for (int c = 0; c < CW; ++c)
-          if (d + c < K) sm[L.zparts + i0 * K + d + c] = zp[0].v[c] + zp[1].v[c];
+        for (int c = 0; c < CW; ++c) {
+          float z = 0.f;
+#pragma unroll
+          for (int h = 0; h < R; ++h) z += zp[h].v[c];
+          if (d + c < K) sm[L.zparts + blk * K + d + c] = z;
+        }
     }
   }
   __syncthreads();
@@ -256,11 +261,11 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
       swap_halves_if(x, sw), swap_halves_if(y, sw), swap_halves_if(z, sw);  // to row order
 #pragma unroll
       for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
-      float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its state-part sums (TC: 2, SIMT: 8)
+      float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its state-part sums (TC: 2, SIMT: C / kWalkRows)
       if (on) {
         acc = sm[L.zgam + d] * sm[L.zeta + d];
 #pragma unroll
-        for (int q = 0; q < (TC ? 2 : C / 2); ++q) acc += sm[L.zparts + q * K + d];
+        for (int q = 0; q < (TC ? 2 : C / kWalkRows); ++q) acc += sm[L.zparts + q * K + d];
       }
 #pragma unroll
       for (int q = 3; q >= 0; --q) {

@@ -72,7 +72,7 @@ struct Smem {
   // Backward. dA: the four pair-matrix gradients interleaved, [C][C][4] = (dA_rk, dA_rb, dA_ak,
   // dA_ab) per pair, so that the K-vector gradients' pair walks read one float4 per pair.
   // zeta = rowsum(S+ * dS+) in parts (grad_kernel): rowsum(S * dS+) at zeta, gamma at zgam, the
-  // state-part sums at zparts ([2][K] TC, [8][K] SIMT). dr_rows, dk_rows, da_rows, db_rows: the
+  // state-part sums at zparts ([2][K] TC, [C / kWalkRows][K] SIMT). dr_rows, dk_rows, da_rows, db_rows: the
   // K-vector gradients' rows [C][KP] (dr, dk, da, db), written last; before that grad_kernel keeps
   // exp(Omega), then K^, in dk_rows, Â in da_rows and B^ in db_rows.
   int dS, dO, dU, dM, dr_rows, dk_rows, da_rows, db_rows, dA, dX, Y, zeta, zgam, zparts;

@@ -261,87 +261,121 @@ struct Chans {
   }
 };
 
-// The K-vector gradients of rows i and i + 1 (i even), channels [d, d + CW), into the gradient
-// rows dr_rows, da_rows, dk_rows, db_rows: the pair parts walk the rows below the pair (as
-// queries: r, a) and above it (as keys: k, b), multiplying the decay factors up from exp(w) (in
-// the w rows: products of <= 15 factors <= 1, a few ulp; no exponential per pair), then the state
-// parts s[h] = (sr, sa, sk, sb) of row i + h take their row factors, exp(G) = exp(E) exp(w) and
-// exp(Omega): the products the walks end with. One walk serves both rows, so each step's loads
-// (the walked row's k, b, exp(w) or r, a, exp(w), and the two rows' dA) serve both: row i + 1's
-// factors over the shared steps are row i's times exp(w_i) (queries) and key i's are key
-// i + 1's times exp(w_{i+1}) (keys), applied once at the end, and the step between the two rows
-// is added on its own. The query walk leaves its common factor exp(w) of the row to the end.
-// zp[h] += zeta's state-part sum of row i + h, K^ sk + B^ sb (the SIMT path's; TC's comes from
+// The K-vector gradients of rows i0 .. i0 + R - 1 (i0 a multiple of R), channels [d, d + CW),
+// into the gradient rows dr_rows, da_rows, dk_rows, db_rows: the pair parts walk the rows below
+// the block (as queries: r, a) and above it (as keys: k, b), multiplying the decay factors up from
+// exp(w) (in the w rows: products of <= 15 factors <= 1, a few ulp; no exponential per pair), then
+// the state parts st(r, m) (m: sr, sa, sk, sb) of row i0 + r, read as needed (so that the walks'
+// registers hold no state part), take their row factors, exp(G) = exp(E)
+// exp(w) and exp(Omega): the products the walks end with. One walk serves the R rows, so each
+// step's loads (the walked row's k, b, exp(w) or r, a, exp(w), and the rows' dA) serve all R:
+// row i0 + r's factor over the shared steps is the first row's times the exp(w) between them
+// (queries; keys: the last key's, likewise), applied once at the end, and the steps inside the
+// block are added on their own, each with its running factor (which ends as that row's).
+// zp[r] += zeta's state-part sum of row i0 + r, K^ sk + B^ sb (the SIMT path's; TC's comes from
 // its state-part products).
-template <int CW>
-__device__ __forceinline__ void pair_walks(float* sm, const Smem& L, int i, int d, float rho,
-                                           const Chans<CW> (&st)[2][4], Chans<CW> (&zp)[2]) {
+constexpr int kWalkRows = 4;  // rows per walk (grad's kvector_grads): each walked row's loads serve four
+template <int CW, int R, class StatePart>
+__device__ __forceinline__ void pair_walks(float* sm, const Smem& L, int i0, int d, float rho, StatePart st,
+                                           Chans<CW> (&zp)[R]) {
   using V = Chans<CW>;
-  const int KP = L.KP, i1 = i + 1;
+  const int KP = L.KP;
   const float *ew = sm + L.w + d, *kr = sm + L.k + d, *br = sm + L.b + d;  // ew: exp(w)
   const float *rr = sm + L.r + d, *ar = sm + L.a + d, *dA = sm + L.dA;
-  const float4 d0 = ld4(dA + 4 * (i * C + i)), d1 = ld4(dA + 4 * (i1 * C + i1)), x = ld4(dA + 4 * (i1 * C + i));
-  const V k0 = V::ld(kr + i * KP), b0 = V::ld(br + i * KP), k1 = V::ld(kr + i1 * KP), b1 = V::ld(br + i1 * KP);
-  const V e0 = V::ld(ew + i * KP), e1 = V::ld(ew + i1 * KP), r0 = V::ld(rr + i * KP), r1 = V::ld(rr + i1 * KP);
-  // Queries: wr, da per row (row i + 1's over the shared steps, before its factor exp(w_i));
-  // fex = exp(sum of w_s, j < s < i).
-  V wr0, da0, wr1, da1, fex;
+  auto pair = [&](int i, int j) { return ld4(dA + 4 * (i * C + j)); };  // (rk, rb, ak, ab) of (i, j)
+  auto ones = [] {
+    V v;
 #pragma unroll
-  for (int c = 0; c < CW; ++c) fex.v[c] = 1.f;
-  for (int j = i - 1; j >= 0; --j) {
-    const float4 a0 = ld4(dA + 4 * (i * C + j)), a1 = ld4(dA + 4 * (i1 * C + j));
+    for (int c = 0; c < CW; ++c) v.v[c] = 1.f;
+    return v;
+  };
+  // Queries: wr, da per row over the shared steps j < i0, before the row's factor; fex =
+  // exp(sum of w_s, j < s < i0).
+  V wr[R], da[R], fex = ones();
+  for (int j = i0 - 1; j >= 0; --j) {
     const V kj = V::ld(kr + j * KP), bj = V::ld(br + j * KP), ej = V::ld(ew + j * KP);
+    V kf, bf;
 #pragma unroll
-    for (int c = 0; c < CW; ++c) {
-      const float kf = kj.v[c] * fex.v[c], bf = bj.v[c] * fex.v[c];
-      wr0.v[c] += a0.x * kf + a0.y * bf, da0.v[c] += a0.z * kf + a0.w * bf;
-      wr1.v[c] += a1.x * kf + a1.y * bf, da1.v[c] += a1.z * kf + a1.w * bf;
-      fex.v[c] *= ej.v[c];
+    for (int c = 0; c < CW; ++c) kf.v[c] = kj.v[c] * fex.v[c], bf.v[c] = bj.v[c] * fex.v[c], fex.v[c] *= ej.v[c];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float4 a = pair(i0 + r, j);
+#pragma unroll
+      for (int c = 0; c < CW; ++c)
+        wr[r].v[c] += a.x * kf.v[c] + a.y * bf.v[c], da[r].v[c] += a.z * kf.v[c] + a.w * bf.v[c];
     }
   }
-  V dr0, dr1;
 #pragma unroll
-  for (int c = 0; c < CW; ++c) {  // fex = exp(E_i) now; exp(E_{i+1}) = exp(E_i) exp(w_i)
-    const float f1 = fex.v[c] * e0.v[c];
-    wr1.v[c] = wr1.v[c] * e0.v[c] + x.x * k0.v[c] + x.y * b0.v[c];  // + the step j = i
-    da1.v[c] = da1.v[c] * e0.v[c] + x.z * k0.v[c] + x.w * b0.v[c];
-    dr0.v[c] = d0.x * k0.v[c] + d0.y * b0.v[c] + e0.v[c] * (wr0.v[c] + st[0][0].v[c] * (rho * fex.v[c]));
-    dr1.v[c] = d1.x * k1.v[c] + d1.y * b1.v[c] + e1.v[c] * (wr1.v[c] + st[1][0].v[c] * (rho * f1));
-    da0.v[c] += st[0][1].v[c] * fex.v[c];
-    da1.v[c] += st[1][1].v[c] * f1;
+  for (int r = 0; r < R; ++r) {  // fex = exp(E_i0) now
+    const int I = i0 + r;
+    V tw, ta, f = ones();  // the steps j = I - 1 .. i0, f = exp(sum of w_s, j < s < I)
+#pragma unroll
+    for (int u = r - 1; u >= 0; --u) {
+      const int j = i0 + u;
+      const float4 a = pair(I, j);
+      const V kj = V::ld(kr + j * KP), bj = V::ld(br + j * KP), ej = V::ld(ew + j * KP);
+#pragma unroll
+      for (int c = 0; c < CW; ++c) {
+        const float kf = kj.v[c] * f.v[c], bf = bj.v[c] * f.v[c];
+        tw.v[c] += a.x * kf + a.y * bf, ta.v[c] += a.z * kf + a.w * bf, f.v[c] *= ej.v[c];
+      }
+    }
+    const float4 dd = pair(I, I);
+    const V eI = V::ld(ew + I * KP), kI = V::ld(kr + I * KP), bI = V::ld(br + I * KP), sr = st(r, 0), sa = st(r, 1);
+    V dr, dav;
+#pragma unroll
+    for (int c = 0; c < CW; ++c) {  // f = exp(sum of w_s, i0 <= s < I): exp(E_I) = fex f
+      const float eE = fex.v[c] * f.v[c];
+      dr.v[c] = dd.x * kI.v[c] + dd.y * bI.v[c] +
+                eI.v[c] * (wr[r].v[c] * f.v[c] + tw.v[c] + sr.v[c] * (rho * eE));
+      dav.v[c] = da[r].v[c] * f.v[c] + ta.v[c] + sa.v[c] * eE;
+    }
+    dr.st(sm + L.dr_rows + I * KP + d), dav.st(sm + L.da_rows + I * KP + d);
   }
-  dr0.st(sm + L.dr_rows + i * KP + d), da0.st(sm + L.da_rows + i * KP + d);
-  dr1.st(sm + L.dr_rows + i1 * KP + d), da1.st(sm + L.da_rows + i1 * KP + d);
-  // Keys: dk, db per row (key i's over the shared steps, before its factor exp(w_{i+1})); fex =
-  // exp(sum of w_s, i + 1 < s < i2).
-  V dk0, db0, dk1, db1;
-#pragma unroll
-  for (int c = 0; c < CW; ++c) fex.v[c] = 1.f;
-  for (int i2 = i1 + 1; i2 < C; ++i2) {
-    const float4 a0 = ld4(dA + 4 * (i2 * C + i)), a1 = ld4(dA + 4 * (i2 * C + i1));
+  // Keys: dk, db per row over the shared steps i2 > i0 + R - 1, before the key's factor; fex =
+  // exp(sum of w_s, i0 + R - 1 < s < i2).
+  V dk[R], db[R];
+  fex = ones();
+  for (int i2 = i0 + R; i2 < C; ++i2) {
     const V e2 = V::ld(ew + i2 * KP), r2 = V::ld(rr + i2 * KP), a2 = V::ld(ar + i2 * KP);
+    V re, af;
 #pragma unroll
-    for (int c = 0; c < CW; ++c) {
-      const float re = r2.v[c] * e2.v[c] * fex.v[c], af = a2.v[c] * fex.v[c];
-      dk0.v[c] += a0.x * re + a0.z * af, db0.v[c] += a0.y * re + a0.w * af;
-      dk1.v[c] += a1.x * re + a1.z * af, db1.v[c] += a1.y * re + a1.w * af;
-      fex.v[c] *= e2.v[c];
+    for (int c = 0; c < CW; ++c) re.v[c] = r2.v[c] * e2.v[c] * fex.v[c], af.v[c] = a2.v[c] * fex.v[c], fex.v[c] *= e2.v[c];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float4 a = pair(i2, i0 + r);
+#pragma unroll
+      for (int c = 0; c < CW; ++c)
+        dk[r].v[c] += a.x * re.v[c] + a.z * af.v[c], db[r].v[c] += a.y * re.v[c] + a.w * af.v[c];
     }
   }
-  const V a1r = V::ld(ar + i1 * KP);
 #pragma unroll
-  for (int c = 0; c < CW; ++c) {  // fex = exp(Omega_{i+1}) now; exp(Omega_i) = exp(w_{i+1}) exp(Omega_{i+1})
-    const float f0 = e1.v[c] * fex.v[c], re1 = r1.v[c] * e1.v[c];
-    // key i: the diagonal, the step i2 = i + 1, the shared steps times exp(w_{i+1})
-    dk0.v[c] = d0.x * r0.v[c] + x.x * re1 + x.z * a1r.v[c] + dk0.v[c] * e1.v[c] + st[0][2].v[c] * f0;
-    db0.v[c] = d0.y * r0.v[c] + x.y * re1 + x.w * a1r.v[c] + db0.v[c] * e1.v[c] + st[0][3].v[c] * f0;
-    dk1.v[c] += d1.x * r1.v[c] + st[1][2].v[c] * fex.v[c];
-    db1.v[c] += d1.y * r1.v[c] + st[1][3].v[c] * fex.v[c];
-    zp[0].v[c] += (k0.v[c] * st[0][2].v[c] + b0.v[c] * st[0][3].v[c]) * f0;
-    zp[1].v[c] += (k1.v[c] * st[1][2].v[c] + b1.v[c] * st[1][3].v[c]) * fex.v[c];
+  for (int r = 0; r < R; ++r) {  // fex = exp(Omega_{i0 + R - 1}) now
+    const int J = i0 + r;
+    V tk, tb, f = ones();  // the steps i2 = J + 1 .. i0 + R - 1, f = exp(sum of w_s, J < s < i2)
+#pragma unroll
+    for (int u = r + 1; u < R; ++u) {
+      const int i2 = i0 + u;
+      const float4 a = pair(i2, J);
+      const V e2 = V::ld(ew + i2 * KP), r2 = V::ld(rr + i2 * KP), a2 = V::ld(ar + i2 * KP);
+#pragma unroll
+      for (int c = 0; c < CW; ++c) {
+        const float re = r2.v[c] * e2.v[c] * f.v[c], af = a2.v[c] * f.v[c];
+        tk.v[c] += a.x * re + a.z * af, tb.v[c] += a.y * re + a.w * af, f.v[c] *= e2.v[c];
+      }
+    }
+    const float4 dd = pair(J, J);
+    const V rJ = V::ld(rr + J * KP), kJ = V::ld(kr + J * KP), bJ = V::ld(br + J * KP), sk = st(r, 2), sb = st(r, 3);
+    V dkv, dbv;
+#pragma unroll
+    for (int c = 0; c < CW; ++c) {  // f = exp(sum of w_s, J < s <= i0 + R - 1): exp(Omega_J) = fex f
+      const float eO = fex.v[c] * f.v[c];
+      dkv.v[c] = dd.x * rJ.v[c] + dk[r].v[c] * f.v[c] + tk.v[c] + sk.v[c] * eO;
+      dbv.v[c] = dd.y * rJ.v[c] + db[r].v[c] * f.v[c] + tb.v[c] + sb.v[c] * eO;
+      zp[r].v[c] += (kJ.v[c] * sk.v[c] + bJ.v[c] * sb.v[c]) * eO;
+    }
+    dkv.st(sm + L.dk_rows + J * KP + d), dbv.st(sm + L.db_rows + J * KP + d);
   }
-  dk0.st(sm + L.dk_rows + i * KP + d), db0.st(sm + L.db_rows + i * KP + d);
-  dk1.st(sm + L.dk_rows + i1 * KP + d), db1.st(sm + L.db_rows + i1 * KP + d);
 }
 
 }  // namespace dplr_chunk_detail
