@@ -126,9 +126,6 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
                           Smem(p.K, true).bytes(), p, stream);
 }
 
-// K = 64 (RWKV-7's head size) and 128 with every index derived from K a compile-time constant:
-// with a runtime K, the integer multiply-adds of the shared-memory and workspace indices are a
-// large share of the sweep's and prep's instructions.
 // Whether a two-kernel training forward (DplrChunkPass::fused_may_keep) runs as the two-block
 // fused kernel that keeps the same states and workspace (its one-CTA-per-SM build): where every
 // pair has an SM of its own and nearly every SM a pair. The fused walk's time per pair is its
@@ -142,6 +139,9 @@ inline bool fused_keeps_workspace(const DplrChunkPass& p) {
          dplr_fused_forward(p.dtype, p.K, p.V) && 8 * tasks >= 7 * sms && tasks <= sms;
 }
 
+// K = 64 (RWKV-7's head size) and 128 with every index derived from K a compile-time constant:
+// with a runtime K, the integer multiply-adds of the shared-memory and workspace indices are a
+// large share of the sweep's and prep's instructions.
 template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;

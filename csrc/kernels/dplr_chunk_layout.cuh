@@ -58,6 +58,9 @@ static_assert(NT == C * C, "one thread per pair (i, j) of a chunk");
 // then rows [PSP]: the gap factors of micro-block pairs (2,0), (3,1), (3,0) (exp of the totals
 // strictly between), ones and zeros. Every exponent is a sum of w's, never a difference.
 constexpr int MB = 4, PS = 24, PSP = PS + 4;  // PSP: 16-byte aligned rows
+// Rows per pair walk (grad's kvector_grads, pair_walks): each walked row's loads serve all of them.
+constexpr int kWalkRows = 4;
+static_assert(C % kWalkRows == 0 && C / kWalkRows >= 2, "whole walks; zparts holds TC's two parts too");
 constexpr int kPairRows = 7, kPairWs = kPairRows * C * PSP + 5 * PSP;
 
 // Shared memory of one CTA, in floats. K-rows [C][KP] (KP: 16-byte aligned rows with 4 floats of
@@ -102,7 +105,7 @@ struct Smem {
     dS = dO = dU = dM = dr_rows = dk_rows = da_rows = db_rows = dA = dX = Y = zeta = zgam = zparts = 0;
     if (bwd) {
       dS = take(K * BP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
-      zeta = take(K), zgam = take(K), zparts = take(8 * K);
+      zeta = take(K), zgam = take(K), zparts = take(C / kWalkRows * K);
       dr_rows = take(C * KP), dk_rows = take(C * KP), da_rows = take(C * KP), db_rows = take(C * KP);
       dA = take(4 * C * C);
       dX = take(C * CP), Y = take(C * CP);

@@ -274,7 +274,6 @@ struct Chans {
 // block are added on their own, each with its running factor (which ends as that row's).
 // zp[r] += zeta's state-part sum of row i0 + r, K^ sk + B^ sb (the SIMT path's; TC's comes from
 // its state-part products).
-constexpr int kWalkRows = 4;  // rows per walk (grad's kvector_grads): each walked row's loads serve four
 template <int CW, int R, class StatePart>
 __device__ __forceinline__ void pair_walks(float* sm, const Smem& L, int i0, int d, float rho, StatePart st,
                                            Chans<CW> (&zp)[R]) {
