@@ -22,6 +22,7 @@ import torch
 MAX_HEAD_DIM = 256  # ops/common.h kMaxHeadDim
 CHUNK = 64  # kernels/chunk.h kChunk: rows of a chunk of the GLA / RWKV6 / GSA chunk engine
 DPLR_CHUNK = 16  # kernels/dplr_chunk.h kDplrChunk: rows of a chunk_rwkv7 chunk
+DPLR_STATE_STRIDE = 4  # kernels/dplr_chunk.h kDplrStateStride: chunks per state the fused forward keeps
 _DPLR_MAT_STRIDE = 20  # kernels/dplr_chunk.h kDplrMatStride
 _INT_MAX = 2**31 - 1
 
@@ -237,14 +238,15 @@ def rwkv7_fused_training_forward(d: Diag, dtype) -> bool:
 
 
 def rwkv7_saved_floats(d: Diag, dtype) -> int:
-    """The length of chunk_rwkv7's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): the
-    chunk-start states of 16-row chunks, padded to a multiple of 4 floats, then, unless the fused
-    forward runs, the per-chunk workspace (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^
-    [16][ks], gamma, the pair matrices and X [5][16][20])."""
+    """The length of chunk_rwkv7's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): where the
+    fused forward runs, the state before every fourth 16-row chunk (the slot map of 64-row
+    chunks), padded to a multiple of 4 floats; else every chunk-start state, padded, then the
+    per-chunk workspace (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^ [16][ks], gamma,
+    the pair matrices and X [5][16][20])."""
+    if rwkv7_fused_training_forward(d, dtype):
+        return (chunk_slots(d, DPLR_CHUNK * DPLR_STATE_STRIDE) * d.H * d.K * d.V + 3) // 4 * 4
     slots = chunk_slots(d, DPLR_CHUNK)
     states = (slots * d.H * d.K * d.V + 3) // 4 * 4
-    if rwkv7_fused_training_forward(d, dtype):
-        return states
     ks, kp4 = (d.K + 31) // 32 * 32, (d.K + 3) // 4 * 4
     per = 4 * DPLR_CHUNK * ks + kp4 + 5 * DPLR_CHUNK * _DPLR_MAT_STRIDE
     return states + slots * d.H * per

@@ -112,10 +112,16 @@ def test_chunk_rwkv7_kernels_strided_rows(emu, gen):
     ((1, 50, 1, 64, 64), "edge60", None, "rwkv"),  # factors up to e^60 in the fused pair matrices
     ((1, 40, 1, 64, 64), "u30", None, "rwkv"),     # every chunk unbounded: the exact pair walks
     ((1, 48, 1, 64, 64), "zero", None, "repeated"),  # X from cancelling terms
-], ids=["varlen", "edge60", "u30", "repeated"])
+    # 11 chunks (the last partial): grad CTAs walking strides of 4, 4 and 3 chunks, each making
+    # the states between the kept ones; windows of 4 chunks
+    ((1, 170, 1, 64, 64), "rwkv7", None, "rwkv"),
+    # varlen strides: 5 and 9 chunks, strided hst slots past an empty sequence
+    ((1, 200, 1, 64, 64), "rwkv7", [0, 70, 70, 200], "rwkv"),
+], ids=["varlen", "edge60", "u30", "repeated", "strides", "varlen_strides"])
 def test_chunk_rwkv7_kernels_fused_kept(emu, shape, w_kind, cu, lr, gen):
     """bf16 at K = V = 64, where a training forward may take the fused kernel: check() runs the
-    backward on its kept states too (check_fused_kept: the fused reverse pass)."""
+    backward on its kept states too (check_fused_kept: the fused reverse pass, and grad on every
+    kDplrStateStride-th chunk-start state, making the ones between)."""
     check(emu, shape, w_kind, cu, gen, torch.bfloat16, 1e-2, lr=lr)
 
 
@@ -219,9 +225,10 @@ def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):
 
 
 def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
-    """The fused training forward's kept states (DplrKept::states): the fused kernel stores the
-    chunk-start states into a poisoned hst, and the backward runs the fused reverse pass (dS+, the
-    pair matrices and X into poisoned buffers), then grad. Its states come
+    """The fused training forward's kept states (DplrKept::states): the fused kernel stores every
+    fourth chunk-start state and the final ones into a poisoned hst (every slot written), and the
+    backward runs the fused reverse pass (dS+, the pair matrices and X into poisoned buffers),
+    then grad, whose CTAs make the states between. Its states come
     from single-TF32 pair matrices and its chain's products are its own, so the gradients match
     the reference at the bf16 tolerance, not bitwise. Without cu_seqlens also the backward in
     windows of the chunk index (DplrChunkPass::window_chunks): bitwise equal to one pass."""

@@ -369,18 +369,20 @@ def test_workspaces_on_fake_cuda(train, bwd, names, shown):
                                              (2, 128, "0", False), (1, 2, "1", True)],
                          ids=["256pairs", "254pairs", "forced_off", "forced_on"])
 def test_rwkv7_saved_size_on_fake_cuda(B, H, force, fused, monkeypatch):
-    """chunk_rwkv7_train's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): the chunk-start
-    states alone where the training forward takes the fused kernel (bf16, K = V = 64, from 256
-    (sequence, head) pairs, or FLA_EXT_RWKV7_FUSED=1), the workspace after them otherwise."""
+    """chunk_rwkv7_train's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): where the training
+    forward takes the fused kernel (bf16, K = V = 64, from 256 (sequence, head) pairs, or
+    FLA_EXT_RWKV7_FUSED=1), the state before every fourth chunk and the final one alone; every
+    chunk-start state and the workspace after them otherwise."""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", force)
-    T, K = 33, 64
+    T, K = 150, 64  # 10 chunks: kept states before chunks 0, 4, 8, and the final one
     slots = B * ((T + 15) // 16 + 1)
     states = slots * H * K * K
+    strided = B * 4 * H * K * K
     workspace = slots * H * (4 * 16 * K + K + 5 * 16 * 20)  # W, Q~, K^, B^, gamma, 4 matrices and X
     with FakeTensorMode():
         r, w, k, v, a, b = (torch.empty(B, T, H, K, dtype=BF16, device="cuda") for _ in range(6))
         saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 1.0, None, False, None, False)[2]
-    assert saved.shape == (states if fused else states + workspace,)
+    assert saved.shape == (strided if fused else states + workspace,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,14 +140,33 @@ FLA_HD bool dplr_fused_forward(DType dtype, int K, int V) {
 // What a CUDA training forward kept for its backward (DplrChunkPass::kept).
 enum class DplrKept : int {
   nothing,
-  // hst holds the chunk-start states (the fused forward's): the fused reverse pass runs in
-  // place of prep and both sweeps, and ws holds the pair matrices and X alone,
-  // DplrWorkspaceLayout::kMatsFloats per (slot, head) (dplr_mats_offset).
+  // hst holds every kDplrStateStride-th chunk-start state (the fused forward's,
+  // dplr_kept_state_slot): the fused reverse pass runs in place of prep and both sweeps, ws
+  // holds the pair matrices and X alone, DplrWorkspaceLayout::kMatsFloats per (slot, head)
+  // (dplr_mats_offset), and each grad CTA walks a stride of chunks, making the states between
+  // the kept ones.
   states,
   // hst and ws hold the two-kernel forward's states and workspace (its prep also stored the pair
   // matrices and X): neither prep nor the forward sweep runs.
   states_and_workspace,
 };
+
+// Chunks per state that a fused training forward keeps (DplrKept::states): the state before
+// chunks 0, S, 2S, .. of each sequence, and its final state after them. A grad CTA walks those S
+// chunks in order and makes each next chunk-start state from the one before (S+ = gamma S + K^^T
+// V + B^^T U, every term of which it holds anyway), so the states kept through the forward take
+// a quarter of the memory of one per chunk (at B = 8, T = 4096, H = 64, K = V = 64: 0.5 GB
+// instead of 2 GB a layer), and the forward writes a quarter of them.
+constexpr int kDplrStateStride = 4;
+// The hst slot of the state before chunk S g of sequence n (g = ceil(chunks / S): its final
+// state) where the forward kept every S-th (DplrKept::states): chunk_slot's map for chunks of
+// S C rows, so that any cu_seqlens content keeps every slot inside chunk_slots of that size.
+FLA_HD int64_t dplr_kept_state_slot(const int64_t* cu_seqlens, int n, int T, int64_t g) {
+  return chunk_slot<kDplrChunk * kDplrStateStride>(cu_seqlens, n, T, g);
+}
+FLA_HD int64_t dplr_kept_state_slots(int N, int T, bool varlen) {
+  return chunk_slots<kDplrChunk * kDplrStateStride>(N, T, varlen);
+}
 
 // Whether one CUDA grad CTA walks every column tile of its chunk (bf16 / fp16 at K = 128): the
 // tiles' column products are summed in the CTA's registers, so the chunk-wide work (the K-rows
@@ -235,6 +254,31 @@ FLA_HD DplrSlotChunk dplr_slot_chunk(const DplrChunkPass& p, int64_t slot) {
   if (p.window_chunks > 0) return {int(slot / p.window_chunks), p.window_begin + slot % p.window_chunks};
   const int n = slot_sequence<kDplrChunk>(p.cu_seqlens, p.N, p.T, slot);
   return {n, slot - chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, 0)};
+}
+
+// Chunks a grad CTA walks: kDplrStateStride on the fused forward's strided states
+// (DplrKept::states), else one. The op makes a window of the chunk index a multiple of it.
+FLA_HD int dplr_grad_chunks_per_cta(const DplrChunkPass& p) {
+  return p.kept == DplrKept::states ? kDplrStateStride : 1;
+}
+// Grad CTAs (blockIdx.x): one per dhst slot (dplr_work_slots), or on strided states one per
+// kept state's stride of chunks.
+FLA_HD int64_t dplr_grad_ctas(const DplrChunkPass& p) {
+  if (p.kept != DplrKept::states) return dplr_work_slots(p);
+  return p.window_chunks > 0 ? int64_t(p.N) * (p.window_chunks / kDplrStateStride)
+                             : dplr_kept_state_slots(p.N, p.T, p.cu_seqlens != nullptr);
+}
+// The sequence and first chunk of grad CTA `cta` (a chunk index outside [0, the sequence's
+// chunks) where it has none).
+FLA_HD DplrSlotChunk dplr_grad_first_chunk(const DplrChunkPass& p, int64_t cta) {
+  if (p.kept != DplrKept::states) return dplr_slot_chunk(p, cta);
+  constexpr int S = kDplrStateStride;
+  if (p.window_chunks > 0) {
+    const int64_t per = p.window_chunks / S;
+    return {int(cta / per), p.window_begin + cta % per * S};
+  }
+  const int n = slot_sequence<kDplrChunk * S>(p.cu_seqlens, p.N, p.T, cta);
+  return {n, (cta - dplr_kept_state_slot(p.cu_seqlens, n, p.T, 0)) * S};
 }
 
 void dplr_chunk_cpu(const DplrChunkPass& p);

@@ -77,22 +77,32 @@ __device__ inline void write_state(float* S, const float (&next)[V / 8][4], int 
     for (int e = 0; e < 4; ++e) S[(d0 + g + 8 * (e / 2)) * LB + 8 * nt + 2 * q + e % 2] = next[nt][e];
 }
 
-// What a fused forward writes of its task: o, a training forward's chunk-start states (kStates:
-// slot chunk_slot(n, ci) of hst holds the state before chunk ci, the slot after the last chunk
-// the final state, as the sweep stores them) and the final state.
-template <typename T, bool kStates>
+// What a fused forward writes of its task: o, a training forward's chunk-start states (kStates)
+// and the final state. kStride: chunks per kept state. 1 (the two-kernel forward's states, as
+// the sweep stores them): slot chunk_slot(n, ci) of hst holds the state before chunk ci, the
+// slot after the last chunk the final state. kDplrStateStride (DplrKept::states): slot
+// dplr_kept_state_slot(n, g) the state before chunk kStride g, the slot after them the final
+// state (store_after).
+template <typename T, bool kStates, int kStride>
 struct ForwardOut {
   int n, h;
   int64_t slot0, nch, slot_floats;
   float* hst;
   T* o0;
+  __device__ static int64_t first_slot(const DplrChunkPass& p, int n) {
+    return chunk_slot<C * kStride>(p.cu_seqlens, n, p.T, 0);
+  }
   __device__ ForwardOut(const DplrChunkPass& p, const FusedTask& t)
-      : n(t.n), h(t.h), slot0(chunk_slot<C>(p.cu_seqlens, t.n, p.T, 0)), nch(t.nch),
-        slot_floats(int64_t(p.H) * K * V),
+      : n(t.n), h(t.h), slot0(first_slot(p, t.n)), nch(t.nch), slot_floats(int64_t(p.H) * K * V),
         hst(kStates ? static_cast<float*>(p.hst) + (slot0 * p.H + t.h) * int64_t(K * V) : nullptr),
         o0(vptr<T>(p.o, t.s.b, t.s.bos, t.h, 0)) {}
-  // The state before chunk ci's slot.
-  __device__ float* slot(int64_t ci) const { return hst + ci * slot_floats; }
+  // The state before chunk kStride g's slot.
+  __device__ float* slot(int64_t g) const { return hst + g * slot_floats; }
+  // After chunk ci's update (S the state before chunk ci + 1): store it where it is kept (the
+  // start of a stride, or the final state). After a barrier; not synchronised.
+  __device__ void store_after(int64_t ci, const float* S, int tid, int threads) const {
+    if (kStates && ((ci + 1) % kStride == 0 || ci + 1 == nch)) store_state(slot((ci + kStride) / kStride), S, tid, threads);
+  }
   // S from h0 (0 without it), and slot 0.
   __device__ void init(const DplrChunkPass& p, float* S, int tid, int threads) const {
     load_state(S, p.h0, n, h, tid, threads, kStates ? hst : nullptr);
@@ -121,8 +131,8 @@ struct ForwardOut {
   // output: they read 0) and the final state.
   __device__ void finish(const DplrChunkPass& p, const float* S, int tid, int threads) const {
     if (kStates && p.cu_seqlens) {
-      const int64_t next = slots_after(p, n);
-      for (int64_t sl = slot0 + nch + 1; sl < next; ++sl)
+      const int64_t next = n + 1 < p.N ? first_slot(p, n + 1) : chunk_slots<C * kStride>(p.N, p.T, true);
+      for (int64_t sl = slot0 + (nch + kStride - 1) / kStride + 1; sl < next; ++sl)
         for (int e = tid; e < K * V; e += threads) slot(sl - slot0)[e] = 0.f;
     }
     save_state(p.hT, n, h, S, tid, threads);
@@ -198,9 +208,10 @@ struct KeptWorkspace {
 // One block (128 threads): each chunk's steps, then its chain. kCtas: the CTAs per SM the
 // register budget is cut for (3: up to 168 registers, 4: 128). Shared memory holds four. Three
 // give each CTA the shorter chunk step, so the launch takes four only where three per SM would
-// leave CTAs for a second wave. kStates: a training forward, which stores the chunk-start
-// states in p.hst (an instantiation of its own: the stores' addresses cost the four-CTA budget
-// spills that the inference forward need not pay).
+// leave CTAs for a second wave. kStates: a training forward, which stores every
+// kDplrStateStride-th chunk-start state and the final state in p.hst (DplrKept::states; an
+// instantiation of its own: the stores' addresses cost the four-CTA budget spills that the
+// inference forward need not pay).
 template <typename T, int kCtas, bool kStates>
 __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
@@ -210,7 +221,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
   const auto [h, n, s, nch] = task;
   const int tid = threadIdx.x;
   const ChunkSteps at = ChunkSteps::at<L>(sm, 0);
-  const ForwardOut<T, kStates> out(p, task);
+  const ForwardOut<T, kStates, kDplrStateStride> out(p, task);
   ChunkRows<T> rows(p, p.v, s, h, tid);
   float* const S = sm + L::state;
   out.init(p, S, tid, NTF);
@@ -231,7 +242,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
     __syncthreads();
     write_state(S, next, tid);
     __syncthreads();
-    if (kStates) store_state(out.slot(ci + 1), S, tid, NTF);
+    out.store_after(ci, S, tid, NTF);
   }
   out.finish(p, S, tid, NTF);
 }
@@ -261,7 +272,7 @@ __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_tw
   const auto [h, n, s, nch] = task;
   const bool chain = threadIdx.x < NTF;  // else the chunk steps
   const int tid = int(threadIdx.x) % NTF;
-  const ForwardOut<T, kKeep> out(p, task);
+  const ForwardOut<T, kKeep, 1> out(p, task);
   const KeptWorkspace kept(p, task);  // (kKeep)
   ChunkRows<T> rows(p, p.v, s, h, tid);
   float* const S = sm + L::state;

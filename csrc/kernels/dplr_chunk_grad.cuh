@@ -11,13 +11,17 @@
 namespace fla {
 namespace dplr_chunk_detail {
 
-// S (hst at this chunk) and dS+ at the CTA's tile columns into shared memory: issued as cp.async
-// copies (not committed) where the rows are 16-byte pieces, else loaded.
+// S (hst at this chunk; not where `with_state` is off: the CTA made it) and dS+ at the CTA's
+// tile columns into shared memory: issued as cp.async copies (not committed) where the rows are
+// 16-byte pieces, else loaded.
 template <typename T>
-__device__ __forceinline__ void load_states(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c, int64_t ci) {
+__device__ __forceinline__ void load_states(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c, int64_t ci,
+                                            bool with_state = true) {
   const int K = L.K, BP = L.BP;
-  const float *s0 = slot_state(p, p.hst, c, chunk_slot<C>(p.cu_seqlens, c.n, p.T, ci)),
-              *d1 = slot_state(p, p.dhst, c, dplr_work_slot(p, c.n, ci));
+  const int64_t state_slot = p.kept == DplrKept::states
+                                 ? dplr_kept_state_slot(p.cu_seqlens, c.n, p.T, ci / kDplrStateStride)
+                                 : chunk_slot<C>(p.cu_seqlens, c.n, p.T, ci);
+  const float *s0 = slot_state(p, p.hst, c, state_slot), *d1 = slot_state(p, p.dhst, c, dplr_work_slot(p, c.n, ci));
   const int lq = L.lc - 2;  // log2(column quads per row)
   auto quad = [&](int e, int& d, int& x) { d = e >> lq, x = 4 * (e & ((1 << lq) - 1)); };
   if (p.paths.rows_16byte) {
@@ -31,7 +35,7 @@ __device__ __forceinline__ void load_states(float* sm, const Smem& L, const Dplr
     float* ss = sm + L.S + d * BP + x;
     const bool on = x < c.nc;
     for (; d < K; d += dstep, gs += gstep, gd += gstep, ss += dstep * BP) {
-      copy16(ss, gs, on);
+      if (with_state) copy16(ss, gs, on);
       copy16(ss + (L.dS - L.S), gd, on);
     }
     return;
@@ -42,7 +46,7 @@ __device__ __forceinline__ void load_states(float* sm, const Smem& L, const Dplr
     int d, x;
     quad(e, d, x);
     const int64_t at = int64_t(d) * p.V + x;
-    *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = load4(s0 + at, c.nc - x, vec);
+    if (with_state) *reinterpret_cast<float4*>(sm + L.S + d * BP + x) = load4(s0 + at, c.nc - x, vec);
     *reinterpret_cast<float4*>(sm + L.dS + d * BP + x) = load4(d1 + at, c.nc - x, vec);
   }
 }
@@ -52,7 +56,8 @@ __device__ __forceinline__ void load_states(float* sm, const Smem& L, const Dplr
 // already (`early`). Not synchronised.
 template <typename T>
 __device__ __forceinline__ bool load_grad_operands(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
-                                                   int64_t ci, int64_t t0, int nrow, const float* mats) {
+                                                   int64_t ci, int64_t t0, int nrow, const float* mats,
+                                                   bool with_state) {
   const int K = L.K, KP = L.KP, cols = L.cols;
   // zeta = rowsum(S+ * dS+) is formed without S+ (S+ = gamma S + K^^T V + B^^T U): gamma
   // rowsum(S * dS+) here, the rest from the state parts v dS+^T and U dS+^T below, so no S+ is read.
@@ -70,7 +75,7 @@ __device__ __forceinline__ bool load_grad_operands(float* sm, const Smem& L, con
     copy_commit();
     copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
     copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, cols, c.nc);
-    load_states<T>(sm, L, p, c, ci);
+    load_states<T>(sm, L, p, c, ci, with_state);
     copy_commit();
     if (!kRawRows<T>) widen_rows<T>(sm, L);  // fp32: the channel padding only
     if (early) {
@@ -86,7 +91,7 @@ __device__ __forceinline__ bool load_grad_operands(float* sm, const Smem& L, con
     widen_cols<T>(sm, L, 0, cols, 0, L.v);
     widen_cols<T>(sm, L, 1, cols, 0, L.dO);
   } else {
-    load_states<T>(sm, L, p, c, ci);
+    load_states<T>(sm, L, p, c, ci, with_state);
     load_chunk<T>(sm, L, p, c, t0, nrow, true);
     for (int e = threadIdx.x; e < 5 * C * CP; e += NT) sm[L.Ark + e] = mats[e];
   }
@@ -119,9 +124,9 @@ __device__ __forceinline__ void load_tile_columns(float* sm, const Smem& L, cons
 }
 
 // grad_kernel, step 2: zeta's part rowsum(S * dS+) at L.zeta (added to it for `add`: the column
-// tiles after the first) and, TC, S and dS+ rounded to TF32 in place. After the loads' barrier;
-// not synchronised.
-template <bool TC>
+// tiles after the first) and, TC, dS+ and (unless kExactS: strided states, whose next state
+// needs S exact) S rounded to TF32 in place. After the loads' barrier; not synchronised.
+template <bool TC, bool kExactS = false>
 __device__ __forceinline__ void state_rowsum(float* sm, const Smem& L, bool add = false) {
   const int K = L.K, cols = L.cols, BP = L.BP;
   // rowsum(S * dS+): eight threads per channel, so that a load phase (8 lanes) reads 128
@@ -135,7 +140,7 @@ __device__ __forceinline__ void state_rowsum(float* sm, const Smem& L, bool add 
         const float4 s4 = *s, d4 = *ds;
         z = dot4(s4, d4, z);
         if (TC) {  // S, dS+ as TF32 values from here on: every later read is a tensor-core operand
-          *s = make_float4(tf32_round(s4.x), tf32_round(s4.y), tf32_round(s4.z), tf32_round(s4.w));
+          if (!kExactS) *s = make_float4(tf32_round(s4.x), tf32_round(s4.y), tf32_round(s4.z), tf32_round(s4.w));
           *ds = make_float4(tf32_round(d4.x), tf32_round(d4.y), tf32_round(d4.z), tf32_round(d4.w));
         }
       }
@@ -346,7 +351,7 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
 //     put_state_part       (TC) the state parts (SIMT: inline below, state parts in step 5)
 //   5 kvector_grads        dr, da, dk, db: state parts and pair walks
 //   6 store_kvector_grads  dw by the reverse scan, all five K-vector gradients to their outputs
-template <typename T, int KC = 0>  // KC: as prep_kernel's
+template <typename T, int KC = 0, bool kStrided = false>  // KC: as prep_kernel's
 __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;
   // The CTA walks every column tile of its chunk (dplr_grad_walks_tiles, which treats bf16 and
@@ -356,142 +361,178 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
   const Smem L(KC ? KC : p.K, true);
-  const int64_t slot = blockIdx.x;  // of dhst (dplr_work_slot)
-  const DplrSlotChunk at = dplr_slot_chunk(p, slot);
-  const int n = at.n;
+  // The CTA's chunks: one, or on the fused forward's strided states (DplrKept::states) a stride
+  // of them in order, each next chunk-start state made from the one before (NextState).
+  const DplrSlotChunk first = dplr_grad_first_chunk(p, blockIdx.x);
+  const int n = first.n;
   Cta c;
   c.h = blockIdx.y, c.n = n, c.tile = kWalk ? 0 : blockIdx.z, c.s = seq_span(p.cu_seqlens, n, p.T);
   c.x0 = c.tile * L.cols, c.nc = min(L.cols, p.V - c.x0);
-  const int64_t ci = at.ci;
-  if (ci < 0 || ci * C >= c.s.len) return;
+  if (first.ci < 0 || first.ci * C >= c.s.len) return;
+  static_assert(!kStrided || (TC && KC == NextState::kK && !kWalk), "strided states: bf16 / fp16, K = 64");
+  if (kStrided != (p.kept == DplrKept::states) || (kStrided && p.V != NextState::kCols)) return;  // (the launch's)
+  int64_t last = min(first.ci + dplr_grad_chunks_per_cta(p), (c.s.len + C - 1) / C);  // (kStrided)
+  if (p.window_chunks > 0) last = min(last, p.window_begin + p.window_chunks);
   const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
   const float rho = float(p.scale);
-  const int64_t t0 = ci * C;
-  const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
-  const float* mats = static_cast<const float*>(p.ws) + dplr_mats_offset(p, dplr_ws_slot(p, n, ci), c.h);
   const int tiles = kWalk ? dplr_chunk_tiles(K, p.V) : 1;
   // kWalk: the column sums carried from tile to tile, per warp: its pair-matrix gradient product
   // and its two state-part tasks (TC step 4 below)
   constexpr int kHeldTasks = 4 * ((KC + 31) / 32) / (NT / 32);
-  float pair_sum[4] = {0.f, 0.f, 0.f, 0.f};
-  float part_sum[kWalk ? kHeldTasks : 1][4][4] = {};
-  for (int tile = 0; tile < tiles; ++tile) {
-    bool early = false;
-    if (tile == 0) {
-      early = load_grad_operands<T>(sm, L, p, c, ci, t0, nrow, mats);
-    } else {
-      c.tile = tile, c.x0 = tile * cols, c.nc = min(cols, p.V - c.x0);
-      load_tile_columns<T>(sm, L, p, c, ci, t0, nrow);
-    }
-    __syncthreads();
-    state_rowsum<TC>(sm, L, tile > 0);
-    if (tile == 0) decay_factor_rows(sm, L, early);
-    // Step 4: dU, dM, dv and the pair-matrix gradients.
-    auto put_dv = [&](int j, int xx, float v) {
-      if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
-    };
-    // The pair-matrix gradients (thread (i, j); dX only below the diagonal: the rest cannot
-    // reach dA_ab), from complete dO, v, U, dM, dU, M + P rows (exact SIMT; the TC path's are
-    // products on tensor cores).
-    auto pair_grads = [&]() {
-      const int i = threadIdx.x / C, j = threadIdx.x % C, at = i * CP + j;
-      float rk = 0.f, rb = 0.f, ak = 0.f, dx = 0.f;
-      if (j <= i)
-        for (int q = 0; q < cols; q += 4) {
-          const float4 o = ld4(sm + L.dO + i * BP + q), vj = ld4(sm + L.v + j * BP + q);
-          rk = dot4(o, vj, rk), rb = dot4(o, ld4(sm + L.U + j * BP + q), rb);
-          if (j < i) {
-            ak = dot4(ld4(sm + L.dM + i * BP + q), vj, ak);
-            dx = dot4(ld4(sm + L.dU + i * BP + q), ld4(sm + L.M + j * BP + q), dx);  // M + P
-          }
-        }
-      *reinterpret_cast<float4*>(sm + L.dA + 4 * (i * C + j)) = make_float4(rho * rk, rho * rb, ak, 0.f);
-      sm[L.dX + at] = j < i ? dx : 0.f;
-    };
-    // Y = X^T dX, then dA_ab = stril(Y X^T). Ends synchronised.
-    auto solve_grads = [&]() {
-      const int i = threadIdx.x / C, j = threadIdx.x % C;
-      float y = 0.f;
-      for (int pp = 0; pp < C; ++pp) y += sm[L.X + pp * CP + i] * sm[L.dX + pp * CP + j];
-      sm[L.Y + i * CP + j] = y;
-      __syncthreads();
-      float z = 0.f;
-      if (j < i)
-        for (int q = 0; q < C; ++q) z += sm[L.Y + i * CP + q] * sm[L.X + j * CP + q];
-      sm[L.dA + 4 * (i * C + j) + 3] = z;
-      __syncthreads();
-    };
-    if (TC) {
-      __syncthreads();  // K^, B^, exp(w) (decay_factor_rows), S and dS+ as TF32 (state_rowsum)
-      column_chain_tc<T>(sm, L, p, c, t0, nrow, rho);
-      __syncthreads();
-      const int warp = threadIdx.x / 32;
-      if (!kWalk) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        pair_grad_product(sm, L, acc);
-        put_pair_grads(sm, L, acc, rho);
-        for (int task = warp; task < state_part_tasks(L); task += NT / 32) {
-          float part[4][4] = {};
-          state_part_product(sm, L, task, part);
-          put_state_part(sm, L, task, part);
-        }
+  NextState next;  // (kStrided)
+  // Chunk ci's gradients; makes_next: chunk ci + 1's start state is this CTA's to make (S+ over
+  // S once ci's steps no longer read S). A function, not a loop body, so that the builds of one
+  // chunk per CTA keep their registers (a loop lets invariants be hoisted out of it, live
+  // throughout).
+  auto grad_chunk = [&](int64_t ci, bool makes_next) {
+    const int64_t t0 = ci * C;
+    const int nrow = int(c.s.len - t0 < C ? c.s.len - t0 : C);
+    const float* mats = static_cast<const float*>(p.ws) + dplr_mats_offset(p, dplr_ws_slot(p, n, ci), c.h);
+    float pair_sum[4] = {0.f, 0.f, 0.f, 0.f};
+    float part_sum[kWalk ? kHeldTasks : 1][4][4] = {};
+    for (int tile = 0; tile < tiles; ++tile) {
+      bool early = false;
+      if (tile == 0) {
+        early = load_grad_operands<T>(sm, L, p, c, ci, t0, nrow, mats, ci == first.ci);
       } else {
-        static_assert(!kWalk || kHeldTasks * (NT / 32) == 4 * ((KC + 31) / 32), "every warp holds kHeldTasks tasks");
-        pair_grad_product(sm, L, pair_sum);
-#pragma unroll
-        for (int h = 0; h < kHeldTasks; ++h) state_part_product(sm, L, warp + h * (NT / 32), part_sum[h]);
-        if (tile + 1 < tiles) {  // this tile's rows and states are read: the next tile's loads go over them
-          __syncthreads();
-          continue;
-        }
-        put_pair_grads(sm, L, pair_sum, rho);
-#pragma unroll
-        for (int h = 0; h < kHeldTasks; ++h) put_state_part(sm, L, warp + h * (NT / 32), part_sum[h]);
+        c.tile = tile, c.x0 = tile * cols, c.nc = min(cols, p.V - c.x0);
+        load_tile_columns<T>(sm, L, p, c, ci, t0, nrow);
       }
       __syncthreads();
-      solve_grads();
-    } else {
-      pseudo_values(sm, L, L.da_rows);
-      // Thread (column x, rows j and j + 8 for j = j0, j0 + NT / cols, ..), so that each state
-      // or tile element read serves two rows; 4 channels per K-row read. The 16 x 16 matrices
-      // are zero-filled outside their triangles: fixed 16-term sums.
-      const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc, jstep = NT >> L.lc;
-      for (int j = j0; j < C / 2; j += jstep) {  // dU = scale A_rb^T dO + B^ dS+
-        float u0 = 0.f, u1 = 0.f;
-        for (int i = 0; i < C; ++i) {
-          const float o = rho * sm[L.dO + i * BP + x];
-          u0 += sm[L.Arb + i * CP + j] * o, u1 += sm[L.Arb + i * CP + j + C / 2] * o;
+      state_rowsum<TC, kStrided>(sm, L, tile > 0);
+      if (tile == 0) decay_factor_rows(sm, L, early);
+      // Step 4: dU, dM, dv and the pair-matrix gradients.
+      auto put_dv = [&](int j, int xx, float v) {
+        if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
+      };
+      // The pair-matrix gradients (thread (i, j); dX only below the diagonal: the rest cannot
+      // reach dA_ab), from complete dO, v, U, dM, dU, M + P rows (exact SIMT; the TC path's are
+      // products on tensor cores).
+      auto pair_grads = [&]() {
+        const int i = threadIdx.x / C, j = threadIdx.x % C, at = i * CP + j;
+        float rk = 0.f, rb = 0.f, ak = 0.f, dx = 0.f;
+        if (j <= i)
+          for (int q = 0; q < cols; q += 4) {
+            const float4 o = ld4(sm + L.dO + i * BP + q), vj = ld4(sm + L.v + j * BP + q);
+            rk = dot4(o, vj, rk), rb = dot4(o, ld4(sm + L.U + j * BP + q), rb);
+            if (j < i) {
+              ak = dot4(ld4(sm + L.dM + i * BP + q), vj, ak);
+              dx = dot4(ld4(sm + L.dU + i * BP + q), ld4(sm + L.M + j * BP + q), dx);  // M + P
+            }
+          }
+        *reinterpret_cast<float4*>(sm + L.dA + 4 * (i * C + j)) = make_float4(rho * rk, rho * rb, ak, 0.f);
+        sm[L.dX + at] = j < i ? dx : 0.f;
+      };
+      // Y = X^T dX, then dA_ab = stril(Y X^T). Ends synchronised.
+      auto solve_grads = [&]() {
+        const int i = threadIdx.x / C, j = threadIdx.x % C;
+        float y = 0.f;
+        for (int pp = 0; pp < C; ++pp) y += sm[L.X + pp * CP + i] * sm[L.dX + pp * CP + j];
+        sm[L.Y + i * CP + j] = y;
+        __syncthreads();
+        float z = 0.f;
+        if (j < i)
+          for (int q = 0; q < C; ++q) z += sm[L.Y + i * CP + q] * sm[L.X + j * CP + q];
+        sm[L.dA + 4 * (i * C + j) + 3] = z;
+        __syncthreads();
+      };
+      if (TC) {
+        __syncthreads();  // K^, B^, exp(w) (decay_factor_rows), S and dS+ as TF32 (state_rowsum)
+        column_chain_tc<T, kStrided>(sm, L, p, c, t0, nrow, rho);
+        __syncthreads();
+        const int warp = threadIdx.x / 32;
+        if (!kWalk) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+          pair_grad_product(sm, L, acc);
+          put_pair_grads(sm, L, acc, rho);
+          if constexpr (kStrided) {
+            // (K = 64: one task per warp) K^ and B^ read for the next state between the task's
+            // product and its put, which writes over them: nothing held through the products.
+            static_assert(!kStrided || 4 * ((KC + 31) / 32) == NT / 32, "a state-part task per warp");
+            float part[4][4] = {};
+            state_part_product<true>(sm, L, warp, part);
+            if (makes_next) {
+              next.load_keys(sm, L);
+              __syncthreads();
+            }
+            put_state_part(sm, L, warp, part);
+            if (makes_next) next.update(sm, L);
+          } else {
+            for (int task = warp; task < state_part_tasks(L); task += NT / 32) {
+              float part[4][4] = {};
+              state_part_product(sm, L, task, part);
+              put_state_part(sm, L, task, part);
+            }
+          }
+        } else {
+          static_assert(!kWalk || kHeldTasks * (NT / 32) == 4 * ((KC + 31) / 32), "every warp holds kHeldTasks tasks");
+          pair_grad_product(sm, L, pair_sum);
+  #pragma unroll
+          for (int h = 0; h < kHeldTasks; ++h) state_part_product(sm, L, warp + h * (NT / 32), part_sum[h]);
+          if (tile + 1 < tiles) {  // this tile's rows and states are read: the next tile's loads go over them
+            __syncthreads();
+            continue;
+          }
+          put_pair_grads(sm, L, pair_sum, rho);
+  #pragma unroll
+          for (int h = 0; h < kHeldTasks; ++h) put_state_part(sm, L, warp + h * (NT / 32), part_sum[h]);
         }
-        rows_dot_state(sm, L, L.db_rows, L.dS, j, x, u0, u1);
-        sm[L.dU + j * BP + x] = u0, sm[L.dU + (j + C / 2) * BP + x] = u1;
-      }
-      __syncthreads();
-      for (int j = j0; j < C / 2; j += jstep) {  // dM = X^T dU
-        float m0 = 0.f, m1 = 0.f;
-        for (int i = 0; i < C; ++i) {
-          const float du = sm[L.dU + i * BP + x];
-          m0 += sm[L.X + i * CP + j] * du, m1 += sm[L.X + i * CP + j + C / 2] * du;
+        __syncthreads();
+        if constexpr (kStrided) {
+          if (makes_next) next.put(sm, L);  // (no later step of this chunk reads S)
         }
-        sm[L.dM + j * BP + x] = m0, sm[L.dM + (j + C / 2) * BP + x] = m1;
-      }
-      __syncthreads();
-      pair_grads();
-      __syncthreads();
-      solve_grads();
-      for (int j = j0; j < C / 2; j += jstep) {  // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+
-        float v0 = 0.f, v1 = 0.f;
-        for (int i = 0; i < C; ++i) {
-          const float o = rho * sm[L.dO + i * BP + x], m = sm[L.dM + i * BP + x];
-          v0 += sm[L.Ark + i * CP + j] * o + sm[L.Aak + i * CP + j] * m;
-          v1 += sm[L.Ark + i * CP + j + C / 2] * o + sm[L.Aak + i * CP + j + C / 2] * m;
+        solve_grads();
+      } else {
+        pseudo_values(sm, L, L.da_rows);
+        // Thread (column x, rows j and j + 8 for j = j0, j0 + NT / cols, ..), so that each state
+        // or tile element read serves two rows; 4 channels per K-row read. The 16 x 16 matrices
+        // are zero-filled outside their triangles: fixed 16-term sums.
+        const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc, jstep = NT >> L.lc;
+        for (int j = j0; j < C / 2; j += jstep) {  // dU = scale A_rb^T dO + B^ dS+
+          float u0 = 0.f, u1 = 0.f;
+          for (int i = 0; i < C; ++i) {
+            const float o = rho * sm[L.dO + i * BP + x];
+            u0 += sm[L.Arb + i * CP + j] * o, u1 += sm[L.Arb + i * CP + j + C / 2] * o;
+          }
+          rows_dot_state(sm, L, L.db_rows, L.dS, j, x, u0, u1);
+          sm[L.dU + j * BP + x] = u0, sm[L.dU + (j + C / 2) * BP + x] = u1;
         }
-        rows_dot_state(sm, L, L.dk_rows, L.dS, j, x, v0, v1);
-        put_dv(j, x, v0), put_dv(j + C / 2, x, v1);
+        __syncthreads();
+        for (int j = j0; j < C / 2; j += jstep) {  // dM = X^T dU
+          float m0 = 0.f, m1 = 0.f;
+          for (int i = 0; i < C; ++i) {
+            const float du = sm[L.dU + i * BP + x];
+            m0 += sm[L.X + i * CP + j] * du, m1 += sm[L.X + i * CP + j + C / 2] * du;
+          }
+          sm[L.dM + j * BP + x] = m0, sm[L.dM + (j + C / 2) * BP + x] = m1;
+        }
+        __syncthreads();
+        pair_grads();
+        __syncthreads();
+        solve_grads();
+        for (int j = j0; j < C / 2; j += jstep) {  // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+
+          float v0 = 0.f, v1 = 0.f;
+          for (int i = 0; i < C; ++i) {
+            const float o = rho * sm[L.dO + i * BP + x], m = sm[L.dM + i * BP + x];
+            v0 += sm[L.Ark + i * CP + j] * o + sm[L.Aak + i * CP + j] * m;
+            v1 += sm[L.Ark + i * CP + j + C / 2] * o + sm[L.Aak + i * CP + j + C / 2] * m;
+          }
+          rows_dot_state(sm, L, L.dk_rows, L.dS, j, x, v0, v1);
+          put_dv(j, x, v0), put_dv(j + C / 2, x, v1);
+        }
+        __syncthreads();  // K^, B^ read: the gradient rows are written below
       }
-      __syncthreads();  // K^, B^ read: the gradient rows are written below
+      kvector_grads<TC>(sm, L, rho);
+      store_kvector_grads<T>(sm, L, p, c, t0, nrow);
     }
-    kvector_grads<TC>(sm, L, rho);
-    store_kvector_grads<T>(sm, L, p, c, t0, nrow);
+  };
+  if constexpr (kStrided) {
+    for (int64_t ci = first.ci; ci < last; ++ci) {
+      grad_chunk(ci, ci + 1 < last);
+      if (ci + 1 < last) __syncthreads();  // this chunk's rows read: the next one's loads go over them
+    }
+  } else {
+    grad_chunk(first.ci, false);
   }
 }
 

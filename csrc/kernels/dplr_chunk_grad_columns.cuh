@@ -16,9 +16,10 @@ namespace dplr_chunk_detail {
 //   M + P = A_ak V + Â S,  U = X (M + P),  dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU,
 //   dV = scale A_rk^T dO + A_ak^T dM + K^ dS+.
 // Every operand a TF32 value as stored (v, dO widened from 16 bits; S, dS rounded by
-// state_rowsum; the chain's own rows rounded by put), so that no product rounds per read; the
-// scale goes into the A_rb, A_rk fragments. Rows at kp_row (rows_state_mma).
-template <typename T, int NTL>
+// state_rowsum; the chain's own rows rounded by put), so that no product rounds per read, but S
+// where kExactS (strided states: S stays exact fp32, rounded per read); the scale goes into the
+// A_rb, A_rk fragments. Rows at kp_row (rows_state_mma).
+template <typename T, int NTL, bool kExactS>
 __device__ __forceinline__ void column_slab_tc(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
                                                int64_t t0, int nrow, float rho, int x0) {
   const int BP = L.BP;
@@ -35,7 +36,7 @@ __device__ __forceinline__ void column_slab_tc(float* sm, const Smem& L, const D
             make_float2(tf32_round(acc[t][2 * h]), tf32_round(acc[t][2 * h + 1]));
   };
   float mp[NTL][4] = {}, u[NTL][4] = {};
-  rows_state_mma(sm, L, L.da_rows, L.S, x0, mp);
+  rows_state_mma<NTL, !kExactS>(sm, L, L.da_rows, L.S, x0, mp);
   {
     const MatFrag Aak(sm, L.Aak);
 #pragma unroll
@@ -97,14 +98,16 @@ __device__ __forceinline__ void column_slab_tc(float* sm, const Smem& L, const D
 // 16 matrices) is read once for two n-tiles: the A reads were half of the chain's shared-memory
 // wavefronts with a warp per 8 columns. After a barrier that follows decay_factor_rows; not
 // synchronised.
-template <typename T>
+template <typename T, bool kExactS = false>
 __device__ __forceinline__ void column_chain_tc(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
                                                 int64_t t0, int nrow, float rho) {
   const int cols = L.cols, warp = threadIdx.x / 32;
   if (cols % 16 == 0)
-    for (int x0 = 16 * warp; x0 < cols; x0 += 16 * (NT / 32)) column_slab_tc<T, 2>(sm, L, p, c, t0, nrow, rho, x0);
+    for (int x0 = 16 * warp; x0 < cols; x0 += 16 * (NT / 32))
+      column_slab_tc<T, 2, kExactS>(sm, L, p, c, t0, nrow, rho, x0);
   else
-    for (int x0 = 8 * warp; x0 < cols; x0 += 8 * (NT / 32)) column_slab_tc<T, 1>(sm, L, p, c, t0, nrow, rho, x0);
+    for (int x0 = 8 * warp; x0 < cols; x0 += 8 * (NT / 32))
+      column_slab_tc<T, 1, kExactS>(sm, L, p, c, t0, nrow, rho, x0);
 }
 
 // The TC column products after the chain (after its barrier): sums over the tile's columns, each
@@ -140,15 +143,18 @@ __device__ __forceinline__ void put_pair_grads(float* sm, const Smem& L, const f
 
 // The state parts of the K-vector gradients, dO S^T, dM S^T, v dS^T, U dS^T ([C][K] over the
 // columns), as tasks of 4 n-tiles (32 channels) of one product: a task's A fragments serve all
-// four. Tasks 0 .. state_part_tasks(L) - 1.
+// four. Tasks 0 .. state_part_tasks(L) - 1. kExactS: S exact fp32 (strided states), rounded
+// per read.
 __device__ __forceinline__ int state_part_groups(const Smem& L) { return ((L.K + 7) / 8 + 3) / 4; }
 __device__ __forceinline__ int state_part_tasks(const Smem& L) { return 4 * state_part_groups(L); }
+template <bool kExactS = false>
 __device__ __forceinline__ void state_part_product(const float* sm, const Smem& L, int task, float (&acc)[4][4]) {
   const int K = L.K, BP = L.BP, cols = L.cols, ntile = (K + 7) / 8, ngrp = state_part_groups(L);
   const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
   const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
   if (nt_fragments(L)) {  // state rows past K: the next array's (their columns are not stored)
-    tile::warp_mma_nt_tiles<true, true, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
+    if (kExactS && m < 2) tile::warp_mma_nt_tiles<true, false, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
+    else tile::warp_mma_nt_tiles<true, true, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
   } else {
     for (int t = 0; t < nb; ++t)
       warp_mma(acc[t], cols, [&](int r, int k) { return sm[A + r * BP + k]; },
@@ -184,6 +190,66 @@ __device__ __forceinline__ void put_state_part(float* sm, const Smem& L, int tas
     }
   }
 }
+
+// The next chunk-start state, for a grad CTA walking a stride of chunks on the fused forward's
+// strided states (DplrKept::states: bf16 / fp16, K = V = 64, one 64-column tile): S+ = gamma S
+// + K^^T V + B^^T U, the forward's update (dplr_chunk_fused.cuh forward_next) from operands the
+// CTA holds anyway. S stays exact fp32 in shared memory through such a CTA's chunk (its
+// products round it per read), so gamma S is exact, and the products are TF32 as the forward's.
+// Warp w makes channels 16 (w % 4) .. + 16 and columns 32 (w / 4) .. + 32 as four m16n8 tiles
+// (lane (g, q): channels + g, + g + 8, columns + 8 t + 2 q, + 1). The k of lane q in a k-step
+// are 2q, 2q + 1 (as rows_state_mma): the K-rows and tile rows it reads are 2 apart, on banks 8
+// apart at strides of 4 mod 32 floats (no conflicts).
+struct NextState {
+  static constexpr int kK = 64, kCols = 64;
+  uint32_t kt[2][4], bt[2][4];  // A fragments of K^^T and B^^T, both k-steps
+  float acc[4][4];
+  __device__ __forceinline__ static int d0() { return 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4; }
+  __device__ __forceinline__ static int x0() { return 32 * (threadIdx.x / 128) + 2 * (threadIdx.x % 4); }
+  // K^^T and B^^T into registers (dk_rows, db_rows, complete since decay_factor_rows), before
+  // a barrier after which put_state_part writes over them.
+  __device__ __forceinline__ void load_keys(const float* sm, const Smem& L) {
+    const int q = threadIdx.x % 4;
+    const float *k = sm + L.dk_rows + 2 * q * L.KP + d0(), *b = sm + L.db_rows + 2 * q * L.KP + d0();
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      const int r = 8 * ks * L.KP;
+      kt[ks][0] = tile::to_tf32(k[r]), kt[ks][1] = tile::to_tf32(k[r + 8]), kt[ks][2] = tile::to_tf32(k[r + L.KP]),
+      kt[ks][3] = tile::to_tf32(k[r + L.KP + 8]);
+      bt[ks][0] = tile::to_tf32(b[r]), bt[ks][1] = tile::to_tf32(b[r + 8]), bt[ks][2] = tile::to_tf32(b[r + L.KP]),
+      bt[ks][3] = tile::to_tf32(b[r + L.KP + 8]);
+    }
+  }
+  // gamma S + K^^T V + B^^T U, after load_keys (V, U, S and gamma are read here: nothing writes
+  // them before the next chunk), then a barrier before put.
+  __device__ __forceinline__ void update(const float* sm, const Smem& L) {
+    const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, xb = x0() - 2 * q + g;  // lane's B column
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 v = *reinterpret_cast<const float2*>(sm + L.S + (d0() + 8 * h) * L.BP + x0() + 8 * t);
+        const float gam = sm[L.zgam + d0() + 8 * h];
+        acc[t][2 * h] = gam * v.x, acc[t][2 * h + 1] = gam * v.y;
+      }
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {  // V and U rows hold TF32 values (widened; put's rounding)
+        const float *v = sm + L.v + (8 * ks + 2 * q) * L.BP + xb + 8 * t, *u = sm + L.U + (8 * ks + 2 * q) * L.BP + xb + 8 * t;
+        mma_tf32(acc[t], kt[ks][0], kt[ks][1], kt[ks][2], kt[ks][3], __float_as_uint(v[0]), __float_as_uint(v[L.BP]));
+        mma_tf32(acc[t], bt[ks][0], bt[ks][1], bt[ks][2], bt[ks][3], __float_as_uint(u[0]), __float_as_uint(u[L.BP]));
+      }
+    }
+  }
+  // S+ over S, once no step of this chunk reads S (after the barrier that follows the state parts).
+  __device__ __forceinline__ void put(float* sm, const Smem& L) const {
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(sm + L.S + (d0() + 8 * h) * L.BP + x0() + 8 * t) =
+            make_float2(acc[t][2 * h], acc[t][2 * h + 1]);
+  }
+};
 
 }  // namespace dplr_chunk_detail
 }  // namespace fla

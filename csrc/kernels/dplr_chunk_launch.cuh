@@ -94,18 +94,24 @@ template <typename T, int KC>
 cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   DplrChunkPass p = p_in;
   pick_paths<T>(p);
-  const int64_t slots = dplr_work_slots(p);  // prep and grad CTAs
+  const int64_t slots = dplr_work_slots(p);  // prep CTAs, and grad's but on strided states
   cudaError_t e = cudaSuccess;
   if (p.backward() && p.kept == DplrKept::states) {  // the fused reverse pass, then grad
     if constexpr (std::is_same<T, float>::value) {
       return cudaErrorInvalidValue;  // (no fused forward made these states)
     } else {
-      if (!dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
-      e = launch_fused<T>(fused_reverse_two_block_kernel<T, 1>, fused_reverse_two_block_kernel<T, 2>,
-                          fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p, p.dout, stream);
-      if (e != cudaSuccess) return e;
-      return launch_with_smem(grad_kernel<T, KC>, dim3(unsigned(slots), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)),
-                              NT, Smem(p.K, true).bytes(), p, stream);
+      if constexpr (KC != 64) {
+        return cudaErrorInvalidValue;  // (the fused forward is K = V = 64's)
+      } else {
+        if (!dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
+        e = launch_fused<T>(fused_reverse_two_block_kernel<T, 1>, fused_reverse_two_block_kernel<T, 2>,
+                            fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p, p.dout, stream);
+        if (e != cudaSuccess) return e;
+        // grad on the strided states: a CTA per kept state's stride of chunks
+        return launch_with_smem(grad_kernel<T, KC, true>,
+                                dim3(unsigned(dplr_grad_ctas(p)), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)), NT,
+                                Smem(p.K, true).bytes(), p, stream);
+      }
     }
   }
   if (!(p.backward() && p.kept == DplrKept::states_and_workspace))

@@ -29,8 +29,9 @@ __device__ __forceinline__ void rows_dot_state(const float* sm, const Smem& L, i
 // q + 4): its A fragment is one 8-byte load per row, and its B rows are 2 apart, at banks 8
 // apart for BP = 4 mod 32 (q, q + 4 were 4 apart: two-way conflicts). Lane g takes rows
 // tile::kp_perm(g) and + 8 (accumulator rows at kp_row, columns at acc_col). With K % 8 != 0,
-// channels past K are masked (the row padding may be unset).
-template <int NTL>
+// channels past K are masked (the row padding may be unset). RB = false: St holds exact fp32
+// values (a grad CTA on strided states keeps S exact for its next state), rounded per read.
+template <int NTL, bool RB = true>
 __device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, int rows, int st,
                                                int n0, float (&acc)[NTL][4]) {
   const int K = L.K, KP = L.KP, BP = L.BP;
@@ -44,13 +45,17 @@ __device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, i
       const uint32_t a0 = to_tf32(lo.x), a1 = to_tf32(hi.x), a2 = to_tf32(lo.y), a3 = to_tf32(hi.y);
 #pragma unroll
       for (int t = 0; t < NTL; ++t)
-        mma_tf32(acc[t], a0, a1, a2, a3, __float_as_uint(pb[8 * t]), __float_as_uint(pb[8 * t + BP]));
+        mma_tf32(acc[t], a0, a1, a2, a3, RB ? __float_as_uint(pb[8 * t]) : to_tf32(pb[8 * t]),
+                 RB ? __float_as_uint(pb[8 * t + BP]) : to_tf32(pb[8 * t + BP]));
     }
     return;
   }
   for (int k = 0; k < K; k += 8) {
     auto a = [&](int r, int kk) { return kk < K ? to_tf32(sm[rows + r * KP + kk]) : 0u; };
-    auto b = [&](int kk, int t) { return kk < K ? __float_as_uint(sm[st + kk * BP + n0 + 8 * t + g]) : 0u; };
+    auto b = [&](int kk, int t) {
+      const float x = kk < K ? sm[st + kk * BP + n0 + 8 * t + g] : 0.f;
+      return RB ? __float_as_uint(x) : to_tf32(x);
+    };
     const int k0 = k + 2 * q;
 #pragma unroll
     for (int t = 0; t < NTL; ++t)

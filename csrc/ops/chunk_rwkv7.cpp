@@ -59,18 +59,24 @@ bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
   return d.N * d.H >= (keeps ? kFusedTrainingMinTasks : kFusedMinTasks);
 }
 
-// What a CUDA training forward keeps (`saved`, fp32, flat): the chunk-start states, padded to a
-// multiple of 4 floats (16-byte aligned workspace rows), then the two-kernel forward's workspace;
-// the fused forward keeps the states alone (its backward's fused reverse pass makes the pair
-// matrices and X: DplrKept::states).
-int64_t saved_states_floats(const DiagArgs& d) { return (dplr_state_floats(d) + 3) / 4 * 4; }
+// What a CUDA training forward keeps (`saved`, fp32, flat): the two-kernel forward, every
+// chunk-start state, padded to a multiple of 4 floats (16-byte aligned workspace rows), then its
+// workspace; the fused forward, the state before every kDplrStateStride-th chunk and the final
+// one alone, padded (DplrKept::states: its backward's fused reverse pass makes the pair matrices
+// and X, grad the states between).
+int64_t kept_state_floats(const DiagArgs& d) {
+  return dplr_kept_state_slots(int(d.N), int(d.T), d.cu.defined()) * d.H * d.K * d.V;
+}
+int64_t saved_states_floats(const DiagArgs& d, bool strided) {
+  return ((strided ? kept_state_floats(d) : dplr_state_floats(d)) + 3) / 4 * 4;
+}
 int64_t saved_floats(const DiagArgs& d, const Tensor& r) {
-  return saved_states_floats(d) + (fused_forward(d, r, true) ? 0 : dplr_ws_floats(d));
+  return fused_forward(d, r, true) ? saved_states_floats(d, true) : saved_states_floats(d, false) + dplr_ws_floats(d);
 }
 // What a training forward's `saved` holds, told by its length (saved_floats).
 DplrKept saved_kind(const DiagArgs& d, const Tensor* saved) {
   if (!saved) return DplrKept::nothing;
-  return saved->numel() > saved_states_floats(d) ? DplrKept::states_and_workspace : DplrKept::states;
+  return saved->numel() == saved_states_floats(d, true) ? DplrKept::states : DplrKept::states_and_workspace;
 }
 // Floats per (chunk slot, head) of the workspace a backward makes: the whole per-chunk block for
 // grad and the reverse sweep (no kept states), or the pair matrices and X alone where the fused
@@ -100,7 +106,7 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   // kernels/dplr_chunk_fused_reverse.cuh, whose support is the fused forward's)
   const DplrKept kind = saved_kind(d, saved);
   if (kind == DplrKept::states_and_workspace) {
-    p.ws = saved->data_ptr<float>() + saved_states_floats(d);
+    p.ws = saved->data_ptr<float>() + saved_states_floats(d, false);
   } else {
     const int64_t slots = window_chunks > 0 ? d.N * window_chunks : dplr_chunk_slots(d);
     ws = at::empty({slots * d.H * backward_ws_floats_per_chunk(d, sweep ? DplrKept::nothing : kind)},
@@ -276,7 +282,9 @@ int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept) {
   const int64_t mib = workspace_budget_mib();
   const int64_t budget =
       mib >= 0 ? mib << 20 : std::max(forward_workspace_budget(d), per_chunk * nch / (makes_ws ? 8 : 4));
-  const int64_t chunks = std::max<int64_t>(1, budget / per_chunk);
+  // On the strided states a window holds whole strides (a grad CTA walks one from its kept state).
+  const int64_t stride = makes_ws ? kDplrStateStride : 1;
+  const int64_t chunks = std::max<int64_t>(1, budget / per_chunk / stride) * stride;
   return chunks >= nch ? 0 : chunks;
 }
 
@@ -303,7 +311,9 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
   // workspace with the pair matrices (kernels' DplrKept); every float is written (gap slots 0:
   // an op output).
   Tensor saved = new_output({keep ? saved_floats(d, r) : 0}, r.options().dtype(at::kFloat));
-  const int64_t states = dplr_state_floats(d), pad = saved_states_floats(d) - states;
+  const bool strided = keep && fused_forward(d, r, true);
+  const int64_t states = strided ? kept_state_floats(d) : dplr_state_floats(d),
+                pad = saved_states_floats(d, strided) - states;
   if (keep && pad > 0) saved.narrow(0, states, pad).zero_();  // no kernel writes the padding
   forward_pass(d, r, w, k, v, a, b, initial_state, o, output_final_state ? &hT : nullptr,
                keep ? &saved : nullptr, run);

@@ -80,7 +80,7 @@ void fused_reverse(const DplrChunkPass& p) {
 // (DplrKept::states_and_workspace: no prep, no forward sweep); 2, the fused forward (bf16, K = V =
 // 64) stores hst, and the backward runs the fused reverse pass (DplrKept::states:
 // ws holds the pair matrices and X alone); 3 and 4, as 2 and 1 with the
-// backward in windows of two chunks (no cu_seqlens), latest first, as the op's
+// backward in windows of two chunks (3: kDplrStateStride; no cu_seqlens), latest first, as the op's
 // backward_window_chunks runs it; 5 and 6, as 1 and 4 with hst and the workspace made by the
 // two-block fused forward that keeps them (bf16, K = V = 64: a training forward at few pairs).
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
@@ -136,10 +136,13 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
       TORCH_CHECK(false, "the fused forward takes bf16");
     } else {
       TORCH_CHECK(dplr_fused_forward(p.dtype, K, V), "not a fused-forward shape");
+      // every kDplrStateStride-th chunk-start state (and the final ones), as the op sizes them
+      hst = poison({dplr_kept_state_slots(N, T, varlen), H, K, V});
       DplrChunkPass f = p;
       f.o = vec(o), f.hst = hst.data_ptr(), f.fused = true;
       f.paths.rows_16byte = input_rows_in_pieces<E>(f, f.v);
       fused_training_forward(f);
+      TORCH_CHECK(!hst.isnan().any().item<bool>(), "the fused forward left a slot of hst unwritten");
       p.kept = DplrKept::states, p.uo = nullptr;
       wsb = poison({slots * H * DplrWorkspaceLayout::kMatsFloats});
       p.ws = wsb.data_ptr();
@@ -164,8 +167,10 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   auto backward = [&] {  // as the launch runs it
     const int64_t work = dplr_work_slots(p);
     if (p.kept == DplrKept::states) {
-      if constexpr (!std::is_same_v<E, float>) fused_reverse(p);
-      emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
+      if constexpr (!std::is_same_v<E, float> && KC == 64) {
+        fused_reverse(p);
+        emu::launch(dim3(unsigned(dplr_grad_ctas(p)), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC, true>(p); }); });
+      }
       return;
     }
     if (p.kept != DplrKept::states_and_workspace)
@@ -179,7 +184,8 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     backward();
   } else {  // window-sized dhst (and ws, unless kept), poisoned once: every window writes its slots before reading them
     TORCH_CHECK(!varlen, "backward windows take no cu_seqlens");
-    constexpr int64_t kWindow = 2;
+    // (a multiple of the kept states' stride, as the op's backward_window_chunks makes it)
+    const int64_t kWindow = p.kept == DplrKept::states ? kDplrStateStride : 2;
     Tensor wws = poison({N * kWindow * H * (p.kept == DplrKept::states ? DplrWorkspaceLayout::kMatsFloats : ws.floats_per_chunk())}), wdhst = poison({N * kWindow, H, K, V}),
            dcarry = poison({N, H, K, V});
     if (keep == 3) p.ws = wws.data_ptr();  // (4, 6: the kept workspace)

@@ -159,6 +159,8 @@ FUSED_CASES = {  # (B, T, H, K, V), cu_seqlens, w_kind, lr
     "varlen": ((1, 150, 2, 64, 64), [0, 7, 7, 40, 41, 150], "u5", "rwkv"),
     # X from cancelling binomial-size terms, and the fused kernel's pair matrices single TF32
     "repeated": ((1, 64, 2, 64, 64), None, "zero", "repeated"),
+    # 32 chunks: grad makes three states of every four from the kept one before them
+    "long": ((2, 512, 2, 64, 64), None, "rwkv7", "rwkv"),
     # the launch's builds by (sequence, head) pairs on 132 SMs: the cases above take the two-block
     # kernels' one-CTA-per-SM build; 200 pairs their two-per-SM build; 300 and 420 the one-block
     # kernels at three and at four CTAs per SM
@@ -211,16 +213,19 @@ def test_fused_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen)
 @pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fused_training_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen):
-    """The fused training forward (forced) stores the chunk-start states, and the backward runs
-    the fused reverse pass on them (DplrKept::states): o, the final state and every gradient
-    against the float64 oracle (bf16 / fp16 tolerances), `saved` holding the states alone."""
+    """The fused training forward (forced) stores the state before every fourth chunk and the
+    final one (kDplrStateStride), and the backward runs the fused reverse pass and grad on them
+    (DplrKept::states: grad makes the states between): o, the final state and every gradient
+    against the float64 oracle (bf16 / fp16 tolerances), `saved` holding those states alone,
+    every float written."""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
     (r, w, k, v, a, b, h0), cu_t = fused_case(case, head_first, dtype, gen)
     _, _, saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 0.7, h0, True, cu_t, head_first)
     N, T = h0.shape[0], r.shape[-2 if head_first else -3]
     H, K, V = (r.shape[1] if head_first else r.shape[2]), r.shape[-1], v.shape[-1]
-    slots = (T // 16 + 2 * N + 1) if cu_t is not None else N * ((T + 15) // 16 + 1)
-    assert saved.numel() == (slots * H * K * V + 3) // 4 * 4  # the states alone
+    slots = (T // 64 + 2 * N + 1) if cu_t is not None else N * ((T + 63) // 64 + 1)  # 64-row map
+    assert saved.numel() == (slots * H * K * V + 3) // 4 * 4  # the kept states alone
+    assert torch.isfinite(saved).all()
     run_and_check(CHUNK, r, w, k, v, a, b, h0, scale=0.7, cu=cu_t, head_first=head_first, gen=gen)
 
 
@@ -264,7 +269,8 @@ def test_two_block_training_forward_matches_oracle(shape, cu, w_kind, head_first
                          ids=["fused_states", "kept_workspace", "kept_workspace_K128"])
 def test_backward_windows_match_one_pass(head_first, fused, K, saves, monkeypatch, gen):
     """The backward on kept states runs in windows of the chunk index when its workspaces exceed
-    the budget (FLA_EXT_WORKSPACE_MIB=0: a chunk per window, 65 windows here): the gradients
+    the budget (FLA_EXT_WORKSPACE_MIB=0: a chunk per window, 65 windows here; on the fused
+    forward's states a stride of four chunks, 17 windows): the gradients
     equal the one-pass backward's bitwise, and its peak holds one window's dS+ (and, on the fused
     forward's states, the pair matrices and X from the fused reverse pass) instead of every
     chunk's (K = V = 64: ~8 MB of dS+, ~3 MB of matrices; K = 128: ~34 MB)."""
