@@ -211,7 +211,8 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // window of the chunk index (the op's backward windows), when window_chunks > 0: the reverse
   // sweep (or the fused reverse pass) and grad take chunks [window_begin, window_begin +
   // window_chunks) of every sequence, and dhst holds those alone (dplr_work_slot), ws too unless
-  // the training forward kept it whole (dplr_ws_slot); hst stays whole. The reverse pass starts
+  // the training forward kept it whole (dplr_ws_slot); hst stays whole. On strided states
+  // (DplrKept::states) window_begin and window_chunks are multiples of kDplrStateStride. The reverse pass starts
   // from dht where the window holds a sequence's last chunk, else from dcarry (the gradient at
   // the window's end, which the later window left there), and ends in dh0 where it holds the
   // first chunk, else in dcarry ([N, H, K, V] fp32).

@@ -351,6 +351,10 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
 //     put_state_part       (TC) the state parts (SIMT: inline below, state parts in step 5)
 //   5 kvector_grads        dr, da, dk, db: state parts and pair walks
 //   6 store_kvector_grads  dw by the reverse scan, all five K-vector gradients to their outputs
+// kStrided (bf16 / fp16, K = V = 64; DplrKept::states): hst holds every kDplrStateStride-th
+// chunk-start state, and a CTA takes the chunks of one in order, S loaded for the first and made
+// for each next one in step 4 (NextState: from the state parts' warps, put after them), S kept
+// exact in shared memory throughout.
 template <typename T, int KC = 0, bool kStrided = false>  // KC: as prep_kernel's
 __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;
