@@ -212,8 +212,8 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // sweep (or the fused reverse pass) and grad take chunks [window_begin, window_begin +
   // window_chunks) of every sequence, and dhst holds those alone (dplr_work_slot), ws too unless
   // the training forward kept it whole (dplr_ws_slot); hst stays whole. On strided states
-  // (DplrKept::states) window_begin and window_chunks are multiples of kDplrStateStride. The reverse pass starts
-  // from dht where the window holds a sequence's last chunk, else from dcarry (the gradient at
+  // (DplrKept::states) window_begin and window_chunks are multiples of kDplrStateStride. The
+  // reverse pass starts from dht where the window holds a sequence's last chunk, else from dcarry (the gradient at
   // the window's end, which the later window left there), and ends in dh0 where it holds the
   // first chunk, else in dcarry ([N, H, K, V] fp32).
   int64_t window_begin = 0, window_chunks = 0;
@@ -257,13 +257,8 @@ FLA_HD DplrSlotChunk dplr_slot_chunk(const DplrChunkPass& p, int64_t slot) {
   return {n, slot - chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, 0)};
 }
 
-// Chunks a grad CTA walks: kDplrStateStride on the fused forward's strided states
-// (DplrKept::states), else one. The op makes a window of the chunk index a multiple of it.
-FLA_HD int dplr_grad_chunks_per_cta(const DplrChunkPass& p) {
-  return p.kept == DplrKept::states ? kDplrStateStride : 1;
-}
 // Grad CTAs (blockIdx.x): one per dhst slot (dplr_work_slots), or on strided states one per
-// kept state's stride of chunks.
+// kept state's stride of chunks (the op makes a window of the chunk index whole strides).
 FLA_HD int64_t dplr_grad_ctas(const DplrChunkPass& p) {
   if (p.kept != DplrKept::states) return dplr_work_slots(p);
   return p.window_chunks > 0 ? int64_t(p.N) * (p.window_chunks / kDplrStateStride)

@@ -89,11 +89,8 @@ struct ForwardOut {
   int64_t slot0, nch, slot_floats;
   float* hst;
   T* o0;
-  __device__ static int64_t first_slot(const DplrChunkPass& p, int n) {
-    return chunk_slot<C * kStride>(p.cu_seqlens, n, p.T, 0);
-  }
   __device__ ForwardOut(const DplrChunkPass& p, const FusedTask& t)
-      : n(t.n), h(t.h), slot0(first_slot(p, t.n)), nch(t.nch), slot_floats(int64_t(p.H) * K * V),
+      : n(t.n), h(t.h), slot0(chunk_slot<C * kStride>(p.cu_seqlens, t.n, p.T, 0)), nch(t.nch), slot_floats(int64_t(p.H) * K * V),
         hst(kStates ? static_cast<float*>(p.hst) + (slot0 * p.H + t.h) * int64_t(K * V) : nullptr),
         o0(vptr<T>(p.o, t.s.b, t.s.bos, t.h, 0)) {}
   // The state before chunk kStride g's slot.
@@ -101,7 +98,8 @@ struct ForwardOut {
   // After chunk ci's update (S the state before chunk ci + 1): store it where it is kept (the
   // start of a stride, or the final state). After a barrier; not synchronised.
   __device__ void store_after(int64_t ci, const float* S, int tid, int threads) const {
-    if (kStates && ((ci + 1) % kStride == 0 || ci + 1 == nch)) store_state(slot((ci + kStride) / kStride), S, tid, threads);
+    if (kStates && ((ci + 1) % kStride == 0 || ci + 1 == nch))
+      store_state(slot((ci + kStride) / kStride), S, tid, threads);
   }
   // S from h0 (0 without it), and slot 0.
   __device__ void init(const DplrChunkPass& p, float* S, int tid, int threads) const {
@@ -131,7 +129,7 @@ struct ForwardOut {
   // output: they read 0) and the final state.
   __device__ void finish(const DplrChunkPass& p, const float* S, int tid, int threads) const {
     if (kStates && p.cu_seqlens) {
-      const int64_t next = n + 1 < p.N ? first_slot(p, n + 1) : chunk_slots<C * kStride>(p.N, p.T, true);
+      const int64_t next = slots_after<C * kStride>(p, n);
       for (int64_t sl = slot0 + (nch + kStride - 1) / kStride + 1; sl < next; ++sl)
         for (int e = tid; e < K * V; e += threads) slot(sl - slot0)[e] = 0.f;
     }

@@ -136,9 +136,11 @@ __device__ __forceinline__ void store_mats(float* out, const float* blk, int tid
 }
 
 // The first chunk slot after sequence n's (its chunks' and its final state's, then a varlen
-// batch's gap slots up to here): the next sequence's first slot, or the end of the slots.
+// batch's gap slots up to here): the next sequence's first slot, or the end of the slots. R: rows
+// per slot (C, or the strided states' C kDplrStateStride).
+template <int R = C>
 __device__ __forceinline__ int64_t slots_after(const DplrChunkPass& p, int n) {
-  return n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, p.cu_seqlens != nullptr);
+  return n + 1 < p.N ? chunk_slot<R>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<R>(p.N, p.T, p.cu_seqlens != nullptr);
 }
 
 // A K x V state argument (h0, hT, dht, dh0, the windows' dcarry) of head h of sequence n and

@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   if (first.ci < 0 || first.ci * C >= c.s.len) return;
   static_assert(!kStrided || (TC && KC == NextState::kK && !kWalk), "strided states: bf16 / fp16, K = 64");
   if (kStrided != (p.kept == DplrKept::states) || (kStrided && p.V != NextState::kCols)) return;  // (the launch's)
-  int64_t last = min(first.ci + dplr_grad_chunks_per_cta(p), (c.s.len + C - 1) / C);  // (kStrided)
+  int64_t last = min(first.ci + (kStrided ? kDplrStateStride : 1), (c.s.len + C - 1) / C);  // (kStrided)
   if (p.window_chunks > 0) last = min(last, p.window_begin + p.window_chunks);
   const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
   const float rho = float(p.scale);
@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
           if constexpr (kStrided) {
             // (K = 64: one task per warp) K^ and B^ read for the next state between the task's
             // product and its put, which writes over them: nothing held through the products.
-            static_assert(!kStrided || 4 * ((KC + 31) / 32) == NT / 32, "a state-part task per warp");
+            static_assert(4 * ((KC + 31) / 32) == NT / 32, "a state-part task per warp");
             float part[4][4] = {};
             state_part_product<true>(sm, L, warp, part);
             if (makes_next) {
@@ -471,14 +471,14 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
         } else {
           static_assert(!kWalk || kHeldTasks * (NT / 32) == 4 * ((KC + 31) / 32), "every warp holds kHeldTasks tasks");
           pair_grad_product(sm, L, pair_sum);
-  #pragma unroll
+#pragma unroll
           for (int h = 0; h < kHeldTasks; ++h) state_part_product(sm, L, warp + h * (NT / 32), part_sum[h]);
           if (tile + 1 < tiles) {  // this tile's rows and states are read: the next tile's loads go over them
             __syncthreads();
             continue;
           }
           put_pair_grads(sm, L, pair_sum, rho);
-  #pragma unroll
+#pragma unroll
           for (int h = 0; h < kHeldTasks; ++h) put_state_part(sm, L, warp + h * (NT / 32), part_sum[h]);
         }
         __syncthreads();
