@@ -237,19 +237,55 @@ def rwkv7_fused_training_forward(d: Diag, dtype) -> bool:
     return d.N * d.H >= 256
 
 
+def rwkv7_pipeline_window_chunks(d: Diag) -> int:
+    """chunk_rwkv7's forward windows on two streams (ops/chunk_rwkv7.cpp pipeline_window_chunks):
+    eight windows of whole strides, each of at least 64 chunks, where the sweeps have at most 64
+    CTAs (32 state columns each), no cu_seqlens; FLA_EXT_RWKV7_PIPELINE=0 / 1 forces them off /
+    on (on: for any sequence longer than a window)."""
+    force = os.environ.get("FLA_EXT_RWKV7_PIPELINE", "")
+    if d.varlen or force[:1] == "0":
+        return 0
+    nch = (d.T + DPLR_CHUNK - 1) // DPLR_CHUNK
+    chunks = ((nch + 7) // 8 + DPLR_STATE_STRIDE - 1) // DPLR_STATE_STRIDE * DPLR_STATE_STRIDE
+    pays = chunks >= 64 and d.N * d.H * ((d.V + 31) // 32) <= 64
+    return chunks if (force[:1] == "1" or pays) and chunks < nch else 0
+
+
 def rwkv7_saved_floats(d: Diag, dtype) -> int:
     """The length of chunk_rwkv7's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): where the
-    fused forward runs, the state before every fourth 16-row chunk (the slot map of 64-row
+    fused forward runs, or the two-kernel forward in pipelined windows on the fused forward's
+    shapes (sweep_strided), the state before every fourth 16-row chunk (the slot map of 64-row
     chunks), padded to a multiple of 4 floats; else every chunk-start state, padded, then the
     per-chunk workspace (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^ [16][ks], gamma,
     the pair matrices and X [5][16][20])."""
-    if rwkv7_fused_training_forward(d, dtype):
-        return (chunk_slots(d, DPLR_CHUNK * DPLR_STATE_STRIDE) * d.H * d.K * d.V + 3) // 4 * 4
+    sweep_strided = (dtype in (torch.bfloat16, torch.float16) and d.K == 64 and d.V == 64
+                     and rwkv7_pipeline_window_chunks(d) > 0)
+    if rwkv7_fused_training_forward(d, dtype) or sweep_strided:
+        return _strided_saved_floats(d)
+    return _full_saved_floats(d)
+
+
+def _full_saved_floats(d: Diag) -> int:
     slots = chunk_slots(d, DPLR_CHUNK)
     states = (slots * d.H * d.K * d.V + 3) // 4 * 4
     ks, kp4 = (d.K + 31) // 32 * 32, (d.K + 3) // 4 * 4
     per = 4 * DPLR_CHUNK * ks + kp4 + 5 * DPLR_CHUNK * _DPLR_MAT_STRIDE
     return states + slots * d.H * per
+
+
+def _strided_saved_floats(d: Diag) -> int:
+    return (chunk_slots(d, DPLR_CHUNK * DPLR_STATE_STRIDE) * d.H * d.K * d.V + 3) // 4 * 4
+
+
+def rwkv7_backward_saved_floats(d: Diag, dtype, saved) -> int:
+    """The `saved` length chunk_rwkv7's CUDA backward takes (ops/chunk_rwkv7.cpp chunk_rwkv7_bwd):
+    either form rwkv7_saved_floats gives, whatever the settings now: the strided states on the
+    fused forward's shapes (bf16 / fp16, K = V = 64), else every state and the workspace."""
+    strided = _strided_saved_floats(d)
+    if (dtype in (torch.bfloat16, torch.float16) and d.K == 64 and d.V == 64 and saved is not None
+            and saved.numel() == strided):
+        return strided
+    return _full_saved_floats(d)
 
 
 def _grads(d: Diag, q, qn, v, grad_o, grad_final_state) -> None:
@@ -332,7 +368,7 @@ def rwkv7(r, w, k, v, a, b, scale, initial_state, cu_seqlens, head_first, *, bac
     if backward:
         _grads(d, r, "r", v, grad_o, grad_final_state)
         if r.device.type == "cuda" and d.T > 0:
-            workspace(saved, (rwkv7_saved_floats(d, r.dtype),), torch.float32, r.device, "saved")
+            workspace(saved, (rwkv7_backward_saved_floats(d, r.dtype, saved),), torch.float32, r.device, "saved")
     devices(r, saved=saved)
     return d
 

@@ -220,6 +220,12 @@ def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):
     if cu is None:
         for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 4), eg):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
+        # The pipelined windows (keep 7): the forward in windows of two chunks, the state carried
+        # between them, and the backward's windows on two dhst buffers in turn: bitwise the same.
+        for x, y in zip(emu.run(*ins, h0, none, none, 0.7, cu_e, 7), (eo, eht)):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+        for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 7), eg):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
     if dtype == torch.bfloat16 and shape[3] == shape[4] == 64:
         check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol)
 
@@ -251,6 +257,12 @@ def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
             kept_run(2, 3, f"fused forward's states, {ctas} CTAs an SM")
         finally:
             emu.set_fused_ctas(4)
+    if cu_e.numel() == 0:
+        # The same strided states from the two-kernel forward in windows (its sweep stores them,
+        # prep's workspace per window): the backward runs prep and the reverse sweep in place of
+        # the fused reverse pass, grad reading prep's pair matrices (DplrChunkPass::
+        # sweep_strided_states); in one pass, then in windows on two buffers in turn.
+        kept_run(8, 9, "the forward sweep's strided states")
 
 # The chunk engine: K <= 64 and K = 128 take the state kernel that forms o (one or two K tiles
 # per CTA), K = 136 the state kernel per K tile plus the out kernel; partial chunks, V not a

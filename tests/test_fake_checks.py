@@ -365,24 +365,30 @@ def test_workspaces_on_fake_cuda(train, bwd, names, shown):
             call(bwd, fx)
 
 
-@pytest.mark.parametrize("B,H,force,fused", [(2, 128, "", True), (2, 127, "", False),
-                                             (2, 128, "0", False), (1, 2, "1", True)],
-                         ids=["256pairs", "254pairs", "forced_off", "forced_on"])
-def test_rwkv7_saved_size_on_fake_cuda(B, H, force, fused, monkeypatch):
+@pytest.mark.parametrize("B,H,T,force,pipeline,strided_kept", [
+    (2, 128, 150, "", "", True), (2, 127, 150, "", "", False), (2, 128, 150, "0", "", False),
+    (1, 2, 150, "1", "", True), (1, 2, 150, "", "1", True), (1, 32, 8192, "", "", True),
+    (1, 33, 8192, "", "", False), (1, 32, 4096, "", "", False), (1, 32, 8192, "", "0", False)],
+    ids=["256pairs", "254pairs", "forced_off", "forced_on", "windows_forced", "windows_long",
+         "windows_66ctas", "windows_short", "windows_off"])
+def test_rwkv7_saved_size_on_fake_cuda(B, H, T, force, pipeline, strided_kept, monkeypatch):
     """chunk_rwkv7_train's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): where the training
     forward takes the fused kernel (bf16, K = V = 64, from 256 (sequence, head) pairs, or
-    FLA_EXT_RWKV7_FUSED=1), the state before every fourth chunk and the final one alone; every
-    chunk-start state and the workspace after them otherwise."""
+    FLA_EXT_RWKV7_FUSED=1), or the two-kernel forward runs in pipelined windows (at most 64 sweep
+    CTAs and windows of at least 64 chunks, or FLA_EXT_RWKV7_PIPELINE=1: sweep_strided), the
+    state before every fourth chunk and the final one alone; every chunk-start state and the
+    workspace after them otherwise."""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", force)
-    T, K = 150, 64  # 10 chunks: kept states before chunks 0, 4, 8, and the final one
+    monkeypatch.setenv("FLA_EXT_RWKV7_PIPELINE", pipeline)
+    K = 64
     slots = B * ((T + 15) // 16 + 1)
-    states = slots * H * K * K
-    strided = B * 4 * H * K * K
+    states = (slots * H * K * K + 3) // 4 * 4
+    strided = (B * ((T + 63) // 64 + 1) * H * K * K + 3) // 4 * 4  # before chunks 0, 4, 8, .. and the final one
     workspace = slots * H * (4 * 16 * K + K + 5 * 16 * 20)  # W, Q~, K^, B^, gamma, 4 matrices and X
     with FakeTensorMode():
         r, w, k, v, a, b = (torch.empty(B, T, H, K, dtype=BF16, device="cuda") for _ in range(6))
         saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 1.0, None, False, None, False)[2]
-    assert saved.shape == (strided if fused else states + workspace,)
+    assert saved.shape == (strided if strided_kept else states + workspace,)
 
 
 # ---------------------------------------------------------------------------------------------

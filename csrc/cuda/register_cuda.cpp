@@ -1,5 +1,6 @@
 // CUDA host glue: the kernels run on the current stream of the inputs' device (the ops set the
-// device guard); no host synchronisation, so every op is CUDA-graph safe.
+// device guard; chunk_rwkv7's windows also on a second stream, which the current one waits for
+// before the op returns); no host synchronisation, so every op is CUDA-graph safe.
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -21,12 +22,20 @@ void run_on_current_stream(const Pass& p) {
   TORCH_CHECK(err == nullptr, "fla_ext: CUDA ", engine_name(p), " failed: ", err);
 }
 
+// chunk_rwkv7 in windows of the chunk index (DplrChunkPass::window_chunks) runs its sequential
+// kernels on a second stream: a pool stream of high priority, so that the block scheduler gives
+// the sweeps' few long-lived CTAs the SM slots that the parallel kernels' short ones free.
+void run_dplr_chunk(const DplrChunkPass& pass) {
+  DplrChunkPass p = pass;
+  if (p.window_chunks > 0) p.side_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true).stream();
+  run_on_current_stream<DplrChunkPass, dplr_chunk_cuda>(p);
+}
+
 struct CudaEngines {
   static constexpr ops::Runner recurrent = &run_on_current_stream<RecurrentPass, recurrent_cuda>;
   static constexpr ops::ChunkRunner chunk = &run_on_current_stream<ChunkPass, chunk_cuda>;
   static constexpr ops::DplrRunner dplr = &run_on_current_stream<DplrPass, dplr_cuda>;
-  static constexpr ops::DplrChunkRunner dplr_chunk =
-      &run_on_current_stream<DplrChunkPass, dplr_chunk_cuda>;
+  static constexpr ops::DplrChunkRunner dplr_chunk = &run_dplr_chunk;
 };
 
 }  // namespace

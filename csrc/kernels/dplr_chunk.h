@@ -140,11 +140,12 @@ FLA_HD bool dplr_fused_forward(DType dtype, int K, int V) {
 // What a CUDA training forward kept for its backward (DplrChunkPass::kept).
 enum class DplrKept : int {
   nothing,
-  // hst holds every kDplrStateStride-th chunk-start state (the fused forward's,
-  // dplr_kept_state_slot): the fused reverse pass runs in place of prep and both sweeps, ws
-  // holds the pair matrices and X alone, DplrWorkspaceLayout::kMatsFloats per (slot, head)
-  // (dplr_mats_offset), and each grad CTA walks a stride of chunks, making the states between
-  // the kept ones.
+  // hst holds every kDplrStateStride-th chunk-start state (the fused forward's, or the
+  // forward sweep's where DplrChunkPass::sweep_strided_states; dplr_kept_state_slot): the fused
+  // reverse pass runs in place of prep and both sweeps, ws holding the pair matrices and X alone,
+  // DplrWorkspaceLayout::kMatsFloats per (slot, head) (dplr_mats_offset), or with
+  // sweep_strided_states prep and the reverse sweep; each grad CTA walks a stride of chunks,
+  // making the states between the kept ones.
   states,
   // hst and ws hold the two-kernel forward's states and workspace (its prep also stored the pair
   // matrices and X): neither prep nor the forward sweep runs.
@@ -207,17 +208,40 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // runs it as the two-block fused kernel that stores the same states and workspace
   // (dplr_chunk_launch.cuh), unless this is off (the op's FLA_EXT_RWKV7_FUSED=0).
   bool fused_may_keep = true;
-  // CUDA backward on kept states (DplrKept::states or states_and_workspace, no cu_seqlens) in a
-  // window of the chunk index (the op's backward windows), when window_chunks > 0: the reverse
-  // sweep (or the fused reverse pass) and grad take chunks [window_begin, window_begin +
-  // window_chunks) of every sequence, and dhst holds those alone (dplr_work_slot), ws too unless
-  // the training forward kept it whole (dplr_ws_slot); hst stays whole. On strided states
-  // (DplrKept::states) window_begin and window_chunks are multiples of kDplrStateStride. The
-  // reverse pass starts from dht where the window holds a sequence's last chunk, else from dcarry (the gradient at
-  // the window's end, which the later window left there), and ends in dh0 where it holds the
-  // first chunk, else in dcarry ([N, H, K, V] fp32).
+  // CUDA, no cu_seqlens: the pass in windows of the chunk index when window_chunks > 0 (the
+  // launch walks them, dplr_chunk_launch.cuh; window_begin is its cursor: each window's kernels
+  // take chunks [window_begin, window_begin + window_chunks) of every sequence).
+  //   Forward on the two-kernel path: prep, then the forward sweep, window by window, so that the
+  //   sweep of one window runs beside prep of the next (side_stream). The slots of ws, uo and hst
+  //   stay the whole pass's; the sweep starts from `carry` where the window does not hold the
+  //   first chunk and ends in it where it does not hold the last.
+  //   Backward on kept states (DplrKept::states or states_and_workspace): the reverse sweep (or
+  //   the fused reverse pass), then grad, the latest window first. dhst holds dhst_windows (1 or
+  //   2) windows' slots (dplr_work_slot), ws too unless the training forward kept it whole
+  //   (dplr_ws_slot); window k takes the (k mod dhst_windows)-th, so that with two the reverse
+  //   pass of window k + 1 runs on side_stream beside grad of window k. hst stays whole. On
+  //   strided states (DplrKept::states) window_chunks is a multiple of kDplrStateStride. The
+  //   reverse pass starts from dht where the window holds a sequence's last chunk, else from
+  //   `carry` (the gradient at the window's end, which the later window left there), and ends in
+  //   dh0 where it holds the first chunk, else in `carry`.
+  // `carry`: [N, H, K, V] fp32, the state (forward) or its gradient (backward) between windows.
   int64_t window_begin = 0, window_chunks = 0;
-  MatArg dcarry;
+  int dhst_windows = 1;
+  // Prep's ws slot in windows: blockIdx.x + blockIdx.z prep_ws_seq_slots + prep_ws_slot0 (set by
+  // the launch per window: the window's own slots, or in a forward keeping ws the whole pass's,
+  // chunk_slot without cu_seqlens; 0 and 0 outside windows).
+  int64_t prep_ws_seq_slots = 0, prep_ws_slot0 = 0;
+  MatArg carry;
+  // CUDA: a second stream (cudaStream_t) for the windows' sequential kernels, of higher priority
+  // than the caller's; null: every kernel on the caller's stream, one after another.
+  void* side_stream = nullptr;
+  // CUDA, bf16 / fp16 at K = V = 64, no cu_seqlens: the two-kernel path on the strided states
+  // (DplrKept::states) in place of every chunk-start state and prep's workspace. A training
+  // forward's sweep stores them (prep's workspace serves each window alone: not kept); the
+  // backward on them runs prep and the reverse sweep where the fused reverse pass would run, and
+  // grad reads the pair matrices and X from prep's workspace. For long sequences at few pairs,
+  // where the fused walks would be latency-bound.
+  bool sweep_strided_states = false;
 };
 
 // The slot of sequence n's chunk ci in the backward's dhst (and in the ws the backward makes:
@@ -227,16 +251,17 @@ FLA_HD int64_t dplr_work_slot(const DplrChunkPass& p, int n, int64_t ci) {
   return p.window_chunks > 0 ? int64_t(n) * p.window_chunks + ci - p.window_begin
                              : chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci);
 }
-// The slot of sequence n's chunk ci in ws: hst's where the training forward kept it whole.
+// The slot of sequence n's chunk ci in ws: hst's where ws is whole (a forward's windows keep the
+// whole pass's slots, but on strided states; a training forward kept it), else dplr_work_slot.
 FLA_HD int64_t dplr_ws_slot(const DplrChunkPass& p, int n, int64_t ci) {
-  return p.kept == DplrKept::states_and_workspace ? chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci)
-                                                  : dplr_work_slot(p, n, ci);
+  const bool whole = p.backward() ? p.kept == DplrKept::states_and_workspace : !p.sweep_strided_states;
+  return whole ? chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci) : dplr_work_slot(p, n, ci);
 }
 // Where in ws (floats) grad reads the pair matrices and X of ws slot `slot` (dplr_ws_slot), head
 // h: in the chunk's workspace block, or in blocks of their own where the fused reverse pass made
 // them (DplrKept::states).
 FLA_HD int64_t dplr_mats_offset(const DplrChunkPass& p, int64_t slot, int h) {
-  if (p.kept == DplrKept::states) return (slot * p.H + h) * DplrWorkspaceLayout::kMatsFloats;
+  if (p.kept == DplrKept::states && !p.sweep_strided_states) return (slot * p.H + h) * DplrWorkspaceLayout::kMatsFloats;
   const DplrWorkspaceLayout ws(p.K, p.V);
   return (slot * p.H + h) * ws.floats_per_chunk() + ws.mats_at();
 }

@@ -91,7 +91,7 @@ struct ReverseWalk {
   }
   // D at the walk's end: the next window's carry, or dht.
   __device__ void init(const DplrChunkPass& p, int n, int h, float* D, int tid, int threads) const {
-    load_state(D, carried ? p.dcarry : p.dht, n, h, tid, threads);
+    load_state(D, carried ? p.carry : p.dht, n, h, tid, threads);
   }
   // D = dS+ of chunk ci into its dhst slot.
   __device__ static void store_d(const DplrChunkPass& p, int n, int h, int64_t ci, const float* D, int tid) {
@@ -103,7 +103,7 @@ struct ReverseWalk {
   }
   // D at the walk's start: the previous window's carry, or dh0.
   __device__ void finish(const DplrChunkPass& p, int n, int h, const float* D, int tid, int threads) const {
-    save_state(lo > 0 ? p.dcarry : p.dh0, n, h, D, tid, threads);
+    save_state(lo > 0 ? p.carry : p.dh0, n, h, D, tid, threads);
   }
 };
 

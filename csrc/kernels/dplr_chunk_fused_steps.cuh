@@ -143,7 +143,7 @@ __device__ __forceinline__ int64_t slots_after(const DplrChunkPass& p, int n) {
   return n + 1 < p.N ? chunk_slot<R>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<R>(p.N, p.T, p.cu_seqlens != nullptr);
 }
 
-// A K x V state argument (h0, hT, dht, dh0, the windows' dcarry) of head h of sequence n and
+// A K x V state argument (h0, hT, dht, dh0, the windows' carry) of head h of sequence n and
 // the state in shared memory at row stride LB, by the `threads` threads tid = 0, 1, ...:
 // load_state reads it (0 where the argument is off), also into `copy` (a contiguous fp32 slot)
 // if given; save_state writes it where the argument is on. Not synchronised.

@@ -39,13 +39,17 @@
 // (bf16 / fp16 at K = 128: dplr_grad_walks_tiles), its K-vector gradients go straight to the
 // outputs; else they are per-tile partial sums, added into zero-filled slabs two tiles per slab
 // (DplrArgs::kg_pair). On kept states the op may run the backward in windows of the chunk index
-// (DplrChunkPass::window_chunks: one launch of each kernel per window). No host
-// synchronisation: CUDA-graph safe.
+// (DplrChunkPass::window_chunks: one launch of each kernel per window, launch_windows), and the
+// forward too where its sequential kernels are few; with a side stream the windows' sequential
+// kernels run beside the parallel ones. No host synchronisation: CUDA-graph safe.
 //
 // The launches are kept apart from the kernels so that the kernels also compile as host code
 // (tests/cuda_emu runs them on the CPU).
 #pragma once
+#include <memory>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "device_sms.cuh"
 
@@ -90,46 +94,178 @@ cudaError_t launch_fused(FusedKernel one_two, FusedKernel two, FusedKernel three
   return launch_with_smem(tasks > 3 * sms ? four : three, grid, NTF, FusedSmem<1>::bytes(), f, stream);
 }
 
+// The kernels of a pass, each on the stream given.
+template <typename T, int KC>
+cudaError_t run_prep(const DplrChunkPass& p, cudaStream_t stream) {
+  const dim3 grid = p.window_chunks > 0 ? dim3(unsigned(p.window_chunks), p.H, p.N)  // (a forward's windows)
+                                        : dim3(unsigned(dplr_work_slots(p)), p.H);
+  return launch_with_smem(prep_kernel<T, KC>, grid, NT, Smem(p.K, false).bytes(), p, stream);
+}
+template <typename T, int KC, bool REV, bool OUT>
+cudaError_t run_sweep(const DplrChunkPass& p, cudaStream_t stream) {
+  const size_t bytes = StateSmem(DplrWorkspaceLayout(p.K, p.V), p.K, !std::is_same<T, float>::value).bytes();
+  const dim3 grid(unsigned(int64_t(p.N) * p.H * state_tiles(p.V)));
+  if constexpr (!std::is_same<T, float>::value && KC == 64 && !REV && OUT) {
+    if (p.sweep_strided_states) return launch_with_smem(sweep_kernel<T, false, true, KC, true>, grid, NTS, bytes, p, stream);
+  }
+  return launch_with_smem(sweep_kernel<T, REV, OUT, KC>, grid, NTS, bytes, p, stream);
+}
+// The backward's reverse pass: the fused one on the fused forward's states (DplrKept::states,
+// bf16 / fp16 at K = V = 64 only: launch_k checks), else the reverse sweep.
+template <typename T, int KC>
+cudaError_t run_reverse(const DplrChunkPass& p, cudaStream_t stream) {
+  if constexpr (!std::is_same<T, float>::value && KC == 64) {
+    if (p.kept == DplrKept::states && !p.sweep_strided_states)
+      return launch_fused<T>(fused_reverse_two_block_kernel<T, 1>, fused_reverse_two_block_kernel<T, 2>,
+                             fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p, p.dout, stream);
+  }
+  return run_sweep<T, KC, true, false>(p, stream);
+}
+// grad: a CTA per chunk, or on strided states per kept state's stride of chunks.
+template <typename T, int KC>
+cudaError_t run_grad(const DplrChunkPass& p, cudaStream_t stream) {
+  const dim3 grid(unsigned(dplr_grad_ctas(p)), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V));
+  if constexpr (!std::is_same<T, float>::value && KC == 64) {
+    if (p.kept == DplrKept::states) return launch_with_smem(grad_kernel<T, KC, true>, grid, NT, Smem(p.K, true).bytes(), p, stream);
+  }
+  return launch_with_smem(grad_kernel<T, KC>, grid, NT, Smem(p.K, true).bytes(), p, stream);
+}
+
+// Events of a windowed pass's two streams, made once per host thread and device: a wait takes
+// the record issued before it, so the same events serve call after call (per thread: another
+// thread's record between this one's record and its wait would be waited on instead).
+struct WindowEvents {
+  cudaEvent_t fork, step, join, done[2];  // done: the last use of a window's buffers
+};
+inline cudaError_t window_events(WindowEvents*& out) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  thread_local std::vector<std::unique_ptr<WindowEvents>> per_device;
+  if (int(per_device.size()) <= device) per_device.resize(device + 1);
+  if (!per_device[device]) {
+    auto ev = std::make_unique<WindowEvents>();
+    for (cudaEvent_t* x : {&ev->fork, &ev->step, &ev->join, &ev->done[0], &ev->done[1]})
+      if ((e = cudaEventCreateWithFlags(x, cudaEventDisableTiming)) != cudaSuccess) return e;
+    per_device[device] = std::move(ev);
+  }
+  out = per_device[device].get();
+  return cudaSuccess;
+}
+
+// A pass in windows of the chunk index (DplrChunkPass::window_chunks): the parallel kernels
+// (prep, grad) on the caller's stream, the sequential ones (the forward sweep, the reverse pass)
+// on side_stream, ordered by events. The sequential kernels have a CTA per (sequence, head[,
+// tile]) walking the window's chunks, latency-bound where those CTAs are few, and the parallel
+// ones fill the SMs they leave idle: the forward sweep of window w runs beside prep of window
+// w + 1 (uo holds two windows, taken in turn), the reverse pass of window k + 1 beside grad of
+// window k (dhst_windows = 2).
+template <typename T, int KC>
+cudaError_t launch_windows(const DplrChunkPass& p, cudaStream_t stream) {
+  const cudaStream_t side = p.side_stream ? static_cast<cudaStream_t>(p.side_stream) : stream;
+  const bool two = side != stream;
+  WindowEvents* ev = nullptr;
+  cudaError_t e = two ? window_events(ev) : cudaSuccess;
+  if (e != cudaSuccess) return e;
+  // `to` waits for what `from` has queued so far
+  auto order = [&](cudaStream_t from, cudaStream_t to, cudaEvent_t x) {
+    if (!two) return cudaSuccess;
+    const cudaError_t r = cudaEventRecord(x, from);
+    return r == cudaSuccess ? cudaStreamWaitEvent(to, x, 0) : r;
+  };
+  e = order(stream, side, two ? ev->fork : nullptr);  // the side stream waits for the caller's
+  const int64_t nch = (int64_t(p.T) + C - 1) / C, wc = p.window_chunks;
+  DplrChunkPass q = p;
+  // Two windows' U0 / O0 and, unless kept whole, prep's workspace, taken in turn: prep writes the
+  // window's slots (DplrChunkPass::prep_ws_seq_slots).
+  const DplrWorkspaceLayout layout(p.K, p.V);
+  const int64_t half_uo = int64_t(p.N) * wc * p.H * layout.uo_floats_per_chunk(),
+                half_prep_ws = int64_t(p.N) * wc * p.H * layout.floats_per_chunk();
+  auto prep_window = [&](int half) {
+    q.uo = static_cast<float*>(p.uo) + half * half_uo;
+    if (p.backward() || p.sweep_strided_states) {
+      q.ws = static_cast<float*>(p.ws) + half * half_prep_ws, q.prep_ws_seq_slots = wc, q.prep_ws_slot0 = 0;
+    } else {  // (chunk_slot without cu_seqlens)
+      q.prep_ws_seq_slots = nch + 1, q.prep_ws_slot0 = q.window_begin;
+    }
+  };
+  if (!p.backward()) {
+    int64_t w = 0;
+    for (q.window_begin = 0; q.window_begin < nch && e == cudaSuccess; q.window_begin += wc, ++w) {
+      const int half = int(w % 2);
+      prep_window(half);
+      // this window's uo (and ws) were the sweep's of window w - 2
+      if (two && w >= 2) e = cudaStreamWaitEvent(stream, ev->done[half], 0);
+      if (e == cudaSuccess) e = run_prep<T, KC>(q, stream);
+      if (e == cudaSuccess) e = order(stream, side, ev ? ev->step : nullptr);
+      if (e == cudaSuccess) e = run_sweep<T, KC, false, true>(q, side);
+      if (e == cudaSuccess && two) e = cudaEventRecord(ev->done[half], side);
+    }
+  } else {
+    const int64_t half_states = int64_t(p.N) * wc * p.H * p.K * p.V,
+                  half_ws = int64_t(p.N) * wc * p.H * DplrWorkspaceLayout::kMatsFloats;
+    const int64_t first = (nch - 1) / wc * wc;
+    // On strided states made by the sweep, prep makes each window's workspace on the caller's
+    // stream: with two windows' buffers one window ahead, before grad of the window before it,
+    // so that the reverse sweep of window k + 1 can run beside grad of window k (the buffers it
+    // writes were last read by grad of window k - 1, before it on the stream); with one, just
+    // before the reverse sweep.
+    const bool ahead = p.sweep_strided_states && p.dhst_windows == 2;
+    auto prep_ahead = [&](int64_t begin, int64_t k) {
+      DplrChunkPass r = q;
+      r.window_begin = begin;
+      std::swap(q, r);
+      prep_window(int(k % p.dhst_windows));
+      cudaError_t x = run_prep<T, KC>(q, stream);
+      if (x == cudaSuccess) x = order(stream, side, ev ? ev->step : nullptr);
+      std::swap(q, r);
+      return x;
+    };
+    if (ahead) e = prep_ahead(first, 0);
+    int64_t k = 0;
+    for (q.window_begin = first; q.window_begin >= 0 && e == cudaSuccess; q.window_begin -= wc, ++k) {
+      const int half = int(k % p.dhst_windows);
+      q.dhst = static_cast<float*>(p.dhst) + half * half_states;
+      if (p.sweep_strided_states) {
+        prep_window(half);  // (where prep made it: ahead, or now)
+        if (!ahead) e = prep_ahead(q.window_begin, k);
+      } else if (p.kept == DplrKept::states) {
+        q.ws = static_cast<float*>(p.ws) + half * half_ws;  // (else kept whole)
+      }
+      // this window's dhst (and ws) were grad's of window k - dhst_windows
+      if (e == cudaSuccess && two && k >= p.dhst_windows) e = cudaStreamWaitEvent(side, ev->done[half], 0);
+      if (e == cudaSuccess) e = run_reverse<T, KC>(q, side);
+      if (e == cudaSuccess && ahead && q.window_begin > 0) e = prep_ahead(q.window_begin - wc, k + 1);
+      if (e == cudaSuccess) e = order(side, stream, ev ? ev->step : nullptr);
+      if (e == cudaSuccess) e = run_grad<T, KC>(q, stream);
+      if (e == cudaSuccess && two) e = cudaEventRecord(ev->done[half], stream);
+    }
+  }
+  // The caller's stream waits for the side stream, a failed launch or not: every buffer here is
+  // the caller stream's.
+  const cudaError_t joined = order(side, stream, two ? ev->join : nullptr);
+  return e != cudaSuccess ? e : joined;
+}
+
 template <typename T, int KC>
 cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   DplrChunkPass p = p_in;
   pick_paths<T>(p);
-  const int64_t slots = dplr_work_slots(p);  // prep CTAs, and grad's but on strided states
+  if ((p.backward() && p.kept == DplrKept::states) || p.sweep_strided_states) {
+    // (strided states: bf16 / fp16 at K = V = 64, the fused forward's shapes, whose grad walks them)
+    if (std::is_same<T, float>::value || KC != 64 || !dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
+  }
+  if (p.window_chunks > 0) return launch_windows<T, KC>(p, stream);
   cudaError_t e = cudaSuccess;
-  if (p.backward() && p.kept == DplrKept::states) {  // the fused reverse pass, then grad
-    if constexpr (std::is_same<T, float>::value) {
-      return cudaErrorInvalidValue;  // (no fused forward made these states)
-    } else {
-      if constexpr (KC != 64) {
-        return cudaErrorInvalidValue;  // (the fused forward is K = V = 64's)
-      } else {
-        if (!dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
-        e = launch_fused<T>(fused_reverse_two_block_kernel<T, 1>, fused_reverse_two_block_kernel<T, 2>,
-                            fused_reverse_kernel<T, 3>, fused_reverse_kernel<T, 4>, p, p.dout, stream);
-        if (e != cudaSuccess) return e;
-        // grad on the strided states: a CTA per kept state's stride of chunks
-        return launch_with_smem(grad_kernel<T, KC, true>,
-                                dim3(unsigned(dplr_grad_ctas(p)), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)), NT,
-                                Smem(p.K, true).bytes(), p, stream);
-      }
-    }
+  if (!p.backward()) {
+    e = run_prep<T, KC>(p, stream);
+    return e == cudaSuccess ? run_sweep<T, KC, false, true>(p, stream) : e;
   }
-  if (!(p.backward() && p.kept == DplrKept::states_and_workspace))
-    e = launch_with_smem(prep_kernel<T, KC>, dim3(unsigned(slots), p.H), NT, Smem(p.K, false).bytes(), p, stream);
-  if (e != cudaSuccess) return e;
-  const size_t sweep_bytes = StateSmem(DplrWorkspaceLayout(p.K, p.V), p.K, !std::is_same<T, float>::value).bytes();
-  const dim3 sweeps(unsigned(int64_t(p.N) * p.H * state_tiles(p.V)));
-  if (!p.backward()) return launch_with_smem(sweep_kernel<T, false, true, KC>, sweeps, NTS, sweep_bytes, p, stream);
-  // The forward sweep of a backward call writes only hst (its o and hT are off), unless the
-  // training forward kept them.
-  if (p.kept == DplrKept::nothing) {
-    e = launch_with_smem(sweep_kernel<T, false, false, KC>, sweeps, NTS, sweep_bytes, p, stream);
-    if (e != cudaSuccess) return e;
-  }
-  e = launch_with_smem(sweep_kernel<T, true, false, KC>, sweeps, NTS, sweep_bytes, p, stream);
-  if (e != cudaSuccess) return e;
-  return launch_with_smem(grad_kernel<T, KC>, dim3(unsigned(slots), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V)), NT,
-                          Smem(p.K, true).bytes(), p, stream);
+  if (p.kept == DplrKept::nothing || p.sweep_strided_states) e = run_prep<T, KC>(p, stream);
+  // the forward sweep, writing hst alone (o, hT off)
+  if (e == cudaSuccess && p.kept == DplrKept::nothing) e = run_sweep<T, KC, false, false>(p, stream);
+  if (e == cudaSuccess) e = run_reverse<T, KC>(p, stream);
+  return e == cudaSuccess ? run_grad<T, KC>(p, stream) : e;
 }
 
 // Whether a two-kernel training forward (DplrChunkPass::fused_may_keep) runs as the two-block

@@ -248,15 +248,32 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
   extern __shared__ float sm[];
   const Smem L(KC ? KC : p.K, false);
   const DplrWorkspaceLayout ws(L.K, p.V);
-  const int64_t slot = blockIdx.x;  // of ws (dplr_work_slot)
-  const DplrSlotChunk at = dplr_slot_chunk(p, slot);
+  // Windows (DplrChunkPass::window_chunks) launch (window_chunks, H, N): chunk window_begin +
+  // blockIdx.x of sequence blockIdx.z, at the window's slot of uo (its U0 / O0 serve the window's
+  // sweep alone) and of ws, but at the whole pass's slot of ws in a forward keeping it
+  // (dplr_ws_slot); else (slots, H, 1), one CTA per slot of both (dplr_work_slot).
+  const bool windowed = p.window_chunks > 0;
+  const DplrSlotChunk at =
+      windowed ? DplrSlotChunk{int(blockIdx.z), p.window_begin + blockIdx.x} : dplr_slot_chunk(p, blockIdx.x);
   const int h = blockIdx.y, n = at.n;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int64_t ci = at.ci, t0 = ci * C;
+  const int64_t slot = blockIdx.x + int64_t(blockIdx.z) * p.prep_ws_seq_slots + p.prep_ws_slot0;
   float* out = static_cast<float*>(p.ws) + (slot * p.H + h) * ws.floats_per_chunk();
   // (formed where used: held across the kernel it cost prep 16 bytes more of spills)
-  auto uout = [&] { return static_cast<float*>(p.uo) + (slot * p.H + h) * ws.uo_floats_per_chunk(); };
-  const bool train = !p.backward() && p.hst;
+  auto uout = [&] {
+    return static_cast<float*>(p.uo) + ((blockIdx.x + int64_t(blockIdx.z) * p.window_chunks) * p.H + h) * ws.uo_floats_per_chunk();
+  };
+  const bool train = !p.backward() && p.hst && !p.sweep_strided_states;  // a forward keeping ws
+  if (windowed) {
+    // A window's chunks past the sequence's have no slot of theirs. The final state's slot (the
+    // next) gets a training forward's zeros from the last chunk's CTA: no window reaches past it.
+    const int64_t nch = (s.len + C - 1) / C;
+    if (ci >= nch) return;
+    if (train && ci == nch - 1)
+      for (int e = threadIdx.x; e < ws.floats_per_chunk() / 4; e += NT)
+        reinterpret_cast<float4*>(out + int64_t(p.H) * ws.floats_per_chunk())[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   if (ci < 0 || t0 >= s.len) {
     // (floats_per_chunk() is a multiple of 4)
     for (int e = threadIdx.x; e < (train ? ws.floats_per_chunk() / 4 : 0); e += NT)
@@ -284,9 +301,12 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
     copy_commit();
   }
   // The pair matrices and X serve the backward's grad kernel alone: stored by a backward's prep
-  // or a training forward's.
+  // or a training forward's, the rows' padding columns as zeros (a kept workspace is an op
+  // output: every float written, the same from run to run).
+  static_assert(CP == C + 4, "one 16-byte piece of padding a row");
   for (int e = threadIdx.x; e < (p.backward() || train ? 5 * C * CP / 4 : 0); e += NT)  // as DplrWorkspaceLayout::mats_at()
-    *reinterpret_cast<float4*>(out + ws.mats_at() + 4 * e) = *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
+    *reinterpret_cast<float4*>(out + ws.mats_at() + 4 * e) =
+        e % (CP / 4) == C / 4 ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
   zero_ws_pads(out, uout(), ws);
   // K-wide rows, then the column tiles: on tensor cores for bf16 / fp16 (kwide_rows_tc,
   // col_tiles_tc; the column tiles when v is in the stage), else exact SIMT below.
@@ -334,6 +354,8 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
     if (p.paths.rows_16byte) copy_wait<0>();
     __syncthreads();
     store_kwide_rows(sm, L, ws, out);
+    // U0 serves the forward sweeps alone: a backward on strided states runs none
+    if (p.backward() && p.sweep_strided_states) return;
     if (p.paths.rows_16byte) {
       col_tiles_tc<T>(sm, L, ws, uout(), p.V, rho, !p.backward());
       return;

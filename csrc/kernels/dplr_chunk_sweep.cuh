@@ -68,8 +68,12 @@ struct StateSmem {
 // OUT: the forward computes o (false in the forward sweep of a backward call, which only makes
 // hst: no O0 copies, no Q~ S).
 // KC: as prep_kernel's.
-template <typename T, bool REV, bool OUT = !REV, int KC = 0>  // two CTAs per SM: at most 128 registers
+// STRIDED: a forward storing the strided states (DplrChunkPass::sweep_strided_states; a build of
+// its own: as a runtime choice the stores' slot arithmetic took 33 more registers).
+template <typename T, bool REV, bool OUT = !REV, int KC = 0, bool STRIDED = false>  // two CTAs per SM: at most 128 registers
 __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPass p) {
+  static_assert(!STRIDED || !REV, "strided states: the forward's");
+  if (!REV && p.sweep_strided_states != STRIDED) return;  // (the launch's pick: hst's size is its)
   constexpr bool TC = !std::is_same<T, float>::value;
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
@@ -81,10 +85,10 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int x0 = tile * SX, nc = min(SX, p.V - x0);
   const int64_t nch = (s.len + C - 1) / C;
-  // The chunks walked, [c_lo, c_hi): all, or the backward window's (DplrChunkPass::window_chunks;
-  // a sequence with none of its chunks there has nothing to do, unless it has no chunk at all and
+  // The chunks walked, [c_lo, c_hi): all, or the window's (DplrChunkPass::window_chunks; a
+  // sequence with none of its chunks there has nothing to do, unless it has no chunk at all and
   // this is the first window, which passes its dht on to dh0).
-  const bool windowed = REV && p.window_chunks > 0;
+  const bool windowed = p.window_chunks > 0;
   const int64_t c_lo = windowed ? p.window_begin : 0;
   const int64_t c_end = p.window_begin + p.window_chunks, c_hi = windowed && c_end < nch ? c_end : nch;
   if (windowed && c_lo >= nch && !(nch == 0 && c_lo == 0)) return;
@@ -92,19 +96,22 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   float *ST = sm + L.S, *UT = sm + L.U, *VT = sm + L.Vt;  // the state or D; U or T; v or dO
   const float* wsb = static_cast<const float*>(p.ws);
   const float rho = float(p.scale);
-  // Slots of the states (hst, dhst: dplr_work_slot; the forward is never windowed) and of ws
-  // (dplr_ws_slot); a sequence's chunks take consecutive slots in both.
-  const int64_t slot0 = windowed ? dplr_work_slot(p, n, 0) : chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
+  // Slots of the states (hst: chunk_slot; dhst: dplr_work_slot) and of ws (dplr_ws_slot); a
+  // sequence's chunks take consecutive slots in both.
+  const int64_t slot0 = REV && windowed ? dplr_work_slot(p, n, 0) : chunk_slot<C>(p.cu_seqlens, n, p.T, 0);
   const int64_t ws_slot0 = windowed ? dplr_ws_slot(p, n, 0) : slot0;
   auto slot_of = [&](int64_t ci) { return slot0 + ci; };
-  auto chunk_of = [&](int64_t step) { return REV ? c_hi - 1 - step : step; };
+  auto chunk_of = [&](int64_t step) { return REV ? c_hi - 1 - step : c_lo + step; };
 
   const bool want_o = OUT && p.o.on();
   // Step `step`'s workspace blocks are the first ones plus s slots (REV: minus).
   const int64_t block_step = int64_t(p.H) * ws.floats_per_chunk(), ublock_step = int64_t(p.H) * ws.uo_floats_per_chunk();
   const int64_t slot_first = steps > 0 ? (ws_slot0 + chunk_of(0)) * p.H + h : 0;
   const float* const block0 = wsb + slot_first * ws.floats_per_chunk();
-  const float* const ublock0 = REV ? nullptr : static_cast<const float*>(p.uo) + slot_first * ws.uo_floats_per_chunk() + ws.uo_tile_at(tile);
+  // U0 / O0: at ws's slots, or a forward window's own (prep_kernel; its sequences' chunks in turn)
+  const int64_t uslot_first = windowed ? (int64_t(n) * p.window_chunks) * p.H + h : slot_first;
+  const float* const ublock0 =
+      REV ? nullptr : static_cast<const float*>(p.uo) + uslot_first * ws.uo_floats_per_chunk() + ws.uo_tile_at(tile);
   uint64_t* const bars = reinterpret_cast<uint64_t*>(sm + L.bars);
   // The K-part (the reverse sweep skips K^, which it does not read) and this tile's U0 (and, for
   // o, O0) block: both laid out in the workspace as here (DplrWorkspaceLayout).
@@ -170,13 +177,20 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   auto state_at = [&](int64_t slot, int d, int x) { return st_out + (slot * p.H + h) * int64_t(K) * p.V + int64_t(d) * p.V + x0 + x; };
   T* const o_at = OUT ? vptr<T>(p.o, s.b, s.bos, h, x0) : nullptr;  // row 0 of the sequence
 
-  const MatArg& init = REV ? (c_hi < nch ? p.dcarry : p.dht) : p.h0;
-  const bool first_out = steps > 0 ? (REV || p.hst) : (!REV && p.hst);  // the initial state's slot
+  const MatArg& init = REV ? (c_hi < nch ? p.carry : p.dht) : (c_lo > 0 ? p.carry : p.h0);
+  // The forward's states: every chunk's at slot_of, or on strided states (sweep_strided_states)
+  // every kDplrStateStride-th and the final one at their slots (dplr_kept_state_slot: the state
+  // after chunk ci goes to kslot0 + ceil((ci + 1) / S)).
+  constexpr int S = kDplrStateStride;
+  constexpr bool strided = STRIDED;
+  const int64_t kslot0 = strided ? dplr_kept_state_slot(p.cu_seqlens, n, p.T, 0) : 0;
+  // the initial state's slot (a later forward window's: the window before stored it)
+  const bool first_out = REV ? steps > 0 : p.hst && c_lo == 0;
   for (int e = threadIdx.x; e < K8 * SX; e += NTS) {  // channels [K, K8): 0
     const int d = e / SX, x = e % SX;
     const float v = d < K && init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
     ST[sidx(R, x, d, TC)] = v;
-    if (first_out && d < K && x < nc) *state_at(slot_of(REV ? c_hi - 1 : 0), d, x) = v;
+    if (first_out && d < K && x < nc) *state_at(strided ? kslot0 : slot_of(REV ? c_hi - 1 : 0), d, x) = v;
   }
   if (FLA_BULK_COPY && threadIdx.x == 0) mbar_init(bars, 1), mbar_init(bars + 1, 1);
   __syncthreads();
@@ -296,8 +310,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     // the new state also to its hst / dhst slot (chunk ci + 1's start; REV: chunk ci - 1's end).
     const float* const X = cur + L.sW;
     const float* gam = cur + L.sGam;
-    const bool put = REV ? step + 1 < steps : p.hst != nullptr;
-    const int64_t put_slot = slot_of(REV ? ci - 1 : ci + 1);
+    const bool put = REV ? step + 1 < steps : p.hst != nullptr && (!strided || (ci + 1) % S == 0 || ci + 1 == nch);
+    const int64_t put_slot = strided ? kslot0 + (ci + S) / S : slot_of(REV ? ci - 1 : ci + 1);
     if (TC) {
       // m16n8 tiles of S^T (16 state columns, 8 channels): warp w takes columns 16 (w % 2) and
       // channel tiles w / 2, w / 2 + 4, .. (m0 as in phase A); its A fragments (VT, UT rows) once.
@@ -379,14 +393,14 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     }
     __syncthreads();
   }
-  if (!REV && p.hst && p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
+  if (!REV && p.hst && p.cu_seqlens && !strided) {  // hst may be kept as an op output: its varlen gap slots read 0
     const int64_t next =
         n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
     for (int64_t slot = slot_of(nch) + 1; slot < next; ++slot)
       for (int e = threadIdx.x; e < K * SX; e += NTS)
         if (e % SX < nc) *state_at(slot, e / SX, e % SX) = 0.f;
   }
-  const MatArg& fin = REV ? (c_lo > 0 ? p.dcarry : p.dh0) : p.hT;
+  const MatArg& fin = REV ? (c_lo > 0 ? p.carry : p.dh0) : (c_hi < nch ? p.carry : p.hT);
   if (fin.on())
     for (int e = threadIdx.x; e < K * SX; e += NTS)
       if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = ST[sidx(R, e % SX, e / SX, TC)];

@@ -82,7 +82,14 @@ void fused_reverse(const DplrChunkPass& p) {
 // ws holds the pair matrices and X alone); 3 and 4, as 2 and 1 with the
 // backward in windows of two chunks (3: kDplrStateStride; no cu_seqlens), latest first, as the op's
 // backward_window_chunks runs it; 5 and 6, as 1 and 4 with hst and the workspace made by the
-// two-block fused forward that keeps them (bf16, K = V = 64: a training forward at few pairs).
+// two-block fused forward that keeps them (bf16, K = V = 64: a training forward at few pairs); 7,
+// as 4 with the training forward in windows of two chunks and the backward's windows taking
+// two dhst buffers in turn, as the launch's pipelined windows run them (dplr_chunk_launch.cuh
+// launch_windows; no cu_seqlens). A forward (no dout) with keep 7 runs in those windows too. 8 and
+// 9 (bf16, K = V = 64, no cu_seqlens): the forward in windows of two chunks storing the strided
+// states from its sweep (sweep_strided_states; prep's workspace per window, two in turn), the
+// backward on them prep, the reverse sweep and the strided grad, in one pass (8) or in windows of
+// kDplrStateStride chunks on two buffers of each in turn (9).
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
@@ -113,7 +120,42 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   Tensor kg = torch::zeros({(tiles + 1) / 2, kNumKGrads, B, T, H, K}), dv = poison(v.sizes(), v.scalar_type()),
          dh0 = poison({N, H, K, V});
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
-  if (bwd && (keep == 1 || keep == 4 || keep == 5 || keep == 6)) {
+  const int64_t nch = (T + C - 1) / C;
+  // Prep's workspace and U0 / O0 for a window (launch_windows' prep_window): two windows' slots
+  // taken in turn, unless a forward keeps ws whole (the whole pass's slots).
+  auto prep_window = [&](DplrChunkPass& f, float* ws0, float* uo0, int64_t wc, int half, bool whole) {
+    f.uo = uo0 + half * (N * wc * H * ws.uo_floats_per_chunk());
+    if (whole) {
+      f.ws = ws0, f.prep_ws_seq_slots = nch + 1, f.prep_ws_slot0 = f.window_begin;
+    } else {
+      f.ws = ws0 + half * (N * wc * H * ws.floats_per_chunk()), f.prep_ws_seq_slots = wc, f.prep_ws_slot0 = 0;
+    }
+  };
+  // A forward as the launch runs it: one pass, or (keep 7, 8, 9) prep and the sweep window by
+  // window, the state carried between windows in a poisoned buffer.
+  auto forward = [&](DplrChunkPass f) {
+    pick_paths<E>(f);
+    Tensor carry = poison({N, H, K, V});
+    const bool windows = keep >= 7;
+    if (windows) {
+      TORCH_CHECK(!varlen, "forward windows take no cu_seqlens");
+      f.window_chunks = 2, f.carry = mat(carry);
+    }
+    float *const ws0 = static_cast<float*>(f.ws), *const uo0 = static_cast<float*>(f.uo);
+    int64_t w = 0;
+    for (f.window_begin = 0; f.window_begin < (windows ? nch : 1); f.window_begin += 2, ++w) {
+      if (windows) prep_window(f, ws0, uo0, 2, int(w % 2), !f.sweep_strided_states);
+      const dim3 preps = windows ? dim3(2, H, N) : dim3(unsigned(slots), H);
+      emu::launch(preps, NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
+      emu::launch(sweeps, NTS, [&] {
+        cta([&] {
+          if (f.sweep_strided_states) sweep_kernel<E, false, true, KC, true>(f);  // (as the launch picks it)
+          else sweep_kernel<E, false, true, KC>(f);
+        });
+      });
+    }
+  };
+  if (bwd && (keep == 1 || keep == 4 || keep == 5 || keep == 6 || keep == 7)) {
     DplrChunkPass f = p;
     f.o = vec(o), f.hst = hst.data_ptr();
     if (keep == 5 || keep == 6) {
@@ -125,12 +167,24 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
         fused_forward<1>(f);
       }
     } else {
-      pick_paths<E>(f);
-      emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
-      emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(f); }); });
+      forward(f);
     }
     p.kept = DplrKept::states_and_workspace;
     uob.fill_(NAN);  // a kept backward reads no U0 / O0
+  } else if (bwd && (keep == 8 || keep == 9)) {
+    if constexpr (std::is_same_v<E, float>) {
+      TORCH_CHECK(false, "the strided states take bf16");
+    } else {
+      TORCH_CHECK(dplr_fused_forward(p.dtype, K, V) && !varlen, "not a strided-state shape");
+      // the forward sweep's strided states (sweep_strided_states), prep's workspace per window
+      hst = poison({dplr_kept_state_slots(N, T, varlen), H, K, V});
+      DplrChunkPass f = p;
+      f.o = vec(o), f.hst = hst.data_ptr(), f.sweep_strided_states = true;
+      forward(f);
+      TORCH_CHECK(!hst.isnan().any().item<bool>(), "the forward sweep left a slot of hst unwritten");
+      p.kept = DplrKept::states, p.sweep_strided_states = true;
+      wsb.fill_(NAN), uob.fill_(NAN);
+    }
   } else if (bwd && (keep == 2 || keep == 3)) {
     if constexpr (std::is_same_v<E, float>) {
       TORCH_CHECK(false, "the fused forward takes bf16");
@@ -160,15 +214,20 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   }
   pick_paths<E>(p);  // as the launch decides: 16-byte loads and stores where they apply
   if (!bwd) {
-    emu::launch(dim3(unsigned(slots), H), NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
-    emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, false, true, KC>(p); }); });
+    forward(p);
     return {o, hT};
   }
   auto backward = [&] {  // as the launch runs it
     const int64_t work = dplr_work_slots(p);
+    const dim3 preps = p.window_chunks > 0 ? dim3(unsigned(p.window_chunks), H, N) : dim3(unsigned(work), H);
     if (p.kept == DplrKept::states) {
       if constexpr (!std::is_same_v<E, float> && KC == 64) {
-        fused_reverse(p);
+        if (p.sweep_strided_states) {  // prep and the reverse sweep in place of the fused reverse pass
+          emu::launch(preps, NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
+          emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
+        } else {
+          fused_reverse(p);
+        }
         emu::launch(dim3(unsigned(dplr_grad_ctas(p)), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC, true>(p); }); });
       }
       return;
@@ -180,17 +239,27 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
     emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
   };
-  if (keep != 3 && keep != 4 && keep != 6) {
+  if (keep != 3 && keep != 4 && keep != 6 && keep != 7 && keep != 9) {
     backward();
+  } else if (keep == 7 || keep == 9) {  // two windows' dhst (9: and prep's ws, uo), taken in turn (poisoned once)
+    const int64_t kWindow = keep == 9 ? kDplrStateStride : 2, half = N * kWindow * H * K * V;
+    Tensor wdhst = poison({2 * N * kWindow, H, K, V}), carry = poison({N, H, K, V});
+    p.carry = mat(carry), p.window_chunks = kWindow, p.dhst_windows = 2;
+    float *const ws0 = static_cast<float*>(p.ws), *const uo0 = static_cast<float*>(p.uo);
+    int64_t k = 0;
+    for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow, ++k) {
+      p.dhst = wdhst.data_ptr<float>() + k % 2 * half;
+      if (keep == 9) prep_window(p, ws0, uo0, kWindow, int(k % 2), false);
+      backward();
+    }
   } else {  // window-sized dhst (and ws, unless kept), poisoned once: every window writes its slots before reading them
     TORCH_CHECK(!varlen, "backward windows take no cu_seqlens");
     // (a multiple of the kept states' stride, as the op's backward_window_chunks makes it)
     const int64_t kWindow = p.kept == DplrKept::states ? kDplrStateStride : 2;
     Tensor wws = poison({N * kWindow * H * (p.kept == DplrKept::states ? DplrWorkspaceLayout::kMatsFloats : ws.floats_per_chunk())}), wdhst = poison({N * kWindow, H, K, V}),
-           dcarry = poison({N, H, K, V});
+           carry = poison({N, H, K, V});
     if (keep == 3) p.ws = wws.data_ptr();  // (4, 6: the kept workspace)
-    p.dhst = wdhst.data_ptr(), p.dcarry = mat(dcarry), p.window_chunks = kWindow;
-    const int64_t nch = (T + C - 1) / C;
+    p.dhst = wdhst.data_ptr(), p.carry = mat(carry), p.window_chunks = kWindow;
     for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow) backward();
   }
   auto g = [&](int i) { return pair ? kg.select(1, i).sum(0).to(r.scalar_type()) : kgd[i]; };

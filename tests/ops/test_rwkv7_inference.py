@@ -290,6 +290,7 @@ def test_backward_windows_match_one_pass(head_first, fused, K, saves, monkeypatc
         torch.cuda.synchronize()
         return [x.grad for x in ins], torch.cuda.max_memory_allocated() - base
 
+    monkeypatch.setenv("FLA_EXT_RWKV7_PIPELINE", "0")  # windows for memory alone
     monkeypatch.setenv("FLA_EXT_WORKSPACE_MIB", "4096")
     one, one_peak = grads()
     monkeypatch.setenv("FLA_EXT_WORKSPACE_MIB", "0")
@@ -297,3 +298,88 @@ def test_backward_windows_match_one_pass(head_first, fused, K, saves, monkeypatc
     for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], windowed, one):
         torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"d{name}")
     assert windowed_peak < one_peak - saves, (windowed_peak, one_peak)
+    # The same budget with the pipelined windows (two windows' buffers, the reverse pass on a
+    # second stream beside grad): half the windows' size, the same peak, bitwise the same.
+    monkeypatch.delenv("FLA_EXT_RWKV7_PIPELINE")
+    piped, piped_peak = grads()
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], piped, one):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"d{name}")
+    assert piped_peak <= windowed_peak + (1 << 20), (piped_peak, windowed_peak)
+
+
+def _fwd_bwd(ins, head_first, do, dht, train=True):
+    """o, the final state, and (train) every gradient of chunk_rwkv7 on clones of `ins`."""
+    xs = [x.clone().requires_grad_(train) for x in ins]
+    with torch.set_grad_enabled(train):
+        o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True,
+                            head_first=head_first)
+    if not train:
+        return [o, ht]
+    torch.autograd.backward([o, ht], [do, dht])
+    return [o.detach(), ht.detach()] + [x.grad for x in xs]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
+@pytest.mark.parametrize("dtype,K,fused", [(torch.bfloat16, 64, "1"), (torch.bfloat16, 128, ""),
+                                           (torch.float32, 64, ""), (torch.float16, 40, "")],
+                         ids=["bf16_fused", "bf16_K128", "fp32", "fp16_K40"])
+def test_pipelined_windows_match_one_pass(head_first, dtype, K, fused, monkeypatch, gen):
+    """The pipelined windows of the chunk index (FLA_EXT_RWKV7_PIPELINE=1 takes them at any
+    length: windows of 12 chunks here, the last partial): the two-kernel forward's prep of one
+    window beside the sweep of the one before, the state carried between them, and the
+    backward's reverse pass beside grad on two windows' buffers. Every output, gradient and kept
+    float bitwise equal to one pass (FLA_EXT_RWKV7_PIPELINE=0): training and inference forwards,
+    both layouts, the fused path's backward (fused 1), and the two-kernel path where it keeps
+    every state and prep's workspace (K = 128, fp32, fp16 at K = 40; bf16 / fp16 at K = V = 64
+    keep the strided states instead: test_sweep_strided_states)."""
+    if fused:
+        monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", fused)
+    ins = make(2, 1030, 4, K, K, dtype, "cuda", gen, w_kind="rwkv7", head_first=head_first)
+    do, dht = torch.randn_like(ins[3]), torch.randn_like(ins[6])
+    cu = None
+    runs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("FLA_EXT_RWKV7_PIPELINE", mode)
+        saved = torch.ops.fla.chunk_rwkv7_train(*ins[:6], 0.7, ins[6], True, cu, head_first)
+        runs[mode] = (_fwd_bwd(ins, head_first, do, dht), _fwd_bwd(ins, head_first, do, dht, False),
+                      list(saved))
+    torch.cuda.synchronize()
+    names = ["o", "ht", "dr", "dw", "dk", "dv", "da", "db", "dh0"]
+    for part, what in enumerate(["training", "inference", "chunk_rwkv7_train"]):
+        for name, x, y in zip(names if part < 2 else ["o", "ht", "saved"], runs["1"][part], runs["0"][part]):
+            assert torch.isfinite(x).all(), f"{what} {name}"
+            torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"{what} {name}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sweep_strided_states(head_first, dtype, monkeypatch, gen):
+    """Few pairs and long sequences at K = V = 64 (FLA_EXT_RWKV7_PIPELINE=1 takes the windows at
+    any length): the two-kernel training forward keeps the fused forward's strided states, made
+    by its sweep, and no workspace (`saved` of the fused forward's size, every float written and
+    finite); the backward makes prep's workspace a window at a time beside the reverse sweep, and
+    grad the states between. o, the final state and every gradient against the float64 oracle;
+    the backward in one pass (the pipeline off when it runs) bitwise equal to the windows'."""
+    monkeypatch.setenv("FLA_EXT_RWKV7_PIPELINE", "1")
+    N, T, H = 2, 1030, 4
+    ins = make(N, T, H, 64, 64, dtype, "cuda", gen, w_kind="rwkv7", head_first=head_first)
+    _, _, saved = torch.ops.fla.chunk_rwkv7_train(*ins[:6], 0.7, ins[6], True, None, head_first)
+    slots = N * ((T + 63) // 64 + 1)  # every fourth 16-row chunk's state and the final one
+    assert saved.numel() == (slots * H * 64 * 64 + 3) // 4 * 4
+    assert torch.isfinite(saved).all()
+    run_and_check(CHUNK, *ins, scale=0.7, head_first=head_first, gen=gen)
+
+    do, dht = torch.randn_like(ins[3]), torch.randn_like(ins[6])
+    windowed = _fwd_bwd(ins, head_first, do, dht)
+    xs = [x.clone().requires_grad_(True) for x in ins]
+    o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True,
+                        head_first=head_first)
+    monkeypatch.setenv("FLA_EXT_RWKV7_PIPELINE", "0")
+    torch.autograd.backward([o, ht], [do, dht])
+    one_pass = [o.detach(), ht.detach()] + [x.grad for x in xs]
+    for name, x, y in zip(["o", "ht", "dr", "dw", "dk", "dv", "da", "db", "dh0"], windowed, one_pass):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=name)
