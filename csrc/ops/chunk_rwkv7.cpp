@@ -203,7 +203,13 @@ void forward_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Ten
   Tensor ws, uo, carry;
   // (the fused kernels take no windows: chunk_pass leaves them off there; the launch takes uo's
   // two windows in turn)
-  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, h0, ws, uo, saved, true, r.is_cuda() ? pipeline_window_chunks(d) : 0, 2);
+  // A training forward keeping the strided states takes windows of kPipelineMinChunks: its two
+  // windows' workspace is then its whole extra memory beside o and the kept states, below
+  // wind_rwkv's forward at B = 1, H = 32, T = 32768 (its fwd +8 % against windows of an eighth:
+  // benchmarks/NOTES.md c36).
+  int64_t window = r.is_cuda() ? pipeline_window_chunks(d) : 0;
+  if (window > 0 && saved && sweep_strided(d, r)) window = std::min(window, kPipelineMinChunks);
+  DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, h0, ws, uo, saved, true, window, 2);
   if (p.window_chunks > 0) {
     carry = at::empty({d.N, d.H, d.K, d.V}, r.options().dtype(at::kFloat));
     p.carry = mat(carry);
@@ -344,8 +350,9 @@ void forward_in_windows(const DiagArgs& d, const ForwardWindows& windows, const 
 // eighth on the fused forward's states (at most ~8 windows of two launches), a quarter on the
 // two-kernel forward's kept workspace (each window's grad launch ends in a partial wave, which
 // costs most at K = 128, one CTA per SM; benchmarks/NOTES.md c29 has the measurements), a 16th
-// on strided states where prep runs again (`lean`: a long sequence at few pairs, whose windows
-// are still long; its whole workspace is what its forward did not keep; NOTES c36).
+// but at least two windows of kPipelineMinChunks on strided states where prep runs again
+// (`lean`: a long sequence at few pairs; its whole workspace is what its forward did not keep,
+// and shorter windows leave grad's CTAs, a stride each, too few: NOTES c36).
 int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept, bool lean) {
   if (kept == DplrKept::nothing || d.cu.defined()) return 0;
   const int64_t nch = sequence_chunks(d);
@@ -354,7 +361,9 @@ int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept, bool lean) {
   const int64_t per_chunk = d.N * d.H * (ws + d.K * d.V) * int64_t(sizeof(float));
   const int64_t mib = workspace_budget_mib();
   const int64_t budget =
-      mib >= 0 ? mib << 20 : std::max(forward_workspace_budget(d), per_chunk * nch / (lean ? 16 : makes_ws ? 8 : 4));
+      mib >= 0 ? mib << 20
+               : std::max(forward_workspace_budget(d),
+                          per_chunk * (lean ? std::max(nch / 16, 2 * kPipelineMinChunks) : nch / (makes_ws ? 8 : 4)));
   // On the strided states a window holds whole strides (a grad CTA walks one from its kept state).
   const int64_t stride = makes_ws ? kDplrStateStride : 1;
   const int64_t chunks = std::max<int64_t>(1, budget / per_chunk / stride) * stride;

@@ -197,3 +197,36 @@ def test_cuda_graph_capture():
         for x, y in zip(static[0] + static[1], fwd() + bwd()):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["strided_states", "kept_workspace"])
+def test_cuda_graph_capture_windows(dtype, monkeypatch):
+    """The windows on two streams (FLA_EXT_RWKV7_PIPELINE=1 takes them at any length) under
+    capture: the side stream forks from the capturing stream and joins it back, so the graph
+    holds both streams' kernels, and replays equal eager calls bitwise. bf16 keeps the strided
+    states from the sweep, fp32 every state and the workspace."""
+    monkeypatch.setenv("FLA_EXT_RWKV7_PIPELINE", "1")
+    gen = torch.Generator().manual_seed(0)
+    r, w, k, v, a, b, h0 = make(1, 300, 2, 64, 64, dtype, "cuda", gen, w_kind="rwkv7")
+    do, dht = torch.randn_like(v), torch.randn_like(h0)
+
+    def step():
+        o, ht, saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 0.7, h0, True, None, False)
+        return (o, ht) + tuple(torch.ops.fla.chunk_rwkv7_bwd(r, w, k, v, a, b, do, dht, 0.7, h0, None, False, saved))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside capture
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for _ in range(2):
+        r.copy_(torch.randn_like(r))  # new inputs in the captured buffers
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, y in zip(static, step()):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
