@@ -211,14 +211,16 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // CUDA, no cu_seqlens: the pass in windows of the chunk index when window_chunks > 0 (the
   // launch walks them, dplr_chunk_launch.cuh; window_begin is its cursor: each window's kernels
   // take chunks [window_begin, window_begin + window_chunks) of every sequence).
+  //   The per-window buffers hold window_buffers (1 or 2) windows' slots, window k taking the
+  //   (k mod window_buffers)-th: uo, dhst (dplr_work_slot), and ws unless it is whole
+  //   (dplr_ws_slot). With two, a window's kernels need not wait for the last reader of the
+  //   window before's.
   //   Forward on the two-kernel path: prep, then the forward sweep, window by window, so that the
-  //   sweep of one window runs beside prep of the next (side_stream). The slots of ws, uo and hst
-  //   stay the whole pass's; the sweep starts from `carry` where the window does not hold the
-  //   first chunk and ends in it where it does not hold the last.
+  //   sweep of one window runs beside prep of the next (side_stream). hst's slots stay the whole
+  //   pass's, and so do ws's in a forward keeping it; the sweep starts from `carry` where the
+  //   window does not hold the first chunk and ends in it where it does not hold the last.
   //   Backward on kept states (DplrKept::states or states_and_workspace): the reverse sweep (or
-  //   the fused reverse pass), then grad, the latest window first. dhst holds dhst_windows (1 or
-  //   2) windows' slots (dplr_work_slot), ws too unless the training forward kept it whole
-  //   (dplr_ws_slot); window k takes the (k mod dhst_windows)-th, so that with two the reverse
+  //   the fused reverse pass), then grad, the latest window first; with two buffers the reverse
   //   pass of window k + 1 runs on side_stream beside grad of window k. hst stays whole. On
   //   strided states (DplrKept::states) window_chunks is a multiple of kDplrStateStride. The
   //   reverse pass starts from dht where the window holds a sequence's last chunk, else from
@@ -226,7 +228,7 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   //   dh0 where it holds the first chunk, else in `carry`.
   // `carry`: [N, H, K, V] fp32, the state (forward) or its gradient (backward) between windows.
   int64_t window_begin = 0, window_chunks = 0;
-  int dhst_windows = 1;
+  int window_buffers = 1;
   // Prep's ws slot in windows: blockIdx.x + blockIdx.z prep_ws_seq_slots + prep_ws_slot0 (set by
   // the launch per window: the window's own slots, or in a forward keeping ws the whole pass's,
   // chunk_slot without cu_seqlens; 0 and 0 outside windows).

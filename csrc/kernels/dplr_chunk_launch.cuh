@@ -48,7 +48,6 @@
 #pragma once
 #include <memory>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "device_sms.cuh"
@@ -158,12 +157,13 @@ inline cudaError_t window_events(WindowEvents*& out) {
 // on side_stream, ordered by events. The sequential kernels have a CTA per (sequence, head[,
 // tile]) walking the window's chunks, latency-bound where those CTAs are few, and the parallel
 // ones fill the SMs they leave idle: the forward sweep of window w runs beside prep of window
-// w + 1 (uo holds two windows, taken in turn), the reverse pass of window k + 1 beside grad of
-// window k (dhst_windows = 2).
+// w + 1, the reverse pass of window k + 1 beside grad of window k, with two windows' buffers
+// taken in turn (window_buffers = 2).
 template <typename T, int KC>
 cudaError_t launch_windows(const DplrChunkPass& p, cudaStream_t stream) {
   const cudaStream_t side = p.side_stream ? static_cast<cudaStream_t>(p.side_stream) : stream;
   const bool two = side != stream;
+  if (p.window_buffers < 1 || p.window_buffers > 2) return cudaErrorInvalidValue;  // (WindowEvents::done)
   WindowEvents* ev = nullptr;
   cudaError_t e = two ? window_events(ev) : cudaSuccess;
   if (e != cudaSuccess) return e;
@@ -176,69 +176,68 @@ cudaError_t launch_windows(const DplrChunkPass& p, cudaStream_t stream) {
   e = order(stream, side, two ? ev->fork : nullptr);  // the side stream waits for the caller's
   const int64_t nch = (int64_t(p.T) + C - 1) / C, wc = p.window_chunks;
   DplrChunkPass q = p;
-  // Two windows' U0 / O0 and, unless kept whole, prep's workspace, taken in turn: prep writes the
-  // window's slots (DplrChunkPass::prep_ws_seq_slots).
+  // Prep's buffers for window `begin` in x: U0 / O0 and, unless kept whole, its workspace, in
+  // buffer `buf` of window_buffers; prep writes the window's slots (prep_ws_seq_slots).
   const DplrWorkspaceLayout layout(p.K, p.V);
-  const int64_t half_uo = int64_t(p.N) * wc * p.H * layout.uo_floats_per_chunk(),
-                half_prep_ws = int64_t(p.N) * wc * p.H * layout.floats_per_chunk();
-  auto prep_window = [&](int half) {
-    q.uo = static_cast<float*>(p.uo) + half * half_uo;
+  const int64_t buf_uo = int64_t(p.N) * wc * p.H * layout.uo_floats_per_chunk(),
+                buf_prep_ws = int64_t(p.N) * wc * p.H * layout.floats_per_chunk();
+  auto prep_window = [&](DplrChunkPass& x, int64_t begin, int buf) {
+    x.window_begin = begin;
+    x.uo = static_cast<float*>(p.uo) + buf * buf_uo;
     if (p.backward() || p.sweep_strided_states) {
-      q.ws = static_cast<float*>(p.ws) + half * half_prep_ws, q.prep_ws_seq_slots = wc, q.prep_ws_slot0 = 0;
+      x.ws = static_cast<float*>(p.ws) + buf * buf_prep_ws, x.prep_ws_seq_slots = wc, x.prep_ws_slot0 = 0;
     } else {  // (chunk_slot without cu_seqlens)
-      q.prep_ws_seq_slots = nch + 1, q.prep_ws_slot0 = q.window_begin;
+      x.prep_ws_seq_slots = nch + 1, x.prep_ws_slot0 = begin;
     }
   };
+  const int bufs = p.window_buffers;
   if (!p.backward()) {
     int64_t w = 0;
-    for (q.window_begin = 0; q.window_begin < nch && e == cudaSuccess; q.window_begin += wc, ++w) {
-      const int half = int(w % 2);
-      prep_window(half);
-      // this window's uo (and ws) were the sweep's of window w - 2
-      if (two && w >= 2) e = cudaStreamWaitEvent(stream, ev->done[half], 0);
+    for (int64_t begin = 0; begin < nch && e == cudaSuccess; begin += wc, ++w) {
+      const int buf = int(w % bufs);
+      prep_window(q, begin, buf);
+      // this window's buffers were the sweep's of window w - bufs
+      if (two && w >= bufs) e = cudaStreamWaitEvent(stream, ev->done[buf], 0);
       if (e == cudaSuccess) e = run_prep<T, KC>(q, stream);
       if (e == cudaSuccess) e = order(stream, side, ev ? ev->step : nullptr);
       if (e == cudaSuccess) e = run_sweep<T, KC, false, true>(q, side);
-      if (e == cudaSuccess && two) e = cudaEventRecord(ev->done[half], side);
+      if (e == cudaSuccess && two) e = cudaEventRecord(ev->done[buf], side);
     }
   } else {
-    const int64_t half_states = int64_t(p.N) * wc * p.H * p.K * p.V,
-                  half_ws = int64_t(p.N) * wc * p.H * DplrWorkspaceLayout::kMatsFloats;
+    const int64_t buf_states = int64_t(p.N) * wc * p.H * p.K * p.V,
+                  buf_mats = int64_t(p.N) * wc * p.H * DplrWorkspaceLayout::kMatsFloats;
     const int64_t first = (nch - 1) / wc * wc;
     // On strided states made by the sweep, prep makes each window's workspace on the caller's
-    // stream: with two windows' buffers one window ahead, before grad of the window before it,
-    // so that the reverse sweep of window k + 1 can run beside grad of window k (the buffers it
-    // writes were last read by grad of window k - 1, before it on the stream); with one, just
-    // before the reverse sweep.
-    const bool ahead = p.sweep_strided_states && p.dhst_windows == 2;
-    auto prep_ahead = [&](int64_t begin, int64_t k) {
-      DplrChunkPass r = q;
-      r.window_begin = begin;
-      std::swap(q, r);
-      prep_window(int(k % p.dhst_windows));
-      cudaError_t x = run_prep<T, KC>(q, stream);
-      if (x == cudaSuccess) x = order(stream, side, ev ? ev->step : nullptr);
-      std::swap(q, r);
-      return x;
+    // stream: with two buffers one window ahead, before grad of the window before it, so that
+    // the reverse sweep of window k + 1 can run beside grad of window k (the buffer it writes
+    // was last read by grad of window k - 1, before it on the stream); with one, just before
+    // the reverse sweep.
+    const bool ahead = p.sweep_strided_states && bufs == 2;
+    auto run_prep_of = [&](int64_t begin, int64_t k) {
+      DplrChunkPass x = q;
+      prep_window(x, begin, int(k % bufs));
+      const cudaError_t r = run_prep<T, KC>(x, stream);
+      return r == cudaSuccess ? order(stream, side, ev ? ev->step : nullptr) : r;
     };
-    if (ahead) e = prep_ahead(first, 0);
+    if (ahead) e = run_prep_of(first, 0);
     int64_t k = 0;
-    for (q.window_begin = first; q.window_begin >= 0 && e == cudaSuccess; q.window_begin -= wc, ++k) {
-      const int half = int(k % p.dhst_windows);
-      q.dhst = static_cast<float*>(p.dhst) + half * half_states;
+    for (int64_t begin = first; begin >= 0 && e == cudaSuccess; begin -= wc, ++k) {
+      const int buf = int(k % bufs);
+      q.window_begin = begin;
+      q.dhst = static_cast<float*>(p.dhst) + buf * buf_states;
       if (p.sweep_strided_states) {
-        prep_window(half);  // (where prep made it: ahead, or now)
-        if (!ahead) e = prep_ahead(q.window_begin, k);
+        prep_window(q, begin, buf);  // (where prep made it: ahead, or now)
+        if (!ahead) e = run_prep_of(begin, k);
       } else if (p.kept == DplrKept::states) {
-        q.ws = static_cast<float*>(p.ws) + half * half_ws;  // (else kept whole)
+        q.ws = static_cast<float*>(p.ws) + buf * buf_mats;  // (else kept whole)
       }
-      // this window's dhst (and ws) were grad's of window k - dhst_windows
-      if (e == cudaSuccess && two && k >= p.dhst_windows) e = cudaStreamWaitEvent(side, ev->done[half], 0);
+      // this window's buffers were grad's of window k - bufs
+      if (e == cudaSuccess && two && k >= bufs) e = cudaStreamWaitEvent(side, ev->done[buf], 0);
       if (e == cudaSuccess) e = run_reverse<T, KC>(q, side);
-      if (e == cudaSuccess && ahead && q.window_begin > 0) e = prep_ahead(q.window_begin - wc, k + 1);
+      if (e == cudaSuccess && ahead && begin > 0) e = run_prep_of(begin - wc, k + 1);
       if (e == cudaSuccess) e = order(side, stream, ev ? ev->step : nullptr);
       if (e == cudaSuccess) e = run_grad<T, KC>(q, stream);
-      if (e == cudaSuccess && two) e = cudaEventRecord(ev->done[half], stream);
+      if (e == cudaSuccess && two) e = cudaEventRecord(ev->done[buf], stream);
     }
   }
   // The caller's stream waits for the side stream, a failed launch or not: every buffer here is

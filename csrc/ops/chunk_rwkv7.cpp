@@ -177,7 +177,7 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   }
   if (!sweep) p.kept = kind;
   p.fused_may_keep = fused_override() != 0;
-  p.window_chunks = window_chunks, p.dhst_windows = windows;
+  p.window_chunks = window_chunks, p.window_buffers = windows;
   if (sweep || !saved || p.sweep_strided_states) {  // (prep runs; windows: their own slots, `windows` in turn)
     const int64_t floats = window_chunks > 0
                                ? d.N * window_chunks * windows * d.H * DplrWorkspaceLayout(int(d.K), int(d.V)).uo_floats_per_chunk()

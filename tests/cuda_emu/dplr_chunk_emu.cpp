@@ -244,7 +244,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   } else if (keep == 7 || keep == 9) {  // two windows' dhst (9: and prep's ws, uo), taken in turn (poisoned once)
     const int64_t kWindow = keep == 9 ? kDplrStateStride : 2, half = N * kWindow * H * K * V;
     Tensor wdhst = poison({2 * N * kWindow, H, K, V}), carry = poison({N, H, K, V});
-    p.carry = mat(carry), p.window_chunks = kWindow, p.dhst_windows = 2;
+    p.carry = mat(carry), p.window_chunks = kWindow, p.window_buffers = 2;
     float *const ws0 = static_cast<float*>(p.ws), *const uo0 = static_cast<float*>(p.uo);
     int64_t k = 0;
     for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow, ++k) {
