@@ -69,7 +69,7 @@ struct StateSmem {
 // hst: no O0 copies, no Q~ S).
 // KC: as prep_kernel's.
 // STRIDED: a forward storing the strided states (DplrChunkPass::sweep_strided_states; a build of
-// its own: as a runtime choice the stores' slot arithmetic took 33 more registers).
+// its own: as a runtime choice the stores' slot arithmetic kept more registers live).
 template <typename T, bool REV, bool OUT = !REV, int KC = 0, bool STRIDED = false>  // two CTAs per SM: at most 128 registers
 __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPass p) {
   static_assert(!STRIDED || !REV, "strided states: the forward's");

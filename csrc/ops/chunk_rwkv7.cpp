@@ -204,9 +204,8 @@ void forward_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Ten
   // (the fused kernels take no windows: chunk_pass leaves them off there; the launch takes uo's
   // two windows in turn)
   // A training forward keeping the strided states takes windows of kPipelineMinChunks: its two
-  // windows' workspace is then its whole extra memory beside o and the kept states, below
-  // wind_rwkv's forward at B = 1, H = 32, T = 32768 (its fwd +8 % against windows of an eighth:
-  // benchmarks/NOTES.md c36).
+  // windows' workspace is then its whole extra memory beside o and the kept states, and the
+  // shortest windows that still pay (the trade of time for memory: benchmarks/NOTES.md c36).
   int64_t window = r.is_cuda() ? pipeline_window_chunks(d) : 0;
   if (window > 0 && saved && sweep_strided(d, r)) window = std::min(window, kPipelineMinChunks);
   DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, h0, ws, uo, saved, true, window, 2);
