@@ -213,8 +213,8 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // take chunks [window_begin, window_begin + window_chunks) of every sequence).
   //   The per-window buffers hold window_buffers (1 or 2) windows' slots, window k taking the
   //   (k mod window_buffers)-th: uo, dhst (dplr_work_slot), and ws unless it is whole
-  //   (dplr_ws_slot). With two, a window's kernels need not wait for the last reader of the
-  //   window before's.
+  //   (dplr_ws_whole, dplr_ws_slot). With two, a window's kernels need not wait for the last
+  //   reader of the window before's.
   //   Forward on the two-kernel path: prep, then the forward sweep, window by window, so that the
   //   sweep of one window runs beside prep of the next (side_stream). hst's slots stay the whole
   //   pass's, and so do ws's in a forward keeping it; the sweep starts from `carry` where the
@@ -253,11 +253,17 @@ FLA_HD int64_t dplr_work_slot(const DplrChunkPass& p, int n, int64_t ci) {
   return p.window_chunks > 0 ? int64_t(n) * p.window_chunks + ci - p.window_begin
                              : chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci);
 }
-// The slot of sequence n's chunk ci in ws: hst's where ws is whole (a forward's windows keep the
-// whole pass's slots, but on strided states; a training forward kept it), else dplr_work_slot.
+// Whether ws holds the whole pass's chunk slots in windows of the chunk index: where it outlives
+// the pass (a two-kernel training forward keeping it, DplrKept::states_and_workspace, and the
+// backward reading it). Else each window's prep fills window_buffers windows' slots in turn: a
+// training forward on strided states, an inference forward, a backward making it again.
+FLA_HD bool dplr_ws_whole(const DplrChunkPass& p) {
+  return p.backward() ? p.kept == DplrKept::states_and_workspace : p.hst != nullptr && !p.sweep_strided_states;
+}
+// The slot of sequence n's chunk ci in ws: hst's where ws is whole (dplr_ws_whole), else
+// dplr_work_slot.
 FLA_HD int64_t dplr_ws_slot(const DplrChunkPass& p, int n, int64_t ci) {
-  const bool whole = p.backward() ? p.kept == DplrKept::states_and_workspace : !p.sweep_strided_states;
-  return whole ? chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci) : dplr_work_slot(p, n, ci);
+  return dplr_ws_whole(p) ? chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci) : dplr_work_slot(p, n, ci);
 }
 // Where in ws (floats) grad reads the pair matrices and X of ws slot `slot` (dplr_ws_slot), head
 // h: in the chunk's workspace block, or in blocks of their own where the fused reverse pass made

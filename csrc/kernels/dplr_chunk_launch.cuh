@@ -184,7 +184,7 @@ cudaError_t launch_windows(const DplrChunkPass& p, cudaStream_t stream) {
   auto prep_window = [&](DplrChunkPass& x, int64_t begin, int buf) {
     x.window_begin = begin;
     x.uo = static_cast<float*>(p.uo) + buf * buf_uo;
-    if (p.backward() || p.sweep_strided_states) {
+    if (!dplr_ws_whole(p)) {
       x.ws = static_cast<float*>(p.ws) + buf * buf_prep_ws, x.prep_ws_seq_slots = wc, x.prep_ws_slot0 = 0;
     } else {  // (chunk_slot without cu_seqlens)
       x.prep_ws_seq_slots = nch + 1, x.prep_ws_slot0 = begin;

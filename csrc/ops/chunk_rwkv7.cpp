@@ -165,8 +165,9 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   // where the fused kernels do not run, the two-kernel path's, sweep_strided_states)
   const DplrKept kind = saved_kind(d, saved);
   p.sweep_strided_states = two_kernel_strided(d, r, kind);
-  // prep's workspace and U0 / O0 per window (two in turn), unless a forward keeps the workspace
-  const bool window_ws = window_chunks > 0 && (!sweep || p.sweep_strided_states);
+  // prep's workspace and U0 / O0 per window (two in turn), unless a training forward keeps the
+  // workspace (kernels' dplr_ws_whole)
+  const bool window_ws = window_chunks > 0 && (!sweep || !saved || p.sweep_strided_states);
   if (kind == DplrKept::states_and_workspace) {
     p.ws = saved->data_ptr<float>() + saved_states_floats(d, false);
   } else {
@@ -195,6 +196,24 @@ Tensor dplr_states(const DiagArgs& d, const Tensor& r, bool needed) {
   return new_output(needed ? dplr_state_sizes(d) : std::vector<int64_t>{0}, acc);
 }
 
+// Workspace bytes of a forward over `slots` chunk slots.
+int64_t forward_workspace_bytes(const DiagArgs& d, int64_t slots) {
+  const DplrWorkspaceLayout L(int(d.K), int(d.V));
+  return slots * d.H * (L.floats_per_chunk() + L.uo_floats_per_chunk()) * int64_t(sizeof(float));
+}
+
+// Chunks per pipelined window of an inference forward (CUDA), 0 for none: kPipelineMinChunks,
+// as a training forward on strided states takes them, its two windows' workspace its whole
+// extra memory beside o. A budget set by FLA_EXT_WORKSPACE_MIB bounds that workspace: shorter
+// windows down to kPipelineMinChunksBackward, else none (the windows of the time axis then keep
+// to the budget, one after another).
+int64_t inference_window_chunks(const DiagArgs& d) {
+  const int64_t window = std::min(pipeline_window_chunks(d), kPipelineMinChunks), mib = workspace_budget_mib();
+  if (window == 0 || mib < 0) return window;
+  const int64_t fit = (mib << 20) / forward_workspace_bytes(d, 2 * d.N) / kDplrStateStride * kDplrStateStride;
+  return fit >= std::min(window, kPipelineMinChunksBackward) ? std::min(window, fit) : 0;
+}
+
 // One forward of the engine over (r .. b) as `d` describes them: o, and hT when given, written.
 // `saved` (a training forward's) also receives the chunk-start states and the workspace.
 void forward_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Tensor& k, const Tensor& v,
@@ -206,7 +225,8 @@ void forward_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Ten
   // A training forward keeping the strided states takes windows of kPipelineMinChunks: its two
   // windows' workspace is then its whole extra memory beside o and the kept states, and the
   // shortest windows that still pay (the trade of time for memory: benchmarks/NOTES.md c36).
-  int64_t window = r.is_cuda() ? pipeline_window_chunks(d) : 0;
+  // An inference forward, those of inference_window_chunks.
+  int64_t window = !r.is_cuda() ? 0 : saved ? pipeline_window_chunks(d) : inference_window_chunks(d);
   if (window > 0 && saved && sweep_strided(d, r)) window = std::min(window, kPipelineMinChunks);
   DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, h0, ws, uo, saved, true, window, 2);
   if (p.window_chunks > 0) {
@@ -226,12 +246,6 @@ void forward_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, const Ten
 // rows (cuts sit at multiples of kDplrChunk from a sequence's start), so the windows compute what
 // one pass computes. The same windows run on every device (the CPU engine needs no workspace),
 // so that the CPU tests cover them.
-
-// Workspace bytes of a forward over `slots` chunk slots.
-int64_t forward_workspace_bytes(const DiagArgs& d, int64_t slots) {
-  const DplrWorkspaceLayout L(int(d.K), int(d.V));
-  return slots * d.H * (L.floats_per_chunk() + L.uo_floats_per_chunk()) * int64_t(sizeof(float));
-}
 
 // FLA_EXT_WORKSPACE_MIB, else the larger of 64 MiB and 32 fp32 states per sequence: O(N H K V),
 // and a window of several hundred rows at the usual sizes (few launches per forward).
@@ -381,7 +395,9 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
   Tensor o = d.L.empty_like_with_dim(v, d.V, r.scalar_type());
   Tensor hT = new_output({output_final_state ? d.N : 0, d.H, d.K, d.V},
                          r.options().dtype(acc_type(r)));
-  if (!keep && !fused_forward(d, r, false)) {
+  // (an inference forward in pipelined windows of the chunk index holds two windows' workspace:
+  // forward_pass)
+  if (!keep && !fused_forward(d, r, false) && !(r.is_cuda() && inference_window_chunks(d) > 0)) {
     const auto windows = plan_forward_windows(d);
     if (!windows.list.empty()) {
       forward_in_windows(d, windows, r, w, k, v, a, b, initial_state, o, hT, output_final_state, run);

@@ -85,7 +85,8 @@ void fused_reverse(const DplrChunkPass& p) {
 // two-block fused forward that keeps them (bf16, K = V = 64: a training forward at few pairs); 7,
 // as 4 with the training forward in windows of two chunks and the backward's windows taking
 // two dhst buffers in turn, as the launch's pipelined windows run them (dplr_chunk_launch.cuh
-// launch_windows; no cu_seqlens). A forward (no dout) with keep 7 runs in those windows too. 8 and
+// launch_windows; no cu_seqlens). A forward (no dout) with keep 7 runs in those windows too, as an
+// inference forward: prep's workspace per window, two in turn (dplr_ws_whole). 8 and
 // 9 (bf16, K = V = 64, no cu_seqlens): the forward in windows of two chunks storing the strided
 // states from its sweep (sweep_strided_states; prep's workspace per window, two in turn), the
 // backward on them prep, the reverse sweep and the strided grad, in one pass (8) or in windows of
@@ -122,7 +123,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
   const int64_t nch = (T + C - 1) / C;
   // Prep's workspace and U0 / O0 for a window (launch_windows' prep_window): two windows' slots
-  // taken in turn, unless a forward keeps ws whole (the whole pass's slots).
+  // taken in turn, unless ws is whole (dplr_ws_whole: the whole pass's slots).
   auto prep_window = [&](DplrChunkPass& f, float* ws0, float* uo0, int64_t wc, int half, bool whole) {
     f.uo = uo0 + half * (N * wc * H * ws.uo_floats_per_chunk());
     if (whole) {
@@ -144,7 +145,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     float *const ws0 = static_cast<float*>(f.ws), *const uo0 = static_cast<float*>(f.uo);
     int64_t w = 0;
     for (f.window_begin = 0; f.window_begin < (windows ? nch : 1); f.window_begin += 2, ++w) {
-      if (windows) prep_window(f, ws0, uo0, 2, int(w % 2), !f.sweep_strided_states);
+      if (windows) prep_window(f, ws0, uo0, 2, int(w % 2), dplr_ws_whole(f));
       const dim3 preps = windows ? dim3(2, H, N) : dim3(unsigned(slots), H);
       emu::launch(preps, NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
       emu::launch(sweeps, NTS, [&] {

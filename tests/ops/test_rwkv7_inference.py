@@ -2,6 +2,9 @@
 * on CUDA with bf16 / fp16 and K = V = 64, the fused kernel (kernels/dplr_chunk_fused.cuh: one CTA
   per sequence and head, no workspace), which a training forward takes too, storing the
   chunk-start states for its backward;
+* on CUDA for few (sequence, head) pairs and long sequences, the two-kernel engine in windows of
+  the chunk index on two streams, two windows' workspace in turn (within FLA_EXT_WORKSPACE_MIB
+  when it is set);
 * otherwise the engine in windows of the time axis (csrc/ops/chunk_rwkv7.cpp) whenever one pass
   would take more workspace than FLA_EXT_WORKSPACE_MIB (default: the larger of 64 MiB and 32
   states per sequence). Budget 0 gives the smallest windows (one chunk, or a few sequences), so
@@ -108,6 +111,39 @@ def test_inference_memory_does_not_grow_with_T(monkeypatch, gen):
         o1, ht1 = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0, output_final_state=True)
     assert_close("o vs one pass", o, o1, 1e-2, 1e-2)
     assert_close("ht vs one pass", ht, ht1, 1e-5, 1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_pipelined_inference_memory_does_not_grow_with_T(monkeypatch, gen):
+    """Few pairs and long sequences (B = 1, H = 4, K = V = 64, the default settings): the no-grad
+    forward runs in windows of 64 chunks on two streams, two windows' workspace in turn. Its
+    peak extra memory beyond o is the same at T = 8192 and 16384, and at most those two windows'
+    workspace (W, Q~, K^, B^, gamma, the pair matrices and X, U0 / O0: 8320 floats per chunk and
+    head) and a few states; o and the final state bitwise equal to the windows of the time
+    axis (FLA_EXT_RWKV7_PIPELINE=0)."""
+    B, H, K = 1, 4, 64
+    state = B * H * K * K * 4
+    ring = 2 * 64 * B * H * 8320 * 4
+    extras = []
+    for T in (8192, 16384):
+        r, w, k, v, a, b, h0 = make(B, T, H, K, K, torch.bfloat16, "cuda", gen, N=B)
+        runs = []
+        for mode in ("", "0"):
+            monkeypatch.setenv("FLA_EXT_RWKV7_PIPELINE", mode)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with torch.no_grad():
+                o, ht = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0, output_final_state=True)
+            torch.cuda.synchronize()
+            if mode == "":
+                extras.append(torch.cuda.max_memory_allocated() - base - o.numel() * o.element_size())
+            runs.append((o, ht))
+        for x, y in zip(*runs):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert abs(extras[1] - extras[0]) <= 1 << 20, extras
+    assert extras[1] <= ring + 8 * state + (1 << 20), (extras, ring)
 
 
 @pytest.mark.cuda
