@@ -251,7 +251,9 @@ def check_fused_kept(emu, ins, h0, do, dht, cu_e, grads, tol):
     # The two-block forward keeping the states and prep's workspace (a training forward at about
     # one pair per SM): the two-kernel path's backward on them.
     kept_run(5, 6, "two-block forward's states and workspace")
-    for ctas in (4, 2):  # the one-block reverse pass, then the two-block one (few tasks)
+    # the one-block kernels; the two-block reverse pass (two CTAs per SM); both two-block
+    # kernels at one CTA per SM (the forward storing the strided states from its steps' warps)
+    for ctas in (4, 2, 1):
         emu.set_fused_ctas(ctas)
         try:
             kept_run(2, 3, f"fused forward's states, {ctas} CTAs an SM")

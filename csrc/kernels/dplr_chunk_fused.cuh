@@ -250,27 +250,32 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
 // of eight, each phase holding work of both halves. For few (sequence, head) pairs, where one
 // 128-thread CTA an SM leaves the chunk walk's latency exposed. kCtas: the CTAs per SM the
 // register budget is cut for (2: 128 registers, 1: up to 255, for at most one pair per SM).
-// kKeep: a training forward that keeps what the two-kernel forward keeps (DplrKept::
-// states_and_workspace: the chunk-start states and, KeptWorkspace, prep's workspace), so that its
-// backward runs the reverse sweep and grad alone; the steps' warps store them, and make the pair
-// matrices 3xTF32 (grad reads them, as prep's). A training forward keeping the states alone (for
-// the fused reverse pass) keeps the one-block kernel: with the state stores the two-CTA build of
-// this one was slower (benchmarks/NOTES.md c32).
+// kKept: what a training forward keeps for its backward (nothing: inference).
+// DplrKept::states_and_workspace (kKeep): what the two-kernel forward keeps (the chunk-start
+// states and, KeptWorkspace, prep's workspace), so that its backward runs the reverse sweep and
+// grad alone; the steps' warps store them, and make the pair matrices 3xTF32 (grad reads them,
+// as prep's). DplrKept::states (kStrided, kCtas = 1 only): every kDplrStateStride-th chunk-start
+// state and the final one, as the one-block training forward stores them, by the steps' warps
+// (the fused reverse pass then makes the pair matrices and X again); its two-CTA build was the
+// slower one (benchmarks/NOTES.md c32).
 //   phase  chain (warps 0-3)          steps (warps 4-7)
-//   1      M + P                      X of ci; stage ci + 1; fetch ci + 2; kKeep: state before ci
+//   1      M + P                      X of ci; stage ci + 1; fetch ci + 2; kKeep, kStrided:
+//                                     the state before ci (kStrided: at a stride's start)
 //   2      U                          decays of ci + 1; kKeep: ci's pair matrices and X
 //   3      o, S+ into registers       factored keys of ci + 1; kKeep: ci's W, Q~, K^, B^, gamma
 //   4      S+ over S                  pair matrices of ci + 1 (kKeep: with the chain's warps)
-template <typename T, int kCtas, bool kKeep>
+template <typename T, int kCtas, DplrKept kKept>
 __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_two_block_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using L = FusedSmem<2>;
+  constexpr bool kKeep = kKept == DplrKept::states_and_workspace, kStrided = kKept == DplrKept::states;
+  static_assert(!kStrided || kCtas == 1, "the strided states: the one-CTA-per-SM build");
   float* const sm = fused_smem();
   const FusedTask task(p);
   const auto [h, n, s, nch] = task;
   const bool chain = threadIdx.x < NTF;  // else the chunk steps
   const int tid = int(threadIdx.x) % NTF;
-  const ForwardOut<T, kKeep, 1> out(p, task);
+  const ForwardOut<T, kKeep || kStrided, kStrided ? kDplrStateStride : 1> out(p, task);
   const KeptWorkspace kept(p, task);  // (kKeep)
   ChunkRows<T> rows(p, p.v, s, h, tid);
   float* const S = sm + L::state;
@@ -301,6 +306,7 @@ __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_tw
       if (more) rows.stage(nxt, 1.f);
       if (ci + 2 < nch) rows.fetch(ci + 2);
       if (kKeep && ci > 0) store_state(out.slot(ci), S, tid, NTF);  // (slot 0: init)
+      if (kStrided && ci > 0) out.store_after(ci - 1, S, tid, NTF);
     }
     __syncthreads();
     if (chain) forward_u(cur.blk, sm + L::scr0, sm + L::scr1, tid);
@@ -326,6 +332,7 @@ __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_tw
     if (!chain) store_state(out.slot(nch), S, tid, NTF);
     else kept.finish(p, n, nch, tid, NTF);
   }
+  if (kStrided && !chain && nch > 0) out.store_after(nch - 1, S, tid, NTF);  // (the final state)
   if (chain) out.finish(p, S, tid, NTF);
 }
 

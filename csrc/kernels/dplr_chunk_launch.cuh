@@ -75,10 +75,12 @@ cudaError_t launch_with_smem(K kernel, dim3 grid, int threads, size_t bytes, con
   return cudaGetLastError();
 }
 
-// A fused kernel (one CTA per (sequence, head)): where two CTAs per SM hold every task, the
-// two-block kernel (the next chunk's steps beside this one's chain), if there is one (`two` not
-// null; `one_two` its build for at most one CTA per SM, with the registers of a whole SM); else the one-block kernel with kCtas = 3 or 4 CTAs per SM: three give each CTA the
-// shorter chunk step, so four only where three per SM would leave CTAs for a second wave.
+// A fused kernel (one CTA per (sequence, head)): where one or two CTAs per SM hold every task,
+// the two-block kernel (the next chunk's steps beside this one's chain), if there is one
+// (`one_two`: its build for at most one CTA per SM, with the registers of a whole SM; `two`: for
+// two per SM; either may be null); else the one-block kernel with kCtas = 3 or 4 CTAs per SM:
+// three give each CTA the shorter chunk step, so four only where three per SM would leave CTAs
+// for a second wave.
 using FusedKernel = void (*)(DplrChunkPass);
 template <typename T>
 cudaError_t launch_fused(FusedKernel one_two, FusedKernel two, FusedKernel three, FusedKernel four,
@@ -88,8 +90,8 @@ cudaError_t launch_fused(FusedKernel one_two, FusedKernel two, FusedKernel three
   DplrChunkPass f = p;
   f.paths.rows_16byte = input_rows_in_pieces<T>(p, cols);
   const dim3 grid{unsigned(tasks)};
-  if (two && tasks <= 2 * sms)
-    return launch_with_smem(tasks <= sms ? one_two : two, grid, 2 * NTF, FusedSmem<2>::bytes(), f, stream);
+  FusedKernel pair_build = tasks <= sms && one_two ? one_two : tasks <= 2 * sms ? two : nullptr;
+  if (pair_build) return launch_with_smem(pair_build, grid, 2 * NTF, FusedSmem<2>::bytes(), f, stream);
   return launch_with_smem(tasks > 3 * sms ? four : three, grid, NTF, FusedSmem<1>::bytes(), f, stream);
 }
 
@@ -288,15 +290,15 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value) {
     if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V))
-      return p.hst ? launch_fused<T>(nullptr, nullptr, fused_forward_kernel<T, 3, true>,
-                                     fused_forward_kernel<T, 4, true>, p, p.v, stream)
-                   : launch_fused<T>(fused_forward_two_block_kernel<T, 1, false>,
-                                     fused_forward_two_block_kernel<T, 2, false>, fused_forward_kernel<T, 3, false>,
-                                     fused_forward_kernel<T, 4, false>, p, p.v, stream);
+      return p.hst ? launch_fused<T>(fused_forward_two_block_kernel<T, 1, DplrKept::states>, nullptr,
+                                     fused_forward_kernel<T, 3, true>, fused_forward_kernel<T, 4, true>, p, p.v, stream)
+                   : launch_fused<T>(fused_forward_two_block_kernel<T, 1, DplrKept::nothing>,
+                                     fused_forward_two_block_kernel<T, 2, DplrKept::nothing>,
+                                     fused_forward_kernel<T, 3, false>, fused_forward_kernel<T, 4, false>, p, p.v, stream);
     if (fused_keeps_workspace(p)) {
       DplrChunkPass f = p;
       f.paths.rows_16byte = input_rows_in_pieces<T>(p, p.v);
-      return launch_with_smem(fused_forward_two_block_kernel<T, 1, true>, dim3(unsigned(int64_t(p.N) * p.H)),
+      return launch_with_smem(fused_forward_two_block_kernel<T, 1, DplrKept::states_and_workspace>, dim3(unsigned(int64_t(p.N) * p.H)),
                               2 * kDplrFusedThreads, dplr_fused_detail::FusedSmem<2>::bytes(), f, stream);
     }
   }

@@ -31,23 +31,25 @@ void cta(const F& kernel) {
   emu::poisoned_cta(kernel, sm, sm4);
 }
 
-// The fused kernels' build that the launch picks by the number of tasks: two blocks (two CTAs
-// per SM: the reverse pass; the forward's is for inference alone), or one block with kCtas = 3
-// or 4 CTAs per SM (set_fused_ctas; the register budget changes nothing here, the schedule of
+// The fused kernels' build that the launch picks by the number of tasks: two blocks (1: one CTA
+// per SM, 2: two; the forward's two-CTA build is for inference alone), or one block with kCtas =
+// 3 or 4 CTAs per SM (set_fused_ctas; the register budget changes nothing here, the schedule of
 // the two-block kernels does).
 int fused_ctas = 4;
 using dplr_fused_detail::NTF;
 
-// kCtas = 1 here: the two-block kernel keeping the two-kernel forward's states and workspace
-// (a training forward at few pairs).
+// kCtas = 0 here: the two-block kernel keeping the two-kernel forward's states and workspace (a
+// training forward at few pairs); 1: the two-block kernel storing the strided states.
 template <int kCtas>
 void fused_forward(const DplrChunkPass& p) {
   emu::launch(dim3(unsigned(p.N * p.H)), kCtas <= 2 ? 2 * NTF : NTF, [&] {
     emu::poisoned_cta([&] {
-      if constexpr (kCtas == 1) {
-        fused_forward_two_block_kernel<__nv_bfloat16, 1, true>(p);
+      if constexpr (kCtas == 0) {
+        fused_forward_two_block_kernel<__nv_bfloat16, 1, DplrKept::states_and_workspace>(p);
+      } else if constexpr (kCtas == 1) {
+        fused_forward_two_block_kernel<__nv_bfloat16, 1, DplrKept::states>(p);
       } else if constexpr (kCtas == 2) {
-        fused_forward_two_block_kernel<__nv_bfloat16, 2, false>(p);  // (inference)
+        fused_forward_two_block_kernel<__nv_bfloat16, 2, DplrKept::nothing>(p);  // (inference)
       } else {
         if (p.hst) fused_forward_kernel<__nv_bfloat16, kCtas, true>(p);
         else fused_forward_kernel<__nv_bfloat16, kCtas, false>(p);
@@ -57,7 +59,8 @@ void fused_forward(const DplrChunkPass& p) {
 }
 // A training forward (hst): the one-block kernel, as the launch runs it.
 void fused_training_forward(const DplrChunkPass& p) {
-  if (fused_ctas == 3) fused_forward<3>(p);
+  if (fused_ctas == 1) fused_forward<1>(p);
+  else if (fused_ctas == 3) fused_forward<3>(p);
   else fused_forward<4>(p);
 }
 
@@ -65,9 +68,10 @@ void fused_training_forward(const DplrChunkPass& p) {
 void fused_reverse(const DplrChunkPass& p) {
   DplrChunkPass f = p;
   f.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.dout);
-  emu::launch(dim3(unsigned(p.N * p.H)), fused_ctas == 2 ? 2 * NTF : NTF, [&] {
+  emu::launch(dim3(unsigned(p.N * p.H)), fused_ctas <= 2 ? 2 * NTF : NTF, [&] {
     emu::poisoned_cta([&] {
-      if (fused_ctas == 2) fused_reverse_two_block_kernel<__nv_bfloat16, 2>(f);
+      if (fused_ctas == 1) fused_reverse_two_block_kernel<__nv_bfloat16, 1>(f);
+      else if (fused_ctas == 2) fused_reverse_two_block_kernel<__nv_bfloat16, 2>(f);
       else fused_reverse_kernel<__nv_bfloat16, 4>(f);
     }, fused_sm4);
   });
@@ -165,7 +169,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
       } else {
         TORCH_CHECK(dplr_fused_forward(p.dtype, K, V), "not a fused-forward shape");
         f.paths.rows_16byte = input_rows_in_pieces<E>(f, f.v);
-        fused_forward<1>(f);
+        fused_forward<0>(f);
       }
     } else {
       forward(f);
@@ -299,7 +303,7 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
       DplrChunkPass f = p;
       f.hst = hst.data_ptr(), f.ws = wsb.data_ptr(), f.fused = false;
       if (run == 0) {
-        fused_forward<1>(f);
+        fused_forward<0>(f);
       } else {
         Tensor uob = poison({slots * H * ws.uo_floats_per_chunk()});
         Tensor o2 = poison(v.sizes(), v.scalar_type()), hT2 = poison({N, H, K, V});

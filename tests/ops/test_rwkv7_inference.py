@@ -249,8 +249,9 @@ def test_fused_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen)
 @pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fused_training_forward_matches_oracle(case, head_first, dtype, monkeypatch, gen):
-    """The fused training forward (forced) stores the state before every fourth chunk and the
-    final one (kDplrStateStride), and the backward runs the fused reverse pass and grad on them
+    """The fused training forward (forced; at most one pair per SM its two-block build, whose
+    steps' warps store the states) stores the state before every fourth chunk and the final one
+    (kDplrStateStride), and the backward runs the fused reverse pass and grad on them
     (DplrKept::states: grad makes the states between): o, the final state and every gradient
     against the float64 oracle (bf16 / fp16 tolerances), `saved` holding those states alone,
     every float written."""
