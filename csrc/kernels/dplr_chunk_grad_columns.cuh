@@ -38,14 +38,14 @@ __device__ __forceinline__ void column_slab_tc(float* sm, const Smem& L, const D
   float mp[NTL][4] = {}, u[NTL][4] = {};
   rows_state_mma<NTL, !kExactS>(sm, L, L.da_rows, L.S, x0, mp);
   {
-    const MatFrag Aak(sm, L.Aak);
+    const MatFrag<> Aak(sm, L.Aak);
 #pragma unroll
     for (int t = 0; t < NTL; ++t) Aak.mma<true>(mp[t], col(L.v, t));
   }
   put(L.M, mp);
   __syncwarp();
   {
-    const MatFrag X(sm, L.X);
+    const MatFrag<> X(sm, L.X);
 #pragma unroll
     for (int t = 0; t < NTL; ++t) X.mma<true>(u[t], col(L.M, t));
   }
@@ -53,14 +53,14 @@ __device__ __forceinline__ void column_slab_tc(float* sm, const Smem& L, const D
   float du[NTL][4] = {}, dm[NTL][4] = {}, dv[NTL][4] = {};
   rows_state_mma(sm, L, L.db_rows, L.dS, x0, du);
   {
-    const MatFrag Arb(sm, L.Arb, true, rho);
+    const MatFrag<> Arb(sm, L.Arb, true, rho);
 #pragma unroll
     for (int t = 0; t < NTL; ++t) Arb.mma<true>(du[t], col(L.dO, t));
   }
   put(L.dU, du);
   __syncwarp();
   {
-    const MatFrag Xt(sm, L.X, true);
+    const MatFrag<> Xt(sm, L.X, true);
 #pragma unroll
     for (int t = 0; t < NTL; ++t) Xt.mma<true>(dm[t], col(L.dU, t));
   }
@@ -68,7 +68,7 @@ __device__ __forceinline__ void column_slab_tc(float* sm, const Smem& L, const D
   __syncwarp();
   rows_state_mma(sm, L, L.dk_rows, L.dS, x0, dv);
   {
-    const MatFrag Ark(sm, L.Ark, true, rho), Aak(sm, L.Aak, true);
+    const MatFrag<> Ark(sm, L.Ark, true, rho), Aak(sm, L.Aak, true);
 #pragma unroll
     for (int t = 0; t < NTL; ++t) Ark.mma<true>(dv[t], col(L.dO, t)), Aak.mma<true>(dv[t], col(L.dM, t));
   }

@@ -1,9 +1,9 @@
 // CUDA engine for the chunked RWKV7 algebra of kernels/dplr_chunk.h (the steps of
-// cpu/dplr_chunk.cpp in fp32). Exact SIMT FMA everywhere for fp32 inputs; for bf16 / fp16 inputs
-// every product with a state, a 16 x 16 matrix or across the columns runs on TF32 tensor cores
-// (fp32 accumulators and states; X and every exponent stay SIMT fp32, the pair matrices too
-// unless a chunk's decays allow their fp32-accurate 3xTF32 form). The launch compiles K = 64
-// and 128 as constants (launch_k).
+// cpu/dplr_chunk.cpp in fp32). In prep and the sweeps every product with a state, a 16 x 16
+// matrix or across the columns runs on tensor cores: TF32 for bf16 / fp16 inputs, fp32-accurate
+// 3xTF32 for fp32 ones (fp32 accumulators and states; X and every exponent stay SIMT fp32, the
+// pair matrices too unless a bf16 / fp16 chunk's decays allow their 3xTF32 form). grad runs exact
+// SIMT FMA for fp32 inputs. The launch compiles K = 64 and 128 as constants (launch_k).
 //
 // Fused kernels (bf16 / fp16, K = V = 64), one CTA per (sequence, head): the forward where the
 // op sets DplrChunkPass::fused (fused_forward_kernel, dplr_chunk_fused.cuh; enough pairs), no
@@ -104,7 +104,7 @@ cudaError_t run_prep(const DplrChunkPass& p, cudaStream_t stream) {
 }
 template <typename T, int KC, bool REV, bool OUT>
 cudaError_t run_sweep(const DplrChunkPass& p, cudaStream_t stream) {
-  const size_t bytes = StateSmem(DplrWorkspaceLayout(p.K, p.V), p.K, !std::is_same<T, float>::value).bytes();
+  const size_t bytes = StateSmem(DplrWorkspaceLayout(p.K, p.V), p.K).bytes();
   const dim3 grid(unsigned(int64_t(p.N) * p.H * state_tiles(p.V)));
   if constexpr (!std::is_same<T, float>::value && KC == 64 && !REV && OUT) {
     if (p.sweep_strided_states) return launch_with_smem(sweep_kernel<T, false, true, KC, true>, grid, NTS, bytes, p, stream);

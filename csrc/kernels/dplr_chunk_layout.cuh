@@ -40,6 +40,7 @@ using tile::acc_col;
 using tile::acc_row;
 using tile::warp_mma;
 using tile::mma_tf32;
+using tile::mma_tf32_as;
 using tile::tf32_if;
 using tile::tf32_round;
 using tile::warp_mma_ld;

@@ -93,8 +93,8 @@ __device__ inline bool prepare(float* sm, const Smem& L) {
   return factored;
 }
 
-// Prep's products with the 16 x 16 matrices on TF32 tensor cores (bf16 / fp16 inputs; the
-// matrices themselves stay exact fp32 SIMT, as do all exponents). A warp owns 8 channels (or
+// Prep's products with the 16 x 16 matrices on TF32 tensor cores (bf16 / fp16 inputs; fp32 ones
+// as 3xTF32, X3; the matrices themselves stay exact fp32 SIMT, as do all exponents). A warp owns 8 channels (or
 // columns) at a time and chains its products through a warp-private 16 x 8 scratch with
 // __syncwarp only: the SIMT forms (a thread per channel and row group) need a CTA barrier
 // between each product and the next.
@@ -102,9 +102,10 @@ __device__ inline bool prepare(float* sm, const Smem& L) {
 // w, r, k, b rows (each lane overwrites only elements it has read), for store_kwide_rows; gamma
 // straight to the workspace. `factored`: the a and r rows hold Â and R^ already (prepare).
 // Not synchronised.
+template <bool X3>
 __device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWorkspaceLayout& ws, float* out, bool factored) {
   const int K = L.K, KP = L.KP, warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
-  const MatFrag X(sm, L.X), Arb(sm, L.Arb);
+  const MatFrag<X3> X(sm, L.X), Arb(sm, L.Arb);
   for (int n0 = 8 * warp; n0 < ws.KP4; n0 += NT / 4) {
     const int d = n0 + g;  // the B fragments' channel
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -138,7 +139,9 @@ __device__ inline void kwide_rows_tc(float* sm, const Smem& L, const DplrWorkspa
 // kwide_rows_tc's rows to the workspace as 16-byte pieces (after a barrier): the lanes of its
 // fragments hold 8-byte pairs on 8 rows, and stores from there would take twice the store
 // instructions, each to a swizzled address of its own. Rounded to TF32 (tf32_round): the sweeps
-// read them only as tensor-core operands, now without a rounding add per read (the same values).
+// read them only as tensor-core operands, now without a rounding add per read (the same values);
+// X3 (fp32 inputs, whose sweeps' products are 3xTF32): whole.
+template <bool X3>
 __device__ inline void store_kwide_rows(const float* sm, const Smem& L, const DplrWorkspaceLayout& ws, float* out) {
   // A thread's row i and piece c once for all four arrays (one piece per thread at K = 64): the
   // krow_at swizzle has period C, so array m's piece sits m C KS further. Per piece, picking the
@@ -152,7 +155,7 @@ __device__ inline void store_kwide_rows(const float* sm, const Smem& L, const Dp
     for (int m = 0; m < 4; ++m) {
       const float4 x = *reinterpret_cast<const float4*>(sm + src[m] + i * L.KP + c);
       *reinterpret_cast<float4*>(dst + m * C * ws.KS) =
-          make_float4(tile::tf32_round(x.x), tile::tf32_round(x.y), tile::tf32_round(x.z), tile::tf32_round(x.w));
+          make_float4(tf32_if<!X3>(x.x), tf32_if<!X3>(x.y), tf32_if<!X3>(x.z), tf32_if<!X3>(x.w));
     }
   }
 }
@@ -172,7 +175,8 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWorkspac
   // Scratch row k sits at srow(k): MatFrag's B rows 2q (+ 1) of a k-step, 8 floats apart, would
   // share banks for q, q + 2; rotating each 4-row block by its index spreads them over all 32.
   float* const scr = sm + L.eG + warp * C * 8;
-  const MatFrag Aak(sm, L.Aak), X(sm, L.X);
+  constexpr bool X3 = std::is_same<T, float>::value;
+  const MatFrag<X3> Aak(sm, L.Aak), X(sm, L.X);
   auto srow = [](int k) { return (k & ~3) | ((k + (k >> 2)) & 3); };
   auto put = [&](float (&acc)[4]) {
 #pragma unroll
@@ -199,8 +203,8 @@ __device__ inline void col_tiles_tc(float* sm, const Smem& L, const DplrWorkspac
     put(u);
     __syncwarp();
     float o[4] = {0.f, 0.f, 0.f, 0.f};
-    MatFrag(sm, L.Ark).mma(o, vb);
-    MatFrag(sm, L.Arb).mma(o, from_scr);
+    MatFrag<X3>(sm, L.Ark).mma(o, vb);
+    MatFrag<X3>(sm, L.Arb).mma(o, from_scr);
     if (c < ws.VP4)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -308,58 +312,18 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
     *reinterpret_cast<float4*>(out + ws.mats_at() + 4 * e) =
         e % (CP / 4) == C / 4 ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
   zero_ws_pads(out, uout(), ws);
-  // K-wide rows, then the column tiles: on tensor cores for bf16 / fp16 (kwide_rows_tc,
-  // col_tiles_tc; the column tiles when v is in the stage), else exact SIMT below.
+  // K-wide rows, then the column tiles (when v is in the stage) on tensor cores: single TF32 for
+  // bf16 / fp16, 3xTF32 for fp32 (X3: fp32-accurate; the pair matrices and X stay exact SIMT).
   const float rho = float(p.scale);
-  if (TC) {
-    kwide_rows_tc(sm, L, ws, out, factored);
-  } else {
-    // Thread (channel d, row group g) holds channel d of all 16 rows of an operand in registers
-    // and makes rows g, g + 4, ..; the triangular matrices are zero-filled, so every product is
-    // a fixed 16-term sum. W = X Â goes through the w rows (w is not read again).
-    const int g = threadIdx.x / 64;
-    for (int d0 = 0; d0 < ws.KP4; d0 += 64) {
-      const int d = d0 + threadIdx.x % 64;
-      const bool on = d < K;
-      float x[C];
-#pragma unroll
-      for (int l = 0; l < C; ++l) x[l] = on ? sm[L.a + l * KP + d] * eE(sm, L, l, d) : 0.f;
-#pragma unroll
-      for (int i = g; i < C; i += 4) {
-        float wv = 0.f;
-#pragma unroll
-        for (int l = 0; l < C; ++l) wv += sm[L.X + i * CP + l] * x[l];
-        if (d < ws.KP4) sm[L.w + i * KP + d] = wv, out[ws.w_at() + ws.krow_at(i, d)] = wv;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int l = 0; l < C; ++l) x[l] = on ? sm[L.w + l * KP + d] : 0.f;
-#pragma unroll
-      for (int i = g; i < C; i += 4) {
-        float q = on ? sm[L.r + i * KP + d] * sm[L.eG + i * KP + d] : 0.f;
-#pragma unroll
-        for (int j = 0; j < C; ++j) q += sm[L.Arb + i * CP + j] * x[j];
-        if (d < ws.KP4) {
-          const float eo = on ? sm[L.eO + i * KP + d] : 0.f;
-          out[ws.w_at() + ws.krow_at(C + i, d)] = q;
-          out[ws.w_at() + ws.krow_at(2 * C + i, d)] = eo * sm[L.k + i * KP + d];
-          out[ws.w_at() + ws.krow_at(3 * C + i, d)] = eo * sm[L.b + i * KP + d];
-        }
-      }
-      if (g == 0 && d < ws.KP4) out[ws.gamma_at() + d] = on ? sm[L.eG + (C - 1) * KP + d] : 0.f;
-      __syncthreads();
-    }
-  }
-  if (TC) {
-    if (p.paths.rows_16byte) copy_wait<0>();
-    __syncthreads();
-    store_kwide_rows(sm, L, ws, out);
-    // U0 serves the forward sweeps alone: a backward on strided states runs none
-    if (p.backward() && p.sweep_strided_states) return;
-    if (p.paths.rows_16byte) {
-      col_tiles_tc<T>(sm, L, ws, uout(), p.V, rho, !p.backward());
-      return;
-    }
+  kwide_rows_tc<!TC>(sm, L, ws, out, factored);
+  if (p.paths.rows_16byte) copy_wait<0>();
+  __syncthreads();
+  store_kwide_rows<!TC>(sm, L, ws, out);
+  // U0 serves the forward sweeps alone: a backward on strided states runs none
+  if (p.backward() && p.sweep_strided_states) return;
+  if (p.paths.rows_16byte) {
+    col_tiles_tc<T>(sm, L, ws, uout(), p.V, rho, !p.backward());
+    return;
   }
   // V columns in tiles of `cols`: thread (column x, row group g). U0 = X A_ak V, O0 = scale
   // (A_rk V + A_rb U0) (forward only); columns in [V, VP4) are written (0: v reads 0 there).

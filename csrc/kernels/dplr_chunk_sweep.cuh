@@ -9,27 +9,26 @@ namespace dplr_chunk_detail {
 
 constexpr int SX = kDplrSweepCols, NTS = 256;  // state columns and threads per CTA
 constexpr int SXP = DplrWorkspaceLayout::UP;  // row stride of the staged U0 / O0
-static_assert(NTS == C * SX / 2, "phase A (SIMT): one thread per row and column pair");
+static_assert(NTS == 256, "phase A: warps 0-3 make T, 4-7 o; phase B: two warps per channel tile");
 FLA_HD int state_tiles(int V) { return (V + SX - 1) / SX; }
 // The column arrays hold the state and the chunk's rows transposed, columns x and x + 8 of each
 // 16-column half interleaved (pair p = 8 (x / 16) + x % 8, x % 16 / 8 the element of the pair):
 // then a lane's A fragment of an m16n8k8 product, (A(g, k), A(g + 8, k), A(g, k + 1), A(g + 8,
 // k + 1)) with k permuted (lane q's four k of a 16-wide step are 4q .. 4q + 3, read the same for
 // A and B), is one 16-byte shared load straight into the mma's registers:
-//   ST  [16][R]  S^T (the state, or D), [K8][2] per pair (K8: K rounded up to 8). SIMT: R =
-//                2 K8 + 4 (4 mod 8: pairs p, p + 1 of a 16-byte phase on different banks). TC:
-//                R = 2 K8 rounded up to 32, and in odd pairs the 16-byte pieces (channel pairs)
-//                XOR 5, so that both 16-byte reads are conflict-free: phase A's (pieces 2q,
-//                2q + 1 of pairs p, p + 1: XOR 1 would do) and phase B's (pieces q + 0..3: XOR 4
-//                would do); at R = 2 K8 + 4 phase B's are two-way conflicts, and the sweep is
-//                bound by shared-memory throughput.
+//   ST  [16][R]  S^T (the state, or D), [K8][2] per pair (K8: K rounded up to 8). R = 2 K8
+//                rounded up to 32, and in odd pairs the 16-byte pieces (channel pairs) XOR 5, so
+//                that both 16-byte reads are conflict-free: phase A's (pieces 2q, 2q + 1 of pairs
+//                p, p + 1: XOR 1 would do) and phase B's (pieces q + 0..3: XOR 4 would do); at
+//                R = 2 K8 + 4 phase B's are two-way conflicts, and the sweep is bound by
+//                shared-memory throughput.
 //   UT, VT [16][32]  U^T (or T^T) and v^T (or (scale dO)^T), [16][2] per pair, 16-byte pieces
 //                swizzled by the pair: cidx()
 // (a [K][SX] layout reads four 4-byte words per lane and k-step, so shared loads would dominate
 // the sweep's instructions; [SX][K] with 16-byte loads needs 4 register moves per mma).
 FLA_HD int pair_of(int x) { return (x >> 4) * 8 + (x & 7); }
-FLA_HD int sidx(int R, int x, int d, bool sw) {
-  const int p = pair_of(x), piece = (d >> 1) ^ (sw ? 5 * (p & 1) : 0);
+FLA_HD int sidx(int R, int x, int d) {
+  const int p = pair_of(x), piece = (d >> 1) ^ (5 * (p & 1));
   return p * R + (piece << 2) + 2 * (d & 1) + ((x >> 3) & 1);
 }
 FLA_HD int cidx(int x, int j) {
@@ -41,7 +40,7 @@ FLA_HD int cidx(int x, int j) {
 // mbarriers (bulk copies).
 struct StateSmem {
   int R, S, U, Vt, buf, sW, sQ, sKh, sBh, sGam, sU0, sO0, stage, bars, total;
-  FLA_HD StateSmem(const DplrWorkspaceLayout& ws, int K, bool tc) : R(tc ? (2 * ((K + 7) / 8 * 8) + 31) / 32 * 32 : 2 * ((K + 7) / 8 * 8) + 4) {
+  FLA_HD StateSmem(const DplrWorkspaceLayout& ws, int K) : R((2 * ((K + 7) / 8 * 8) + 31) / 32 * 32) {
     S = 0, U = SX / 2 * R, Vt = U + SX * C, buf = Vt + SX * C;
     sW = int(ws.w_at()), sQ = int(ws.q_at()), sKh = int(ws.khat_at()), sBh = int(ws.bhat_at()), sGam = int(ws.gamma_at());
     sU0 = int(ws.kpart_floats()), sO0 = sU0 + C * SXP, stage = sO0 + C * SXP;
@@ -62,6 +61,10 @@ struct StateSmem {
 // K^, B^ or Q~, W: rows [j][d]). The forward stores the chunk-start states in hst (when asked)
 // and the final one after them; the backward stores every D in dhst; both from phase B's
 // registers.
+// Every product runs on tensor cores: single TF32 for bf16 / fp16 inputs (prep stores the K-part
+// as TF32 values; the state's operands are truncated by the mma), 3xTF32 for fp32 ones (X3:
+// fp32-accurate, mma_tf32x3; U^T and v^T then stay fp32 too): the SIMT FMA form this replaced
+// for fp32 took more than twice as long (benchmarks/NOTES.md c40).
 // Why 32 columns on 256 threads and two workspace stages: 16 columns on 128 threads is slower
 // (SIMT, and TF32 at K = 128: the K-part of the workspace is fetched whole per CTA for half the
 // work), and a third stage is no faster (two already hide the fetch).
@@ -74,12 +77,12 @@ template <typename T, bool REV, bool OUT = !REV, int KC = 0, bool STRIDED = fals
 __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPass p) {
   static_assert(!STRIDED || !REV, "strided states: the forward's");
   if (!REV && p.sweep_strided_states != STRIDED) return;  // (the launch's pick: hst's size is its)
-  constexpr bool TC = !std::is_same<T, float>::value;
+  constexpr bool X3 = std::is_same<T, float>::value;
   extern __shared__ float4 sm4[];
   float* sm = reinterpret_cast<float*>(sm4);
   const int K = KC ? KC : p.K;
   const DplrWorkspaceLayout ws(K, p.V);
-  const StateSmem L(ws, K, TC);
+  const StateSmem L(ws, K);
   const int R = L.R, K8 = (K + 7) / 8 * 8, tiles = state_tiles(p.V);
   const int tile = blockIdx.x % tiles, nh = blockIdx.x / tiles, h = nh % p.H, n = nh / p.H;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
@@ -189,7 +192,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   for (int e = threadIdx.x; e < K8 * SX; e += NTS) {  // channels [K, K8): 0
     const int d = e / SX, x = e % SX;
     const float v = d < K && init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
-    ST[sidx(R, x, d, TC)] = v;
+    ST[sidx(R, x, d)] = v;
     if (first_out && d < K && x < nc) *state_at(strided ? kslot0 : slot_of(REV ? c_hi - 1 : 0), d, x) = v;
   }
   if (FLA_BULK_COPY && threadIdx.x == 0) mbar_init(bars, 1), mbar_init(bars + 1, 1);
@@ -199,9 +202,9 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   fetch_rows(0, vx);
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
   const int64_t o_row = p.o.st;
-  // TC: lane operands as 16-byte pieces (K a multiple of 16), else element by element.
+  // Lane operands as 16-byte pieces (K a multiple of 16), else element by element.
   const bool wide = K % 16 == 0;
-  // TC phase A: a warp per m16n8 tile, rows m0 = 16 (warp % 2) of the state's columns, 8 of the
+  // Phase A: a warp per m16n8 tile, rows m0 = 16 (warp % 2) of the state's columns, 8 of the
   // chunk's rows i0 = 8 (warp / 2 % 2) of K-part array xrow (warps 0..3 T, 4..7 o).
   const int m0 = 16 * (warp % 2), i0 = 8 * (warp / 2 % 2), xrow = REV ? 3 * C : warp < 4 ? 0 : C;  // B^, W or Q~
   // Lane offsets formed once (the swizzle repeats every 32 channels): phase A's B piece of row
@@ -229,80 +232,46 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
 #pragma unroll
     for (int it = 0; it < C * SX / NTS; ++it) {
       const int e = threadIdx.x + it * NTS;
-      VT[cidx(e % SX, e / SX)] = REV ? tf32_if<TC>(rho * to_f(vx[it])) : to_f(vx[it]);  // mma operands
+      VT[cidx(e % SX, e / SX)] = REV ? tf32_if<!X3>(rho * to_f(vx[it])) : to_f(vx[it]);  // mma operands
     }
     fetch_rows(step + 1, vx);
     __syncthreads();
     // Phase A: T^T = S^T X_A^T into UT (plus U0: U^T), and o^T = O0^T + scale S^T Q~^T.
-    if (TC) {
-      if (warp < (want_o ? 8 : 4)) {
-        const float* A = cur + L.sW;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if (wide) {
-          // channels 4q, 4q + 1 and 4q + 2, 4q + 3 (the swizzle keeps them in each 8-piece group)
-          const float *const a0 = ST + sidx(R, m0 + g, 4 * q, true), *const a1 = ST + sidx(R, m0 + g, 4 * q + 2, true);
-          for (int kb = 0; kb < K; kb += 16) {
-            const float4 u = *reinterpret_cast<const float4*>(a0 + 2 * kb);
-            const float4 v = *reinterpret_cast<const float4*>(a1 + 2 * kb);
-            const float4 w = *reinterpret_cast<const float4*>(A + (kb & ~31) + (kb & 16 ? aoff1 : aoff0));
-            mma_tf32(acc, __float_as_uint(u.x), __float_as_uint(u.y), __float_as_uint(u.z), __float_as_uint(u.w),
-                     __float_as_uint(w.x), __float_as_uint(w.y));
-            mma_tf32(acc, __float_as_uint(v.x), __float_as_uint(v.y), __float_as_uint(v.z), __float_as_uint(v.w),
-                     __float_as_uint(w.z), __float_as_uint(w.w));
-          }
-        } else {
-          warp_mma(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? ST[sidx(R, m0 + r, k, TC)] : 0.f; },
-                   [&](int k, int c) { return k < K ? A[ws.krow_at(xrow + i0 + c, k)] : 0.f; });
+    if (warp < (want_o ? 8 : 4)) {
+      const float* A = cur + L.sW;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      if (wide) {
+        // channels 4q, 4q + 1 and 4q + 2, 4q + 3 (the swizzle keeps them in each 8-piece group)
+        const float *const a0 = ST + sidx(R, m0 + g, 4 * q), *const a1 = ST + sidx(R, m0 + g, 4 * q + 2);
+        for (int kb = 0; kb < K; kb += 16) {
+          const float4 u = *reinterpret_cast<const float4*>(a0 + 2 * kb);
+          const float4 v = *reinterpret_cast<const float4*>(a1 + 2 * kb);
+          const float4 w = *reinterpret_cast<const float4*>(A + (kb & ~31) + (kb & 16 ? aoff1 : aoff0));
+          mma_tf32_as<X3>(acc, {u.x, u.y, u.z, u.w}, {w.x, w.y});
+          mma_tf32_as<X3>(acc, {v.x, v.y, v.z, v.w}, {w.z, w.w});
         }
-        if (warp < 4) {
-          const int x = m0 + g, i = i0 + 2 * q;  // acc: (x, i), (x, i + 1), (x + 8, i), (x + 8, i + 1)
-          if (!REV) {
-            const float* const u0 = cur + L.sU0 + i * SXP + x;
-            acc[0] += u0[0], acc[1] += u0[SXP], acc[2] += u0[8], acc[3] += u0[SXP + 8];
-          }
-          // UT is read only as an mma operand: rounded once here, not per read
-          *reinterpret_cast<float4*>(UT + cidx(x, i)) =
-              make_float4(tf32_round(acc[0]), tf32_round(acc[2]), tf32_round(acc[1]), tf32_round(acc[3]));
-        } else {
-          T* const ob = o_lane + ci * C * o_row;
-          const int64_t rem = s.len - ci * C;
+      } else {
+        warp_mma<X3>(acc, (K + 7) / 8 * 8, [&](int r, int k) { return k < K ? ST[sidx(R, m0 + r, k)] : 0.f; },
+                     [&](int k, int c) { return k < K ? A[ws.krow_at(xrow + i0 + c, k)] : 0.f; });
+      }
+      if (warp < 4) {
+        const int x = m0 + g, i = i0 + 2 * q;  // acc: (x, i), (x, i + 1), (x + 8, i), (x + 8, i + 1)
+        if (!REV) {
+          const float* const u0 = cur + L.sU0 + i * SXP + x;
+          acc[0] += u0[0], acc[1] += u0[SXP], acc[2] += u0[8], acc[3] += u0[SXP + 8];
+        }
+        // UT is read only as an mma operand: rounded once here, not per read (X3: kept whole)
+        *reinterpret_cast<float4*>(UT + cidx(x, i)) = make_float4(tf32_if<!X3>(acc[0]), tf32_if<!X3>(acc[2]),
+                                                                  tf32_if<!X3>(acc[1]), tf32_if<!X3>(acc[3]));
+      } else {
+        T* const ob = o_lane + ci * C * o_row;
+        const int64_t rem = s.len - ci * C;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int x = acc_row(m0, e), i = acc_col(i0, e);
-            if (i < rem && (e < 2 ? lx0 : lx1))
-              ob[(e % 2) * o_row + (e / 2) * 8 * p.o.sd] = from_f<T>(cur[L.sO0 + i * SXP + x] + rho * acc[e]);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int x = acc_row(m0, e), i = acc_col(i0, e);
+          if (i < rem && (e < 2 ? lx0 : lx1))
+            ob[(e % 2) * o_row + (e / 2) * 8 * p.o.sd] = from_f<T>(cur[L.sO0 + i * SXP + x] + rho * acc[e]);
         }
-      }
-    } else {  // thread: chunk row i, columns xp, xp + 1
-      const int i = threadIdx.x / (SX / 2), xp = 2 * (threadIdx.x % (SX / 2));
-      const float *ar = cur + L.sW, *s0 = ST + sidx(R, xp, 0, TC), *s1 = ST + sidx(R, xp + 1, 0, TC);
-      const int srow = REV ? 3 * C + i : i;
-      // 16-byte pieces of the swizzled rows (channels [K, KP4) of the rows and [K, K8) of the
-      // state are 0): a swizzle index per channel would be integer work on every multiply-add.
-      const float *ra = ar + srow * ws.KS, *rq = ar + (C + i) * ws.KS;
-      const int swa = dplr_kswz(srow), swq = dplr_kswz(C + i);
-      float t0 = 0.f, t1 = 0.f, q0 = 0.f, q1 = 0.f;
-#pragma unroll 2
-      for (int d4 = 0; d4 < ws.KP4 / 4; ++d4) {
-        const float4 a = *reinterpret_cast<const float4*>(ra + ((d4 ^ swa) << 2));
-        const float *u = s0 + 8 * d4, *v = s1 + 8 * d4;
-        t0 += a.x * u[0] + a.y * u[2] + a.z * u[4] + a.w * u[6];
-        t1 += a.x * v[0] + a.y * v[2] + a.z * v[4] + a.w * v[6];
-        if (OUT) {
-          const float4 b = *reinterpret_cast<const float4*>(rq + ((d4 ^ swq) << 2));
-          q0 += b.x * u[0] + b.y * u[2] + b.z * u[4] + b.w * u[6];
-          q1 += b.x * v[0] + b.y * v[2] + b.z * v[4] + b.w * v[6];
-        }
-      }
-      if (!REV) t0 += cur[L.sU0 + i * SXP + xp], t1 += cur[L.sU0 + i * SXP + xp + 1];
-      UT[cidx(xp, i)] = t0, UT[cidx(xp + 1, i)] = t1;
-      if (want_o) {
-        const int64_t t = ci * C + i;
-        if (t < s.len)
-          for (int c = 0; c < 2; ++c)
-            if (xp + c < nc)
-              o_at[t * o_row + (xp + c) * p.o.sd] = from_f<T>(cur[L.sO0 + i * SXP + xp + c] + rho * (c ? q1 : q0));
       }
     }
     __syncthreads();
@@ -312,10 +281,10 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     const float* gam = cur + L.sGam;
     const bool put = REV ? step + 1 < steps : p.hst != nullptr && (!strided || (ci + 1) % S == 0 || ci + 1 == nch);
     const int64_t put_slot = strided ? kslot0 + (ci + S) / S : slot_of(REV ? ci - 1 : ci + 1);
-    if (TC) {
+    {
       // m16n8 tiles of S^T (16 state columns, 8 channels): warp w takes columns 16 (w % 2) and
       // channel tiles w / 2, w / 2 + 4, .. (m0 as in phase A); its A fragments (VT, UT rows) once.
-      uint32_t va[8], ua[8];
+      float va[8], ua[8];
       {
         const float4 v0 = *reinterpret_cast<const float4*>(VT + cidx(m0 + g, 4 * q));
         const float4 v1 = *reinterpret_cast<const float4*>(VT + cidx(m0 + g, 4 * q + 2));
@@ -324,7 +293,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         const float vv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
         const float uu[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) va[e] = __float_as_uint(vv[e]), ua[e] = __float_as_uint(uu[e]);
+        for (int e = 0; e < 8; ++e) va[e] = vv[e], ua[e] = uu[e];
       }
       float* const st_step = put ? st_lane + put_slot * slot_size : nullptr;
       for (int d0 = 8 * (warp / 2); d0 < K; d0 += 8 * (NTS / 64)) {
@@ -332,7 +301,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         float acc[4];
         {
           const float2 gm = dc + 1 < K ? *reinterpret_cast<const float2*>(gam + dc) : make_float2(dc < K ? gam[dc] : 0.f, 0.f);
-          const float4 sv = *reinterpret_cast<const float4*>(ST + sidx(R, m0 + g, dc, TC));  // (x, dc), (x + 8, dc), (x, dc + 1), ..
+          const float4 sv = *reinterpret_cast<const float4*>(ST + sidx(R, m0 + g, dc));  // (x, dc), (x + 8, dc), (x, dc + 1), ..
           acc[0] = gm.x * sv.x, acc[1] = gm.y * sv.z, acc[2] = gm.x * sv.y, acc[3] = gm.y * sv.w;
         }
         const bool bon = K % 8 == 0 || d0 + g < K;  // this lane's B fragment channel
@@ -343,11 +312,11 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
           b1[r] = bon ? Xd[boff1[r]] : 0.f;
           b2[r] = bon ? Xd[boff2[r]] : 0.f;
         }
-        mma_tf32(acc, va[0], va[1], va[2], va[3], __float_as_uint(b1[0]), __float_as_uint(b1[1]));
-        mma_tf32(acc, va[4], va[5], va[6], va[7], __float_as_uint(b1[2]), __float_as_uint(b1[3]));
-        mma_tf32(acc, ua[0], ua[1], ua[2], ua[3], __float_as_uint(b2[0]), __float_as_uint(b2[1]));
-        mma_tf32(acc, ua[4], ua[5], ua[6], ua[7], __float_as_uint(b2[2]), __float_as_uint(b2[3]));
-        *reinterpret_cast<float4*>(ST + sidx(R, m0 + g, dc, TC)) = make_float4(acc[0], acc[2], acc[1], acc[3]);
+        mma_tf32_as<X3>(acc, {va[0], va[1], va[2], va[3]}, {b1[0], b1[1]});
+        mma_tf32_as<X3>(acc, {va[4], va[5], va[6], va[7]}, {b1[2], b1[3]});
+        mma_tf32_as<X3>(acc, {ua[0], ua[1], ua[2], ua[3]}, {b2[0], b2[1]});
+        mma_tf32_as<X3>(acc, {ua[4], ua[5], ua[6], ua[7]}, {b2[2], b2[3]});
+        *reinterpret_cast<float4*>(ST + sidx(R, m0 + g, dc)) = make_float4(acc[0], acc[2], acc[1], acc[3]);
         if (put) {
           float* const sp = st_step + int64_t(d0 - 8 * (warp / 2)) * p.V;
           const bool d0in = dc < K, d1in = dc + 1 < K;
@@ -356,39 +325,6 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
           if (lx1 && d0in) sp[8] = acc[2];
           if (lx1 && d1in) sp[p.V + 8] = acc[3];
         }
-      }
-    } else {  // thread: channels 4 dg .. 4 dg + 3, columns xp, xp + 1
-      const int xp = 2 * (threadIdx.x % (SX / 2));
-      for (int dg = threadIdx.x / (SX / 2); 4 * dg < K; dg += NTS / (SX / 2)) {
-        const int d0 = 4 * dg;
-        float acc[4][2];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float gm = d0 + r < K ? gam[d0 + r] : 0.f;
-          acc[r][0] = gm * ST[sidx(R, xp, d0 + r, TC)];
-          acc[r][1] = gm * ST[sidx(R, xp + 1, d0 + r, TC)];
-        }
-#pragma unroll
-        for (int j = 0; j < C; ++j) {
-          const float v0 = VT[cidx(xp, j)], v1 = VT[cidx(xp + 1, j)];
-          const float u0 = UT[cidx(xp, j)], u1 = UT[cidx(xp + 1, j)];
-          const float4 a4 = *reinterpret_cast<const float4*>(X + (x1 + j) * ws.KS + ((dg ^ dplr_kswz(x1 + j)) << 2));
-          const float4 b4 = *reinterpret_cast<const float4*>(X + (x2 + j) * ws.KS + ((dg ^ dplr_kswz(x2 + j)) << 2));
-          const float a[4] = {a4.x, a4.y, a4.z, a4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            acc[r][0] += a[r] * v0 + b[r] * u0;
-            acc[r][1] += a[r] * v1 + b[r] * u1;
-          }
-        }
-        float* const sp = put ? state_at(put_slot, d0, xp) : nullptr;
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          if (d0 + r < K) {
-            ST[sidx(R, xp, d0 + r, TC)] = acc[r][0], ST[sidx(R, xp + 1, d0 + r, TC)] = acc[r][1];
-            if (put && xp < nc) sp[r * p.V] = acc[r][0];
-            if (put && xp + 1 < nc) sp[r * p.V + 1] = acc[r][1];
-          }
       }
     }
     __syncthreads();
@@ -403,7 +339,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   const MatArg& fin = REV ? (c_lo > 0 ? p.carry : p.dh0) : (c_hi < nch ? p.carry : p.hT);
   if (fin.on())
     for (int e = threadIdx.x; e < K * SX; e += NTS)
-      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = ST[sidx(R, e % SX, e / SX, TC)];
+      if (e % SX < nc) *mptr(fin, n, h, e / SX, x0 + e % SX) = ST[sidx(R, e % SX, e / SX)];
 }
 
 }  // namespace dplr_chunk_detail

@@ -103,13 +103,14 @@ __device__ inline void pseudo_values(float* sm, const Smem& L, int ah) {
 // A(p, k + 1), A(p + 8, k + 1)), k = 8 ks + 2q, p = kp_perm(g), A = M or M^T. At CP = 20 both
 // the 8-byte row reads and the transposed column reads are conflict-free. scale: the fragments
 // of scale * A.
+template <bool X3 = false>
 struct MatFrag {
-  uint32_t f[2][4];
+  uint32_t f[2][4];  // TF32 values, or with X3 the fp32 values whole (split at each product)
   __device__ __forceinline__ MatFrag(const float* sm, int m, bool tr = false, float scale = 1.f) {
     const int q = threadIdx.x % 4, g = tile::kp_perm(threadIdx.x % 32 / 4);
     const int r8 = tr ? 8 : 8 * CP, k1 = tr ? CP : 1, k8 = tr ? 8 * CP : 8;  // row + 8, k + 1, k + 8
     const float* a = sm + m + (tr ? 2 * q * CP + g : g * CP + 2 * q);
-    auto cv = [&](float x) { return tile::to_tf32(scale * x); };
+    auto cv = [&](float x) { return X3 ? __float_as_uint(scale * x) : tile::to_tf32(scale * x); };
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
       if (tr) {
@@ -122,15 +123,24 @@ struct MatFrag {
     }
   }
   // acc += this (16 x 16) B (16 x 8) with B(k, n) = b(k, n) (lane (g, q) asks for (2q, g),
-  // (2q + 1, g), (2q + 8, g), (2q + 9, g)); RB: b gives TF32 values.
+  // (2q + 1, g), (2q + 8, g), (2q + 9, g)); RB: b gives TF32 values. X3: fp32-accurate
+  // (mma_tf32x3; RB is then ignored).
   template <bool RB = false, class B>
   __device__ __forceinline__ void mma(float (&acc)[4], B b) const {
     const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
     auto cb = [](float x) { return RB ? __float_as_uint(x) : tile::to_tf32(x); };
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks)
-      tile::mma_tf32(acc, f[ks][0], f[ks][1], f[ks][2], f[ks][3], cb(b(8 * ks + 2 * q, g)),
-                     cb(b(8 * ks + 2 * q + 1, g)));
+    for (int ks = 0; ks < 2; ++ks) {
+      if constexpr (X3) {
+        tile::mma_tf32x3(acc,
+                         {__uint_as_float(f[ks][0]), __uint_as_float(f[ks][1]), __uint_as_float(f[ks][2]),
+                          __uint_as_float(f[ks][3])},
+                         {b(8 * ks + 2 * q, g), b(8 * ks + 2 * q + 1, g)});
+      } else {
+        tile::mma_tf32(acc, f[ks][0], f[ks][1], f[ks][2], f[ks][3], cb(b(8 * ks + 2 * q, g)),
+                       cb(b(8 * ks + 2 * q + 1, g)));
+      }
+    }
   }
 };
 

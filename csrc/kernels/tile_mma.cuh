@@ -146,16 +146,35 @@ __device__ __forceinline__ void mma_tf32x3(float* d, const float (&a)[4], const 
   mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 }
 
+// mma_tf32 on fp32 lane operands: their bits as they stand (TF32 values, or fp32 values whose
+// low bits the mma ignores), or with X3 fp32-accurate (mma_tf32x3).
+template <bool X3>
+__device__ __forceinline__ void mma_tf32_as(float* d, const float (&a)[4], const float (&b)[2]) {
+  if constexpr (X3) {
+    mma_tf32x3(d, a, b);
+  } else {
+    mma_tf32(d, __float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]), __float_as_uint(a[3]),
+             __float_as_uint(b[0]), __float_as_uint(b[1]));
+  }
+}
+
 // One warp's m16n8 product on TF32 tensor cores, for kernels whose tiles are not 64 x 64 (the
 // RWKV7 chunk engine's 16-row chunks): acc (this lane's four m16n8 elements) += A[0..16, 0..kn)
 // B[0..kn, 0..8) with A(r, k) and B(k, n) given as functions (the caller masks rows and k past the
-// live range to 0; kn a multiple of 8). For bf16/fp16 inputs only, as Frag<true>.
-template <class A, class B>
+// live range to 0; kn a multiple of 8). Operands rounded to TF32 (bf16 / fp16 inputs, as
+// Frag<true>), or with X3 fp32-accurate (mma_tf32x3: fp32 inputs).
+template <bool X3 = false, class A, class B>
 __device__ __forceinline__ void warp_mma(float* acc, int kn, A a, B b) {
   const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
-  for (int k = 0; k < kn; k += 8)
-    mma_tf32(acc, to_tf32(a(g, k + q)), to_tf32(a(g + 8, k + q)), to_tf32(a(g, k + q + 4)),
-             to_tf32(a(g + 8, k + q + 4)), to_tf32(b(k + q, g)), to_tf32(b(k + q + 4, g)));
+  for (int k = 0; k < kn; k += 8) {
+    if constexpr (X3) {
+      mma_tf32x3(acc, {a(g, k + q), a(g + 8, k + q), a(g, k + q + 4), a(g + 8, k + q + 4)},
+                 {b(k + q, g), b(k + q + 4, g)});
+    } else {
+      mma_tf32(acc, to_tf32(a(g, k + q)), to_tf32(a(g + 8, k + q)), to_tf32(a(g, k + q + 4)),
+               to_tf32(a(g + 8, k + q + 4)), to_tf32(b(k + q, g)), to_tf32(b(k + q + 4, g)));
+    }
+  }
 }
 // warp_mma for operands in memory with row strides and nothing to mask: A(r, k) = a[r * lda + k]
 // (TA: a[k * lda + r]), B(k, n) = b[k * ldb + n] (TB: b[n * ldb + k]), every element with k < kn
