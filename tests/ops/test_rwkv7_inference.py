@@ -88,6 +88,18 @@ def test_budget_variable_is_checked(monkeypatch, gen):
             chunk_rwkv7(r, w, k, v, a, b)
 
 
+def _no_grad_peak(r, w, k, v, a, b, h0):
+    """o, the final state and the peak memory a CUDA no-grad forward allocates beyond what was
+    allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        o, ht = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0, output_final_state=True)
+    torch.cuda.synchronize()
+    return o, ht, torch.cuda.max_memory_allocated() - base
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_inference_memory_does_not_grow_with_T(monkeypatch, gen):
@@ -96,13 +108,7 @@ def test_inference_memory_does_not_grow_with_T(monkeypatch, gen):
     monkeypatch.setenv("FLA_EXT_WORKSPACE_MIB", "4")
     B, T, H, K, V = 1, 16384, 4, 64, 64
     r, w, k, v, a, b, h0 = make(B, T, H, K, V, torch.bfloat16, "cuda", gen, N=B)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    with torch.no_grad():
-        o, ht = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0, output_final_state=True)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    o, ht, extra = _no_grad_peak(r, w, k, v, a, b, h0)
     state = B * H * K * V * 4
     assert extra <= o.numel() * o.element_size() + (4 << 20) + 8 * state + (1 << 20), extra
     # the windows' values are checked against the oracle above; here against one pass
@@ -131,14 +137,9 @@ def test_pipelined_inference_memory_does_not_grow_with_T(monkeypatch, gen):
         runs = []
         for mode in ("", "0"):
             monkeypatch.setenv("FLA_EXT_RWKV7_PIPELINE", mode)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            with torch.no_grad():
-                o, ht = chunk_rwkv7(r, w, k, v, a, b, initial_state=h0, output_final_state=True)
-            torch.cuda.synchronize()
+            o, ht, extra = _no_grad_peak(r, w, k, v, a, b, h0)
             if mode == "":
-                extras.append(torch.cuda.max_memory_allocated() - base - o.numel() * o.element_size())
+                extras.append(extra - o.numel() * o.element_size())
             runs.append((o, ht))
         for x, y in zip(*runs):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
