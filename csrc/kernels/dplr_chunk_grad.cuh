@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   if (kStrided != (p.kept == DplrKept::states) || (kStrided && p.V != NextState::kCols)) return;  // (the launch's)
   int64_t last = min(first.ci + (kStrided ? kDplrStateStride : 1), (c.s.len + C - 1) / C);  // (kStrided)
   if (p.window_chunks > 0) last = min(last, p.window_begin + p.window_chunks);
-  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
+  const int K = L.K, cols = L.cols, BP = L.BP;
   const float rho = float(p.scale);
   const int tiles = kWalk ? dplr_chunk_tiles(K, p.V) : 1;
   // kWalk: the column sums carried from tile to tile, per warp: its pair-matrix gradient product

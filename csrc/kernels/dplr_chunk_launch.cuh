@@ -294,11 +294,13 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
                                      fused_forward_kernel<T, 3, true>, fused_forward_kernel<T, 4, true>, p, p.v, stream)
                    : launch_fused<T>(fused_forward_two_block_kernel<T, 1, DplrKept::nothing>,
                                      fused_forward_two_block_kernel<T, 2, DplrKept::nothing>,
-                                     fused_forward_kernel<T, 3, false>, fused_forward_kernel<T, 4, false>, p, p.v, stream);
+                                     fused_forward_kernel<T, 3, false>, fused_forward_kernel<T, 4, false>, p, p.v,
+                                     stream);
     if (fused_keeps_workspace(p)) {
       DplrChunkPass f = p;
       f.paths.rows_16byte = input_rows_in_pieces<T>(p, p.v);
-      return launch_with_smem(fused_forward_two_block_kernel<T, 1, DplrKept::states_and_workspace>, dim3(unsigned(int64_t(p.N) * p.H)),
+      return launch_with_smem(fused_forward_two_block_kernel<T, 1, DplrKept::states_and_workspace>,
+                              dim3(unsigned(int64_t(p.N) * p.H)),
                               2 * kDplrFusedThreads, dplr_fused_detail::FusedSmem<2>::bytes(), f, stream);
     }
   }

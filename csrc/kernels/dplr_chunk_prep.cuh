@@ -94,10 +94,10 @@ __device__ inline bool prepare(float* sm, const Smem& L) {
 }
 
 // Prep's products with the 16 x 16 matrices on TF32 tensor cores (bf16 / fp16 inputs; fp32 ones
-// as 3xTF32, X3; the matrices themselves stay exact fp32 SIMT, as do all exponents). A warp owns 8 channels (or
-// columns) at a time and chains its products through a warp-private 16 x 8 scratch with
-// __syncwarp only: the SIMT forms (a thread per channel and row group) need a CTA barrier
-// between each product and the next.
+// as 3xTF32, X3; the matrices themselves stay exact fp32 SIMT, as do all exponents). A warp owns
+// 8 channels (or columns) at a time and chains its products through a warp-private 16 x 8
+// scratch with __syncwarp only: the SIMT forms (a thread per channel and row group) need a CTA
+// barrier between each product and the next.
 // K-wide rows: W = X Â, Q~ = R^ + A_rb W, K^ and B^ into shared memory over the
 // w, r, k, b rows (each lane overwrites only elements it has read), for store_kwide_rows; gamma
 // straight to the workspace. `factored`: the a and r rows hold Â and R^ already (prepare).
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
     return;
   }
   const int nrow = int(s.len - t0 < C ? s.len - t0 : C);
-  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
+  const int cols = L.cols, BP = L.BP;
   if (p.paths.rows_16byte) {
     copy_rows_async<T>(sm, L, p, s, h, t0, nrow);
     copy_commit();

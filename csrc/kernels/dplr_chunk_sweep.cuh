@@ -301,7 +301,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         float acc[4];
         {
           const float2 gm = dc + 1 < K ? *reinterpret_cast<const float2*>(gam + dc) : make_float2(dc < K ? gam[dc] : 0.f, 0.f);
-          const float4 sv = *reinterpret_cast<const float4*>(ST + sidx(R, m0 + g, dc));  // (x, dc), (x + 8, dc), (x, dc + 1), ..
+          // (x, dc), (x + 8, dc), (x, dc + 1), ..
+          const float4 sv = *reinterpret_cast<const float4*>(ST + sidx(R, m0 + g, dc));
           acc[0] = gm.x * sv.x, acc[1] = gm.y * sv.z, acc[2] = gm.x * sv.y, acc[3] = gm.y * sv.w;
         }
         const bool bon = K % 8 == 0 || d0 + g < K;  // this lane's B fragment channel
