@@ -210,8 +210,9 @@ int64_t forward_workspace_bytes(const DiagArgs& d, int64_t slots) {
 // to the budget, one after another).
 int64_t inference_window_chunks(const DiagArgs& d) {
   const int64_t window = std::min(pipeline_window_chunks(d), kPipelineMinChunks), mib = workspace_budget_mib();
-  if (window == 0 || mib < 0) return window;
-  const int64_t fit = (mib << 20) / forward_workspace_bytes(d, 2 * d.N) / kDplrStateStride * kDplrStateStride;
+  const int64_t per_window_chunk = forward_workspace_bytes(d, 2 * d.N);  // (0 without sequences or heads)
+  if (window == 0 || mib < 0 || per_window_chunk == 0) return window;
+  const int64_t fit = (mib << 20) / per_window_chunk / kDplrStateStride * kDplrStateStride;
   return fit >= std::min(window, kPipelineMinChunksBackward) ? std::min(window, fit) : 0;
 }
 

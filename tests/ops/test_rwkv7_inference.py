@@ -149,6 +149,32 @@ def test_pipelined_inference_memory_does_not_grow_with_T(monkeypatch, gen):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("B,H", [(0, 2), (1, 0)], ids=["B0", "H0"])
+@pytest.mark.parametrize("budget", ["", "4"], ids=["default_budget", "budget_4mib"])
+def test_long_sequences_without_pairs(B, H, budget, monkeypatch):
+    """No (sequence, head) pair but sequences long enough for the pipelined windows (T = 8192):
+    the windows' budget check once divided by their zero workspace size (a crash with
+    FLA_EXT_WORKSPACE_MIB set). The inference and training forwards and the backward return
+    empty outputs of the right shapes."""
+    if budget:
+        monkeypatch.setenv("FLA_EXT_WORKSPACE_MIB", budget)
+    T, K = 8192, 64
+    x = [torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+    x[1] = -torch.rand(B, T, H, K, device="cuda").to(torch.bfloat16)
+    h0 = torch.randn(B, H, K, K, device="cuda")
+    with torch.no_grad():
+        o, ht = chunk_rwkv7(*x, initial_state=h0, output_final_state=True)
+    assert o.shape == (B, T, H, K) and ht.shape == (B, H, K, K)
+    ins = [t.clone().requires_grad_(True) for t in x + [h0]]
+    o, ht = chunk_rwkv7(*ins[:6], initial_state=ins[6], output_final_state=True)
+    grads = torch.autograd.grad((o.float().sum() + ht.sum()), ins, allow_unused=True)
+    torch.cuda.synchronize()
+    for g, t in zip(grads, ins):
+        assert g is None or g.shape == t.shape
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_windows_check_device_cu_seqlens(windows, gen):
     """Windows read cu_seqlens on the host, so a malformed GPU one is an error there."""
     r, w, k, v, a, b, _ = make(1, 40, 1, 8, 8, torch.float32, "cuda", gen, h0=False)
