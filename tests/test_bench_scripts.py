@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on the CPU (tiny shapes): benchmarks/grid.py writes the
-rows the issues ask for, merged into an existing file row by row; benchmarks/cp_overhead.py
+rows the issues ask for, merged into an existing file row by row; benchmarks/env_ab.py compares
+settings in one process; benchmarks/cp_overhead.py
 times an op with and without a one-rank context; benchmarks/cp_scale.py splits one sequence over
 two gloo ranks; benchmarks/model_step.py trains a tiny RWKV7ForCausalLM."""
 import json
@@ -24,6 +25,36 @@ def test_grid_quick_cpu(op, tmp_path):
     for r in rows:
         assert {"op", "impl", "gpu", "B", "T", "H", "K", "V", "dtype", "mode", "ms", "peak_mib"} <= set(r)
         assert r["impl"] == "fla_ext" and r["ms"] > 0
+
+
+def test_env_ab_quick_cpu(tmp_path):
+    """benchmarks/env_ab.py measures every point and mode under each setting in turn, each round;
+    a setting's variables hold only inside its calls (set, then restored or removed)."""
+    out = tmp_path / "ab.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "env_ab.py"), "chunk_rwkv7", "--points",
+           "1,2,16,40,fp32", "--settings", "", "FLA_EXT_WORKSPACE_MIB=0", "--modes", "fwd", "fwdbwd",
+           "--rounds", "2", "--device", "cpu", "--quick", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("FLA_EXT_WORKSPACE_MIB", None)
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["round"], r["setting"]) for r in rows] == [
+        (m, k, s) for m in ("fwd", "fwdbwd") for k in (0, 1) for s in ("", "FLA_EXT_WORKSPACE_MIB=0")]
+    assert all(r["ms"] > 0 and r["B"] == 1 and r["T"] == 40 for r in rows)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import env_ab
+    finally:
+        sys.path.pop(0)
+    os.environ["FLA_EXT_TEST_A"] = "kept"
+    os.environ.pop("FLA_EXT_TEST_B", None)
+    try:
+        with env_ab.environment(env_ab.parse_setting("FLA_EXT_TEST_A=1,FLA_EXT_TEST_B=2")):
+            assert os.environ["FLA_EXT_TEST_A"] == "1" and os.environ["FLA_EXT_TEST_B"] == "2"
+        assert os.environ["FLA_EXT_TEST_A"] == "kept" and "FLA_EXT_TEST_B" not in os.environ
+    finally:
+        os.environ.pop("FLA_EXT_TEST_A", None)
+    assert env_ab.parse_setting("") == {}
 
 
 def test_grid_resume_and_runs(tmp_path):
