@@ -265,6 +265,22 @@ FLA_HD bool dplr_ws_whole(const DplrChunkPass& p) {
 FLA_HD int64_t dplr_ws_slot(const DplrChunkPass& p, int n, int64_t ci) {
   return dplr_ws_whole(p) ? chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci) : dplr_work_slot(p, n, ci);
 }
+// Prep's buffers for window `begin` of the chunk index in x, a copy of `base` (the pass whose uo
+// and ws hold all window_buffers windows' slots): U0 / O0 and, unless ws is whole
+// (dplr_ws_whole), prep's workspace in buffer `buf`, and the slots prep writes (prep_ws_seq_slots,
+// prep_ws_slot0: the window's own, or the whole pass's, chunk_slot without cu_seqlens).
+FLA_HD void dplr_prep_window(DplrChunkPass& x, const DplrChunkPass& base, int64_t begin, int buf) {
+  const DplrWorkspaceLayout layout(base.K, base.V);
+  const int64_t wc = base.window_chunks, per_buf = int64_t(base.N) * wc * base.H;
+  x.window_begin = begin;
+  x.uo = static_cast<float*>(base.uo) + buf * per_buf * layout.uo_floats_per_chunk();
+  if (!dplr_ws_whole(base)) {
+    x.ws = static_cast<float*>(base.ws) + buf * per_buf * layout.floats_per_chunk();
+    x.prep_ws_seq_slots = wc, x.prep_ws_slot0 = 0;
+  } else {
+    x.prep_ws_seq_slots = (int64_t(base.T) + kDplrChunk - 1) / kDplrChunk + 1, x.prep_ws_slot0 = begin;
+  }
+}
 // Where in ws (floats) grad reads the pair matrices and X of ws slot `slot` (dplr_ws_slot), head
 // h: in the chunk's workspace block, or in blocks of their own where the fused reverse pass made
 // them (DplrKept::states).

@@ -98,7 +98,7 @@ cudaError_t launch_fused(FusedKernel one_two, FusedKernel two, FusedKernel three
 // The kernels of a pass, each on the stream given.
 template <typename T, int KC>
 cudaError_t run_prep(const DplrChunkPass& p, cudaStream_t stream) {
-  const dim3 grid = p.window_chunks > 0 ? dim3(unsigned(p.window_chunks), p.H, p.N)  // (a forward's windows)
+  const dim3 grid = p.window_chunks > 0 ? dim3(unsigned(p.window_chunks), p.H, p.N)  // (in windows)
                                         : dim3(unsigned(dplr_work_slots(p)), p.H);
   return launch_with_smem(prep_kernel<T, KC>, grid, NT, Smem(p.K, false).bytes(), p, stream);
 }
@@ -178,26 +178,12 @@ cudaError_t launch_windows(const DplrChunkPass& p, cudaStream_t stream) {
   e = order(stream, side, two ? ev->fork : nullptr);  // the side stream waits for the caller's
   const int64_t nch = (int64_t(p.T) + C - 1) / C, wc = p.window_chunks;
   DplrChunkPass q = p;
-  // Prep's buffers for window `begin` in x: U0 / O0 and, unless kept whole, its workspace, in
-  // buffer `buf` of window_buffers; prep writes the window's slots (prep_ws_seq_slots).
-  const DplrWorkspaceLayout layout(p.K, p.V);
-  const int64_t buf_uo = int64_t(p.N) * wc * p.H * layout.uo_floats_per_chunk(),
-                buf_prep_ws = int64_t(p.N) * wc * p.H * layout.floats_per_chunk();
-  auto prep_window = [&](DplrChunkPass& x, int64_t begin, int buf) {
-    x.window_begin = begin;
-    x.uo = static_cast<float*>(p.uo) + buf * buf_uo;
-    if (!dplr_ws_whole(p)) {
-      x.ws = static_cast<float*>(p.ws) + buf * buf_prep_ws, x.prep_ws_seq_slots = wc, x.prep_ws_slot0 = 0;
-    } else {  // (chunk_slot without cu_seqlens)
-      x.prep_ws_seq_slots = nch + 1, x.prep_ws_slot0 = begin;
-    }
-  };
   const int bufs = p.window_buffers;
   if (!p.backward()) {
     int64_t w = 0;
     for (int64_t begin = 0; begin < nch && e == cudaSuccess; begin += wc, ++w) {
       const int buf = int(w % bufs);
-      prep_window(q, begin, buf);
+      dplr_prep_window(q, p, begin, buf);
       // this window's buffers were the sweep's of window w - bufs
       if (two && w >= bufs) e = cudaStreamWaitEvent(stream, ev->done[buf], 0);
       if (e == cudaSuccess) e = run_prep<T, KC>(q, stream);
@@ -217,7 +203,7 @@ cudaError_t launch_windows(const DplrChunkPass& p, cudaStream_t stream) {
     const bool ahead = p.sweep_strided_states && bufs == 2;
     auto run_prep_of = [&](int64_t begin, int64_t k) {
       DplrChunkPass x = q;
-      prep_window(x, begin, int(k % bufs));
+      dplr_prep_window(x, p, begin, int(k % bufs));
       const cudaError_t r = run_prep<T, KC>(x, stream);
       return r == cudaSuccess ? order(stream, side, ev ? ev->step : nullptr) : r;
     };
@@ -228,7 +214,7 @@ cudaError_t launch_windows(const DplrChunkPass& p, cudaStream_t stream) {
       q.window_begin = begin;
       q.dhst = static_cast<float*>(p.dhst) + buf * buf_states;
       if (p.sweep_strided_states) {
-        prep_window(q, begin, buf);  // (where prep made it: ahead, or now)
+        dplr_prep_window(q, p, begin, buf);  // (where prep made it: ahead, or now)
         if (!ahead) e = run_prep_of(begin, k);
       } else if (p.kept == DplrKept::states) {
         q.ws = static_cast<float*>(p.ws) + buf * buf_mats;  // (else kept whole)

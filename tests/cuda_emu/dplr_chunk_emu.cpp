@@ -126,16 +126,6 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
          dh0 = poison({N, H, K, V});
   const dim3 sweeps(unsigned(N * H * state_tiles(V)));
   const int64_t nch = (T + C - 1) / C;
-  // Prep's workspace and U0 / O0 for a window (launch_windows' prep_window): two windows' slots
-  // taken in turn, unless ws is whole (dplr_ws_whole: the whole pass's slots).
-  auto prep_window = [&](DplrChunkPass& f, float* ws0, float* uo0, int64_t wc, int half, bool whole) {
-    f.uo = uo0 + half * (N * wc * H * ws.uo_floats_per_chunk());
-    if (whole) {
-      f.ws = ws0, f.prep_ws_seq_slots = nch + 1, f.prep_ws_slot0 = f.window_begin;
-    } else {
-      f.ws = ws0 + half * (N * wc * H * ws.floats_per_chunk()), f.prep_ws_seq_slots = wc, f.prep_ws_slot0 = 0;
-    }
-  };
   // A forward as the launch runs it: one pass, or (keep 7, 8, 9) prep and the sweep window by
   // window, the state carried between windows in a poisoned buffer.
   auto forward = [&](DplrChunkPass f) {
@@ -146,10 +136,10 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
       TORCH_CHECK(!varlen, "forward windows take no cu_seqlens");
       f.window_chunks = 2, f.carry = mat(carry);
     }
-    float *const ws0 = static_cast<float*>(f.ws), *const uo0 = static_cast<float*>(f.uo);
+    const DplrChunkPass base = f;  // (the buffers of both windows, as the launch's pass holds them)
     int64_t w = 0;
     for (f.window_begin = 0; f.window_begin < (windows ? nch : 1); f.window_begin += 2, ++w) {
-      if (windows) prep_window(f, ws0, uo0, 2, int(w % 2), dplr_ws_whole(f));
+      if (windows) dplr_prep_window(f, base, f.window_begin, int(w % 2));
       const dim3 preps = windows ? dim3(2, H, N) : dim3(unsigned(slots), H);
       emu::launch(preps, NT, [&] { cta([&] { prep_kernel<E, KC>(f); }); });
       emu::launch(sweeps, NTS, [&] {
@@ -250,11 +240,11 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     const int64_t kWindow = keep == 9 ? kDplrStateStride : 2, half = N * kWindow * H * K * V;
     Tensor wdhst = poison({2 * N * kWindow, H, K, V}), carry = poison({N, H, K, V});
     p.carry = mat(carry), p.window_chunks = kWindow, p.window_buffers = 2;
-    float *const ws0 = static_cast<float*>(p.ws), *const uo0 = static_cast<float*>(p.uo);
+    const DplrChunkPass base = p;
     int64_t k = 0;
     for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow, ++k) {
       p.dhst = wdhst.data_ptr<float>() + k % 2 * half;
-      if (keep == 9) prep_window(p, ws0, uo0, kWindow, int(k % 2), false);
+      if (keep == 9) dplr_prep_window(p, base, p.window_begin, int(k % 2));
       backward();
     }
   } else {  // window-sized dhst (and ws, unless kept), poisoned once: every window writes its slots before reading them
