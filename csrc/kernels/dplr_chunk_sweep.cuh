@@ -185,15 +185,14 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   // every kDplrStateStride-th and the final one at their slots (dplr_kept_state_slot: the state
   // after chunk ci goes to kslot0 + ceil((ci + 1) / S)).
   constexpr int S = kDplrStateStride;
-  constexpr bool strided = STRIDED;
-  const int64_t kslot0 = strided ? dplr_kept_state_slot(p.cu_seqlens, n, p.T, 0) : 0;
+  const int64_t kslot0 = STRIDED ? dplr_kept_state_slot(p.cu_seqlens, n, p.T, 0) : 0;
   // the initial state's slot (a later forward window's: the window before stored it)
   const bool first_out = REV ? steps > 0 : p.hst && c_lo == 0;
   for (int e = threadIdx.x; e < K8 * SX; e += NTS) {  // channels [K, K8): 0
     const int d = e / SX, x = e % SX;
     const float v = d < K && init.on() && x < nc ? *mptr(init, n, h, d, x0 + x) : 0.f;
     ST[sidx(R, x, d)] = v;
-    if (first_out && d < K && x < nc) *state_at(strided ? kslot0 : slot_of(REV ? c_hi - 1 : 0), d, x) = v;
+    if (first_out && d < K && x < nc) *state_at(STRIDED ? kslot0 : slot_of(REV ? c_hi - 1 : 0), d, x) = v;
   }
   if (FLA_BULK_COPY && threadIdx.x == 0) mbar_init(bars, 1), mbar_init(bars + 1, 1);
   __syncthreads();
@@ -279,8 +278,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     // the new state also to its hst / dhst slot (chunk ci + 1's start; REV: chunk ci - 1's end).
     const float* const X = cur + L.sW;
     const float* gam = cur + L.sGam;
-    const bool put = REV ? step + 1 < steps : p.hst != nullptr && (!strided || (ci + 1) % S == 0 || ci + 1 == nch);
-    const int64_t put_slot = strided ? kslot0 + (ci + S) / S : slot_of(REV ? ci - 1 : ci + 1);
+    const bool put = REV ? step + 1 < steps : p.hst != nullptr && (!STRIDED || (ci + 1) % S == 0 || ci + 1 == nch);
+    const int64_t put_slot = STRIDED ? kslot0 + (ci + S) / S : slot_of(REV ? ci - 1 : ci + 1);
     {
       // m16n8 tiles of S^T (16 state columns, 8 channels): warp w takes columns 16 (w % 2) and
       // channel tiles w / 2, w / 2 + 4, .. (m0 as in phase A); its A fragments (VT, UT rows) once.
@@ -330,7 +329,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     }
     __syncthreads();
   }
-  if (!REV && p.hst && p.cu_seqlens && !strided) {  // hst may be kept as an op output: its varlen gap slots read 0
+  if (!REV && p.hst && p.cu_seqlens && !STRIDED) {  // hst may be kept as an op output: its varlen gap slots read 0
     const int64_t next =
         n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
     for (int64_t slot = slot_of(nch) + 1; slot < next; ++slot)
