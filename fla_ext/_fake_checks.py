@@ -225,11 +225,17 @@ def chunk_slots(d: Diag, C: int = CHUNK) -> int:
     return d.T // C + 2 * d.N + 1 if d.varlen else d.N * ((d.T + C - 1) // C + 1)
 
 
+def rwkv7_fused_shapes(d: Diag, dtype) -> bool:
+    """chunk_rwkv7's shapes with a fused forward and strided states (kernels/dplr_chunk.h
+    dplr_fused_forward): bf16 / fp16 with K = V = 64."""
+    return dtype in (torch.bfloat16, torch.float16) and d.K == 64 and d.V == 64
+
+
 def rwkv7_fused_training_forward(d: Diag, dtype) -> bool:
     """Whether chunk_rwkv7's CUDA training forward runs the fused kernel (ops/chunk_rwkv7.cpp
-    fused_forward): bf16 / fp16 with K = V = 64, at least 256 (sequence, head) pairs, unless
+    fused_forward): its shapes (rwkv7_fused_shapes), at least 256 (sequence, head) pairs, unless
     FLA_EXT_RWKV7_FUSED says otherwise."""
-    if dtype not in (torch.bfloat16, torch.float16) or d.K != 64 or d.V != 64:
+    if not rwkv7_fused_shapes(d, dtype):
         return False
     force = os.environ.get("FLA_EXT_RWKV7_FUSED", "")
     if force:
@@ -258,8 +264,7 @@ def rwkv7_saved_floats(d: Diag, dtype) -> int:
     chunks), padded to a multiple of 4 floats; else every chunk-start state, padded, then the
     per-chunk workspace (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^ [16][ks], gamma,
     the pair matrices and X [5][16][20])."""
-    sweep_strided = (dtype in (torch.bfloat16, torch.float16) and d.K == 64 and d.V == 64
-                     and rwkv7_pipeline_window_chunks(d) > 0)
+    sweep_strided = rwkv7_fused_shapes(d, dtype) and rwkv7_pipeline_window_chunks(d) > 0
     if rwkv7_fused_training_forward(d, dtype) or sweep_strided:
         return _strided_saved_floats(d)
     return _full_saved_floats(d)
@@ -282,8 +287,7 @@ def rwkv7_backward_saved_floats(d: Diag, dtype, saved) -> int:
     either form rwkv7_saved_floats gives, whatever the settings now: the strided states on the
     fused forward's shapes (bf16 / fp16, K = V = 64), else every state and the workspace."""
     strided = _strided_saved_floats(d)
-    if (dtype in (torch.bfloat16, torch.float16) and d.K == 64 and d.V == 64 and saved is not None
-            and saved.numel() == strided):
+    if rwkv7_fused_shapes(d, dtype) and saved is not None and saved.numel() == strided:
         return strided
     return _full_saved_floats(d)
 
