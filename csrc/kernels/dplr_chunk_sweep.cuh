@@ -63,8 +63,8 @@ struct StateSmem {
 // registers.
 // Every product runs on tensor cores: single TF32 for bf16 / fp16 inputs (prep stores the K-part
 // as TF32 values; the state's operands are truncated by the mma), 3xTF32 for fp32 ones (X3:
-// fp32-accurate, mma_tf32x3; U^T and v^T then stay fp32 too): the SIMT FMA form this replaced
-// for fp32 took more than twice as long (benchmarks/NOTES.md c40).
+// fp32-accurate, mma_tf32x3; U^T and v^T then stay fp32 too), which for fp32 is the faster
+// form than SIMT FMA (benchmarks/NOTES.md c40).
 // Why 32 columns on 256 threads and two workspace stages: 16 columns on 128 threads is slower
 // (SIMT, and TF32 at K = 128: the K-part of the workspace is fetched whole per CTA for half the
 // work), and a third stage is no faster (two already hide the fetch).

@@ -43,8 +43,8 @@ int64_t dplr_state_floats(const DiagArgs& d) { return dplr_chunk_slots(d) * d.H 
 // kFusedTrainingMinTasks: its backward then runs the fused reverse pass, making the pair
 // matrices and X again where the two-kernel forward kept them, and both fused walks are
 // latency-bound at few pairs. At 128 pairs the fused fwd + bwd is still the slower one, though
-// its forward (there the two-block build storing the strided states) is the faster and keeps a
-// ninth of the memory (NOTES c38); there the launch may run the two-kernel forward's work as one
+// its forward (there the two-block build storing the strided states) is the faster and keeps
+// only the strided states (NOTES c38); there the launch may run the two-kernel forward's work as one
 // fused kernel that keeps the same states and workspace (DplrChunkPass::fused_may_keep; NOTES
 // c33). FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice (benchmarks compare the two; 0 also
 // keeps the launch to the two kernels; 1 is the lean choice for training at few pairs).
