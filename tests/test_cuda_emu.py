@@ -59,7 +59,11 @@ def chunk_emu():
     ((1, 40, 1, 32, 80), "rwkv", None, "rwkv"),
     # K = 64: the kernels with K a compile-time constant (the launch's launch_k<T, 64>)
     ((1, 40, 1, 64, 48), "mixedinf", [0, 17, 40], "rwkv"),
-], ids=["rwkv7", "mixed", "K70V33", "varlen", "repeated_keys", "K128", "K32V80", "K64"])
+    # K > 128: 8-column grad tiles (dplr_chunk_cols), their 3xTF32 products by warp_mma_ld
+    ((1, 20, 1, 136, 20), "rwkv", None, "rwkv"),
+    # chunk totals about fp32's factoring bound (-16): factored and exact pair matrices side by side
+    ((1, 50, 2, 64, 64), "edge16", None, "rwkv"),
+], ids=["rwkv7", "mixed", "K70V33", "varlen", "repeated_keys", "K128", "K32V80", "K64", "K136", "edge16"])
 def test_chunk_rwkv7_kernels(emu, shape, w_kind, cu, lr, gen):
     check(emu, shape, w_kind, cu, gen, torch.float32, 1e-5, lr=lr)
 

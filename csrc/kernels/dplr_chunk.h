@@ -175,7 +175,7 @@ FLA_HD int64_t dplr_kept_state_slots(int N, int T, bool varlen) {
 // once per tile, and the K-vector gradients go straight to the outputs with no partial-sum slab.
 // At K = 128 the kernel holds one CTA per SM anyway (its shared memory), so the registers for the
 // sums are free. Elsewhere each tile has its own CTA: K <= 64 holds two CTAs per SM within 128
-// registers, and fp32 runs the SIMT forms.
+// registers, and fp32's raw v and dO rows would not fit over dA, dX and Y (load_tile_columns).
 FLA_HD constexpr bool dplr_grad_walks_tiles(DType dtype, int K) {
   return (dtype == DType::bf16 || dtype == DType::f16) && K == 128;
 }

@@ -124,9 +124,10 @@ __device__ __forceinline__ void load_tile_columns(float* sm, const Smem& L, cons
 }
 
 // grad_kernel, step 2: zeta's part rowsum(S * dS+) at L.zeta (added to it for `add`: the column
-// tiles after the first) and, TC, dS+ and (unless kExactS: strided states, whose next state
-// needs S exact) S rounded to TF32 in place. After the loads' barrier; not synchronised.
-template <bool TC, bool kExactS = false>
+// tiles after the first) and, kRound (bf16 / fp16: the products read TF32 values as stored), dS+
+// and (unless kExactS: strided states, whose next state needs S exact) S rounded to TF32 in
+// place; fp32's 3xTF32 products split the whole values. After the loads' barrier; not synchronised.
+template <bool kRound, bool kExactS = false>
 __device__ __forceinline__ void state_rowsum(float* sm, const Smem& L, bool add = false) {
   const int K = L.K, cols = L.cols, BP = L.BP;
   // rowsum(S * dS+): eight threads per channel, so that a load phase (8 lanes) reads 128
@@ -139,7 +140,7 @@ __device__ __forceinline__ void state_rowsum(float* sm, const Smem& L, bool add 
         float4 *s = reinterpret_cast<float4*>(sm + L.S + d * BP + x), *ds = reinterpret_cast<float4*>(sm + L.dS + d * BP + x);
         const float4 s4 = *s, d4 = *ds;
         z = dot4(s4, d4, z);
-        if (TC) {  // S, dS+ as TF32 values from here on: every later read is a tensor-core operand
+        if (kRound) {  // S, dS+ as TF32 values from here on: every later read is a tensor-core operand
           if (!kExactS) *s = make_float4(tf32_round(s4.x), tf32_round(s4.y), tf32_round(s4.z), tf32_round(s4.w));
           *ds = make_float4(tf32_round(d4.x), tf32_round(d4.y), tf32_round(d4.z), tf32_round(d4.w));
         }
@@ -170,54 +171,22 @@ __device__ __forceinline__ void decay_factor_rows(float* sm, const Smem& L, bool
   }
 }
 
-// grad_kernel, step 5: the K-vector gradients dr, da, dk, db of every row into the gradient rows
-// (and, SIMT, zeta's state-part sums at L.zparts). Ends synchronised.
-template <bool TC>
+// grad_kernel, step 5: the K-vector gradients dr, da, dk, db of every row into the gradient rows,
+// from the state parts there (put_state_part). Ends synchronised.
 __device__ __forceinline__ void kvector_grads(float* sm, const Smem& L, float rho) {
-  const int K = L.K, KP = L.KP, cols = L.cols, BP = L.BP;
+  const int K = L.K, KP = L.KP;
   // K-vector gradients, 2 channels of rows 4 p .. 4 p + 3 per task: one pair walk serves the four
-  // rows (pair_walks), and SIMT, their state parts share one read of S and dS. State parts
-  // first, then the pair walks.
-  {
-    constexpr int CW = 2, R = kWalkRows;
-    using V = Chans<CW>;
-    const int nq = (K + CW - 1) / CW;
-    for (int e = threadIdx.x; e < (C / R) * nq; e += NT) {
-      const int blk = e / nq, i0 = R * blk, d = CW * (e - blk * nq);
-      // The state parts of dr, da, dk, db per row: TC, in the gradient rows (read by the walks
-      // where they need them, the same elements they then write); SIMT, made here from S and dS.
-      V g[TC ? 1 : R][4];
-      for (int q = 0; q < (TC ? 0 : cols); q += 4) {
-#pragma unroll
-        for (int c = 0; c < CW; ++c) {
-          const int dc = min(d + c, K - 1) * BP + q;  // channels past K: any finite value
-          const float4 s = ld4(sm + L.S + dc), ds = ld4(sm + L.dS + dc);
-#pragma unroll
-          for (int h = 0; h < (TC ? 0 : R); ++h) {
-            const int i = (i0 + h) * BP + q;
-            g[h][0].v[c] = dot4(ld4(sm + L.dO + i), s, g[h][0].v[c]);
-            g[h][1].v[c] = dot4(ld4(sm + L.dM + i), s, g[h][1].v[c]);
-            g[h][2].v[c] = dot4(ld4(sm + L.v + i), ds, g[h][2].v[c]);
-            g[h][3].v[c] = dot4(ld4(sm + L.U + i), ds, g[h][3].v[c]);
-          }
-        }
-      }
-      auto state_part = [&](int r, int m) {
-        if (!TC) return g[TC ? 0 : r][m];
-        const int rows = m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows;
-        return V::ld(sm + rows + (i0 + r) * KP + d);
-      };
-      V zp[R] = {};  // SIMT: these rows' part of zeta's K^ (v dS+^T) + B^ (U dS+^T)
-      pair_walks<CW, R>(sm, L, i0, d, rho, state_part, zp);
-      if (!TC)
-#pragma unroll
-        for (int c = 0; c < CW; ++c) {
-          float z = 0.f;
-#pragma unroll
-          for (int h = 0; h < R; ++h) z += zp[h].v[c];
-          if (d + c < K) sm[L.zparts + blk * K + d + c] = z;
-        }
-    }
+  // rows (pair_walks), reading their state parts (dr, da, dk, db rows) where it needs them.
+  constexpr int CW = 2, R = kWalkRows;
+  using V = Chans<CW>;
+  const int nq = (K + CW - 1) / CW;
+  for (int e = threadIdx.x; e < (C / R) * nq; e += NT) {
+    const int blk = e / nq, i0 = R * blk, d = CW * (e - blk * nq);
+    auto state_part = [&](int r, int m) {
+      const int rows = m == 0 ? L.dr_rows : m == 1 ? L.da_rows : m == 2 ? L.dk_rows : L.db_rows;
+      return V::ld(sm + rows + (i0 + r) * KP + d);
+    };
+    pair_walks<CW, R>(sm, L, i0, d, rho, state_part);
   }
   __syncthreads();
 }
@@ -226,7 +195,6 @@ __device__ __forceinline__ void kvector_grads(float* sm, const Smem& L, float rh
 template <typename T>
 __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
                                                     int64_t t0, int nrow) {
-  constexpr bool TC = !std::is_same<T, float>::value;
   const int K = L.K, KP = L.KP;
   // Grad g of row t, channel d: straight into its output (kg_pair = 0, one tile), stored into
   // this tile's slab (1), or added onto a zero-filled slab shared by two tiles (2).
@@ -266,12 +234,8 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
       swap_halves_if(x, sw), swap_halves_if(y, sw), swap_halves_if(z, sw);  // to row order
 #pragma unroll
       for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
-      float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its state-part sums (TC: 2, SIMT: C / kWalkRows)
-      if (on) {
-        acc = sm[L.zgam + d] * sm[L.zeta + d];
-#pragma unroll
-        for (int q = 0; q < (TC ? 2 : C / kWalkRows); ++q) acc += sm[L.zparts + q * K + d];
-      }
+      float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its two state-part sums (put_state_part)
+      if (on) acc = sm[L.zgam + d] * sm[L.zeta + d] + sm[L.zparts + d] + sm[L.zparts + K + d];
 #pragma unroll
       for (int q = 3; q >= 0; --q) {
         const float cq = __shfl_sync(0xffffffffu, cg, q, 4);
@@ -348,7 +312,7 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
 //   2 state_rowsum         zeta's part rowsum(S * dS+)
 //   3 decay_factor_rows    exp(Omega), Â, K^, B^, exp(w) rows
 //   4 column_chain_tc ..   dU, dM = d(M + P), dv; the pair-matrix gradients dA, dX -> dA_ab and
-//     put_state_part       (TC) the state parts (SIMT: inline below, state parts in step 5)
+//     put_state_part       the state parts (tensor cores: TF32, or 3xTF32 for fp32 inputs)
 //   5 kvector_grads        dr, da, dk, db: state parts and pair walks
 //   6 store_kvector_grads  dw by the reverse scan, all five K-vector gradients to their outputs
 // kStrided (bf16 / fp16, K = V = 64; DplrKept::states): hst holds every kDplrStateStride-th
@@ -357,7 +321,8 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
 // exact in shared memory throughout.
 template <typename T, int KC = 0, bool kStrided = false>  // KC: as prep_kernel's
 __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrChunkPass p) {
-  constexpr bool TC = !std::is_same<T, float>::value;
+  constexpr bool TC = !std::is_same<T, float>::value;  // bf16 / fp16: TF32; fp32: 3xTF32 (X3)
+  constexpr bool X3 = !TC;
   // The CTA walks every column tile of its chunk (dplr_grad_walks_tiles, which treats bf16 and
   // fp16 alike; the launch takes KC = 128 for K = 128 alone), summing the tiles' pair-matrix
   // gradients and state parts in registers, and makes the K-vector gradients once, from the sums.
@@ -377,11 +342,11 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   if (kStrided != (p.kept == DplrKept::states) || (kStrided && p.V != NextState::kCols)) return;  // (the launch's)
   int64_t last = min(first.ci + (kStrided ? kDplrStateStride : 1), (c.s.len + C - 1) / C);  // (kStrided)
   if (p.window_chunks > 0) last = min(last, p.window_begin + p.window_chunks);
-  const int K = L.K, cols = L.cols, BP = L.BP;
+  const int K = L.K, cols = L.cols;
   const float rho = float(p.scale);
   const int tiles = kWalk ? dplr_chunk_tiles(K, p.V) : 1;
   // kWalk: the column sums carried from tile to tile, per warp: its pair-matrix gradient product
-  // and its two state-part tasks (TC step 4 below)
+  // and its two state-part tasks (step 4 below)
   constexpr int kHeldTasks = 4 * ((KC + 31) / 32) / (NT / 32);
   NextState next;  // (kStrided)
   // Chunk ci's gradients; makes_next: chunk ci + 1's start state is this CTA's to make (S+ over
@@ -406,27 +371,6 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
       state_rowsum<TC, kStrided>(sm, L, tile > 0);
       if (tile == 0) decay_factor_rows(sm, L, early);
       // Step 4: dU, dM, dv and the pair-matrix gradients.
-      auto put_dv = [&](int j, int xx, float v) {
-        if (xx < c.nc && j < nrow) *vptr<T>(p.dv, c.s.b, c.s.bos + t0 + j, c.h, c.x0 + xx) = from_f<T>(v);
-      };
-      // The pair-matrix gradients (thread (i, j); dX only below the diagonal: the rest cannot
-      // reach dA_ab), from complete dO, v, U, dM, dU, M + P rows (exact SIMT; the TC path's are
-      // products on tensor cores).
-      auto pair_grads = [&]() {
-        const int i = threadIdx.x / C, j = threadIdx.x % C, at = i * CP + j;
-        float rk = 0.f, rb = 0.f, ak = 0.f, dx = 0.f;
-        if (j <= i)
-          for (int q = 0; q < cols; q += 4) {
-            const float4 o = ld4(sm + L.dO + i * BP + q), vj = ld4(sm + L.v + j * BP + q);
-            rk = dot4(o, vj, rk), rb = dot4(o, ld4(sm + L.U + j * BP + q), rb);
-            if (j < i) {
-              ak = dot4(ld4(sm + L.dM + i * BP + q), vj, ak);
-              dx = dot4(ld4(sm + L.dU + i * BP + q), ld4(sm + L.M + j * BP + q), dx);  // M + P
-            }
-          }
-        *reinterpret_cast<float4*>(sm + L.dA + 4 * (i * C + j)) = make_float4(rho * rk, rho * rb, ak, 0.f);
-        sm[L.dX + at] = j < i ? dx : 0.f;
-      };
       // Y = X^T dX, then dA_ab = stril(Y X^T). Ends synchronised.
       auto solve_grads = [&]() {
         const int i = threadIdx.x / C, j = threadIdx.x % C;
@@ -440,14 +384,14 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
         sm[L.dA + 4 * (i * C + j) + 3] = z;
         __syncthreads();
       };
-      if (TC) {
-        __syncthreads();  // K^, B^, exp(w) (decay_factor_rows), S and dS+ as TF32 (state_rowsum)
+      {
+        __syncthreads();  // K^, B^, exp(w) (decay_factor_rows), S and dS+ (TF32 unless X3: state_rowsum)
         column_chain_tc<T, kStrided>(sm, L, p, c, t0, nrow, rho);
         __syncthreads();
         const int warp = threadIdx.x / 32;
         if (!kWalk) {
           float acc[4] = {0.f, 0.f, 0.f, 0.f};
-          pair_grad_product(sm, L, acc);
+          pair_grad_product<X3>(sm, L, acc);
           put_pair_grads(sm, L, acc, rho);
           if constexpr (kStrided) {
             // (K = 64: one task per warp) K^ and B^ read for the next state between the task's
@@ -464,7 +408,7 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
           } else {
             for (int task = warp; task < state_part_tasks(L); task += NT / 32) {
               float part[4][4] = {};
-              state_part_product(sm, L, task, part);
+              state_part_product<false, X3>(sm, L, task, part);
               put_state_part(sm, L, task, part);
             }
           }
@@ -486,47 +430,8 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
           if (makes_next) next.put(sm, L);  // (no later step of this chunk reads S)
         }
         solve_grads();
-      } else {
-        pseudo_values(sm, L, L.da_rows);
-        // Thread (column x, rows j and j + 8 for j = j0, j0 + NT / cols, ..), so that each state
-        // or tile element read serves two rows; 4 channels per K-row read. The 16 x 16 matrices
-        // are zero-filled outside their triangles: fixed 16-term sums.
-        const int x = threadIdx.x & (cols - 1), j0 = threadIdx.x >> L.lc, jstep = NT >> L.lc;
-        for (int j = j0; j < C / 2; j += jstep) {  // dU = scale A_rb^T dO + B^ dS+
-          float u0 = 0.f, u1 = 0.f;
-          for (int i = 0; i < C; ++i) {
-            const float o = rho * sm[L.dO + i * BP + x];
-            u0 += sm[L.Arb + i * CP + j] * o, u1 += sm[L.Arb + i * CP + j + C / 2] * o;
-          }
-          rows_dot_state(sm, L, L.db_rows, L.dS, j, x, u0, u1);
-          sm[L.dU + j * BP + x] = u0, sm[L.dU + (j + C / 2) * BP + x] = u1;
-        }
-        __syncthreads();
-        for (int j = j0; j < C / 2; j += jstep) {  // dM = X^T dU
-          float m0 = 0.f, m1 = 0.f;
-          for (int i = 0; i < C; ++i) {
-            const float du = sm[L.dU + i * BP + x];
-            m0 += sm[L.X + i * CP + j] * du, m1 += sm[L.X + i * CP + j + C / 2] * du;
-          }
-          sm[L.dM + j * BP + x] = m0, sm[L.dM + (j + C / 2) * BP + x] = m1;
-        }
-        __syncthreads();
-        pair_grads();
-        __syncthreads();
-        solve_grads();
-        for (int j = j0; j < C / 2; j += jstep) {  // dV = scale A_rk^T dO + A_ak^T dM + K^ dS+
-          float v0 = 0.f, v1 = 0.f;
-          for (int i = 0; i < C; ++i) {
-            const float o = rho * sm[L.dO + i * BP + x], m = sm[L.dM + i * BP + x];
-            v0 += sm[L.Ark + i * CP + j] * o + sm[L.Aak + i * CP + j] * m;
-            v1 += sm[L.Ark + i * CP + j + C / 2] * o + sm[L.Aak + i * CP + j + C / 2] * m;
-          }
-          rows_dot_state(sm, L, L.dk_rows, L.dS, j, x, v0, v1);
-          put_dv(j, x, v0), put_dv(j + C / 2, x, v1);
-        }
-        __syncthreads();  // K^, B^ read: the gradient rows are written below
       }
-      kvector_grads<TC>(sm, L, rho);
+      kvector_grads(sm, L, rho);
       store_kvector_grads<T>(sm, L, p, c, t0, nrow);
     }
   };

@@ -9,19 +9,20 @@
 namespace fla {
 namespace dplr_chunk_detail {
 
-// grad_kernel, step 4 (TC): dv of the tile's columns to its output, and M + P, U, dU, dM into
+// grad_kernel, step 4: dv of the tile's columns to its output, and M + P, U, dU, dM into
 // shared memory. A warp per slab of NTL 8-column n-tiles chains every 16-row product of its
-// columns on tensor cores, with __syncwarp between them (the SIMT forms need a CTA barrier after
-// each):
+// columns on tensor cores, with __syncwarp between them:
 //   M + P = A_ak V + Â S,  U = X (M + P),  dU = scale A_rb^T dO + B^ dS+,  dM = X^T dU,
 //   dV = scale A_rk^T dO + A_ak^T dM + K^ dS+.
-// Every operand a TF32 value as stored (v, dO widened from 16 bits; S, dS rounded by
-// state_rowsum; the chain's own rows rounded by put), so that no product rounds per read, but S
-// where kExactS (strided states: S stays exact fp32, rounded per read); the scale goes into the
-// A_rb, A_rk fragments. Rows at kp_row (rows_state_mma).
+// bf16 / fp16: every operand a TF32 value as stored (v, dO widened from 16 bits; S, dS rounded
+// by state_rowsum; the chain's own rows rounded by put), so that no product rounds per read, but
+// S where kExactS (strided states: S stays exact fp32, rounded per read). fp32 (X3): every
+// operand stored whole and split at each 3xTF32 product. The scale goes into the A_rb, A_rk
+// fragments. Rows at kp_row (rows_state_mma).
 template <typename T, int NTL, bool kExactS>
 __device__ __forceinline__ void column_slab_tc(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
                                                int64_t t0, int nrow, float rho, int x0) {
+  constexpr bool X3 = std::is_same<T, float>::value;  // fp32: 3xTF32, every operand whole
   const int BP = L.BP;
   auto col = [&](int arr, int t) {
     const int xb = x0 + 8 * t;
@@ -33,44 +34,44 @@ __device__ __forceinline__ void column_slab_tc(float* sm, const Smem& L, const D
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         *reinterpret_cast<float2*>(sm + arr + kp_row(0, 2 * h) * BP + acc_col(x0 + 8 * t, 0)) =
-            make_float2(tf32_round(acc[t][2 * h]), tf32_round(acc[t][2 * h + 1]));
+            make_float2(tf32_if<!X3>(acc[t][2 * h]), tf32_if<!X3>(acc[t][2 * h + 1]));
   };
   float mp[NTL][4] = {}, u[NTL][4] = {};
-  rows_state_mma<NTL, !kExactS>(sm, L, L.da_rows, L.S, x0, mp);
+  rows_state_mma<NTL, !kExactS, X3>(sm, L, L.da_rows, L.S, x0, mp);
   {
-    const MatFrag<> Aak(sm, L.Aak);
+    const MatFrag<X3> Aak(sm, L.Aak);
 #pragma unroll
-    for (int t = 0; t < NTL; ++t) Aak.mma<true>(mp[t], col(L.v, t));
+    for (int t = 0; t < NTL; ++t) Aak.template mma<true>(mp[t], col(L.v, t));
   }
   put(L.M, mp);
   __syncwarp();
   {
-    const MatFrag<> X(sm, L.X);
+    const MatFrag<X3> X(sm, L.X);
 #pragma unroll
-    for (int t = 0; t < NTL; ++t) X.mma<true>(u[t], col(L.M, t));
+    for (int t = 0; t < NTL; ++t) X.template mma<true>(u[t], col(L.M, t));
   }
   put(L.U, u);
   float du[NTL][4] = {}, dm[NTL][4] = {}, dv[NTL][4] = {};
-  rows_state_mma(sm, L, L.db_rows, L.dS, x0, du);
+  rows_state_mma<NTL, true, X3>(sm, L, L.db_rows, L.dS, x0, du);
   {
-    const MatFrag<> Arb(sm, L.Arb, true, rho);
+    const MatFrag<X3> Arb(sm, L.Arb, true, rho);
 #pragma unroll
-    for (int t = 0; t < NTL; ++t) Arb.mma<true>(du[t], col(L.dO, t));
+    for (int t = 0; t < NTL; ++t) Arb.template mma<true>(du[t], col(L.dO, t));
   }
   put(L.dU, du);
   __syncwarp();
   {
-    const MatFrag<> Xt(sm, L.X, true);
+    const MatFrag<X3> Xt(sm, L.X, true);
 #pragma unroll
-    for (int t = 0; t < NTL; ++t) Xt.mma<true>(dm[t], col(L.dU, t));
+    for (int t = 0; t < NTL; ++t) Xt.template mma<true>(dm[t], col(L.dU, t));
   }
   put(L.dM, dm);
   __syncwarp();
-  rows_state_mma(sm, L, L.dk_rows, L.dS, x0, dv);
+  rows_state_mma<NTL, true, X3>(sm, L, L.dk_rows, L.dS, x0, dv);
   {
-    const MatFrag<> Ark(sm, L.Ark, true, rho), Aak(sm, L.Aak, true);
+    const MatFrag<X3> Ark(sm, L.Ark, true, rho), Aak(sm, L.Aak, true);
 #pragma unroll
-    for (int t = 0; t < NTL; ++t) Ark.mma<true>(dv[t], col(L.dO, t)), Aak.mma<true>(dv[t], col(L.dM, t));
+    for (int t = 0; t < NTL; ++t) Ark.template mma<true>(dv[t], col(L.dO, t)), Aak.template mma<true>(dv[t], col(L.dM, t));
   }
 #pragma unroll
   for (int t = 0; t < NTL; ++t) {
@@ -118,14 +119,14 @@ __device__ __forceinline__ void column_chain_tc(float* sm, const Smem& L, const 
 __device__ __forceinline__ bool nt_fragments(const Smem& L) { return L.cols % 16 == 0; }
 
 // The pair-matrix gradients as 16 x 16 products over the columns, warp w making product w / 2
-// (rk, rb, ak, dX) for 8 of j (on tensor cores here too: the SIMT pair_grads is slower on this
-// path).
+// (rk, rb, ak, dX) for 8 of j; X3: fp32-accurate.
 static_assert(NT / 32 == 8, "4 products x 2 column tiles");
+template <bool X3 = false>
 __device__ __forceinline__ void pair_grad_product(const float* sm, const Smem& L, float (&acc)[4]) {
   const int warp = threadIdx.x / 32, m = warp / 2, j0 = 8 * (warp % 2);
   const int A = m < 2 ? L.dO : m == 2 ? L.dM : L.dU, B = m == 1 ? L.U : m == 3 ? L.M : L.v;
-  if (nt_fragments(L)) warp_mma_nt<true, true>(acc, L.cols, sm + A, L.BP, sm + B + j0 * L.BP, L.BP);
-  else warp_mma_ld<false, true>(acc, L.cols, sm + A, L.BP, sm + B + j0 * L.BP, L.BP);
+  if (nt_fragments(L)) warp_mma_nt<true, true, X3>(acc, L.cols, sm + A, L.BP, sm + B + j0 * L.BP, L.BP);
+  else warp_mma_ld<false, true, false, false, X3>(acc, L.cols, sm + A, L.BP, sm + B + j0 * L.BP, L.BP);
 }
 // pair_grad_product's sums into dA (scaled, within their triangles) and dX (below the diagonal:
 // the rest cannot reach dA_ab).
@@ -147,17 +148,18 @@ __device__ __forceinline__ void put_pair_grads(float* sm, const Smem& L, const f
 // per read.
 __device__ __forceinline__ int state_part_groups(const Smem& L) { return ((L.K + 7) / 8 + 3) / 4; }
 __device__ __forceinline__ int state_part_tasks(const Smem& L) { return 4 * state_part_groups(L); }
-template <bool kExactS = false>
+template <bool kExactS = false, bool X3 = false>
 __device__ __forceinline__ void state_part_product(const float* sm, const Smem& L, int task, float (&acc)[4][4]) {
   const int K = L.K, BP = L.BP, cols = L.cols, ntile = (K + 7) / 8, ngrp = state_part_groups(L);
   const int m = task / ngrp, n00 = 32 * (task % ngrp), nb = min(4, ntile - n00 / 8);
   const int A = m == 0 ? L.dO : m == 1 ? L.dM : m == 2 ? L.v : L.U, B = m < 2 ? L.S : L.dS;
   if (nt_fragments(L)) {  // state rows past K: the next array's (their columns are not stored)
-    if (kExactS && m < 2) tile::warp_mma_nt_tiles<true, false, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
+    if (X3) tile::warp_mma_nt_tiles<true, true, 4, X3>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
+    else if (kExactS && m < 2) tile::warp_mma_nt_tiles<true, false, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
     else tile::warp_mma_nt_tiles<true, true, 4>(acc, nb, cols, sm + A, BP, sm + B + n00 * BP, BP);
   } else {
     for (int t = 0; t < nb; ++t)
-      warp_mma(acc[t], cols, [&](int r, int k) { return sm[A + r * BP + k]; },
+      warp_mma<X3>(acc[t], cols, [&](int r, int k) { return sm[A + r * BP + k]; },
                [&](int k, int n) { return n00 + 8 * t + n < K ? sm[B + (n00 + 8 * t + n) * BP + k] : 0.f; });
   }
 }

@@ -19,7 +19,8 @@
 //         stride (kDplrSweepCols + 8), the sweep tiles of V
 //   SX, NTS, SXP  (dplr_chunk_sweep.cuh) state columns and threads per sweep CTA, the row stride
 //         of the staged U0 / O0 (= UP)
-//   TC    bf16 / fp16 inputs: products on TF32 tensor cores (fp32 inputs: exact SIMT)
+//   TC    bf16 / fp16 inputs: products on TF32 tensor cores (fp32 inputs: 3xTF32, X3)
+//   X3    fp32 inputs: fp32-accurate 3xTF32 tensor-core products (tile_mma.cuh mma_tf32x3)
 //   KC    K as a compile-time constant (64 or 128), 0 for a runtime K
 #pragma once
 #include "dplr_chunk.h"
@@ -61,7 +62,7 @@ static_assert(NT == C * C, "one thread per pair (i, j) of a chunk");
 constexpr int MB = 4, PS = 24, PSP = PS + 4;  // PSP: 16-byte aligned rows
 // Rows per pair walk (grad's kvector_grads, pair_walks): each walked row's loads serve all of them.
 constexpr int kWalkRows = 4;
-static_assert(C % kWalkRows == 0 && C / kWalkRows >= 2, "whole walks; zparts holds TC's two parts too");
+static_assert(C % kWalkRows == 0, "whole walks");
 constexpr int kPairRows = 7, kPairWs = kPairRows * C * PSP + 5 * PSP;
 
 // Shared memory of one CTA, in floats. K-rows [C][KP] (KP: 16-byte aligned rows with 4 floats of
@@ -76,7 +77,7 @@ struct Smem {
   // Backward. dA: the four pair-matrix gradients interleaved, [C][C][4] = (dA_rk, dA_rb, dA_ak,
   // dA_ab) per pair, so that the K-vector gradients' pair walks read one float4 per pair.
   // zeta = rowsum(S+ * dS+) in parts (grad_kernel): rowsum(S * dS+) at zeta, gamma at zgam, the
-  // state-part sums at zparts ([2][K] TC, [C / kWalkRows][K] SIMT). dr_rows, dk_rows, da_rows, db_rows: the
+  // state-part sums at zparts ([2][K]: put_state_part's). dr_rows, dk_rows, da_rows, db_rows: the
   // K-vector gradients' rows [C][KP] (dr, dk, da, db), written last; before that grad_kernel keeps
   // exp(Omega), then K^, in dk_rows, Â in da_rows and B^ in db_rows.
   int dS, dO, dU, dM, dr_rows, dk_rows, da_rows, db_rows, dA, dX, Y, zeta, zgam, zparts;
@@ -106,7 +107,7 @@ struct Smem {
     dS = dO = dU = dM = dr_rows = dk_rows = da_rows = db_rows = dA = dX = Y = zeta = zgam = zparts = 0;
     if (bwd) {
       dS = take(K * BP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
-      zeta = take(K), zgam = take(K), zparts = take(C / kWalkRows * K);
+      zeta = take(K), zgam = take(K), zparts = take(2 * K);
       dr_rows = take(C * KP), dk_rows = take(C * KP), da_rows = take(C * KP), db_rows = take(C * KP);
       dA = take(4 * C * C);
       dX = take(C * CP), Y = take(C * CP);

@@ -120,10 +120,16 @@ __device__ __forceinline__ void swap_halves_if(X (&v)[4], bool sw) {
 // Four threads per channel, four rows each (all 256 threads: one thread per channel walking all
 // 16 rows would keep three warps in four idle at the next barrier). Every
 // exponent is a sum of w's (the other rows' totals through shuffles), never a difference. Not
-// synchronised. Returns whether every channel this thread saw has a chunk total Gamma >=
-// -kFactorBound (pair_matrices_tc; NaN: false). gm >= 0: gamma = exp(Gamma) [K] there.
-constexpr float kFactorBound = 60.f;
-__device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, int ah = -1, int gm = -1) {
+// synchronised. Returns whether every channel this thread saw has a chunk total Gamma >= -bound
+// (pair_matrices_tc; NaN: false). gm >= 0: gamma = exp(Gamma) [K] there.
+// The bounds of the factored pair matrices: the factors' exponents are prefix sums, whose
+// rounding (~2^-24 |G| each) becomes their relative error. 60 keeps every factor a normal float
+// and that error far below bf16 / fp16 input rounding; fp32 inputs take 16, where it stays at
+// the level of the 3xTF32 products themselves (~1e-6), and RWKV-7's own decays (w >= -exp(-0.5),
+// a chunk's total >= -9.7) always factor. Chunks past a bound take the exact pair_matrices.
+constexpr float kFactorBound = 60.f, kFactorBoundFp32 = 16.f;
+__device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, int ah = -1, int gm = -1,
+                                    float bound = kFactorBound) {
   static_assert(C == 16, "four rows per thread, four threads per channel");
   const int K = L.K, KP = L.KP, part = threadIdx.x % 4, r0 = 4 * part;
   bool bounded = true;
@@ -148,7 +154,7 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
       if (q > part) after += t;
     }
     if (!on) continue;
-    bounded = bounded && before + tot + after >= -kFactorBound;
+    bounded = bounded && before + tot + after >= -bound;
     if (gm >= 0 && part == 0) sm[gm + d] = expf(tot + after);
     float run = before, prev = part ? expf(before) : 1.f;  // prev = exp(E_i) = exp(G_{i-1})
     float hv[4], gv[4], ov[4];  // Â, exp(G), exp(Omega) of the four rows
@@ -177,16 +183,15 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
 }
 
 // The four pair matrices on tensor cores, for a chunk with every channel's total decay Gamma >=
-// -kFactorBound (checked by chunk_decays: a bound relied on, never assumed). Then exp(G_i - G_j)
-// = exp(G_i) exp(-G_j) with both factors in [e^-60, e^60] (normal floats: nothing overflows or
+// -kFactorBound (fp32: -kFactorBoundFp32; checked by chunk_decays: a bound relied on, never
+// assumed). Then exp(G_i - G_j) = exp(G_i) exp(-G_j) with both factors in [e^-60, e^60] (normal floats: nothing overflows or
 // underflows; docs/algorithms.md §2.2 scheme 2 at C = 16), and each matrix is one 16 x 16 x K
 // product of rows R^ = r exp(G_i) or Â = a exp(E_i) with rows k exp(-G_j) or b exp(-G_j),
 // masked to j <= i (rk, rb) or j < i (ak, ab); exp(-G_j) = exp(Omega_j) / gamma. R^ and Â
 // replace the r and a rows (kwide_rows_tc reads them scaled: `factored`); the key rows go to
 // the pair workspace. 3xTF32: fp32-accurate, since X = (I - A_ab)^-1 amplifies the errors of
-// A_ab. The exponent is a prefix difference, its error ~2^-24 * 60 relative: far below bf16 /
-// fp16 input rounding (fp32 inputs keep the exact pair_matrices). After the flag's barrier;
-// not synchronised at the end.
+// A_ab. The exponent is a prefix difference, its error ~2^-24 |Gamma| relative (kFactorBound).
+// After the flag's barrier; not synchronised at the end.
 __device__ __forceinline__ bool factorable(const Smem& L) { return 2 * C * L.KP <= L.pwn; }
 __device__ inline void pair_matrices_tc(float* sm, const Smem& L) {
   const int K = L.K, KP = L.KP, kn = (K + 7) / 8 * 8;
@@ -272,11 +277,8 @@ struct Chans {
 // row i0 + r's factor over the shared steps is the first row's times the exp(w) between them
 // (queries; keys: the last key's, likewise), applied once at the end, and the steps inside the
 // block are added on their own, each with its running factor (which ends as that row's).
-// zp[r] += zeta's state-part sum of row i0 + r, K^ sk + B^ sb (the SIMT path's; TC's comes from
-// its state-part products).
 template <int CW, int R, class StatePart>
-__device__ __forceinline__ void pair_walks(float* sm, const Smem& L, int i0, int d, float rho, StatePart st,
-                                           Chans<CW> (&zp)[R]) {
+__device__ __forceinline__ void pair_walks(float* sm, const Smem& L, int i0, int d, float rho, StatePart st) {
   using V = Chans<CW>;
   const int KP = L.KP;
   const float *ew = sm + L.w + d, *kr = sm + L.k + d, *br = sm + L.b + d;  // ew: exp(w)
@@ -364,14 +366,13 @@ __device__ __forceinline__ void pair_walks(float* sm, const Smem& L, int i0, int
       }
     }
     const float4 dd = pair(J, J);
-    const V rJ = V::ld(rr + J * KP), kJ = V::ld(kr + J * KP), bJ = V::ld(br + J * KP), sk = st(r, 2), sb = st(r, 3);
+    const V rJ = V::ld(rr + J * KP), sk = st(r, 2), sb = st(r, 3);
     V dkv, dbv;
 #pragma unroll
     for (int c = 0; c < CW; ++c) {  // f = exp(sum of w_s, J < s <= i0 + R - 1): exp(Omega_J) = fex f
       const float eO = fex.v[c] * f.v[c];
       dkv.v[c] = dd.x * rJ.v[c] + dk[r].v[c] * f.v[c] + tk.v[c] + sk.v[c] * eO;
       dbv.v[c] = dd.y * rJ.v[c] + db[r].v[c] * f.v[c] + tb.v[c] + sb.v[c] * eO;
-      zp[r].v[c] += (kJ.v[c] * sk.v[c] + bJ.v[c] * sb.v[c]) * eO;
     }
     dkv.st(sm + L.dk_rows + J * KP + d), dbv.st(sm + L.db_rows + J * KP + d);
   }

@@ -12,12 +12,12 @@ namespace fla {
 namespace dplr_chunk_detail {
 
 // Everything of a loaded chunk that does not depend on the state: exp(G), exp(Omega), the pair
-// matrices (TC: on tensor cores where the chunk's decays allow, pair_matrices_tc) and X. Ends
+// matrices (on tensor cores where the chunk's decays allow: pair_matrices_tc) and X. Ends
 // synchronised. Returns whether the pair matrices were factored (then the r and a rows hold R^
 // and Â).
 template <bool TC>
 __device__ inline bool prepare(float* sm, const Smem& L) {
-  const bool bounded = chunk_decays(sm, L, L.eG, L.eO);
+  const bool bounded = chunk_decays(sm, L, L.eG, L.eO, -1, -1, TC ? kFactorBound : kFactorBoundFp32);
   // X = (I - N)^-1 for the strictly lower N = A_ab by 4 x 4 blocks (docs/algorithms.md §6.2), the
   // blocked inverse by doubling: each diagonal block by forward substitution down its columns;
   // the blocks (1, 0), (3, 2) as X_II N_IJ X_JJ; then the lower left 8 x 8 block as X_hi
@@ -33,7 +33,7 @@ __device__ inline bool prepare(float* sm, const Smem& L) {
   const int I = i / 4, J = j / 4;
   const float* const N = sm + L.Aab;
   float* const X = sm + L.X;
-  const bool factored = __syncthreads_and(TC && bounded && factorable(L));  // CTA-uniform
+  const bool factored = __syncthreads_and(bounded && factorable(L));  // CTA-uniform
   if (factored) {
     pair_matrices_tc(sm, L);
   } else {
@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
         e % (CP / 4) == C / 4 ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sm + L.Ark + 4 * e);
   zero_ws_pads(out, uout(), ws);
   // K-wide rows, then the column tiles (when v is in the stage) on tensor cores: single TF32 for
-  // bf16 / fp16, 3xTF32 for fp32 (X3: fp32-accurate; the pair matrices and X stay exact SIMT).
+  // bf16 / fp16, 3xTF32 for fp32 (X3: fp32-accurate).
   const float rho = float(p.scale);
   kwide_rows_tc<!TC>(sm, L, ws, out, factored);
   if (p.paths.rows_16byte) copy_wait<0>();

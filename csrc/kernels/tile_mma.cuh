@@ -183,7 +183,8 @@ __device__ __forceinline__ void warp_mma(float* acc, int kn, A a, B b) {
 // a kernel like the RWKV7 sweep (integer multiply-adds, not mma).
 // RA / RB: that operand holds TF32 values already (tf32_round, or widened bf16 / fp16), read
 // without the rounding add.
-template <bool TA = false, bool TB = false, bool RA = false, bool RB = false>
+// X3: fp32-accurate (mma_tf32x3; RA, RB are then ignored).
+template <bool TA = false, bool TB = false, bool RA = false, bool RB = false, bool X3 = false>
 __device__ __forceinline__ void warp_mma_ld(float* acc, int kn, const float* a, int lda,
                                             const float* b, int ldb) {
   const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
@@ -193,8 +194,10 @@ __device__ __forceinline__ void warp_mma_ld(float* acc, int kn, const float* a, 
   const int bk4 = TB ? 4 : 4 * ldb, bk8 = TB ? 8 : 8 * ldb;
   auto ca = [](float x) { return RA ? __float_as_uint(x) : to_tf32(x); };
   auto cb = [](float x) { return RB ? __float_as_uint(x) : to_tf32(x); };
-  for (int k = 0; k < kn; k += 8, pa += ak8, pb += bk8)
-    mma_tf32(acc, ca(pa[0]), ca(pa[a8]), ca(pa[ak4]), ca(pa[a8 + ak4]), cb(pb[0]), cb(pb[bk4]));
+  for (int k = 0; k < kn; k += 8, pa += ak8, pb += bk8) {
+    if constexpr (X3) mma_tf32x3(acc, {pa[0], pa[a8], pa[ak4], pa[a8 + ak4]}, {pb[0], pb[bk4]});
+    else mma_tf32(acc, ca(pa[0]), ca(pa[a8]), ca(pa[ak4]), ca(pa[a8 + ak4]), cb(pb[0]), cb(pb[bk4]));
+  }
 }
 
 // acc += A B^T for row-major A [16][kn] and B [8][kn] (both k-contiguous: A(r, k) = a[r * lda + k],
@@ -208,7 +211,8 @@ __device__ __forceinline__ int nt_perm(int g) { return (g >> 1) + 4 * (g & 1); }
 // warp_mma_nt_tiles: the same for nb <= NB n-tiles of B at once (tile t's rows at b + 8 t ldb,
 // into acc[t]): each A fragment is loaded once for all of them (shared-memory bytes, not
 // instructions, bound the RWKV7 gradient kernel).
-template <bool RA = false, bool RB = false, int NB = 1>
+// X3: fp32-accurate (mma_tf32x3; RA, RB are then ignored).
+template <bool RA = false, bool RB = false, int NB = 1, bool X3 = false>
 __device__ __forceinline__ void warp_mma_nt_tiles(float (*acc)[4], int nb, int kn, const float* a, int lda,
                                                   const float* b, int ldb) {
   const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, pg = nt_perm(g);
@@ -222,14 +226,19 @@ __device__ __forceinline__ void warp_mma_nt_tiles(float (*acc)[4], int nb, int k
     for (int t = 0; t < NB; ++t) {
       if (t >= nb) break;
       const float4 bb = *reinterpret_cast<const float4*>(pb + 8 * t * ldb);
-      mma_tf32(acc[t], ca(lo.x), ca(hi.x), ca(lo.y), ca(hi.y), cb(bb.x), cb(bb.y));
-      mma_tf32(acc[t], ca(lo.z), ca(hi.z), ca(lo.w), ca(hi.w), cb(bb.z), cb(bb.w));
+      if constexpr (X3) {
+        mma_tf32x3(acc[t], {lo.x, hi.x, lo.y, hi.y}, {bb.x, bb.y});
+        mma_tf32x3(acc[t], {lo.z, hi.z, lo.w, hi.w}, {bb.z, bb.w});
+      } else {
+        mma_tf32(acc[t], ca(lo.x), ca(hi.x), ca(lo.y), ca(hi.y), cb(bb.x), cb(bb.y));
+        mma_tf32(acc[t], ca(lo.z), ca(hi.z), ca(lo.w), ca(hi.w), cb(bb.z), cb(bb.w));
+      }
     }
   }
 }
-template <bool RA = false, bool RB = false>
+template <bool RA = false, bool RB = false, bool X3 = false>
 __device__ __forceinline__ void warp_mma_nt(float* acc, int kn, const float* a, int lda, const float* b, int ldb) {
-  warp_mma_nt_tiles<RA, RB, 1>(reinterpret_cast<float(*)[4]>(acc), 1, kn, a, lda, b, ldb);
+  warp_mma_nt_tiles<RA, RB, 1, X3>(reinterpret_cast<float(*)[4]>(acc), 1, kn, a, lda, b, ldb);
 }
 __device__ __forceinline__ int nt_row(int m0, int e) { return m0 + nt_perm(threadIdx.x % 32 / 4) + 8 * (e / 2); }
 __device__ __forceinline__ int nt_col(int n0, int e) { return n0 + threadIdx.x % 4 + 4 * (e % 2); }

@@ -109,7 +109,7 @@ def test_varlen_int32_head_first(mode, device, gen):
 # ---------------------------------------------------------------------------------------------
 # Stress suite (docs/algorithms.md §8.4): generic log decays (0, near 0, typical, U(-5,0), U(-30,0),
 # -1e4, -inf, mixed, spikes at rows = 0 and 15 mod 16, RWKV-7's own range, 16-step sums at the
-# CUDA chunk path's factoring bound), with and without
+# CUDA chunk path's factoring bounds: -60, fp32 -16), with and without
 # h0 and dht (chunk); the low-rank regimes (iclr 0 / 1: ||b a^T|| = 1; generic a, b); long T.
 
 @pytest.mark.parametrize("mode,states", [pytest.param(CHUNK, True, id="chunk-states"),
@@ -117,7 +117,7 @@ def test_varlen_int32_head_first(mode, device, gen):
                                          pytest.param(FUSED, True, id="fused_recurrent")])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("w_kind", STRESS + ["rwkv7", "edge60"])
+@pytest.mark.parametrize("w_kind", STRESS + ["rwkv7", "edge60", "edge16"])
 def test_stress_gates(mode, states, device, dtype, w_kind, gen):
     ins = make(2, 70, 2, 64, 32, dtype, device, gen, w_kind=w_kind, h0=states)
     run_and_check(mode, *ins, scale=mode.scale, dht_on=states, gen=gen)

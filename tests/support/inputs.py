@@ -20,6 +20,8 @@ def log_decay(kind: str, shape, gen) -> torch.Tensor:
         return -30 * torch.rand(shape, generator=gen)
     if kind == "edge60":  # 16-step sums straddle -60, chunk_rwkv7's bound for factored pair matrices
         return -3.7469 + 0.01 * (2 * torch.rand(shape, generator=gen) - 1)  # ~1 chunk in 3 factored
+    if kind == "edge16":  # the same about -16, the bound for fp32 inputs
+        return -0.996875 + 0.01 * (2 * torch.rand(shape, generator=gen) - 1)
     if kind == "rwkv7":  # RWKV-7's own parametrisation: -exp(-0.5) * sigmoid(x)
         return -math.exp(-0.5) * torch.sigmoid(torch.randn(shape, generator=gen))
     if kind == "rwkv":  # -exp(N(0, 2^2)), as RWKV6 layers produce
