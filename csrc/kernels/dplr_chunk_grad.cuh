@@ -370,7 +370,6 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
       __syncthreads();
       state_rowsum<TC, kStrided>(sm, L, tile > 0);
       if (tile == 0) decay_factor_rows(sm, L, early);
-      // Step 4: dU, dM, dv and the pair-matrix gradients.
       // Y = X^T dX, then dA_ab = stril(Y X^T). Ends synchronised.
       auto solve_grads = [&]() {
         const int i = threadIdx.x / C, j = threadIdx.x % C;
@@ -384,53 +383,52 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
         sm[L.dA + 4 * (i * C + j) + 3] = z;
         __syncthreads();
       };
-      {
-        __syncthreads();  // K^, B^, exp(w) (decay_factor_rows), S and dS+ (TF32 unless X3: state_rowsum)
-        column_chain_tc<T, kStrided>(sm, L, p, c, t0, nrow, rho);
-        __syncthreads();
-        const int warp = threadIdx.x / 32;
-        if (!kWalk) {
-          float acc[4] = {0.f, 0.f, 0.f, 0.f};
-          pair_grad_product<X3>(sm, L, acc);
-          put_pair_grads(sm, L, acc, rho);
-          if constexpr (kStrided) {
-            // (K = 64: one task per warp) K^ and B^ read for the next state between the task's
-            // product and its put, which writes over them: nothing held through the products.
-            static_assert(4 * ((KC + 31) / 32) == NT / 32, "a state-part task per warp");
-            float part[4][4] = {};
-            state_part_product<true>(sm, L, warp, part);
-            if (makes_next) {
-              next.load_keys(sm, L);
-              __syncthreads();
-            }
-            put_state_part(sm, L, warp, part);
-            if (makes_next) next.update(sm, L);
-          } else {
-            for (int task = warp; task < state_part_tasks(L); task += NT / 32) {
-              float part[4][4] = {};
-              state_part_product<false, X3>(sm, L, task, part);
-              put_state_part(sm, L, task, part);
-            }
-          }
-        } else {
-          static_assert(!kWalk || kHeldTasks * (NT / 32) == 4 * ((KC + 31) / 32), "every warp holds kHeldTasks tasks");
-          pair_grad_product(sm, L, pair_sum);
-#pragma unroll
-          for (int h = 0; h < kHeldTasks; ++h) state_part_product(sm, L, warp + h * (NT / 32), part_sum[h]);
-          if (tile + 1 < tiles) {  // this tile's rows and states are read: the next tile's loads go over them
-            __syncthreads();
-            continue;
-          }
-          put_pair_grads(sm, L, pair_sum, rho);
-#pragma unroll
-          for (int h = 0; h < kHeldTasks; ++h) put_state_part(sm, L, warp + h * (NT / 32), part_sum[h]);
-        }
-        __syncthreads();
+      // Step 4: dU, dM, dv and the pair-matrix gradients.
+      __syncthreads();  // K^, B^, exp(w) (decay_factor_rows), S and dS+ (TF32 unless X3: state_rowsum)
+      column_chain_tc<T, kStrided>(sm, L, p, c, t0, nrow, rho);
+      __syncthreads();
+      const int warp = threadIdx.x / 32;
+      if (!kWalk) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        pair_grad_product<X3>(sm, L, acc);
+        put_pair_grads(sm, L, acc, rho);
         if constexpr (kStrided) {
-          if (makes_next) next.put(sm, L);  // (no later step of this chunk reads S)
+          // (K = 64: one task per warp) K^ and B^ read for the next state between the task's
+          // product and its put, which writes over them: nothing held through the products.
+          static_assert(4 * ((KC + 31) / 32) == NT / 32, "a state-part task per warp");
+          float part[4][4] = {};
+          state_part_product<true>(sm, L, warp, part);
+          if (makes_next) {
+            next.load_keys(sm, L);
+            __syncthreads();
+          }
+          put_state_part(sm, L, warp, part);
+          if (makes_next) next.update(sm, L);
+        } else {
+          for (int task = warp; task < state_part_tasks(L); task += NT / 32) {
+            float part[4][4] = {};
+            state_part_product<false, X3>(sm, L, task, part);
+            put_state_part(sm, L, task, part);
+          }
         }
-        solve_grads();
+      } else {
+        static_assert(!kWalk || kHeldTasks * (NT / 32) == 4 * ((KC + 31) / 32), "every warp holds kHeldTasks tasks");
+        pair_grad_product(sm, L, pair_sum);
+#pragma unroll
+        for (int h = 0; h < kHeldTasks; ++h) state_part_product(sm, L, warp + h * (NT / 32), part_sum[h]);
+        if (tile + 1 < tiles) {  // this tile's rows and states are read: the next tile's loads go over them
+          __syncthreads();
+          continue;
+        }
+        put_pair_grads(sm, L, pair_sum, rho);
+#pragma unroll
+        for (int h = 0; h < kHeldTasks; ++h) put_state_part(sm, L, warp + h * (NT / 32), part_sum[h]);
       }
+      __syncthreads();
+      if constexpr (kStrided) {
+        if (makes_next) next.put(sm, L);  // (no later step of this chunk reads S)
+      }
+      solve_grads();
       kvector_grads(sm, L, rho);
       store_kvector_grads<T>(sm, L, p, c, t0, nrow);
     }
