@@ -197,6 +197,11 @@ def _begin_rank(ctx: CPContext) -> int:
 def run(ctx: CPContext, *, run_slice: Callable, carry: Callable, m_numel: int, apply: Callable,
         state_shape, state_dtype, initial_state, output_final_state: bool, device):
     if not isinstance(ctx, CPContext):
+        if type(ctx).__module__.split(".")[0] == "fla":  # fla's FLACPContext: another protocol
+            raise NotImplementedError(
+                f"fla_ext: fla's context parallelism ({type(ctx).__name__}: local cu_seqlens, no "
+                "states) is not supported; build a `cp_context` with fla_ext.cp.build_cp_context "
+                "(the global cu_seqlens; initial and final states work)")
         raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
                         f"{type(ctx).__name__}")
     s = ctx.here
@@ -276,6 +281,11 @@ def _rows(x: Optional[torch.Tensor], rows: int):
 def check_inputs(ctx, x: torch.Tensor, head_first: bool, cu_seqlens, reverse=False, name="the inputs"):
     """What an op checks of a call with ``cp_context`` before anything runs."""
     if not isinstance(ctx, CPContext):
+        if type(ctx).__module__.split(".")[0] == "fla":  # fla's FLACPContext: another protocol
+            raise NotImplementedError(
+                f"fla_ext: fla's context parallelism ({type(ctx).__name__}: local cu_seqlens, no "
+                "states) is not supported; build a `cp_context` with fla_ext.cp.build_cp_context "
+                "(the global cu_seqlens; initial and final states work)")
         raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
                         f"{type(ctx).__name__}")
     if head_first:

@@ -4,6 +4,7 @@ Layouts: activations are ``[B, T, H, D]``, or ``[B, H, T, D]`` with ``head_first
 strides, never copied). States are float32 ``[N, H, K, V]``; N = B, or the number of sequences
 with ``cu_seqlens`` (then B must be 1). Log decays ``w <= 0`` multiply the state by ``exp(w)``.
 """
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -54,6 +55,18 @@ def _optional_tensors(**named) -> None:
                 f"fla_ext: `{name}` must be a torch.Tensor or None, got {type(x).__name__}")
 
 
+def _check_fla_hints(chunk_size=None, checkpoint_level=None, lower_bound=None) -> None:
+    """fla's checks of its tuning hints, which fla_ext accepts without effect: a call fla refuses
+    is refused here too, with fla's reason."""
+    if chunk_size is not None and (chunk_size <= 0 or chunk_size & (chunk_size - 1)):
+        raise ValueError(f"fla_ext: `chunk_size` must be a power of 2, got {chunk_size}")
+    if checkpoint_level is not None and checkpoint_level not in (0, 1, 2):
+        raise ValueError(f"fla_ext: `checkpoint_level` must be 0, 1 or 2, got {checkpoint_level}")
+    if lower_bound is not None and lower_bound >= 0:
+        raise ValueError(f"fla_ext: `lower_bound` must be negative (w is a log decay < 0), got "
+                         f"{lower_bound}")
+
+
 def _full_scale(scale, k):
     """The scale of the whole head (K^-1/2 unless given), for an op run on key slices."""
     return k.shape[-1] ** -0.5 if scale is None else scale
@@ -70,10 +83,15 @@ def _lift_state(state, ref: torch.Tensor):
     return state
 
 
-def _state_in(state, state_v_first: bool):
+def _state_in(state, state_v_first: bool, k: torch.Tensor, v: torch.Tensor):
     """An initial state given as fla's ``state_v_first`` [N, H, V, K], as the ops read it: a
-    transposed view (the kernels take any strides)."""
+    transposed view (the kernels take any strides). Its last two dims are checked here, in the
+    layout the caller used (the op's own check would name the transposed one)."""
     if state_v_first and isinstance(state, torch.Tensor):
+        K, V = k.shape[-1], v.shape[-1]
+        if state.dim() < 2 or tuple(state.shape[-2:]) != (V, K):
+            raise ValueError(f"fla_ext: with state_v_first=True, `initial_state` must be [N, H, V, K] "
+                             f"= [N, H, {V}, {K}], got {list(state.shape)}")
         return state.transpose(-1, -2)
     return state
 
@@ -205,6 +223,8 @@ def fused_recurrent_gla(
         _require_tensors(gv=gv)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     if transpose_state_layout is not None:
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first` (as in "
+                      "fla)", DeprecationWarning, stacklevel=2)
         if state_v_first:
             raise ValueError("fla_ext: pass `state_v_first` or its older name "
                              "`transpose_state_layout`, not both")
@@ -212,18 +232,18 @@ def fused_recurrent_gla(
     if cp_context is not None:
         _cp.check_inputs(cp_context, q, head_first, cu_seqlens, reverse, name="q")
         o, ht = _cp.gla(fused_recurrent_gla, cp_context, q, k, v, gk, gv, scale,
-                        _state_in(initial_state, state_v_first), output_final_state, {})
+                        _state_in(initial_state, state_v_first, k, v), output_final_state, {})
         return o, (_state_out(ht, state_v_first) if output_final_state else None)
     if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1]):
         o, ht = _wide.by_slices(
             lambda x, y, h0: torch.ops.fla.fused_recurrent_gla(
                 x["q"], x["k"], y["v"], x["gk"], y["gv"], _full_scale(scale, k), h0, output_final_state,
                 reverse, cu_seqlens, head_first),
-            dict(q=q, k=k, gk=gk), dict(v=v, gv=gv), _state_in(initial_state, state_v_first),
+            dict(q=q, k=k, gk=gk), dict(v=v, gv=gv), _state_in(initial_state, state_v_first, k, v),
             output_final_state)
         return o, (_state_out(ht, state_v_first) if output_final_state else None)
     o, ht = torch.ops.fla.fused_recurrent_gla(
-        q, k, v, gk, gv, scale, _state_in(initial_state, state_v_first), output_final_state,
+        q, k, v, gk, gv, scale, _state_in(initial_state, state_v_first, k, v), output_final_state,
         reverse, cu_seqlens, head_first
     )
     return o, (_state_out(ht, state_v_first) if output_final_state else None)
@@ -288,7 +308,7 @@ def chunk_gla(
     if cp_context is not None:
         _cp.check_inputs(cp_context, q, head_first, cu_seqlens, name="q")
         o, ht = _cp.gla(chunk_gla, cp_context, q, k, v, g, gv, scale,
-                        _state_in(initial_state, state_v_first), output_final_state, {})
+                        _state_in(initial_state, state_v_first, k, v), output_final_state, {})
         return o, (_state_out(ht, state_v_first) if output_final_state else None)
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g, gv=gv)
@@ -297,11 +317,11 @@ def chunk_gla(
             lambda x, y, h0: torch.ops.fla.chunk_gla(
                 x["q"], x["k"], y["v"], x["g"], y["gv"], _full_scale(scale, k), h0, output_final_state,
                 cu_seqlens, head_first),
-            dict(q=q, k=k, g=g), dict(v=v, gv=gv), _state_in(initial_state, state_v_first),
+            dict(q=q, k=k, g=g), dict(v=v, gv=gv), _state_in(initial_state, state_v_first, k, v),
             output_final_state)
         return o, (_state_out(ht, state_v_first) if output_final_state else None)
     o, ht = torch.ops.fla.chunk_gla(
-        q, k, v, g, gv, scale, _state_in(initial_state, state_v_first), output_final_state,
+        q, k, v, g, gv, scale, _state_in(initial_state, state_v_first, k, v), output_final_state,
         cu_seqlens, head_first
     )
     return o, (_state_out(ht, state_v_first) if output_final_state else None)
@@ -328,8 +348,9 @@ def chunk_rwkv6(
     exponents. Arguments and returns as in :func:`fused_recurrent_rwkv6` (no ``reverse``), in
     fla's positional order; ``cu_seqlens_cpu``: the host copy of a CUDA ``cu_seqlens``;
     ``chunk_size``: fla's tuning hint, accepted and without effect (the kernels' chunk is their
-    own)."""
+    own), checked as fla checks it."""
     _require_tensors(r=r, k=k, v=v, w=w, u=u)
+    _check_fla_hints(chunk_size=chunk_size)
     initial_state = _lift_state(initial_state, r)
     if cp_context is not None:
         _cp.check_inputs(cp_context, r, head_first, cu_seqlens, name="r")
@@ -482,14 +503,13 @@ def chunk_rwkv7(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
-    head_first: bool = False,
-    *,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     safe_gate: bool = False,
     chunk_size: Optional[int] = None,
     disable_recompute: bool = False,
     cp_context=None,
     lower_bound: Optional[float] = None,
+    head_first: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     r"""RWKV7 (diagonal plus low rank), chunk-parallel (training path): the map of
     :func:`fused_recurrent_rwkv7`,
@@ -515,7 +535,8 @@ def chunk_rwkv7(
             checked without a device synchronisation.
         safe_gate, chunk_size, disable_recompute, lower_bound: fla's tuning hints, accepted so
             that fla call sites run unchanged and ignored: no bound on ``w`` is needed here,
-            and the chunk size is the kernel's own.
+            and the chunk size is the kernel's own (a ``lower_bound >= 0`` is refused, as fla
+            refuses it). All in fla 0.6.0's positional order; ``head_first`` comes after them.
         cp_context: a context from :func:`fla_ext.cp.build_cp_context`: this call is one rank's
             slice of a packed batch split across a process group (fla_ext/cp.py).
 
@@ -523,6 +544,7 @@ def chunk_rwkv7(
         ``(o, final_state)``: ``o`` like ``v`` in the input dtype; ``final_state`` or None.
     """
     _require_tensors(r=r, w=w, k=k, v=v, a=a, b=b)
+    _check_fla_hints(lower_bound=lower_bound)
     initial_state = _lift_state(initial_state, r)
     if cp_context is not None:
         _cp.check_inputs(cp_context, r, head_first, cu_seqlens, name="r")
@@ -544,6 +566,13 @@ def _gsa_states(initial_state) -> Tuple[Optional[torch.Tensor], Optional[torch.T
     hk0, hv0 = initial_state
     _optional_tensors(**{"initial_state[0]": hk0, "initial_state[1]": hv0})
     return hk0, hv0
+
+
+def _fla_states(result):
+    """(o, [hk, hv]): GSA's final states as the list fla 0.6.0 returns (fla unpacks them from its
+    Function's outputs); unpacking and passing them back as ``initial_state`` work either way."""
+    o, (hk, hv) = result
+    return o, [hk, hv]
 
 
 def _gsa_by_passes(gla_op, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
@@ -623,10 +652,11 @@ def chunk_gsa(
         cu_seqlens_cpu: fla's host copy of a CUDA ``cu_seqlens`` (its values are then checked).
         checkpoint_level, chunk_size: accepted for drop-in use (fla's positional order) and
             without effect: a training forward keeps the float32 softmax and, on CUDA, the
-            passes' chunk-start states and pair matrices.
+            passes' chunk-start states and pair matrices. Values fla refuses are refused.
 
     Returns:
-        ``(o, (hk, hv))``: ``o`` ``[B, T, HQ, V]``; the final states, or ``(None, None)``.
+        ``(o, [hk, hv])``: ``o`` ``[B, T, HQ, V]``; the final states, or ``[None, None]`` (a
+        list, as fla returns them).
 
     Example::
 
@@ -637,18 +667,20 @@ def chunk_gsa(
         >>> o, (hk, hv) = fla_ext.chunk_gsa(q, k, v, s, g, output_final_state=True)
     """
     _require_tensors(q=q, k=k, v=v, s=s)
+    _check_fla_hints(chunk_size=chunk_size, checkpoint_level=checkpoint_level)
     if cp_context is not None:
         _cp.check_inputs(cp_context, q, head_first, cu_seqlens, name="q")
-        return _cp.gsa(chunk_gla, cp_context, q, k, v, s, g, scale, initial_state, output_final_state)
+        return _fla_states(_cp.gsa(chunk_gla, cp_context, q, k, v, s, g, scale, initial_state,
+                                   output_final_state))
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
     hk0, hv0 = (_lift_state(h, q) for h in _gsa_states(initial_state))
     if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1], s.shape[-1]):
-        return _gsa_by_passes(chunk_gla, q, k, v, s, g, scale, hk0, hv0, output_final_state, cu_seqlens,
-                              cu_seqlens_cpu, head_first)
+        return _fla_states(_gsa_by_passes(chunk_gla, q, k, v, s, g, scale, hk0, hv0, output_final_state,
+                                          cu_seqlens, cu_seqlens_cpu, head_first))
     o, hk, hv = torch.ops.fla.chunk_gsa(q, k, v, s, g, scale, hk0, hv0, output_final_state,
                                         cu_seqlens, head_first)
-    return o, ((hk, hv) if output_final_state else (None, None))
+    return _fla_states((o, (hk, hv) if output_final_state else (None, None)))
 
 
 def fused_recurrent_gsa(
@@ -680,15 +712,16 @@ def fused_recurrent_gsa(
     _require_tensors(q=q, k=k, v=v, s=s)
     if cp_context is not None:
         _cp.check_inputs(cp_context, q, head_first, cu_seqlens, reverse, name="q")
-        return _cp.gsa(fused_recurrent_gla, cp_context, q, k, v, s, g, scale, initial_state,
-                       output_final_state)
+        return _fla_states(_cp.gsa(fused_recurrent_gla, cp_context, q, k, v, s, g, scale, initial_state,
+                                   output_final_state))
     _check_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q, head_first)
     _optional_tensors(g=g)
     hk0, hv0 = (_lift_state(h, q) for h in _gsa_states(initial_state))
     if _wide.needs_slices(q.shape[-1], k.shape[-1], v.shape[-1], s.shape[-1]):
-        return _gsa_by_passes(fused_recurrent_gla, q, k, v, s, g, scale, hk0, hv0, output_final_state,
-                              cu_seqlens, cu_seqlens_cpu, head_first, reverse=reverse)
+        return _fla_states(_gsa_by_passes(fused_recurrent_gla, q, k, v, s, g, scale, hk0, hv0,
+                                          output_final_state, cu_seqlens, cu_seqlens_cpu, head_first,
+                                          reverse=reverse))
     o, hk, hv = torch.ops.fla.fused_recurrent_gsa(q, k, v, s, g, scale, hk0, hv0,
                                                   output_final_state, reverse, cu_seqlens,
                                                   head_first)
-    return o, ((hk, hv) if output_final_state else (None, None))
+    return _fla_states((o, (hk, hv) if output_final_state else (None, None)))

@@ -88,7 +88,7 @@ def _states(family, N, H, K, V, gen):
 def _flat(final):
     if final is None:
         return []
-    return [f for f in final if f is not None] if isinstance(final, tuple) else [final]
+    return [f for f in final if f is not None] if isinstance(final, (tuple, list)) else [final]
 
 
 def _case(F, op, batch, h0_on, fin_on, rank, world):

@@ -1,6 +1,6 @@
-"""fla 0.6.0's call signatures for the diagonal family (issue: fla API parity): every positional
-parameter of fla's chunk_ / fused_recurrent_ {gla, rwkv6, gsa} sits at fla's position here, every
-keyword fla accepts is accepted, and `state_v_first` ([N, H, V, K] states) means what it means in
+"""fla 0.6.0's call signatures for the diagonal family and RWKV7 (issue: fla API parity): every
+positional parameter of fla's chunk_ / fused_recurrent_ {gla, rwkv6, gsa, rwkv7} sits at fla's
+position here, every keyword fla accepts is accepted, and `state_v_first` ([N, H, V, K] states) means what it means in
 fla. The table is fla 0.6.0's (read from its source); where fla is importable the live signatures
 are compared too."""
 import inspect
@@ -27,6 +27,11 @@ FLA_060 = {
                    "checkpoint_level", "cu_seqlens", "cu_seqlens_cpu"], ["chunk_size"]),
     "fused_recurrent_gsa": (["q", "k", "v", "s", "g", "scale", "initial_state",
                              "output_final_state", "reverse", "cu_seqlens"], []),
+    "chunk_rwkv7": (["r", "w", "k", "v", "a", "b", "scale", "initial_state", "output_final_state",
+                     "cu_seqlens", "cu_seqlens_cpu", "safe_gate", "chunk_size", "disable_recompute",
+                     "cp_context", "lower_bound"], []),
+    "fused_recurrent_rwkv7": (["r", "w", "k", "v", "a", "b", "scale", "initial_state",
+                               "output_final_state", "cu_seqlens"], []),
 }
 
 
@@ -47,7 +52,8 @@ def test_fla_positional_order_and_keywords(op):
 
 @pytest.mark.parametrize("op", list(FLA_060))
 def test_live_fla_signature(op):
-    mod = {"gla": "fla.ops.gla", "rwkv6": "fla.ops.rwkv6", "gsa": "fla.ops.gsa"}[op.split("_")[-1]]
+    mod = {"gla": "fla.ops.gla", "rwkv6": "fla.ops.rwkv6", "gsa": "fla.ops.gsa",
+           "rwkv7": "fla.ops.rwkv7"}[op.split("_")[-1]]
     fla_ops = pytest.importorskip(mod)
     fla_fn = getattr(fla_ops, op)
     fla_pos = positional(fla_fn)
@@ -85,14 +91,76 @@ def test_state_v_first(device, mode, gen):
 def test_transpose_state_layout_alias(gen):
     q, k, v, g, h0 = make_diag(2, 9, 1, 4, 6, torch.float32, "cpu", gen)
     h0_vk = h0.transpose(-1, -2).contiguous()
-    o1, ht1 = fla_ext.fused_recurrent_gla(q, k, v, g, initial_state=h0_vk, output_final_state=True,
-                                          transpose_state_layout=True)
+    with pytest.warns(DeprecationWarning):
+        o1, ht1 = fla_ext.fused_recurrent_gla(q, k, v, g, initial_state=h0_vk, output_final_state=True,
+                                              transpose_state_layout=True)
     o2, ht2 = fla_ext.fused_recurrent_gla(q, k, v, g, initial_state=h0_vk, output_final_state=True,
                                           state_v_first=True)
     torch.testing.assert_close(o1, o2, rtol=0, atol=0)
     torch.testing.assert_close(ht1, ht2, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="transpose_state_layout"):
+    with pytest.raises(ValueError, match="transpose_state_layout"), pytest.warns(DeprecationWarning):
         fla_ext.fused_recurrent_gla(q, k, v, g, state_v_first=True, transpose_state_layout=True)
+
+
+def test_transpose_state_layout_warns(gen):
+    q, k, v, g, h0 = make_diag(1, 9, 1, 4, 6, torch.float32, "cpu", gen)
+    with pytest.warns(DeprecationWarning, match="state_v_first"):
+        fla_ext.fused_recurrent_gla(q, k, v, g, transpose_state_layout=False)
+
+
+@pytest.mark.parametrize("mode", list(GLA_MODES))
+def test_state_v_first_shape_error_names_the_callers_layout(mode, gen):
+    """A [K, V] state under state_v_first (K != V) is refused with the [V, K] shape it needs; the
+    message once named the transposed view, telling the caller to pass what they had passed."""
+    q, k, v, g, h0 = make_diag(1, 9, 2, 16, 24, torch.float32, "cpu", gen)
+    with pytest.raises(ValueError, match=r"\[N, H, V, K\] = \[N, H, 24, 16\], got \[1, 2, 16, 24\]"):
+        GLA_MODES[mode](q, k, v, g, initial_state=h0, state_v_first=True)
+
+
+def test_fla_hint_values_refused_as_fla_refuses_them(gen):
+    """fla's tuning hints have no effect here, but values fla refuses are refused too."""
+    q, k, v, g, _ = make_diag(1, 8, 2, 8, 8, torch.float32, "cpu", gen)
+    u = torch.randn(2, 8, generator=gen)
+    for bad in (0, 48, -64):
+        with pytest.raises(ValueError, match="chunk_size"):
+            fla_ext.chunk_rwkv6(q, k, v, g, u, chunk_size=bad)
+    s = torch.randn(1, 8, 2, 4, generator=gen)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fla_ext.chunk_gsa(q, k, v, s, chunk_size=48)
+    for bad in (-1, 3):
+        with pytest.raises(ValueError, match="checkpoint_level"):
+            fla_ext.chunk_gsa(q, k, v, s, checkpoint_level=bad)
+    a, b = -torch.nn.functional.normalize(k, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    for bad in (0.0, 0.5):
+        with pytest.raises(ValueError, match="lower_bound"):
+            fla_ext.chunk_rwkv7(q, g, k, v, a, b, lower_bound=bad)
+    fla_ext.chunk_rwkv6(q, k, v, g, u, chunk_size=32)  # valid hints run
+    fla_ext.chunk_gsa(q, k, v, s, checkpoint_level=0, chunk_size=16)
+    fla_ext.chunk_rwkv7(q, g, k, v, a, b, lower_bound=-0.6)
+
+
+def test_gsa_final_states_are_a_list_as_in_fla(gen):
+    q, k, v, _, _ = make_diag(1, 8, 2, 8, 8, torch.float32, "cpu", gen)
+    s = torch.randn(1, 8, 2, 4, generator=gen)
+    for op in (fla_ext.chunk_gsa, fla_ext.fused_recurrent_gsa):
+        o, ht = op(q, k, v, s, output_final_state=True)
+        assert isinstance(ht, list) and len(ht) == 2 and all(isinstance(x, torch.Tensor) for x in ht)
+        o2, _ = op(q, k, v, s, initial_state=ht)  # passed back as fla's callers do
+        assert op(q, k, v, s)[1] == [None, None]
+
+
+def test_fla_cp_context_is_not_implemented(gen):
+    """fla's FLACPContext (local cu_seqlens, no states) is another protocol: NotImplementedError
+    naming it; any other object is a TypeError."""
+    FLACPContext = type("FLACPContext", (), {"__module__": "fla.ops.cp"})
+    q, k, v, g, _ = make_diag(1, 8, 2, 8, 8, torch.float32, "cpu", gen)
+    a, b = -torch.nn.functional.normalize(k, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    with pytest.raises(NotImplementedError, match="FLACPContext"):
+        fla_ext.chunk_rwkv7(q, g, k, v, a, b, cp_context=FLACPContext())
+    with pytest.raises(NotImplementedError, match="FLACPContext"):
+        fla_ext.chunk_gla(q, k, v, g, cp_context=FLACPContext())
+    with pytest.raises(TypeError, match="build_cp_context"):
+        fla_ext.chunk_gla(q, k, v, g, cp_context=object())
 
 
 def test_fla_positional_calls(gen):
@@ -112,6 +180,12 @@ def test_fla_positional_calls(gen):
     o, _ = fla_ext.chunk_gsa(q, k, v, s, gs, 0.5, None, False, 2, cu, cu)
     o_ref, _ = fla_ext.fused_recurrent_gsa(q, k, v, s, gs, 0.5, None, False, False, cu)
     assert_close("o gsa", o, o_ref, 1e-5, 1e-6)
+    # chunk_rwkv7: fla's 16 positional parameters (cu_seqlens_cpu at #10, where head_first was)
+    a, b = -torch.nn.functional.normalize(k, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    o, ht = fla_ext.chunk_rwkv7(q, g, k, v, a, b, 1.0, h0, True, cu, cu, False, None, False, None, None)
+    o_ref, ht_ref = fla_ext.fused_recurrent_rwkv7(q, g, k, v, a, b, 1.0, h0, True, cu)
+    assert_close("o rwkv7", o, o_ref, 1e-5, 1e-6)
+    assert_close("ht rwkv7", ht, ht_ref, 1e-5, 1e-6)
 
 
 def _low_state_calls(op, q, k, v, g, h0, gen):
@@ -140,7 +214,7 @@ def _low_state_calls(op, q, k, v, g, h0, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("op", list(FLA_060) + ["chunk_rwkv7", "fused_recurrent_rwkv7"])
+@pytest.mark.parametrize("op", list(FLA_060))
 def test_initial_state_in_input_dtype(op, dtype, gen):
     """fla's ops take an initial state in the inputs' 16-bit dtype (fla's own tests pass one):
     it is lifted to the float32 state exactly, so the outputs equal those of the float32 state,
@@ -152,10 +226,10 @@ def test_initial_state_in_input_dtype(op, dtype, gen):
     o1, ht1 = call(low if len(low) > 1 else low[0])
     o2, ht2 = call(full if len(full) > 1 else full[0])
     torch.testing.assert_close(o1, o2, rtol=0, atol=0)
-    for x, y in zip(ht1 if isinstance(ht1, tuple) else [ht1], ht2 if isinstance(ht2, tuple) else [ht2]):
+    for x, y in zip(ht1 if isinstance(ht1, (tuple, list)) else [ht1], ht2 if isinstance(ht2, (tuple, list)) else [ht2]):
         assert x.dtype == torch.float32
         torch.testing.assert_close(x, y, rtol=0, atol=0)
-    loss = lambda o, ht: o.float().sum() + sum(x.sum() for x in (ht if isinstance(ht, tuple) else [ht]))
+    loss = lambda o, ht: o.float().sum() + sum(x.sum() for x in (ht if isinstance(ht, (tuple, list)) else [ht]))
     loss(o1, ht1).backward()
     loss(o2, ht2).backward()
     for x, y in zip(low, full):

@@ -39,7 +39,7 @@ def _run(f, ins, keep):
     xs = [None if t is None else t.detach().clone().requires_grad_(True) for t in ins]
     with fla_ext.keep_workspaces(keep):
         outs = [o for o in f(*xs) if o is not None]
-    outs = [t for o in outs for t in (o if isinstance(o, tuple) else (o,))]  # GSA: (hk, hv)
+    outs = [t for o in outs for t in (o if isinstance(o, (tuple, list)) else (o,))]  # GSA: [hk, hv]
     gen = torch.Generator().manual_seed(7)
     loss = sum((o * torch.randn(o.shape, generator=gen).to(o)).sum() for o in outs)
     loss.backward()
