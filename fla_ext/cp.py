@@ -194,16 +194,21 @@ def _begin_rank(ctx: CPContext) -> int:
     return r0
 
 
-def run(ctx: CPContext, *, run_slice: Callable, carry: Callable, m_numel: int, apply: Callable,
-        state_shape, state_dtype, initial_state, output_final_state: bool, device):
+def _require_context(ctx, who: str = "") -> None:
     if not isinstance(ctx, CPContext):
+        at = f"fla_ext: {who}: " if who else "fla_ext: "
         if type(ctx).__module__.split(".")[0] == "fla":  # fla's FLACPContext: another protocol
             raise NotImplementedError(
-                f"fla_ext: fla's context parallelism ({type(ctx).__name__}: local cu_seqlens, no "
+                f"{at}fla's context parallelism ({type(ctx).__name__}: local cu_seqlens, no "
                 "states) is not supported; build a `cp_context` with fla_ext.cp.build_cp_context "
                 "(the global cu_seqlens; initial and final states work)")
-        raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
+        raise TypeError(f"{at}`cp_context` must come from fla_ext.cp.build_cp_context, got "
                         f"{type(ctx).__name__}")
+
+
+def run(ctx: CPContext, *, run_slice: Callable, carry: Callable, m_numel: int, apply: Callable,
+        state_shape, state_dtype, initial_state, output_final_state: bool, device):
+    _require_context(ctx)
     s = ctx.here
     dev = device  # the inputs' (the context's cu_seqlens may sit elsewhere)
     nl = s.n1 - s.n0
@@ -280,14 +285,7 @@ def _rows(x: Optional[torch.Tensor], rows: int):
 
 def check_inputs(ctx, x: torch.Tensor, head_first: bool, cu_seqlens, reverse=False, name="the inputs"):
     """What an op checks of a call with ``cp_context`` before anything runs."""
-    if not isinstance(ctx, CPContext):
-        if type(ctx).__module__.split(".")[0] == "fla":  # fla's FLACPContext: another protocol
-            raise NotImplementedError(
-                f"fla_ext: fla's context parallelism ({type(ctx).__name__}: local cu_seqlens, no "
-                "states) is not supported; build a `cp_context` with fla_ext.cp.build_cp_context "
-                "(the global cu_seqlens; initial and final states work)")
-        raise TypeError(f"fla_ext: `cp_context` must come from fla_ext.cp.build_cp_context, got "
-                        f"{type(ctx).__name__}")
+    _require_context(ctx)
     if head_first:
         raise NotImplementedError("fla_ext: `cp_context` takes [1, T, H, D] inputs (head_first=False)")
     if cu_seqlens is not None:
@@ -601,9 +599,7 @@ def layer_inputs(layer, ctx, hidden_states, attention_mask, past_key_values, use
     """What a layer checks of a call with ``cp_context``; returns this slice's (cu_seqlens,
     cu_seqlens_cpu)."""
     who = type(layer).__name__
-    if not isinstance(ctx, CPContext):
-        raise TypeError(f"fla_ext: {who}: `cp_context` must come from fla_ext.cp.build_cp_context, "
-                        f"got {type(ctx).__name__}")
+    _require_context(ctx, who)
     if attention_mask is not None or cu_seqlens is not None:
         raise ValueError(f"fla_ext: {who}: with `cp_context`, pass neither attention_mask nor "
                          "cu_seqlens (the context carries the sequences)")
