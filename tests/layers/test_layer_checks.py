@@ -1,7 +1,7 @@
 """The layers check their inputs at the start of forward (no silent garbage, errors in the
 user's terms): hidden_states, attention_mask, a cache without layer_idx or from another batch,
-RWKV7's v_first, and cu_seqlens / cu_seqlens_cpu (the layers and ShortConvolution). Each error
-names the layer and the argument; valid uses next to them still run."""
+RWKV7's v_first, cu_seqlens / cu_seqlens_cpu (the layers and ShortConvolution), and a cp_context
+not from fla_ext.cp. Each error names the layer and the argument; valid uses next to them still run."""
 import re
 import warnings
 
@@ -323,3 +323,15 @@ def test_cuda_mask_left_padding_checked_with_checks_on(kind, monkeypatch):
         layer(x, attention_mask=mask)
     with pytest.raises(ValueError, match=r"attention_mask is on cpu but hidden_states on cuda"):
         layer(x, attention_mask=mask.cpu())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cp_context_of_another_kind(kind):
+    """A layer's cp_context comes from fla_ext.cp.build_cp_context: fla's own FLACPContext is
+    another protocol (NotImplementedError), any other object a TypeError; both name the layer."""
+    layer, x = make(kind), torch.randn(1, 7, C)
+    FLACPContext = type("FLACPContext", (), {"__module__": "fla.ops.cp"})
+    with pytest.raises(NotImplementedError, match=f"{NAME[kind]}: fla's context parallelism"):
+        layer(x, cp_context=FLACPContext())
+    with pytest.raises(TypeError, match=f"{NAME[kind]}: `cp_context` must come from"):
+        layer(x, cp_context=object())
