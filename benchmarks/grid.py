@@ -22,6 +22,11 @@ L2 flushed before each). Every op runs with an initial state in and the final st
 their gradients). RWKV7: w = -e^-0.5 sigmoid(x) (RWKV-7's range), a = -kk, b = kk * iclr. GLA,
 RWKV6: log decays logsigmoid(x) over K; RWKV6's u [H, K]. GSA: M = 64 slots, g = logsigmoid(x).
 
+``--autotune-cache DIR`` keeps fla's Triton autotuning results (its ``*.autotune.json`` files, a
+few KB; nothing else is kept) in ``DIR/<gpu>`` between runs: carried to a fresh GPU machine and
+back, a later run of the same shapes skips fla's minutes of autotuning and times the configuration
+that autotuning picked on that GPU model (fla caches its results the same way on a user's machine).
+
 Peers: fla (``fla.ops.<family>.chunk_<family>``, when importable) and, for RWKV7, wind_rwkv's
 chunked CUDA kernel (``--wind``: the root of a wind_rwkv checkout, compiled here for the points'
 head size; bf16, K = V, T a multiple of 16; its log decay is log(-w), its states bf16).
@@ -30,6 +35,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -286,6 +292,21 @@ def plot(rows, path) -> Optional[str]:
     return None
 
 
+def keep_autotune_results(root: str) -> int:
+    """Delete everything below ``root`` but Triton's autotuning results (``*.autotune.json``),
+    and the folders left empty; returns how many results are kept."""
+    kept = 0
+    for here, dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            if name.endswith(".autotune.json"):
+                kept += 1
+            else:
+                os.remove(os.path.join(here, name))
+        if here != root and not os.listdir(here):
+            os.rmdir(here)
+    return kept
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("op", choices=sorted(GRIDS))
@@ -297,6 +318,8 @@ def main(argv=None):
     p.add_argument("--wind", help="root of a wind_rwkv checkout (its chunked CUDA kernel)")
     p.add_argument("--quick", action="store_true", help="one tiny point, few reps")
     p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a results file")
+    p.add_argument("--autotune-cache", metavar="DIR",
+                   help="keep fla's Triton autotuning results in DIR/<gpu> between runs (see above)")
     p.add_argument("--resume", action="store_true",
                    help="skip the points and modes whose every impl has a row in the results file")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -312,6 +335,9 @@ def main(argv=None):
                             3 if args.quick else 20, 2000)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tag = gpu.lower().replace("nvidia", "").strip().split()[0] if device.type == "cuda" else "cpu"
+    if args.autotune_cache:  # before fla is imported: Triton reads the variable when it compiles
+        os.environ["TRITON_CACHE_DIR"] = os.path.abspath(os.path.join(args.autotune_cache, tag))
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: the results still kept
     meta = dict(torch=torch.__version__, fla=bench_ops._version("fla"), fla_ext=fla_ext.__version__,
                 timing=timer.method, gpu=gpu)
     os.makedirs(args.out, exist_ok=True)
@@ -319,10 +345,15 @@ def main(argv=None):
     args.run = run_id()
     def emit(row):  # merged row by row: a run cut short keeps what it measured
         merge(path, [row], meta)
-    for pt in points:
-        done = (lambda mode, pt=pt: measured(load_rows(path)[1], args.op, gpu, pt, mode, impl_names(args.op, args))
-                if args.resume else False)
-        run_point(args.op, pt, args, timer, device, gpu, emit, done)
+    try:
+        for pt in points:
+            done = (lambda mode, pt=pt: measured(load_rows(path)[1], args.op, gpu, pt, mode,
+                                                 impl_names(args.op, args)) if args.resume else False)
+            run_point(args.op, pt, args, timer, device, gpu, emit, done)
+    finally:  # also when a time limit ends the run (SIGTERM, above)
+        if args.autotune_cache and os.path.isdir(os.environ["TRITON_CACHE_DIR"]):
+            print(f"kept {keep_autotune_results(os.environ['TRITON_CACHE_DIR'])} autotuning results",
+                  flush=True)
     with open(path) as f:
         msg = plot(json.load(f)["rows"], path[:-5] + ".png")
     print(f"wrote {path}" + (f" ({msg})" if msg else " and its plot"))

@@ -124,3 +124,23 @@ def test_model_step_quick_cpu(tmp_path):
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["last_loss"] < row["first_loss"]
     assert rows[0]["last_loss"] == rows[1]["last_loss"]  # the same steps, workspaces kept or not
+
+
+def test_grid_autotune_cache_keeps_only_the_results(tmp_path):
+    """--autotune-cache DIR: the run's Triton cache is DIR/<gpu>, and afterwards only the
+    autotuning results (*.autotune.json) are left in it, so the folder stays small to carry."""
+    cache = tmp_path / "cache"
+    old = cache / "cpu" / "abc123"
+    old.mkdir(parents=True)
+    (old / "chunk_fwd_kernel.autotune.json").write_text("{}")  # a result from an earlier run
+    (old / "chunk_fwd_kernel.cubin").write_bytes(b"\0" * 64)  # compiled kernels: not kept
+    (cache / "cpu" / "def456").mkdir()
+    (cache / "cpu" / "def456" / "other.json").write_text("{}")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "grid.py"), "chunk_gla", "--quick",
+           "--device", "cpu", "--no-fla", "--modes", "fwd", "--out", str(tmp_path),
+           "--autotune-cache", str(cache)]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, timeout=300)
+    assert "kept 1 autotuning results" in out.stdout
+    left = sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
+    assert left == ["cpu", "cpu/abc123", "cpu/abc123/chunk_fwd_kernel.autotune.json"]
