@@ -72,13 +72,8 @@ def main(argv=None):
         B, H, K, T = int(B), int(H), int(K), int(T)
         dtype = grid.DTYPES[dt]
         for mode in args.modes:
-            torch.manual_seed(0)
-            if args.op == "chunk_rwkv7":
-                x = grid.rwkv7_inputs(B, T, H, K, dtype, device, mode != "fwd_nograd")
-                fn = grid.rwkv7_impls(x, args, K, dtype)["fla_ext"]
-            else:
-                x = grid.diag_inputs(args.op, B, T, H, K, dtype, device, mode != "fwd_nograd")
-                fn = grid.diag_impls(args.op, x, args)["fla_ext"]
+            x, impls = grid.point_inputs(args.op, B, T, H, K, dtype, device, mode, args)
+            fn = impls["fla_ext"]
             leaves = [t for t in x.values() if t.requires_grad]
             for rnd in range(args.rounds):
                 for text_setting, setting in zip(args.settings, settings):
@@ -88,7 +83,7 @@ def main(argv=None):
                                round=rnd, ms=round(ms, 4), peak_mib=None if peak is None else round(peak, 1))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-            del x, fn, leaves
+            del x, impls, fn, leaves
             bench_ops._free(device)
     if args.out:
         meta = dict(torch=torch.__version__, fla_ext=grid.fla_ext.__version__, timing=timer.method,

@@ -191,6 +191,16 @@ def measured(rows, op, gpu, point, mode, impls) -> bool:
     return all((op, impl, gpu, B, T, H, K, K, dt, mode) in have for impl in impls)
 
 
+def point_inputs(op, B, T, H, K, dtype, device, mode, args):
+    """(inputs by name, impls by name) of one point and mode (fresh inputs, seeded)."""
+    torch.manual_seed(0)
+    if op == "chunk_rwkv7":
+        x = rwkv7_inputs(B, T, H, K, dtype, device, mode != "fwd_nograd")
+        return x, rwkv7_impls(x, args, K, dtype)
+    x = diag_inputs(op, B, T, H, K, dtype, device, mode != "fwd_nograd")
+    return x, diag_impls(op, x, args)
+
+
 def run_point(op, point, args, timer, device, gpu, emit, done=lambda mode: False) -> None:
     B, H, K, T, dt = point
     dtype = DTYPES[dt]
@@ -198,13 +208,7 @@ def run_point(op, point, args, timer, device, gpu, emit, done=lambda mode: False
         if done(mode):
             print(f"{op} B{B} T{T} H{H} K{K} {dt} {mode:10s} measured already (--resume)", flush=True)
             continue
-        torch.manual_seed(0)
-        if op == "chunk_rwkv7":
-            x = rwkv7_inputs(B, T, H, K, dtype, device, mode != "fwd_nograd")
-            impls = rwkv7_impls(x, args, K, dtype)
-        else:
-            x = diag_inputs(op, B, T, H, K, dtype, device, mode != "fwd_nograd")
-            impls = diag_impls(op, x, args)
+        x, impls = point_inputs(op, B, T, H, K, dtype, device, mode, args)
         for impl, fn in impls.items():
             row = dict(op=op, impl=impl, gpu=gpu, B=B, T=T, H=H, K=K, V=K, dtype=dt, mode=mode,
                        ms=None, peak_mib=None, run=args.run)
