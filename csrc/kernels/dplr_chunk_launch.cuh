@@ -2,8 +2,8 @@
 // cpu/dplr_chunk.cpp in fp32). In prep, the sweeps and grad every product with a state, a 16 x 16
 // matrix or across the columns runs on tensor cores: TF32 for bf16 / fp16 inputs, fp32-accurate
 // 3xTF32 for fp32 ones (fp32 accumulators and states; X, grad's pair walks and every exponent
-// stay SIMT fp32, the pair matrices too unless a bf16 / fp16 chunk's decays allow their 3xTF32
-// form). The launch compiles K = 64 and 128 as constants (launch_k).
+// stay SIMT fp32, the pair matrices too unless a chunk's decays allow their 3xTF32 form:
+// kFactorBound, kFactorBoundFp32). The launch compiles K = 64 and 128 as constants (launch_k).
 //
 // Fused kernels (bf16 / fp16, K = V = 64), one CTA per (sequence, head): the forward where the
 // op sets DplrChunkPass::fused (fused_forward_kernel, dplr_chunk_fused.cuh; enough pairs), no

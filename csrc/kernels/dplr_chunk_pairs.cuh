@@ -184,8 +184,8 @@ __device__ inline bool chunk_decays(float* sm, const Smem& L, int eg, int eo, in
 
 // The four pair matrices on tensor cores, for a chunk with every channel's total decay Gamma >=
 // -kFactorBound (fp32: -kFactorBoundFp32; checked by chunk_decays: a bound relied on, never
-// assumed). Then exp(G_i - G_j) = exp(G_i) exp(-G_j) with both factors in [e^-60, e^60] (normal floats: nothing overflows or
-// underflows; docs/algorithms.md §2.2 scheme 2 at C = 16), and each matrix is one 16 x 16 x K
+// assumed). Then exp(G_i - G_j) = exp(G_i) exp(-G_j) with both factors in [e^-60, e^60]
+// (normal floats: nothing overflows or underflows; docs/algorithms.md §2.2 scheme 2 at C = 16), and each matrix is one 16 x 16 x K
 // product of rows R^ = r exp(G_i) or Â = a exp(E_i) with rows k exp(-G_j) or b exp(-G_j),
 // masked to j <= i (rk, rb) or j < i (ak, ab); exp(-G_j) = exp(Omega_j) / gamma. R^ and Â
 // replace the r and a rows (kwide_rows_tc reads them scaled: `factored`); the key rows go to

@@ -10,9 +10,9 @@ namespace dplr_chunk_detail {
 // acc[t] (this lane's m16n8 tiles, columns n0 + 8 t .. + 8 of a tile, t < NTL) += R St on TF32
 // tensor cores: R a K-row array [C][KP] at offset `rows`, St a state array [K][BP] at offset `st`
 // holding TF32 values (grad rounds its states once); each A fragment serves the NTL n-tiles.
-// bf16 / fp16 inputs only, as warp_mma. The k of lane q in a k-step are 2q, 2q + 1 (not q,
-// q + 4): its A fragment is one 8-byte load per row, and its B rows are 2 apart, at banks 8
-// apart for BP = 4 mod 32 (q, q + 4 were 4 apart: two-way conflicts). Lane g takes rows
+// The k of lane q in a k-step are 2q, 2q + 1 (not q, q + 4): its A fragment is one 8-byte load
+// per row, and its B rows are 2 apart, at banks 8 apart for BP = 4 mod 32 (q, q + 4 were 4
+// apart: two-way conflicts). Lane g takes rows
 // tile::kp_perm(g) and + 8 (accumulator rows at kp_row, columns at acc_col). With K % 8 != 0,
 // channels past K are masked (the row padding may be unset). RB = false: St holds exact fp32
 // values (a grad CTA on strided states keeps S exact for its next state), rounded per read.
