@@ -231,6 +231,12 @@ def rwkv7_fused_shapes(d: Diag, dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and d.K == 64 and d.V == 64
 
 
+def rwkv7_strided_shapes(d: Diag, dtype) -> bool:
+    """chunk_rwkv7's shapes whose training forward may keep strided states (kernels/dplr_chunk.h
+    dplr_strided_states): bf16 / fp16 with K = V = 64 or 128."""
+    return dtype in (torch.bfloat16, torch.float16) and d.K == d.V and d.K in (64, 128)
+
+
 def rwkv7_fused_training_forward(d: Diag, dtype) -> bool:
     """Whether chunk_rwkv7's CUDA training forward runs the fused kernel (ops/chunk_rwkv7.cpp
     fused_forward): its shapes (rwkv7_fused_shapes), at least 256 (sequence, head) pairs, unless
@@ -259,23 +265,32 @@ def rwkv7_pipeline_window_chunks(d: Diag) -> int:
 
 def rwkv7_saved_floats(d: Diag, dtype) -> int:
     """The length of chunk_rwkv7's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): where the
-    fused forward runs, or the two-kernel forward in pipelined windows on the fused forward's
-    shapes (sweep_strided), the state before every fourth 16-row chunk (the slot map of 64-row
-    chunks), padded to a multiple of 4 floats; else every chunk-start state, padded, then the
-    per-chunk workspace (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^ [16][ks], gamma,
-    the pair matrices and X [5][16][20])."""
-    sweep_strided = rwkv7_fused_shapes(d, dtype) and rwkv7_pipeline_window_chunks(d) > 0
+    fused forward runs, or the two-kernel forward storing strided states from its sweep
+    (sweep_strided: no cu_seqlens, K = V = 128, or the fused forward's shapes in pipelined
+    windows), the state before every fourth 16-row chunk (the slot map of 64-row chunks), padded
+    to a multiple of 4 floats, then (the sweep's outside pipelined windows) the per-chunk
+    workspace; else every chunk-start state, padded, then the per-chunk workspace
+    (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^ [16][ks], gamma, the pair matrices
+    and X [5][16][20])."""
+    sweep_strided = not d.varlen and rwkv7_strided_shapes(d, dtype) and (
+        d.K == 128 or rwkv7_pipeline_window_chunks(d) > 0)
     if rwkv7_fused_training_forward(d, dtype) or sweep_strided:
-        return _strided_saved_floats(d)
+        # (strided_keeps_ws: the sweep's strided states outside the pipelined windows keep prep's
+        # workspace after them)
+        keeps_ws = sweep_strided and rwkv7_pipeline_window_chunks(d) == 0
+        return _strided_saved_floats(d) + (_workspace_floats(d) if keeps_ws else 0)
     return _full_saved_floats(d)
 
 
-def _full_saved_floats(d: Diag) -> int:
-    slots = chunk_slots(d, DPLR_CHUNK)
-    states = (slots * d.H * d.K * d.V + 3) // 4 * 4
+def _workspace_floats(d: Diag) -> int:
     ks, kp4 = (d.K + 31) // 32 * 32, (d.K + 3) // 4 * 4
     per = 4 * DPLR_CHUNK * ks + kp4 + 5 * DPLR_CHUNK * _DPLR_MAT_STRIDE
-    return states + slots * d.H * per
+    return chunk_slots(d, DPLR_CHUNK) * d.H * per
+
+
+def _full_saved_floats(d: Diag) -> int:
+    states = (chunk_slots(d, DPLR_CHUNK) * d.H * d.K * d.V + 3) // 4 * 4
+    return states + _workspace_floats(d)
 
 
 def _strided_saved_floats(d: Diag) -> int:

@@ -113,6 +113,34 @@ def test_chunk_rwkv7_kernels_bf16_walked_tiles(emu, shape, w_kind, cu, strided, 
     check(emu, shape, w_kind, cu, gen, torch.bfloat16, 1e-2, strided=strided)
 
 
+@pytest.mark.parametrize("w_kind", ["near0", "u30"])
+def test_chunk_rwkv7_kernels_bf16_strided_walked_tiles(emu, w_kind, gen):
+    """bf16 at K = V = 128 on the strided states from the forward sweep (sweep_strided_states):
+    each grad CTA walks a stride of chunks (4 and 3 here) and both column tiles of each, making
+    each tile's next state in a buffer of its own (S, S1). Against the reference at the bf16
+    tolerance; the backward in windows of 4 chunks, and on the forward's kept workspace (no prep),
+    bitwise equal to it. near0: chunk decays
+    near 1, so that a wrong made state carries into the later chunks' gradients; u30: every chunk
+    on the exact pair walks."""
+    *ins, h0 = make(1, 100, 1, 128, 128, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=1, lr="rwkv")
+    xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
+    o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True)
+    do = torch.randn(o.shape, generator=gen).to(torch.bfloat16)
+    dht = torch.randn(ht.shape, generator=gen)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
+    cu_e = torch.empty(0, dtype=torch.int64)
+    eg = emu.run(*ins, h0, do, dht, 0.7, cu_e, 8)
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
+        assert_close(f"d{name}", x, y, 5e-2 if name == "w" else 1e-2, 1e-6)
+    for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, 9), eg):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    # The forward keeping prep's whole workspace beside those states (strided_ws_kept, every float
+    # written), the backward reading it (no prep): the same gradients, bitwise; in windows too.
+    for keep in (10, 11):
+        for x, y in zip(emu.run(*ins, h0, do, dht, 0.7, cu_e, keep), eg):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("w_kind,lr", [("u30", "rwkv"), ("u5", "rwkv"), ("rwkv", "rwkv"),
                                        ("edge60", "rwkv"), ("zero", "repeated")],
                          ids=["u30", "u5", "rwkv6", "edge60", "repeated"])

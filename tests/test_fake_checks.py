@@ -391,6 +391,26 @@ def test_rwkv7_saved_size_on_fake_cuda(B, H, T, force, pipeline, strided_kept, m
     assert saved.shape == (strided if strided_kept else states + workspace,)
 
 
+@pytest.mark.parametrize("dtype,varlen,strided_kept", [(BF16, False, True), (torch.float16, False, True),
+                                                       (torch.float32, False, False), (BF16, True, False)],
+                         ids=["bf16", "fp16", "fp32", "bf16_varlen"])
+def test_rwkv7_saved_size_at_K128_on_fake_cuda(dtype, varlen, strided_kept):
+    """At K = V = 128 a 16-bit training forward without cu_seqlens keeps the strided states from
+    its sweep whatever the pairs (sweep_strided), and prep's workspace after them (outside the
+    pipelined windows); fp32 and varlen keep every state and the workspace."""
+    B, T, H, K = 2, 150, 3, 128
+    N = 3 if varlen else B
+    slots = (T // 16 + 2 * N + 1) if varlen else B * ((T + 15) // 16 + 1)
+    states = (slots * H * K * K + 3) // 4 * 4
+    strided = (B * ((T + 63) // 64 + 1) * H * K * K + 3) // 4 * 4
+    workspace = slots * H * (4 * 16 * K + K + 5 * 16 * 20)
+    with FakeTensorMode():
+        Bx, cu = (1, torch.tensor([0, 40, 40, T], device="cuda")) if varlen else (B, None)
+        r, w, k, v, a, b = (torch.empty(Bx, T, H, K, dtype=dtype, device="cuda") for _ in range(6))
+        saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 1.0, None, False, cu, False)[2]
+    assert saved.shape == (strided + workspace if strided_kept else states + workspace,)
+
+
 # ---------------------------------------------------------------------------------------------
 # (c) Good inputs: the real op's output shapes and dtypes, under FakeTensorMode and on meta.
 

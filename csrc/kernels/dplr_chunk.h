@@ -137,6 +137,14 @@ FLA_HD bool dplr_fused_forward(DType dtype, int K, int V) {
   return (dtype == DType::bf16 || dtype == DType::f16) && K == 64 && V == 64;
 }
 
+// Whether a CUDA training forward of this dtype and head sizes may keep the strided states
+// (DplrKept::states): those whose grad walks strides of chunks, making the states between the
+// kept ones (dplr_chunk_grad.cuh NextState). K = V = 64 (the fused forward's shapes) and K = V =
+// 128 (there the forward sweep stores them: DplrChunkPass::sweep_strided_states), bf16 / fp16.
+FLA_HD bool dplr_strided_states(DType dtype, int K, int V) {
+  return (dtype == DType::bf16 || dtype == DType::f16) && K == V && (K == 64 || K == 128);
+}
+
 // What a CUDA training forward kept for its backward (DplrChunkPass::kept).
 enum class DplrKept : int {
   nothing,
@@ -144,8 +152,9 @@ enum class DplrKept : int {
   // forward sweep's where DplrChunkPass::sweep_strided_states; dplr_kept_state_slot): the fused
   // reverse pass runs in place of prep and both sweeps, ws holding the pair matrices and X alone,
   // DplrWorkspaceLayout::kMatsFloats per (slot, head) (dplr_mats_offset), or with
-  // sweep_strided_states prep and the reverse sweep; each grad CTA walks a stride of chunks,
-  // making the states between the kept ones.
+  // sweep_strided_states prep (unless DplrChunkPass::strided_ws_kept: the forward kept its
+  // workspace) and the reverse sweep; each grad CTA walks a stride of chunks, making the states
+  // between the kept ones.
   states,
   // hst and ws hold the two-kernel forward's states and workspace (its prep also stored the pair
   // matrices and X): neither prep nor the forward sweep runs.
@@ -213,7 +222,7 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // take chunks [window_begin, window_begin + window_chunks) of every sequence).
   //   The per-window buffers hold window_buffers (1 or 2) windows' slots, window k taking the
   //   (k mod window_buffers)-th: uo, dhst (dplr_work_slot), and ws unless it is whole
-  //   (dplr_ws_whole, dplr_ws_slot). With two, a window's kernels need not wait for the last
+  //   (dplr_ws_kept, dplr_ws_slot). With two, a window's kernels need not wait for the last
   //   reader of the window before's.
   //   Forward on the two-kernel path: prep, then the forward sweep, window by window, so that the
   //   sweep of one window runs beside prep of the next (side_stream). hst's slots stay the whole
@@ -237,13 +246,19 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // CUDA: a second stream (cudaStream_t) for the windows' sequential kernels, of higher priority
   // than the caller's; null: every kernel on the caller's stream, one after another.
   void* side_stream = nullptr;
-  // CUDA, bf16 / fp16 at K = V = 64, no cu_seqlens: the two-kernel path on the strided states
-  // (DplrKept::states) in place of every chunk-start state and prep's workspace. A training
-  // forward's sweep stores them (prep's workspace serves each window alone: not kept); the
-  // backward on them runs prep and the reverse sweep where the fused reverse pass would run, and
-  // grad reads the pair matrices and X from prep's workspace. For long sequences at few pairs,
-  // where the fused walks would be latency-bound.
+  // CUDA, bf16 / fp16 at K = V = 64 or 128 (dplr_strided_states), no cu_seqlens: the two-kernel
+  // path on the strided states (DplrKept::states) in place of every chunk-start state. A training
+  // forward's sweep stores them; the backward on them runs the reverse sweep where the fused
+  // reverse pass would run, and grad reads the pair matrices and X from prep's workspace. That
+  // workspace is either
+  //   not kept (strided_ws_kept off): prep's serves each window alone, and the backward makes it
+  //   again, a window at a time (for long sequences at few pairs, where the fused walks would be
+  //   latency-bound: the least memory kept), or
+  //   kept whole (strided_ws_kept, K = 128 elsewhere): the forward's prep stores it whole with the
+  //   pair matrices into the kept buffer, as for DplrKept::states_and_workspace, and the backward
+  //   runs no prep.
   bool sweep_strided_states = false;
+  bool strided_ws_kept = false;
 };
 
 // The slot of sequence n's chunk ci in the backward's dhst (and in the ws the backward makes:
@@ -253,28 +268,31 @@ FLA_HD int64_t dplr_work_slot(const DplrChunkPass& p, int n, int64_t ci) {
   return p.window_chunks > 0 ? int64_t(n) * p.window_chunks + ci - p.window_begin
                              : chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci);
 }
-// Whether ws holds the whole pass's chunk slots in windows of the chunk index: where it outlives
-// the pass (a two-kernel training forward keeping it, DplrKept::states_and_workspace, and the
-// backward reading it). Else each window's prep fills window_buffers windows' slots in turn: a
-// training forward on strided states, an inference forward, a backward making it again.
-FLA_HD bool dplr_ws_whole(const DplrChunkPass& p) {
-  return p.backward() ? p.kept == DplrKept::states_and_workspace : p.hst != nullptr && !p.sweep_strided_states;
+// Whether a two-kernel training forward keeps prep's workspace (with the pair matrices), or a
+// backward reads the one kept (DplrKept::states_and_workspace, or strided states with
+// DplrChunkPass::strided_ws_kept): then ws holds the whole pass's chunk slots, in windows of the
+// chunk index too. Else each window's prep fills window_buffers windows' slots in turn: a
+// training forward on strided states not keeping it, an inference forward, a backward making it
+// again.
+FLA_HD bool dplr_ws_kept(const DplrChunkPass& p) {
+  if (p.backward()) return p.kept == DplrKept::states_and_workspace || (p.kept == DplrKept::states && p.strided_ws_kept);
+  return p.hst != nullptr && (!p.sweep_strided_states || p.strided_ws_kept);
 }
-// The slot of sequence n's chunk ci in ws: hst's where ws is whole (dplr_ws_whole), else
+// The slot of sequence n's chunk ci in ws: hst's where ws is whole (dplr_ws_kept), else
 // dplr_work_slot.
 FLA_HD int64_t dplr_ws_slot(const DplrChunkPass& p, int n, int64_t ci) {
-  return dplr_ws_whole(p) ? chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci) : dplr_work_slot(p, n, ci);
+  return dplr_ws_kept(p) ? chunk_slot<kDplrChunk>(p.cu_seqlens, n, p.T, ci) : dplr_work_slot(p, n, ci);
 }
 // Prep's buffers for window `begin` of the chunk index in x, a copy of `base` (the pass whose uo
 // and ws hold all window_buffers windows' slots): U0 / O0 and, unless ws is whole
-// (dplr_ws_whole), prep's workspace in buffer `buf`, and the slots prep writes (prep_ws_seq_slots,
+// (dplr_ws_kept), prep's workspace in buffer `buf`, and the slots prep writes (prep_ws_seq_slots,
 // prep_ws_slot0: the window's own, or the whole pass's, chunk_slot without cu_seqlens).
 FLA_HD void dplr_prep_window(DplrChunkPass& x, const DplrChunkPass& base, int64_t begin, int buf) {
   const DplrWorkspaceLayout layout(base.K, base.V);
   const int64_t wc = base.window_chunks, per_buf = int64_t(base.N) * wc * base.H;
   x.window_begin = begin;
   x.uo = static_cast<float*>(base.uo) + buf * per_buf * layout.uo_floats_per_chunk();
-  if (!dplr_ws_whole(base)) {
+  if (!dplr_ws_kept(base)) {
     x.ws = static_cast<float*>(base.ws) + buf * per_buf * layout.floats_per_chunk();
     x.prep_ws_seq_slots = wc, x.prep_ws_slot0 = 0;
   } else {

@@ -103,7 +103,7 @@ __device__ __forceinline__ bool load_grad_operands(float* sm, const Smem& L, con
 // over dA, dX and Y, which hold nothing until the last tile's sums are put. Not synchronised.
 template <typename T>
 __device__ __forceinline__ void load_tile_columns(float* sm, const Smem& L, const DplrChunkPass& p, const Cta& c,
-                                                  int64_t ci, int64_t t0, int nrow) {
+                                                  int64_t ci, int64_t t0, int nrow, bool with_state) {
   // (dA, dX, Y are consecutive: Smem; fp32 never walks the tiles)
   static_assert(!kRawRows<T> || 2 * C * stage_pitch<T>(dplr_chunk_cols(128)) * sizeof(T) <=
                                     (4 * C * C + 2 * C * CP) * sizeof(float),
@@ -111,14 +111,14 @@ __device__ __forceinline__ void load_tile_columns(float* sm, const Smem& L, cons
   if (p.paths.rows_16byte) {
     copy_cols_async<T>(sm, L, p.v, 0, c.s, c.h, t0, nrow, c.x0, L.cols, c.nc, L.dA);
     copy_cols_async<T>(sm, L, p.dout, 1, c.s, c.h, t0, nrow, c.x0, L.cols, c.nc, L.dA);
-    load_states<T>(sm, L, p, c, ci);
+    load_states<T>(sm, L, p, c, ci, with_state);
     copy_commit();
     copy_wait<0>();
     __syncthreads();
     widen_cols<T>(sm, L, 0, L.cols, 0, L.v, L.dA);
     widen_cols<T>(sm, L, 1, L.cols, 0, L.dO, L.dA);
   } else {
-    load_states<T>(sm, L, p, c, ci);
+    load_states<T>(sm, L, p, c, ci, with_state);
     load_cols<T>(sm, L, p, c.s, c.h, c.x0, c.nc, t0, nrow, true);
   }
 }
@@ -315,10 +315,12 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
 //     put_state_part       the state parts (tensor cores: TF32, or 3xTF32 for fp32 inputs)
 //   5 kvector_grads        dr, da, dk, db: state parts and pair walks
 //   6 store_kvector_grads  dw by the reverse scan, all five K-vector gradients to their outputs
-// kStrided (bf16 / fp16, K = V = 64; DplrKept::states): hst holds every kDplrStateStride-th
-// chunk-start state, and a CTA takes the chunks of one in order, S loaded for the first and made
-// for each next one in step 4 (NextState: from the state parts' warps, put after them), S kept
-// exact in shared memory throughout.
+// kStrided (bf16 / fp16, K = V = 64 or 128; DplrKept::states): hst holds every
+// kDplrStateStride-th chunk-start state, and a CTA takes the chunks of one in order, S loaded for
+// the first and made for each next one in step 4 (NextState), S kept exact in shared memory
+// throughout: at K = 64 from the state parts' warps, put after them; at K = 128, where the CTA
+// walks two column tiles, each tile's state in a buffer of its own (S, S1), made in place once
+// the tile's products have read it.
 template <typename T, int KC = 0, bool kStrided = false>  // KC: as prep_kernel's
 __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrChunkPass p) {
   constexpr bool TC = !std::is_same<T, float>::value;  // bf16 / fp16: TF32; fp32: 3xTF32 (X3)
@@ -329,7 +331,7 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   constexpr bool kWalk = dplr_grad_walks_tiles(TC ? DType::bf16 : DType::f32, KC);
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
-  const Smem L(KC ? KC : p.K, true);
+  const Smem L(KC ? KC : p.K, true, kStrided && kWalk);
   // The CTA's chunks: one, or on the fused forward's strided states (DplrKept::states) a stride
   // of them in order, each next chunk-start state made from the one before (NextState).
   const DplrSlotChunk first = dplr_grad_first_chunk(p, blockIdx.x);
@@ -338,8 +340,9 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   c.h = blockIdx.y, c.n = n, c.tile = kWalk ? 0 : blockIdx.z, c.s = seq_span(p.cu_seqlens, n, p.T);
   c.x0 = c.tile * L.cols, c.nc = min(L.cols, p.V - c.x0);
   if (first.ci < 0 || first.ci * C >= c.s.len) return;
-  static_assert(!kStrided || (TC && KC == NextState::kK && !kWalk), "strided states: bf16 / fp16, K = 64");
-  if (kStrided != (p.kept == DplrKept::states) || (kStrided && p.V != NextState::kCols)) return;  // (the launch's)
+  static_assert(!kStrided || (TC && ((KC == 64 && !kWalk) || (KC == 128 && kWalk))),
+                "strided states: bf16 / fp16, K = 64 in one tile or 128 walking two");
+  if (kStrided != (p.kept == DplrKept::states) || (kStrided && p.V != KC)) return;  // (the launch's)
   int64_t last = min(first.ci + (kStrided ? kDplrStateStride : 1), (c.s.len + C - 1) / C);  // (kStrided)
   if (p.window_chunks > 0) last = min(last, p.window_begin + p.window_chunks);
   const int K = L.K, cols = L.cols;
@@ -348,7 +351,7 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   // kWalk: the column sums carried from tile to tile, per warp: its pair-matrix gradient product
   // and its two state-part tasks (step 4 below)
   constexpr int kHeldTasks = 4 * ((KC + 31) / 32) / (NT / 32);
-  NextState next;  // (kStrided)
+  NextState<KC == 128 ? 128 : 64> next;  // (kStrided)
   // Chunk ci's gradients; makes_next: chunk ci + 1's start state is this CTA's to make (S+ over
   // S once ci's steps no longer read S). A function, not a loop body, so that the builds of one
   // chunk per CTA keep their registers (a loop lets invariants be hoisted out of it, live
@@ -360,15 +363,18 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
     float pair_sum[4] = {0.f, 0.f, 0.f, 0.f};
     float part_sum[kWalk ? kHeldTasks : 1][4][4] = {};
     for (int tile = 0; tile < tiles; ++tile) {
+      // The tile's state: S, or on strided states at K = 128 the second tile's own (Smem::S1)
+      Smem Lt = L;
+      if constexpr (kStrided && kWalk) Lt.S = tile ? L.S1 : L.S;
       bool early = false;
+      if constexpr (kWalk) c.tile = tile, c.x0 = tile * cols, c.nc = min(cols, p.V - c.x0);  // (each chunk from tile 0)
       if (tile == 0) {
-        early = load_grad_operands<T>(sm, L, p, c, ci, t0, nrow, mats, ci == first.ci);
+        early = load_grad_operands<T>(sm, Lt, p, c, ci, t0, nrow, mats, ci == first.ci);
       } else {
-        c.tile = tile, c.x0 = tile * cols, c.nc = min(cols, p.V - c.x0);
-        load_tile_columns<T>(sm, L, p, c, ci, t0, nrow);
+        load_tile_columns<T>(sm, Lt, p, c, ci, t0, nrow, !kStrided || ci == first.ci);
       }
       __syncthreads();
-      state_rowsum<TC, kStrided>(sm, L, tile > 0);
+      state_rowsum<TC, kStrided>(sm, Lt, tile > 0);
       if (tile == 0) decay_factor_rows(sm, L, early);
       // Y = X^T dX, then dA_ab = stril(Y X^T). Ends synchronised.
       auto solve_grads = [&]() {
@@ -385,10 +391,10 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
       };
       // Step 4: dU, dM, dv and the pair-matrix gradients.
       __syncthreads();  // K^, B^, exp(w) (decay_factor_rows), S and dS+ (TF32 unless X3: state_rowsum)
-      column_chain_tc<T, kStrided>(sm, L, p, c, t0, nrow, rho);
+      column_chain_tc<T, kStrided>(sm, Lt, p, c, t0, nrow, rho);
       __syncthreads();
       const int warp = threadIdx.x / 32;
-      if (!kWalk) {
+      if constexpr (!kWalk) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         pair_grad_product<X3>(sm, L, acc);
         put_pair_grads(sm, L, acc, rho);
@@ -413,19 +419,28 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
         }
       } else {
         static_assert(!kWalk || kHeldTasks * (NT / 32) == 4 * ((KC + 31) / 32), "every warp holds kHeldTasks tasks");
-        pair_grad_product(sm, L, pair_sum);
+        pair_grad_product(sm, Lt, pair_sum);
 #pragma unroll
-        for (int h = 0; h < kHeldTasks; ++h) state_part_product(sm, L, warp + h * (NT / 32), part_sum[h]);
+        for (int h = 0; h < kHeldTasks; ++h) state_part_product<kStrided>(sm, Lt, warp + h * (NT / 32), part_sum[h]);
+        if constexpr (kStrided) {
+          if (makes_next) {  // the tile's next state, in place once every product has read S
+            __syncthreads();
+            next.update_in_place(sm, Lt);
+          }
+        }
         if (tile + 1 < tiles) {  // this tile's rows and states are read: the next tile's loads go over them
           __syncthreads();
           continue;
+        }
+        if constexpr (kStrided) {
+          if (makes_next) __syncthreads();  // (the update read K^, B^, which the puts write over)
         }
         put_pair_grads(sm, L, pair_sum, rho);
 #pragma unroll
         for (int h = 0; h < kHeldTasks; ++h) put_state_part(sm, L, warp + h * (NT / 32), part_sum[h]);
       }
       __syncthreads();
-      if constexpr (kStrided) {
+      if constexpr (kStrided && !kWalk) {
         if (makes_next) next.put(sm, L);  // (no later step of this chunk reads S)
       }
       solve_grads();

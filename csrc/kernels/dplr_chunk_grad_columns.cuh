@@ -193,21 +193,27 @@ __device__ __forceinline__ void put_state_part(float* sm, const Smem& L, int tas
   }
 }
 
-// The next chunk-start state, for a grad CTA walking a stride of chunks on the fused forward's
-// strided states (DplrKept::states: bf16 / fp16, K = V = 64, one 64-column tile): S+ = gamma S
-// + K^^T V + B^^T U, the forward's update (dplr_chunk_fused.cuh forward_next) from operands the
-// CTA holds anyway. S stays exact fp32 in shared memory through such a CTA's chunk (its
-// products round it per read), so gamma S is exact, and the products are TF32 as the forward's.
-// Warp w makes channels 16 (w % 4) .. + 16 and columns 32 (w / 4) .. + 32 as four m16n8 tiles
-// (lane (g, q): channels + g, + g + 8, columns + 8 t + 2 q, + 1). The k of lane q in a k-step
-// are 2q, 2q + 1 (as rows_state_mma): the K-rows and tile rows it reads are 2 apart, on banks 8
-// apart at strides of 4 mod 32 floats (no conflicts).
+// The next chunk-start state, for a grad CTA walking a stride of chunks on strided states
+// (DplrKept::states: bf16 / fp16, K = V = 64 or 128, 64-column tiles): S+ = gamma S + K^^T V +
+// B^^T U on the CTA's tile, the forward's update (dplr_chunk_fused.cuh forward_next) from
+// operands the CTA holds anyway. S stays exact fp32 in shared memory through such a CTA's chunk
+// (its products round it per read), so gamma S is exact, and the products are TF32 as the
+// forward's. Warp w makes channels 16 (w % (KK / 16)) .. + 16 of the tile's columns: at K = 64
+// columns 32 (w / 4) .. + 32, at K = 128 all 64, in passes of four m16n8 tiles (lane (g, q):
+// channels + g, + g + 8, columns + 8 t + 2 q, + 1). The k of lane q in a k-step are 2q, 2q + 1
+// (as rows_state_mma): the K-rows and tile rows it reads are 2 apart, on banks 8 apart at
+// strides of 4 mod 32 floats (no conflicts).
+template <int KK>
 struct NextState {
-  static constexpr int kK = 64, kCols = 64;
+  static constexpr int kK = KK, kCols = 64, kBlocks = KK / 16;
+  static_assert(KK == 64 || KK == 128, "a warp per 16 channels and 32 or 64 columns");
+  static constexpr int kPasses = kCols / (NT / 32 / kBlocks) / 32;  // of four n-tiles
   uint32_t kt[2][4], bt[2][4];  // A fragments of K^^T and B^^T, both k-steps
   float acc[4][4];
-  __device__ __forceinline__ static int d0() { return 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4; }
-  __device__ __forceinline__ static int x0() { return 32 * (threadIdx.x / 128) + 2 * (threadIdx.x % 4); }
+  __device__ __forceinline__ static int d0() { return 16 * (threadIdx.x / 32 % kBlocks) + threadIdx.x % 32 / 4; }
+  __device__ __forceinline__ static int x0(int pass) {
+    return 32 * (kPasses * (threadIdx.x / 32 / kBlocks) + pass) + 2 * (threadIdx.x % 4);
+  }
   // K^^T and B^^T into registers (dk_rows, db_rows, complete since decay_factor_rows), before
   // a barrier after which put_state_part writes over them.
   __device__ __forceinline__ void load_keys(const float* sm, const Smem& L) {
@@ -222,15 +228,16 @@ struct NextState {
       bt[ks][3] = tile::to_tf32(b[r + L.KP + 8]);
     }
   }
-  // gamma S + K^^T V + B^^T U, after load_keys (V, U, S and gamma are read here: nothing writes
-  // them before the next chunk), then a barrier before put.
-  __device__ __forceinline__ void update(const float* sm, const Smem& L) {
-    const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, xb = x0() - 2 * q + g;  // lane's B column
+  // gamma S + K^^T V + B^^T U of a pass's columns, after load_keys (V, U, S and gamma are read
+  // here: nothing writes them before the next chunk), then put: after a barrier where other
+  // warps may still read S, else straight away (a thread writes the elements it read alone).
+  __device__ __forceinline__ void update(const float* sm, const Smem& L, int pass = 0) {
+    const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, x = x0(pass), xb = x - 2 * q + g;  // lane's B column
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float2 v = *reinterpret_cast<const float2*>(sm + L.S + (d0() + 8 * h) * L.BP + x0() + 8 * t);
+        const float2 v = *reinterpret_cast<const float2*>(sm + L.S + (d0() + 8 * h) * L.BP + x + 8 * t);
         const float gam = sm[L.zgam + d0() + 8 * h];
         acc[t][2 * h] = gam * v.x, acc[t][2 * h + 1] = gam * v.y;
       }
@@ -242,14 +249,21 @@ struct NextState {
       }
     }
   }
-  // S+ over S, once no step of this chunk reads S (after the barrier that follows the state parts).
-  __device__ __forceinline__ void put(float* sm, const Smem& L) const {
+  // S+ over S, once no step of this chunk reads S.
+  __device__ __forceinline__ void put(float* sm, const Smem& L, int pass = 0) const {
 #pragma unroll
     for (int t = 0; t < 4; ++t)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(sm + L.S + (d0() + 8 * h) * L.BP + x0() + 8 * t) =
+        *reinterpret_cast<float2*>(sm + L.S + (d0() + 8 * h) * L.BP + x0(pass) + 8 * t) =
             make_float2(acc[t][2 * h], acc[t][2 * h + 1]);
+  }
+  // Every pass in place (update, then put), after the barrier that ends this chunk's reads of S
+  // (a CTA walking the tiles: each tile's state after its products).
+  __device__ __forceinline__ void update_in_place(float* sm, const Smem& L) {
+    load_keys(sm, L);
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) update(sm, L, pass), put(sm, L, pass);
   }
 };
 

@@ -106,7 +106,7 @@ template <typename T, int KC, bool REV, bool OUT>
 cudaError_t run_sweep(const DplrChunkPass& p, cudaStream_t stream) {
   const size_t bytes = StateSmem(DplrWorkspaceLayout(p.K, p.V), p.K).bytes();
   const dim3 grid(unsigned(int64_t(p.N) * p.H * state_tiles(p.V)));
-  if constexpr (!std::is_same<T, float>::value && KC == 64 && !REV && OUT) {
+  if constexpr (!std::is_same<T, float>::value && (KC == 64 || KC == 128) && !REV && OUT) {
     if (p.sweep_strided_states) return launch_with_smem(sweep_kernel<T, false, true, KC, true>, grid, NTS, bytes, p, stream);
   }
   return launch_with_smem(sweep_kernel<T, REV, OUT, KC>, grid, NTS, bytes, p, stream);
@@ -122,12 +122,14 @@ cudaError_t run_reverse(const DplrChunkPass& p, cudaStream_t stream) {
   }
   return run_sweep<T, KC, true, false>(p, stream);
 }
-// grad: a CTA per chunk, or on strided states per kept state's stride of chunks.
+// grad: a CTA per chunk, or on strided states per kept state's stride of chunks (at K = 128 with
+// the second column tile's state in shared memory too).
 template <typename T, int KC>
 cudaError_t run_grad(const DplrChunkPass& p, cudaStream_t stream) {
   const dim3 grid(unsigned(dplr_grad_ctas(p)), p.H, dplr_grad_grid_tiles(p.dtype, p.K, p.V));
-  if constexpr (!std::is_same<T, float>::value && KC == 64) {
-    if (p.kept == DplrKept::states) return launch_with_smem(grad_kernel<T, KC, true>, grid, NT, Smem(p.K, true).bytes(), p, stream);
+  if constexpr (!std::is_same<T, float>::value && (KC == 64 || KC == 128)) {
+    if (p.kept == DplrKept::states)
+      return launch_with_smem(grad_kernel<T, KC, true>, grid, NT, Smem(p.K, true, KC == 128).bytes(), p, stream);
   }
   return launch_with_smem(grad_kernel<T, KC>, grid, NT, Smem(p.K, true).bytes(), p, stream);
 }
@@ -200,7 +202,8 @@ cudaError_t launch_windows(const DplrChunkPass& p, cudaStream_t stream) {
     // the reverse sweep of window k + 1 can run beside grad of window k (the buffer it writes
     // was last read by grad of window k - 1, before it on the stream); with one, just before
     // the reverse sweep.
-    const bool ahead = p.sweep_strided_states && bufs == 2;
+    const bool remade = p.sweep_strided_states && !p.strided_ws_kept;  // (prep runs again)
+    const bool ahead = remade && bufs == 2;
     auto run_prep_of = [&](int64_t begin, int64_t k) {
       DplrChunkPass x = q;
       dplr_prep_window(x, p, begin, int(k % bufs));
@@ -213,10 +216,10 @@ cudaError_t launch_windows(const DplrChunkPass& p, cudaStream_t stream) {
       const int buf = int(k % bufs);
       q.window_begin = begin;
       q.dhst = static_cast<float*>(p.dhst) + buf * buf_states;
-      if (p.sweep_strided_states) {
+      if (remade) {
         dplr_prep_window(q, p, begin, buf);  // (where prep made it: ahead, or now)
         if (!ahead) e = run_prep_of(begin, k);
-      } else if (p.kept == DplrKept::states) {
+      } else if (p.kept == DplrKept::states && !p.sweep_strided_states) {
         q.ws = static_cast<float*>(p.ws) + buf * buf_mats;  // (else kept whole)
       }
       // this window's buffers were grad's of window k - bufs
@@ -239,8 +242,11 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
   DplrChunkPass p = p_in;
   pick_paths<T>(p);
   if ((p.backward() && p.kept == DplrKept::states) || p.sweep_strided_states) {
-    // (strided states: bf16 / fp16 at K = V = 64, the fused forward's shapes, whose grad walks them)
-    if (std::is_same<T, float>::value || KC != 64 || !dplr_fused_forward(p.dtype, p.K, p.V)) return cudaErrorInvalidValue;
+    // (strided states: bf16 / fp16 at K = V = 64 or 128, whose grad walks them; at 128 the
+    // two-kernel path's alone)
+    if (std::is_same<T, float>::value || KC != p.K || !dplr_strided_states(p.dtype, p.K, p.V) ||
+        (KC == 128 && !p.sweep_strided_states))
+      return cudaErrorInvalidValue;
   }
   if (p.window_chunks > 0) return launch_windows<T, KC>(p, stream);
   cudaError_t e = cudaSuccess;
@@ -248,7 +254,7 @@ cudaError_t launch_k(const DplrChunkPass& p_in, cudaStream_t stream) {
     e = run_prep<T, KC>(p, stream);
     return e == cudaSuccess ? run_sweep<T, KC, false, true>(p, stream) : e;
   }
-  if (p.kept == DplrKept::nothing || p.sweep_strided_states) e = run_prep<T, KC>(p, stream);
+  if (p.kept == DplrKept::nothing || (p.sweep_strided_states && !p.strided_ws_kept)) e = run_prep<T, KC>(p, stream);
   // the forward sweep, writing hst alone (o, hT off)
   if (e == cudaSuccess && p.kept == DplrKept::nothing) e = run_sweep<T, KC, false, false>(p, stream);
   if (e == cudaSuccess) e = run_reverse<T, KC>(p, stream);

@@ -81,13 +81,16 @@ struct Smem {
   // K-vector gradients' rows [C][KP] (dr, dk, da, db), written last; before that grad_kernel keeps
   // exp(Omega), then K^, in dk_rows, Â in da_rows and B^ in db_rows.
   int dS, dO, dU, dM, dr_rows, dk_rows, da_rows, db_rows, dA, dX, Y, zeta, zgam, zparts;
+  // A grad CTA walking two column tiles on strided states (`tile_states`): the second tile's
+  // state [K][BP], made in place from chunk to chunk as S is for the first; 0 otherwise.
+  int S1;
   int pw, pwn;  // pair workspace (pwn floats), 16-byte aligned; -1 (0) in the backward
   int stage;  // raw rows of the asynchronous loads: over pw (prep) or from dk_rows on (backward)
   int total;
 
   // Prep's column tiles stay at 32 (K <= 128): its U0 / O0 loop gains nothing from wider ones,
   // and 64 would cost it its third CTA per SM.
-  __host__ __device__ Smem(int K_, bool bwd)
+  __host__ __device__ Smem(int K_, bool bwd, bool tile_states = false)
       : K(K_), KP((K_ + 3) / 4 * 4 + 4), cols(bwd ? dplr_chunk_cols(K_) : K_ <= 128 ? 32 : 8) {
     lc = 0;
     while ((1 << lc) < cols) ++lc;
@@ -104,13 +107,14 @@ struct Smem {
     // the five are consecutive (C * CP is a multiple of 4): DplrWorkspaceLayout::mats_at()
     X = take(C * CP);
     static_assert(CP % 4 == 0 && CP > C, "16-byte aligned rows of the 16 x 16 matrices");
-    dS = dO = dU = dM = dr_rows = dk_rows = da_rows = db_rows = dA = dX = Y = zeta = zgam = zparts = 0;
+    dS = dO = dU = dM = dr_rows = dk_rows = da_rows = db_rows = dA = dX = Y = zeta = zgam = zparts = S1 = 0;
     if (bwd) {
       dS = take(K * BP), dO = take(C * BP), dU = take(C * BP), dM = take(C * BP);
       zeta = take(K), zgam = take(K), zparts = take(2 * K);
       dr_rows = take(C * KP), dk_rows = take(C * KP), da_rows = take(C * KP), db_rows = take(C * KP);
       dA = take(4 * C * C);
       dX = take(C * CP), Y = take(C * CP);
+      if (tile_states) S1 = take(K * BP);
     }
     // only prepare() (prep) uses the pair workspace: the pair walks' rows, or pair_matrices_tc's
     // two K-row arrays, and the stage (raw rows and v: 16-bit rows with V <= K + 8 fit)

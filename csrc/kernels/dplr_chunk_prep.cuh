@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(NT, KC == 64 ? 4 : 3) prep_kernel(const DplrCh
   auto uout = [&] {
     return static_cast<float*>(p.uo) + ((blockIdx.x + int64_t(blockIdx.z) * p.window_chunks) * p.H + h) * ws.uo_floats_per_chunk();
   };
-  const bool train = !p.backward() && p.hst && !p.sweep_strided_states;  // a forward keeping ws
+  const bool train = !p.backward() && dplr_ws_kept(p);  // a forward keeping ws
   if (windowed) {
     // A window's chunks past the sequence's have no slot of theirs. The final state's slot (the
     // next) gets a training forward's zeros from the last chunk's CTA: no window reaches past it.

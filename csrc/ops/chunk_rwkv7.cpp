@@ -99,22 +99,29 @@ int64_t pipeline_window_chunks(const DiagArgs& d, bool backward = false, bool fu
 }
 
 // Whether a CUDA training forward on the two-kernel path keeps the strided states, made by its
-// sweep (DplrChunkPass::sweep_strided_states), instead of every chunk-start state and prep's
-// workspace: where it runs in pipelined windows (few pairs, long sequences), on the shapes whose
-// grad walks strides (those of the fused forward: bf16 / fp16, K = V = 64). Its backward makes
-// prep's workspace again, a window at a time beside the reverse sweep, so that neither pass holds
-// a T-sized workspace: the fwd + bwd peak of long-context training.
+// sweep (DplrChunkPass::sweep_strided_states), instead of every chunk-start state, on the shapes
+// whose grad walks strides (dplr_strided_states), no cu_seqlens: at K = V = 64 where it runs in
+// pipelined windows (few pairs, long sequences; elsewhere the fused forward keeps them), at K = V
+// = 128 always (every state there is 64 KB a chunk and head: benchmarks/NOTES.md c42).
 bool sweep_strided(const DiagArgs& d, const Tensor& r) {
-  return r.is_cuda() && dplr_fused_forward(kernel_dtype(r), int(d.K), int(d.V)) && !fused_forward(d, r, true) &&
-         pipeline_window_chunks(d) > 0;
+  if (!r.is_cuda() || d.cu.defined() || !dplr_strided_states(kernel_dtype(r), int(d.K), int(d.V))) return false;
+  return d.K == 128 || (!fused_forward(d, r, true) && pipeline_window_chunks(d) > 0);
 }
+// Whether such a forward keeps prep's workspace too (DplrChunkPass::strided_ws_kept), so that
+// its backward runs no prep: outside the pipelined windows (K = 128 there). In them it keeps the
+// states alone and its backward makes the workspace again, a window at a time beside the reverse
+// sweep, so that neither pass holds a T-sized workspace: the fwd + bwd peak of long-context
+// training. (At K = 128, B = 8, H = 16, T = 4096 making it again cost the backward 1.2 ms, +11 %
+// fwd + bwd, for 1.2 GB less kept: NOTES c42.)
+bool strided_keeps_ws(const DiagArgs& d, const Tensor& r) { return sweep_strided(d, r) && pipeline_window_chunks(d) == 0; }
 
 // What a CUDA training forward keeps (`saved`, fp32, flat): the two-kernel forward, every
 // chunk-start state, padded to a multiple of 4 floats (16-byte aligned workspace rows), then its
 // workspace; the fused forward (and the two-kernel one where sweep_strided), the state before
-// every kDplrStateStride-th chunk and the final one alone, padded (DplrKept::states: its
-// backward's fused reverse pass, or prep and the reverse sweep, make the pair matrices and X,
-// grad the states between).
+// every kDplrStateStride-th chunk and the final one, padded (DplrKept::states: grad makes the
+// states between), then the two-kernel forward's workspace where strided_keeps_ws, else nothing
+// more (its backward's fused reverse pass, or prep and the reverse sweep, make the pair matrices
+// and X).
 int64_t kept_state_floats(const DiagArgs& d) {
   return dplr_kept_state_slots(int(d.N), int(d.T), d.cu.defined()) * d.H * d.K * d.V;
 }
@@ -123,12 +130,19 @@ int64_t saved_states_floats(const DiagArgs& d, bool strided) {
 }
 bool keeps_strided(const DiagArgs& d, const Tensor& r) { return fused_forward(d, r, true) || sweep_strided(d, r); }
 int64_t saved_floats(const DiagArgs& d, const Tensor& r) {
-  return keeps_strided(d, r) ? saved_states_floats(d, true) : saved_states_floats(d, false) + dplr_ws_floats(d);
+  if (!keeps_strided(d, r)) return saved_states_floats(d, false) + dplr_ws_floats(d);
+  return saved_states_floats(d, true) + (strided_keeps_ws(d, r) ? dplr_ws_floats(d) : 0);
+}
+// Whether `saved` holds the strided states and prep's workspace after them (strided_keeps_ws's
+// form), told by its length; every form saved_floats gives has a length of its own.
+bool saved_strided_ws(const DiagArgs& d, const Tensor* saved) {
+  return saved && saved->numel() == saved_states_floats(d, true) + dplr_ws_floats(d);
 }
 // What a training forward's `saved` holds, told by its length (saved_floats).
 DplrKept saved_kind(const DiagArgs& d, const Tensor* saved) {
   if (!saved) return DplrKept::nothing;
-  return saved->numel() == saved_states_floats(d, true) ? DplrKept::states : DplrKept::states_and_workspace;
+  return saved->numel() == saved_states_floats(d, true) || saved_strided_ws(d, saved) ? DplrKept::states
+                                                                                     : DplrKept::states_and_workspace;
 }
 // Whether the two-kernel path runs on strided states (DplrChunkPass::sweep_strided_states): the
 // forward of sweep_strided, and a backward on strided states where the fused forward would not
@@ -166,11 +180,13 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   // where the fused kernels do not run, the two-kernel path's, sweep_strided_states)
   const DplrKept kind = saved_kind(d, saved);
   p.sweep_strided_states = two_kernel_strided(d, r, kind);
+  p.strided_ws_kept = p.sweep_strided_states && saved_strided_ws(d, saved);
+  const bool remade = p.sweep_strided_states && !p.strided_ws_kept;  // (prep's workspace, not kept)
   // prep's workspace and U0 / O0 per window (two in turn), unless a training forward keeps the
-  // workspace (kernels' dplr_ws_whole)
-  const bool window_ws = window_chunks > 0 && (!sweep || !saved || p.sweep_strided_states);
-  if (kind == DplrKept::states_and_workspace) {
-    p.ws = saved->data_ptr<float>() + saved_states_floats(d, false);
+  // workspace (kernels' dplr_ws_kept)
+  const bool window_ws = window_chunks > 0 && (!sweep || !saved || remade);
+  if (kind == DplrKept::states_and_workspace || p.strided_ws_kept) {
+    p.ws = saved->data_ptr<float>() + saved_states_floats(d, kind == DplrKept::states);
   } else {
     const int64_t slots = window_ws ? d.N * window_chunks * windows : dplr_chunk_slots(d);
     ws = at::empty({slots * d.H * backward_ws_floats_per_chunk(d, sweep ? DplrKept::nothing : kind, p.sweep_strided_states)},
@@ -180,7 +196,7 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   if (!sweep) p.kept = kind;
   p.fused_may_keep = fused_override() != 0;
   p.window_chunks = window_chunks, p.window_buffers = windows;
-  if (sweep || !saved || p.sweep_strided_states) {  // (prep runs; windows: their own slots, `windows` in turn)
+  if (sweep || !saved || remade) {  // (prep runs; windows: their own slots, `windows` in turn)
     const int64_t floats = window_chunks > 0
                                ? d.N * window_chunks * windows * d.H * DplrWorkspaceLayout(int(d.K), int(d.V)).uo_floats_per_chunk()
                                : dplr_uo_floats(d);
@@ -364,14 +380,15 @@ void forward_in_windows(const DiagArgs& d, const ForwardWindows& windows, const 
 // forward's default (64 MiB, 32 states per sequence) and a part of one pass's workspaces: an
 // eighth on the fused forward's states (at most ~8 windows of two launches), a quarter on the
 // two-kernel forward's kept workspace (each window's grad launch ends in a partial wave, which
-// costs most at K = 128, one CTA per SM; benchmarks/NOTES.md c29 has the measurements), a 16th
-// but at least two windows of kPipelineMinChunks on strided states where prep runs again
-// (`lean`: a long sequence at few pairs; its whole workspace is what its forward did not keep,
-// and shorter windows leave grad's CTAs, a stride each, too few: NOTES c36).
-int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept, bool lean) {
+// costs most at K = 128, one CTA per SM; benchmarks/NOTES.md c29 has the measurements; also on
+// strided states with it, `ws_kept`), a 16th but at least two windows of kPipelineMinChunks on
+// strided states where prep runs again (`lean`: a long sequence at few pairs; its whole workspace
+// is what its forward did not keep, and shorter windows leave grad's CTAs, a stride each, too
+// few: NOTES c36).
+int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept, bool lean, bool ws_kept) {
   if (kept == DplrKept::nothing || d.cu.defined()) return 0;
   const int64_t nch = sequence_chunks(d);
-  const bool makes_ws = kept == DplrKept::states;
+  const bool strided = kept == DplrKept::states, makes_ws = strided && !ws_kept;
   const int64_t ws = makes_ws ? backward_ws_floats_per_chunk(d, kept, lean) : 0;
   const int64_t per_chunk = d.N * d.H * (ws + d.K * d.V) * int64_t(sizeof(float));
   const int64_t mib = workspace_budget_mib();
@@ -380,7 +397,7 @@ int64_t backward_window_chunks(const DiagArgs& d, DplrKept kept, bool lean) {
                : std::max(forward_workspace_budget(d),
                           per_chunk * (lean ? std::max(nch / 16, 2 * kPipelineMinChunks) : nch / (makes_ws ? 8 : 4)));
   // On the strided states a window holds whole strides (a grad CTA walks one from its kept state).
-  const int64_t stride = makes_ws ? kDplrStateStride : 1;
+  const int64_t stride = strided ? kDplrStateStride : 1;
   const int64_t chunks = std::max<int64_t>(1, budget / per_chunk / stride) * stride;
   return chunks >= nch ? 0 : chunks;
 }
@@ -448,24 +465,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   Tensor dh0 = new_output({has_h0 ? d.N : 0, d.H, d.K, d.V}, acc);
   // Only CUDA keeps them (chunk_rwkv7_train); the CPU engine makes its own.
   if (has(saved_in)) check_device(*saved_in, "saved", r.device());
-  // Either form saved_floats gives, whatever the settings now: the strided states where a
-  // backward reads them (the fused forward's shapes), else every state and the workspace.
-  const bool strided_in = has(saved_in) && dplr_fused_forward(kernel_dtype(r), int(d.K), int(d.V)) &&
-                          saved_in->numel() == saved_states_floats(d, true);
-  const int64_t saved_len = strided_in ? saved_states_floats(d, true) : saved_states_floats(d, false) + dplr_ws_floats(d);
+  // Any form saved_floats gives, whatever the settings now: the strided states where a backward
+  // reads them (dplr_strided_states' shapes), alone or with the workspace, else every state and
+  // the workspace.
+  const bool strided_in = has(saved_in) && dplr_strided_states(kernel_dtype(r), int(d.K), int(d.V)) &&
+                          (saved_in->numel() == saved_states_floats(d, true) || saved_strided_ws(d, &*saved_in));
+  const int64_t saved_len = strided_in ? saved_in->numel() : saved_states_floats(d, false) + dplr_ws_floats(d);
   const Tensor* kept = r.is_cuda() && d.T > 0
                            ? kept_workspace(saved_in, {saved_len}, r.options().dtype(at::kFloat), "saved")
                            : nullptr;
   Tensor hst = kept ? Tensor() : dplr_states(d, r, d.T > 0);
   const DplrKept kind = saved_kind(d, kept);
-  const bool lean = two_kernel_strided(d, r, kind);
-  int64_t window = backward_window_chunks(d, kind, lean);
+  // (on strided states: the fused reverse pass, or the reverse sweep with prep run again, `lean`,
+  // or the reverse sweep on the kept workspace, `ws_kept`)
+  const bool two_kernel = two_kernel_strided(d, r, kind), ws_kept = two_kernel && saved_strided_ws(d, kept);
+  const bool lean = two_kernel && !ws_kept;
+  int64_t window = backward_window_chunks(d, kind, lean, ws_kept);
   int windows = 1;
   // Two windows' buffers, so that the reverse pass of one window runs beside grad of the window
   // after it: windows of the pipeline's size, or half the memory budget's.
   if (kind != DplrKept::nothing) {
     const int64_t stride = kind == DplrKept::states ? kDplrStateStride : 1;
-    const int64_t pipeline = pipeline_window_chunks(d, true, kind == DplrKept::states && !lean);
+    const int64_t pipeline = pipeline_window_chunks(d, true, kind == DplrKept::states && !two_kernel);
     const int64_t half = window > 0 ? std::max(stride, window / 2 / stride * stride) : pipeline;
     if (pipeline > 0 && half < sequence_chunks(d)) window = half, windows = 2;
   }

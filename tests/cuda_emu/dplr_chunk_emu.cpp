@@ -90,11 +90,14 @@ void fused_reverse(const DplrChunkPass& p) {
 // as 4 with the training forward in windows of two chunks and the backward's windows taking
 // two dhst buffers in turn, as the launch's pipelined windows run them (dplr_chunk_launch.cuh
 // launch_windows; no cu_seqlens). A forward (no dout) with keep 7 runs in those windows too, as an
-// inference forward: prep's workspace per window, two in turn (dplr_ws_whole). 8 and
-// 9 (bf16, K = V = 64, no cu_seqlens): the forward in windows of two chunks storing the strided
+// inference forward: prep's workspace per window, two in turn (dplr_ws_kept). 8 and
+// 9 (bf16, K = V = 64 or 128, no cu_seqlens): the forward in windows of two chunks storing the strided
 // states from its sweep (sweep_strided_states; prep's workspace per window, two in turn), the
 // backward on them prep, the reverse sweep and the strided grad, in one pass (8) or in windows of
-// kDplrStateStride chunks on two buffers of each in turn (9).
+// kDplrStateStride chunks on two buffers of each in turn (9). 10 and 11 (bf16, K = V = 128, no
+// cu_seqlens): the forward in one pass storing the strided states from its sweep and keeping
+// prep's whole workspace (DplrChunkPass::strided_ws_kept), the backward on them the reverse sweep
+// and the strided grad (no prep), in one pass (10) or in windows of kDplrStateStride chunks (11).
 template <typename E, int KC>  // KC: the kernels' compile-time K, as the launch picks it
 std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
@@ -131,7 +134,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
   auto forward = [&](DplrChunkPass f) {
     pick_paths<E>(f);
     Tensor carry = poison({N, H, K, V});
-    const bool windows = keep >= 7;
+    const bool windows = keep >= 7 && keep <= 9;
     if (windows) {
       TORCH_CHECK(!varlen, "forward windows take no cu_seqlens");
       f.window_chunks = 2, f.carry = mat(carry);
@@ -166,19 +169,23 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     }
     p.kept = DplrKept::states_and_workspace;
     uob.fill_(NAN);  // a kept backward reads no U0 / O0
-  } else if (bwd && (keep == 8 || keep == 9)) {
+  } else if (bwd && keep >= 8 && keep <= 11) {
     if constexpr (std::is_same_v<E, float>) {
       TORCH_CHECK(false, "the strided states take bf16");
     } else {
-      TORCH_CHECK(dplr_fused_forward(p.dtype, K, V) && !varlen, "not a strided-state shape");
-      // the forward sweep's strided states (sweep_strided_states), prep's workspace per window
+      TORCH_CHECK(dplr_strided_states(p.dtype, K, V) && !varlen, "not a strided-state shape");
+      // the forward sweep's strided states (sweep_strided_states); prep's workspace per window
+      // (8, 9) or kept whole (10, 11: strided_ws_kept)
+      const bool ws_kept = keep >= 10;
       hst = poison({dplr_kept_state_slots(N, T, varlen), H, K, V});
       DplrChunkPass f = p;
-      f.o = vec(o), f.hst = hst.data_ptr(), f.sweep_strided_states = true;
+      f.o = vec(o), f.hst = hst.data_ptr(), f.sweep_strided_states = true, f.strided_ws_kept = ws_kept;
       forward(f);
       TORCH_CHECK(!hst.isnan().any().item<bool>(), "the forward sweep left a slot of hst unwritten");
-      p.kept = DplrKept::states, p.sweep_strided_states = true;
-      wsb.fill_(NAN), uob.fill_(NAN);
+      if (ws_kept) TORCH_CHECK(!wsb.isnan().any().item<bool>(), "the forward's prep left kept workspace unwritten");
+      p.kept = DplrKept::states, p.sweep_strided_states = true, p.strided_ws_kept = ws_kept;
+      if (!ws_kept) wsb.fill_(NAN);
+      uob.fill_(NAN);
     }
   } else if (bwd && (keep == 2 || keep == 3)) {
     if constexpr (std::is_same_v<E, float>) {
@@ -216,9 +223,9 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     const int64_t work = dplr_work_slots(p);
     const dim3 preps = p.window_chunks > 0 ? dim3(unsigned(p.window_chunks), H, N) : dim3(unsigned(work), H);
     if (p.kept == DplrKept::states) {
-      if constexpr (!std::is_same_v<E, float> && KC == 64) {
-        if (p.sweep_strided_states) {  // prep and the reverse sweep in place of the fused reverse pass
-          emu::launch(preps, NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
+      if constexpr (!std::is_same_v<E, float> && (KC == 64 || KC == 128)) {
+        if (p.sweep_strided_states) {  // prep (unless kept) and the reverse sweep in place of the fused reverse pass
+          if (!p.strided_ws_kept) emu::launch(preps, NT, [&] { cta([&] { prep_kernel<E, KC>(p); }); });
           emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
         } else {
           fused_reverse(p);
@@ -234,7 +241,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     emu::launch(sweeps, NTS, [&] { cta([&] { sweep_kernel<E, true, false, KC>(p); }); });
     emu::launch(dim3(unsigned(work), H, tiles), NT, [&] { cta([&] { grad_kernel<E, KC>(p); }); });
   };
-  if (keep != 3 && keep != 4 && keep != 6 && keep != 7 && keep != 9) {
+  if (keep != 3 && keep != 4 && keep != 6 && keep != 7 && keep != 9 && keep != 11) {
     backward();
   } else if (keep == 7 || keep == 9) {  // two windows' dhst (9: and prep's ws, uo), taken in turn (poisoned once)
     const int64_t kWindow = keep == 9 ? kDplrStateStride : 2, half = N * kWindow * H * K * V;
@@ -253,7 +260,7 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     const int64_t kWindow = p.kept == DplrKept::states ? kDplrStateStride : 2;
     Tensor wws = poison({N * kWindow * H * (p.kept == DplrKept::states ? DplrWorkspaceLayout::kMatsFloats : ws.floats_per_chunk())}), wdhst = poison({N * kWindow, H, K, V}),
            carry = poison({N, H, K, V});
-    if (keep == 3) p.ws = wws.data_ptr();  // (4, 6: the kept workspace)
+    if (keep == 3) p.ws = wws.data_ptr();  // (4, 6, 11: the kept workspace)
     p.dhst = wdhst.data_ptr(), p.carry = mat(carry), p.window_chunks = kWindow;
     for (p.window_begin = (nch - 1) / kWindow * kWindow; p.window_begin >= 0; p.window_begin -= kWindow) backward();
   }
