@@ -22,39 +22,27 @@ __device__ __forceinline__ void rows_state_mma(const float* sm, const Smem& L, i
                                                int n0, float (&acc)[NTL][4]) {
   const int K = L.K, KP = L.KP, BP = L.BP;
   const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, pg = tile::kp_perm(g);
-  using tile::to_tf32;
   if (K % 8 == 0) {
     const float* pa = sm + rows + pg * KP + 2 * q;
     const float* pb = sm + st + 2 * q * BP + n0 + g;
     for (int k = 0; k < K; k += 8, pa += 8, pb += 8 * BP) {
       const float2 lo = *reinterpret_cast<const float2*>(pa), hi = *reinterpret_cast<const float2*>(pa + 8 * KP);
-      if constexpr (X3) {
+      // the A fragment's operands once for the NTL n-tiles: as TF32 lane bits (unless X3)
+      auto ca = [](float x) { return X3 ? x : __uint_as_float(tile::to_tf32(x)); };
+      const float a0 = ca(lo.x), a1 = ca(hi.x), a2 = ca(lo.y), a3 = ca(hi.y);
 #pragma unroll
-        for (int t = 0; t < NTL; ++t) tile::mma_tf32x3(acc[t], {lo.x, hi.x, lo.y, hi.y}, {pb[8 * t], pb[8 * t + BP]});
-        continue;
-      }
-      const uint32_t a0 = to_tf32(lo.x), a1 = to_tf32(hi.x), a2 = to_tf32(lo.y), a3 = to_tf32(hi.y);
-#pragma unroll
-      for (int t = 0; t < NTL; ++t)
-        mma_tf32(acc[t], a0, a1, a2, a3, RB ? __float_as_uint(pb[8 * t]) : to_tf32(pb[8 * t]),
-                 RB ? __float_as_uint(pb[8 * t + BP]) : to_tf32(pb[8 * t + BP]));
+      for (int t = 0; t < NTL; ++t) tile::mma_lanes<X3, true, RB>(acc[t], a0, a1, a2, a3, pb[8 * t], pb[8 * t + BP]);
     }
     return;
   }
   for (int k = 0; k < K; k += 8) {
     auto af = [&](int r, int kk) { return kk < K ? sm[rows + r * KP + kk] : 0.f; };
     auto bf = [&](int kk, int t) { return kk < K ? sm[st + kk * BP + n0 + 8 * t + g] : 0.f; };
-    auto a = [&](int r, int kk) { return to_tf32(af(r, kk)); };
-    auto b = [&](int kk, int t) { return RB ? __float_as_uint(bf(kk, t)) : to_tf32(bf(kk, t)); };
     const int k0 = k + 2 * q;
 #pragma unroll
-    for (int t = 0; t < NTL; ++t) {
-      if constexpr (X3)
-        tile::mma_tf32x3(acc[t], {af(pg, k0), af(pg + 8, k0), af(pg, k0 + 1), af(pg + 8, k0 + 1)},
-                         {bf(k0, t), bf(k0 + 1, t)});
-      else
-        mma_tf32(acc[t], a(pg, k0), a(pg + 8, k0), a(pg, k0 + 1), a(pg + 8, k0 + 1), b(k0, t), b(k0 + 1, t));
-    }
+    for (int t = 0; t < NTL; ++t)
+      tile::mma_lanes<X3, false, RB>(acc[t], af(pg, k0), af(pg + 8, k0), af(pg, k0 + 1), af(pg + 8, k0 + 1), bf(k0, t),
+                                     bf(k0 + 1, t));
   }
 }
 
@@ -90,19 +78,10 @@ struct MatFrag {
   template <bool RB = false, class B>
   __device__ __forceinline__ void mma(float (&acc)[4], B b) const {
     const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
-    auto cb = [](float x) { return RB ? __float_as_uint(x) : tile::to_tf32(x); };
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-      if constexpr (X3) {
-        tile::mma_tf32x3(acc,
-                         {__uint_as_float(f[ks][0]), __uint_as_float(f[ks][1]), __uint_as_float(f[ks][2]),
-                          __uint_as_float(f[ks][3])},
-                         {b(8 * ks + 2 * q, g), b(8 * ks + 2 * q + 1, g)});
-      } else {
-        tile::mma_tf32(acc, f[ks][0], f[ks][1], f[ks][2], f[ks][3], cb(b(8 * ks + 2 * q, g)),
-                       cb(b(8 * ks + 2 * q + 1, g)));
-      }
-    }
+    for (int ks = 0; ks < 2; ++ks)
+      tile::mma_lanes<X3, true, RB>(acc, __uint_as_float(f[ks][0]), __uint_as_float(f[ks][1]), __uint_as_float(f[ks][2]),
+                                    __uint_as_float(f[ks][3]), b(8 * ks + 2 * q, g), b(8 * ks + 2 * q + 1, g));
   }
 };
 

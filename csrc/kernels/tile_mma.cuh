@@ -146,16 +146,24 @@ __device__ __forceinline__ void mma_tf32x3(float* d, const float (&a)[4], const 
   mma_tf32(d, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
 }
 
-// mma_tf32 on fp32 lane operands: their bits as they stand (TF32 values, or fp32 values whose
-// low bits the mma ignores), or with X3 fp32-accurate (mma_tf32x3).
+// One m16n8k8 product on fp32 lane operands (mma_tf32's lane layout: A's four, B's two), the one
+// place that picks its precision: with X3 fp32-accurate (mma_tf32x3, the values whole); else
+// single TF32, each operand rounded unless it holds a TF32 value already (RA, RB: rounded where
+// stored, widened bf16 / fp16, or fp32 values whose low bits the mma may ignore).
+template <bool X3, bool RA = false, bool RB = false>
+__device__ __forceinline__ void mma_lanes(float* d, float a0, float a1, float a2, float a3, float b0, float b1) {
+  if constexpr (X3) {
+    mma_tf32x3(d, {a0, a1, a2, a3}, {b0, b1});
+  } else {
+    auto ca = [](float x) { return RA ? __float_as_uint(x) : to_tf32(x); };
+    auto cb = [](float x) { return RB ? __float_as_uint(x) : to_tf32(x); };
+    mma_tf32(d, ca(a0), ca(a1), ca(a2), ca(a3), cb(b0), cb(b1));
+  }
+}
+// mma_lanes on operands read as they stand (their bits; X3: whole).
 template <bool X3>
 __device__ __forceinline__ void mma_tf32_as(float* d, const float (&a)[4], const float (&b)[2]) {
-  if constexpr (X3) {
-    mma_tf32x3(d, a, b);
-  } else {
-    mma_tf32(d, __float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]), __float_as_uint(a[3]),
-             __float_as_uint(b[0]), __float_as_uint(b[1]));
-  }
+  mma_lanes<X3, true, true>(d, a[0], a[1], a[2], a[3], b[0], b[1]);
 }
 
 // One warp's m16n8 product on TF32 tensor cores, for kernels whose tiles are not 64 x 64 (the
@@ -166,15 +174,8 @@ __device__ __forceinline__ void mma_tf32_as(float* d, const float (&a)[4], const
 template <bool X3 = false, class A, class B>
 __device__ __forceinline__ void warp_mma(float* acc, int kn, A a, B b) {
   const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
-  for (int k = 0; k < kn; k += 8) {
-    if constexpr (X3) {
-      mma_tf32x3(acc, {a(g, k + q), a(g + 8, k + q), a(g, k + q + 4), a(g + 8, k + q + 4)},
-                 {b(k + q, g), b(k + q + 4, g)});
-    } else {
-      mma_tf32(acc, to_tf32(a(g, k + q)), to_tf32(a(g + 8, k + q)), to_tf32(a(g, k + q + 4)),
-               to_tf32(a(g + 8, k + q + 4)), to_tf32(b(k + q, g)), to_tf32(b(k + q + 4, g)));
-    }
-  }
+  for (int k = 0; k < kn; k += 8)
+    mma_lanes<X3>(acc, a(g, k + q), a(g + 8, k + q), a(g, k + q + 4), a(g + 8, k + q + 4), b(k + q, g), b(k + q + 4, g));
 }
 // warp_mma for operands in memory with row strides and nothing to mask: A(r, k) = a[r * lda + k]
 // (TA: a[k * lda + r]), B(k, n) = b[k * ldb + n] (TB: b[n * ldb + k]), every element with k < kn
@@ -192,12 +193,8 @@ __device__ __forceinline__ void warp_mma_ld(float* acc, int kn, const float* a, 
   const float* pb = TB ? b + g * ldb + q : b + q * ldb + g;
   const int a8 = TA ? 8 : 8 * lda, ak4 = TA ? 4 * lda : 4, ak8 = TA ? 8 * lda : 8;  // a8: row + 8
   const int bk4 = TB ? 4 : 4 * ldb, bk8 = TB ? 8 : 8 * ldb;
-  auto ca = [](float x) { return RA ? __float_as_uint(x) : to_tf32(x); };
-  auto cb = [](float x) { return RB ? __float_as_uint(x) : to_tf32(x); };
-  for (int k = 0; k < kn; k += 8, pa += ak8, pb += bk8) {
-    if constexpr (X3) mma_tf32x3(acc, {pa[0], pa[a8], pa[ak4], pa[a8 + ak4]}, {pb[0], pb[bk4]});
-    else mma_tf32(acc, ca(pa[0]), ca(pa[a8]), ca(pa[ak4]), ca(pa[a8 + ak4]), cb(pb[0]), cb(pb[bk4]));
-  }
+  for (int k = 0; k < kn; k += 8, pa += ak8, pb += bk8)
+    mma_lanes<X3, RA, RB>(acc, pa[0], pa[a8], pa[ak4], pa[a8 + ak4], pb[0], pb[bk4]);
 }
 
 // acc += A B^T for row-major A [16][kn] and B [8][kn] (both k-contiguous: A(r, k) = a[r * lda + k],
@@ -218,21 +215,14 @@ __device__ __forceinline__ void warp_mma_nt_tiles(float (*acc)[4], int nb, int k
   const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, pg = nt_perm(g);
   const float* pa = a + pg * lda + 4 * q;
   const float* pb = b + pg * ldb + 4 * q;
-  auto ca = [](float x) { return RA ? __float_as_uint(x) : to_tf32(x); };
-  auto cb = [](float x) { return RB ? __float_as_uint(x) : to_tf32(x); };
   for (int k = 0; k < kn; k += 16, pa += 16, pb += 16) {
     const float4 lo = *reinterpret_cast<const float4*>(pa), hi = *reinterpret_cast<const float4*>(pa + 8 * lda);
 #pragma unroll
     for (int t = 0; t < NB; ++t) {
       if (t >= nb) break;
       const float4 bb = *reinterpret_cast<const float4*>(pb + 8 * t * ldb);
-      if constexpr (X3) {
-        mma_tf32x3(acc[t], {lo.x, hi.x, lo.y, hi.y}, {bb.x, bb.y});
-        mma_tf32x3(acc[t], {lo.z, hi.z, lo.w, hi.w}, {bb.z, bb.w});
-      } else {
-        mma_tf32(acc[t], ca(lo.x), ca(hi.x), ca(lo.y), ca(hi.y), cb(bb.x), cb(bb.y));
-        mma_tf32(acc[t], ca(lo.z), ca(hi.z), ca(lo.w), ca(hi.w), cb(bb.z), cb(bb.w));
-      }
+      mma_lanes<X3, RA, RB>(acc[t], lo.x, hi.x, lo.y, hi.y, bb.x, bb.y);
+      mma_lanes<X3, RA, RB>(acc[t], lo.z, hi.z, lo.w, hi.w, bb.z, bb.w);
     }
   }
 }
