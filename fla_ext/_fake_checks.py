@@ -299,11 +299,12 @@ def _strided_saved_floats(d: Diag) -> int:
 
 def rwkv7_backward_saved_floats(d: Diag, dtype, saved) -> int:
     """The `saved` length chunk_rwkv7's CUDA backward takes (ops/chunk_rwkv7.cpp chunk_rwkv7_bwd):
-    either form rwkv7_saved_floats gives, whatever the settings now: the strided states on the
-    fused forward's shapes (bf16 / fp16, K = V = 64), else every state and the workspace."""
+    any form rwkv7_saved_floats gives, whatever the settings now: on the shapes with strided
+    states (bf16 / fp16, K = V = 64 or 128) those states alone or with the workspace after them,
+    else every state and the workspace."""
     strided = _strided_saved_floats(d)
-    if rwkv7_fused_shapes(d, dtype) and saved is not None and saved.numel() == strided:
-        return strided
+    if rwkv7_strided_shapes(d, dtype) and saved is not None and saved.numel() in (strided, strided + _workspace_floats(d)):
+        return saved.numel()
     return _full_saved_floats(d)
 
 

@@ -397,7 +397,8 @@ def test_rwkv7_saved_size_on_fake_cuda(B, H, T, force, pipeline, strided_kept, m
 def test_rwkv7_saved_size_at_K128_on_fake_cuda(dtype, varlen, strided_kept):
     """At K = V = 128 a 16-bit training forward without cu_seqlens keeps the strided states from
     its sweep whatever the pairs (sweep_strided), and prep's workspace after them (outside the
-    pipelined windows); fp32 and varlen keep every state and the workspace."""
+    pipelined windows); fp32 and varlen keep every state and the workspace. The backward takes
+    what the forward kept and refuses a shorter one."""
     B, T, H, K = 2, 150, 3, 128
     N = 3 if varlen else B
     slots = (T // 16 + 2 * N + 1) if varlen else B * ((T + 15) // 16 + 1)
@@ -408,6 +409,9 @@ def test_rwkv7_saved_size_at_K128_on_fake_cuda(dtype, varlen, strided_kept):
         Bx, cu = (1, torch.tensor([0, 40, 40, T], device="cuda")) if varlen else (B, None)
         r, w, k, v, a, b = (torch.empty(Bx, T, H, K, dtype=dtype, device="cuda") for _ in range(6))
         saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 1.0, None, False, cu, False)[2]
+        torch.ops.fla.chunk_rwkv7_bwd(r, w, k, v, a, b, torch.empty_like(v), None, 1.0, None, cu, False, saved)
+        with pytest.raises(ValueError, match="`saved` must be the"):
+            torch.ops.fla.chunk_rwkv7_bwd(r, w, k, v, a, b, torch.empty_like(v), None, 1.0, None, cu, False, saved[:4])
     assert saved.shape == (strided + workspace if strided_kept else states + workspace,)
 
 
