@@ -226,8 +226,8 @@ def chunk_slots(d: Diag, C: int = CHUNK) -> int:
 
 
 def rwkv7_fused_shapes(d: Diag, dtype) -> bool:
-    """chunk_rwkv7's shapes with a fused forward and strided states (kernels/dplr_chunk.h
-    dplr_fused_forward): bf16 / fp16 with K = V = 64."""
+    """chunk_rwkv7's shapes with a fused forward (kernels/dplr_chunk.h dplr_fused_forward): bf16 /
+    fp16 with K = V = 64."""
     return dtype in (torch.bfloat16, torch.float16) and d.K == 64 and d.V == 64
 
 
