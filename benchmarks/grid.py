@@ -23,9 +23,13 @@ their gradients). RWKV7: w = -e^-0.5 sigmoid(x) (RWKV-7's range), a = -kk, b = k
 RWKV6: log decays logsigmoid(x) over K; RWKV6's u [H, K]. GSA: M = 64 slots, g = logsigmoid(x).
 
 ``--autotune-cache DIR`` keeps fla's Triton autotuning results (its ``*.autotune.json`` files, a
-few KB; nothing else is kept) in ``DIR/<gpu>`` between runs: carried to a fresh GPU machine and
-back, a later run of the same shapes skips fla's minutes of autotuning and times the configuration
-that autotuning picked on that GPU model (fla caches its results the same way on a user's machine).
+few KB each; nothing else is kept) between runs, all in one file ``DIR/<gpu>.autotune.json``
+(their paths in Triton's cache and their contents): carried to a fresh GPU machine and back (one
+small flat file, where a folder of Triton's hashed subfolders may not travel), a later run of the
+same shapes skips fla's minutes of autotuning and times the configuration that autotuning picked
+on that GPU model (fla caches its results the same way on a user's machine). The run's Triton
+cache is a temporary folder, filled from that file first and emptied into it at the end (also
+when a time limit's SIGTERM ends the run).
 
 Peers: fla (``fla.ops.<family>.chunk_<family>``, when importable) and, for RWKV7, wind_rwkv's
 chunked CUDA kernel (``--wind``: the root of a wind_rwkv checkout, compiled here for the points'
@@ -35,9 +39,11 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, Optional
 
@@ -296,19 +302,37 @@ def plot(rows, path) -> Optional[str]:
     return None
 
 
-def keep_autotune_results(root: str) -> int:
-    """Delete everything below ``root`` but Triton's autotuning results (``*.autotune.json``),
-    and the folders left empty; returns how many results are kept."""
-    kept = 0
-    for here, dirs, files in os.walk(root, topdown=False):
+def load_autotune_results(path: str) -> Dict[str, str]:
+    """The autotuning results kept in ``path`` ({path in Triton's cache: contents}), or none."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def restore_autotune_results(results: Dict[str, str], root: str) -> None:
+    """Write ``results`` into the Triton cache folder ``root``."""
+    for rel, text in results.items():
+        dst = os.path.join(root, rel)
+        if os.path.commonpath([os.path.abspath(dst), os.path.abspath(root)]) != os.path.abspath(root):
+            continue  # (a path out of the cache: not ours)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(dst, "w") as f:
+            f.write(text)
+
+
+def save_autotune_results(root: str, path: str, results: Dict[str, str]) -> int:
+    """Add Triton's autotuning results (``*.autotune.json``) below ``root`` to ``results`` and
+    write them all to ``path``; returns how many it holds."""
+    for here, _, files in os.walk(root):
         for name in files:
             if name.endswith(".autotune.json"):
-                kept += 1
-            else:
-                os.remove(os.path.join(here, name))
-        if here != root and not os.listdir(here):
-            os.rmdir(here)
-    return kept
+                with open(os.path.join(here, name)) as f:
+                    results[os.path.relpath(os.path.join(here, name), root)] = f.read()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+    return len(results)
 
 
 def main(argv=None):
@@ -340,7 +364,10 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tag = gpu.lower().replace("nvidia", "").strip().split()[0] if device.type == "cuda" else "cpu"
     if args.autotune_cache:  # before fla is imported: Triton reads the variable when it compiles
-        os.environ["TRITON_CACHE_DIR"] = os.path.abspath(os.path.join(args.autotune_cache, tag))
+        tuned_path = os.path.join(args.autotune_cache, f"{tag}.autotune.json")
+        tuned = load_autotune_results(tuned_path)
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="grid_triton_")
+        restore_autotune_results(tuned, os.environ["TRITON_CACHE_DIR"])
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: the results still kept
     meta = dict(torch=torch.__version__, fla=bench_ops._version("fla"), fla_ext=fla_ext.__version__,
                 timing=timer.method, gpu=gpu)
@@ -355,9 +382,11 @@ def main(argv=None):
                                                  impl_names(args.op, args)) if args.resume else False)
             run_point(args.op, pt, args, timer, device, gpu, emit, done)
     finally:  # also when a time limit ends the run (SIGTERM, above)
-        if args.autotune_cache and os.path.isdir(os.environ["TRITON_CACHE_DIR"]):
-            print(f"kept {keep_autotune_results(os.environ['TRITON_CACHE_DIR'])} autotuning results",
+        if args.autotune_cache:
+            cache = os.environ["TRITON_CACHE_DIR"]
+            print(f"kept {save_autotune_results(cache, tuned_path, tuned)} autotuning results in {tuned_path}",
                   flush=True)
+            shutil.rmtree(cache, ignore_errors=True)
     with open(path) as f:
         msg = plot(json.load(f)["rows"], path[:-5] + ".png")
     print(f"wrote {path}" + (f" ({msg})" if msg else " and its plot"))

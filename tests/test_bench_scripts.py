@@ -127,20 +127,40 @@ def test_model_step_quick_cpu(tmp_path):
 
 
 def test_grid_autotune_cache_keeps_only_the_results(tmp_path):
-    """--autotune-cache DIR: the run's Triton cache is DIR/<gpu>, and afterwards only the
-    autotuning results (*.autotune.json) are left in it, so the folder stays small to carry."""
+    """--autotune-cache DIR: the run's Triton cache (a temporary folder) starts from the results
+    in DIR/<gpu>.autotune.json, and afterwards that one file holds every autotuning result
+    (*.autotune.json) the run left there too, nothing else: small and flat to carry."""
     cache = tmp_path / "cache"
-    old = cache / "cpu" / "abc123"
-    old.mkdir(parents=True)
-    (old / "chunk_fwd_kernel.autotune.json").write_text("{}")  # a result from an earlier run
-    (old / "chunk_fwd_kernel.cubin").write_bytes(b"\0" * 64)  # compiled kernels: not kept
-    (cache / "cpu" / "def456").mkdir()
-    (cache / "cpu" / "def456" / "other.json").write_text("{}")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "grid.py"), "chunk_gla", "--quick",
+    cache.mkdir()
+    kept = {"abc123/chunk_fwd_kernel.autotune.json": '{"configs": 1}'}  # from an earlier run
+    (cache / "cpu.autotune.json").write_text(json.dumps(kept))
+    probe = tmp_path / "probe.py"  # in the run: what the cache holds, and a result of its own
+    probe.write_text(
+        "import os, runpy, sys\n"
+        "import fla_ext  # noqa: F401\n"
+        "def hook():\n"
+        "    root = os.environ['TRITON_CACHE_DIR']\n"
+        "    print('restored', open(os.path.join(root, 'abc123', 'chunk_fwd_kernel.autotune.json')).read())\n"
+        "    os.makedirs(os.path.join(root, 'def456'))\n"
+        "    open(os.path.join(root, 'def456', 'new.autotune.json'), 'w').write('{}')\n"
+        "    open(os.path.join(root, 'def456', 'kernel.cubin'), 'wb').write(bytes(64))\n"
+        "import bench_ops\n"
+        "orig, done = bench_ops._peak_mb, []\n"
+        "def peak(*a, **k):  # measured inside the run, after the cache is set up\n"
+        "    if not done:\n"
+        "        hook(); done.append(1)\n"
+        "    return orig(*a, **k)\n"
+        "bench_ops._peak_mb = peak\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    cmd = [sys.executable, str(probe), os.path.join(ROOT, "benchmarks", "grid.py"), "chunk_gla", "--quick",
            "--device", "cpu", "--no-fla", "--modes", "fwd", "--out", str(tmp_path),
            "--autotune-cache", str(cache)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks"),
+                                                       os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, timeout=300)
-    assert "kept 1 autotuning results" in out.stdout
-    left = sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
-    assert left == ["cpu", "cpu/abc123", "cpu/abc123/chunk_fwd_kernel.autotune.json"]
+    assert 'restored {"configs": 1}' in out.stdout
+    assert "kept 2 autotuning results" in out.stdout
+    assert sorted(p.name for p in cache.iterdir()) == ["cpu.autotune.json"]
+    assert json.loads((cache / "cpu.autotune.json").read_text()) == {
+        "abc123/chunk_fwd_kernel.autotune.json": '{"configs": 1}', "def456/new.autotune.json": "{}"}
