@@ -332,8 +332,8 @@ __global__ void __launch_bounds__(NT, KC == 128 ? 1 : 2) grad_kernel(const DplrC
   extern __shared__ float4 sm4[];  // 16-byte aligned: the state rows are stored as float4
   float* sm = reinterpret_cast<float*>(sm4);
   const Smem L(KC ? KC : p.K, true, kStrided && kWalk);
-  // The CTA's chunks: one, or on the fused forward's strided states (DplrKept::states) a stride
-  // of them in order, each next chunk-start state made from the one before (NextState).
+  // The CTA's chunks: one, or on strided states (DplrKept::states) a stride of them in order,
+  // each next chunk-start state made from the one before (NextState).
   const DplrSlotChunk first = dplr_grad_first_chunk(p, blockIdx.x);
   const int n = first.n;
   Cta c;
