@@ -347,7 +347,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="one tiny point, few reps")
     p.add_argument("--replot", metavar="JSON", help="only redraw the plot of a results file")
     p.add_argument("--autotune-cache", metavar="DIR",
-                   help="keep fla's Triton autotuning results in DIR/<gpu> between runs (see above)")
+                   help="keep fla's Triton autotuning results in DIR/<gpu>.autotune.json between runs (see above)")
     p.add_argument("--resume", action="store_true",
                    help="skip the points and modes whose every impl has a row in the results file")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

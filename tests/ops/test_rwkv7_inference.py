@@ -415,8 +415,9 @@ def test_pipelined_windows_match_one_pass(head_first, dtype, K, fused, monkeypat
     names = ["o", "ht", "dr", "dw", "dk", "dv", "da", "db", "dh0"]
     for part, what in enumerate(["training", "inference", "chunk_rwkv7_train"]):
         for name, x, y in zip(names if part < 2 else ["o", "ht", "saved"], runs["1"][part], runs["0"][part]):
-            if name == "saved":
-                x, y = x[:min(x.numel(), y.numel())], y[:min(x.numel(), y.numel())]
+            if name == "saved" and K == 128:  # the windows keep the states alone, one pass the workspace after them
+                assert x.numel() < y.numel(), (x.numel(), y.numel())
+                y = y[:x.numel()]
             assert torch.isfinite(x).all(), f"{what} {name}"
             torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f"{what} {name}")
 
