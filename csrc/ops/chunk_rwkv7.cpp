@@ -111,8 +111,8 @@ bool sweep_strided(const DiagArgs& d, const Tensor& r) {
 // its backward runs no prep: outside the pipelined windows (K = 128 there). In them it keeps the
 // states alone and its backward makes the workspace again, a window at a time beside the reverse
 // sweep, so that neither pass holds a T-sized workspace: the fwd + bwd peak of long-context
-// training. (At K = 128, B = 8, H = 16, T = 4096 making it again cost the backward 1.2 ms, +11 %
-// fwd + bwd, for 1.2 GB less kept: NOTES c42.)
+// training. Elsewhere keeping it is the faster choice: making it again costs the backward a
+// whole prep pass (benchmarks/NOTES.md c42).
 bool strided_keeps_ws(const DiagArgs& d, const Tensor& r) { return sweep_strided(d, r) && pipeline_window_chunks(d) == 0; }
 
 // What a CUDA training forward keeps (`saved`, fp32, flat): the two-kernel forward, every
