@@ -223,16 +223,31 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   T* const o_lane = want_o ? o_at + int64_t(8 * (warp / 2 % 2) + 2 * q) * p.o.st + int64_t(lx) * p.o.sd : nullptr;
   const int64_t slot_size = int64_t(p.H) * K * p.V;
   float* const st_lane = st_out ? state_at(0, 8 * (warp / 2) + 2 * q, lx) : nullptr;
+  // This thread's v^T elements (fetch_rows' e, as cidx places them), formed once.
+  int vt_at[C * SX / NTS];
+#pragma unroll
+  for (int it = 0; it < C * SX / NTS; ++it) {
+    const int e = threadIdx.x + it * NTS;
+    vt_at[it] = cidx(e % SX, e / SX);
+  }
+  // Phase B's lane offsets: channel tile n of warp w is d0 = 8 (w / 2) + 32 n (w / 2 < 4, so the
+  // first tile is under 32 and the trip count is K / 32 for every warp where K is a multiple of
+  // 32: a compile-time count at a compile-time K, so the loop unrolls; with a warp-dependent
+  // start it did not, and each pass recomputed these offsets). From tile to tile the
+  // state's index moves by 64 floats (sidx: channel d + 32 is piece + 16 whatever the pair's
+  // XOR, which touches the low 3 bits only), gamma's and the B rows' by 32, the store's by 32 rows.
+  constexpr int kTileStep = 8 * (NTS / 64);
+  static_assert(kTileStep == 32, "sidx's 64-float step below is for channel steps of 32");
+  const int dlane = 8 * (warp / 2) + 2 * q;  // tile 0's accumulator channels dlane, dlane + 1
+  const int st_lane_at = sidx(R, m0 + g, dlane);
   for (int64_t step = 0; step < steps; ++step) {
     const int64_t ci = chunk_of(step);
     const float* cur = sm + L.buf + (step & 1) * L.stage;
     if (step + 1 < steps) fetch(step + 1);
     fetch_wait(step);
 #pragma unroll
-    for (int it = 0; it < C * SX / NTS; ++it) {
-      const int e = threadIdx.x + it * NTS;
-      VT[cidx(e % SX, e / SX)] = REV ? tf32_if<!X3>(rho * to_f(vx[it])) : to_f(vx[it]);  // mma operands
-    }
+    for (int it = 0; it < C * SX / NTS; ++it)  // mma operands
+      VT[vt_at[it]] = REV ? tf32_if<!X3>(rho * to_f(vx[it])) : to_f(vx[it]);
     fetch_rows(step + 1, vx);
     __syncthreads();
     // Phase A: T^T = S^T X_A^T into UT (plus U0: U^T), and o^T = O0^T + scale S^T Q~^T.
@@ -295,17 +310,23 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         for (int e = 0; e < 8; ++e) va[e] = vv[e], ua[e] = uu[e];
       }
       float* const st_step = put ? st_lane + put_slot * slot_size : nullptr;
-      for (int d0 = 8 * (warp / 2); d0 < K; d0 += 8 * (NTS / 64)) {
-        const int dc = d0 + 2 * q;  // this lane's accumulator channels dc, dc + 1
+      // (a runtime K up to kMaxHeadDim = 256 keeps a rolled loop: unrolled it spilled)
+      constexpr int kTiles = KC ? (KC + kTileStep - 1) / kTileStep : 256 / kTileStep, kUnroll = KC ? kTiles : 1;
+#pragma unroll kUnroll
+      for (int n = 0; n < kTiles; ++n) {
+        const int dc = dlane + kTileStep * n;  // this lane's accumulator channels dc, dc + 1
+        if ((KC == 0 || KC % kTileStep != 0) && dc - 2 * q >= K) break;  // d0 >= K
+        float* const sx = ST + st_lane_at + 64 * n;
         float acc[4];
         {
-          const float2 gm = dc + 1 < K ? *reinterpret_cast<const float2*>(gam + dc) : make_float2(dc < K ? gam[dc] : 0.f, 0.f);
+          const float2 gm = K % 8 == 0 || dc + 1 < K ? *reinterpret_cast<const float2*>(gam + dc)
+                                                     : make_float2(dc < K ? gam[dc] : 0.f, 0.f);
           // (x, dc), (x + 8, dc), (x, dc + 1), ..
-          const float4 sv = *reinterpret_cast<const float4*>(ST + sidx(R, m0 + g, dc));
+          const float4 sv = *reinterpret_cast<const float4*>(sx);
           acc[0] = gm.x * sv.x, acc[1] = gm.y * sv.z, acc[2] = gm.x * sv.y, acc[3] = gm.y * sv.w;
         }
-        const bool bon = K % 8 == 0 || d0 + g < K;  // this lane's B fragment channel
-        const float* const Xd = X + (d0 & ~31);
+        const bool bon = K % 8 == 0 || dc - 2 * q + g < K;  // this lane's B fragment channel
+        const float* const Xd = X + kTileStep * n;
         float b1[4], b2[4];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {  // rows j = 4q + r
@@ -316,10 +337,10 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
         mma_tf32_as<X3>(acc, {va[4], va[5], va[6], va[7]}, {b1[2], b1[3]});
         mma_tf32_as<X3>(acc, {ua[0], ua[1], ua[2], ua[3]}, {b2[0], b2[1]});
         mma_tf32_as<X3>(acc, {ua[4], ua[5], ua[6], ua[7]}, {b2[2], b2[3]});
-        *reinterpret_cast<float4*>(ST + sidx(R, m0 + g, dc)) = make_float4(acc[0], acc[2], acc[1], acc[3]);
+        *reinterpret_cast<float4*>(sx) = make_float4(acc[0], acc[2], acc[1], acc[3]);
         if (put) {
-          float* const sp = st_step + int64_t(d0 - 8 * (warp / 2)) * p.V;
-          const bool d0in = dc < K, d1in = dc + 1 < K;
+          float* const sp = st_step + int64_t(kTileStep * n) * p.V;
+          const bool d0in = K % 8 == 0 || dc < K, d1in = K % 8 == 0 || dc + 1 < K;
           if (lx0 && d0in) sp[0] = acc[0];
           if (lx0 && d1in) sp[p.V] = acc[1];
           if (lx1 && d0in) sp[8] = acc[2];
