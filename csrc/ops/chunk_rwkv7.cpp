@@ -138,11 +138,15 @@ int64_t saved_floats(const DiagArgs& d, const Tensor& r) {
 bool saved_strided_ws(const DiagArgs& d, const Tensor* saved) {
   return saved && saved->numel() == saved_states_floats(d, true) + dplr_ws_floats(d);
 }
-// What a training forward's `saved` holds, told by its length (saved_floats).
-DplrKept saved_kind(const DiagArgs& d, const Tensor* saved) {
+// What a training forward's `saved` holds, told by its length (saved_floats), the strided forms
+// only on the shapes that have them (dplr_strided_states): at T = 0 every form is the final
+// states alone, one length, and an fp32 pass read as strided states asked the launch for a path
+// it does not have.
+DplrKept saved_kind(const DiagArgs& d, const Tensor& r, const Tensor* saved) {
   if (!saved) return DplrKept::nothing;
-  return saved->numel() == saved_states_floats(d, true) || saved_strided_ws(d, saved) ? DplrKept::states
-                                                                                     : DplrKept::states_and_workspace;
+  const bool strided = dplr_strided_states(kernel_dtype(r), int(d.K), int(d.V)) &&
+                       (saved->numel() == saved_states_floats(d, true) || saved_strided_ws(d, saved));
+  return strided ? DplrKept::states : DplrKept::states_and_workspace;
 }
 // Whether the two-kernel path runs on strided states (DplrChunkPass::sweep_strided_states): the
 // forward of sweep_strided, and a backward on strided states where the fused forward would not
@@ -178,7 +182,7 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   // (a backward on the fused forward's states, DplrKept::states, runs the fused reverse pass:
   // kernels/dplr_chunk_fused_reverse.cuh, whose support is the fused forward's; on strided states
   // where the fused kernels do not run, the two-kernel path's, sweep_strided_states)
-  const DplrKept kind = saved_kind(d, saved);
+  const DplrKept kind = saved_kind(d, r, saved);
   p.sweep_strided_states = two_kernel_strided(d, r, kind);
   p.strided_ws_kept = p.sweep_strided_states && saved_strided_ws(d, saved);
   const bool remade = p.sweep_strided_states && !p.strided_ws_kept;  // (prep's workspace, not kept)
@@ -468,14 +472,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   // Any form saved_floats gives, whatever the settings now: the strided states where a backward
   // reads them (dplr_strided_states' shapes), alone or with the workspace, else every state and
   // the workspace.
-  const bool strided_in = has(saved_in) && dplr_strided_states(kernel_dtype(r), int(d.K), int(d.V)) &&
-                          (saved_in->numel() == saved_states_floats(d, true) || saved_strided_ws(d, &*saved_in));
+  const bool strided_in = has(saved_in) && saved_kind(d, r, &*saved_in) == DplrKept::states;
   const int64_t saved_len = strided_in ? saved_in->numel() : saved_states_floats(d, false) + dplr_ws_floats(d);
   const Tensor* kept = r.is_cuda() && d.T > 0
                            ? kept_workspace(saved_in, {saved_len}, r.options().dtype(at::kFloat), "saved")
                            : nullptr;
   Tensor hst = kept ? Tensor() : dplr_states(d, r, d.T > 0);
-  const DplrKept kind = saved_kind(d, kept);
+  const DplrKept kind = saved_kind(d, r, kept);
   // (on strided states: the fused reverse pass, or the reverse sweep with prep run again, `lean`,
   // or the reverse sweep on the kept workspace, `ws_kept`)
   const bool two_kernel = two_kernel_strided(d, r, kind), ws_kept = two_kernel && saved_strided_ws(d, kept);
