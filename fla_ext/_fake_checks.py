@@ -266,14 +266,13 @@ def rwkv7_pipeline_window_chunks(d: Diag) -> int:
 def rwkv7_saved_floats(d: Diag, dtype) -> int:
     """The length of chunk_rwkv7's `saved` on CUDA (ops/chunk_rwkv7.cpp saved_floats): where the
     fused forward runs, or the two-kernel forward storing strided states from its sweep
-    (sweep_strided: no cu_seqlens, K = V = 128, or the fused forward's shapes in pipelined
-    windows), the state before every fourth 16-row chunk (the slot map of 64-row chunks), padded
+    (sweep_strided: K = V = 128, or the fused forward's shapes in pipelined windows, which take
+    no cu_seqlens), the state before every fourth 16-row chunk (the slot map of 64-row chunks), padded
     to a multiple of 4 floats, then (the sweep's outside pipelined windows) the per-chunk
     workspace; else every chunk-start state, padded, then the per-chunk workspace
     (kernels/dplr_chunk.h DplrWorkspaceLayout: W, Q~, K^, B^ [16][ks], gamma, the pair matrices
     and X [5][16][20])."""
-    sweep_strided = not d.varlen and rwkv7_strided_shapes(d, dtype) and (
-        d.K == 128 or rwkv7_pipeline_window_chunks(d) > 0)
+    sweep_strided = rwkv7_strided_shapes(d, dtype) and (d.K == 128 or rwkv7_pipeline_window_chunks(d) > 0)
     if rwkv7_fused_training_forward(d, dtype) or sweep_strided:
         # (strided_keeps_ws: the sweep's strided states outside the pipelined windows keep prep's
         # workspace after them)

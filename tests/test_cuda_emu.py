@@ -141,6 +141,26 @@ def test_chunk_rwkv7_kernels_bf16_strided_walked_tiles(emu, w_kind, gen):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+def test_chunk_rwkv7_kernels_bf16_strided_walked_tiles_varlen(emu, gen):
+    """The same strided states at K = V = 128 under cu_seqlens (sweep_strided takes them at K =
+    128 whatever cu_seqlens): sequences of 6 chunks (a stride and 2), none, 4 (one whole
+    stride) and 1 partial chunk, so that the kept-state slot map has gaps. The forward sweep
+    stores each sequence's strided and final states and zeros in the gap slots (the emulator
+    poisons hst and fails on a slot left unwritten), prep keeps its whole workspace, and grad
+    walks each sequence's strides; against the reference at the bf16 tolerance."""
+    cu = [0, 90, 90, 150, 160]
+    *ins, h0 = make(1, 160, 1, 128, 128, torch.bfloat16, "cpu", gen, w_kind="near0", N=4, lr="rwkv")
+    xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
+    cu_t = torch.tensor(cu)
+    o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True, cu_seqlens=cu_t)
+    do = torch.randn(o.shape, generator=gen).to(torch.bfloat16)
+    dht = torch.randn(ht.shape, generator=gen)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
+    eg = emu.run(*ins, h0, do, dht, 0.7, cu_t, 10)
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], eg, grads):
+        assert_close(f"d{name}", x, y, 5e-2 if name == "w" else 1e-2, 1e-6)
+
+
 @pytest.mark.parametrize("w_kind,lr", [("u30", "rwkv"), ("u5", "rwkv"), ("rwkv", "rwkv"),
                                        ("edge60", "rwkv"), ("zero", "repeated")],
                          ids=["u30", "u5", "rwkv6", "edge60", "repeated"])

@@ -392,18 +392,20 @@ def test_rwkv7_saved_size_on_fake_cuda(B, H, T, force, pipeline, strided_kept, m
 
 
 @pytest.mark.parametrize("dtype,varlen,strided_kept", [(BF16, False, True), (torch.float16, False, True),
-                                                       (torch.float32, False, False), (BF16, True, False)],
-                         ids=["bf16", "fp16", "fp32", "bf16_varlen"])
+                                                       (torch.float32, False, False), (BF16, True, True),
+                                                       (torch.float32, True, False)],
+                         ids=["bf16", "fp16", "fp32", "bf16_varlen", "fp32_varlen"])
 def test_rwkv7_saved_size_at_K128_on_fake_cuda(dtype, varlen, strided_kept):
-    """At K = V = 128 a 16-bit training forward without cu_seqlens keeps the strided states from
-    its sweep whatever the pairs (sweep_strided), and prep's workspace after them (outside the
-    pipelined windows); fp32 and varlen keep every state and the workspace. The backward takes
-    what the forward kept and refuses a shorter one."""
+    """At K = V = 128 a 16-bit training forward keeps the strided states from its sweep whatever
+    the pairs and cu_seqlens (sweep_strided; under cu_seqlens in the slot map of 64-row chunks),
+    and prep's workspace after them (outside the pipelined windows); fp32 keeps every state and
+    the workspace. The backward takes what the forward kept and refuses a shorter one."""
     B, T, H, K = 2, 150, 3, 128
     N = 3 if varlen else B
-    slots = (T // 16 + 2 * N + 1) if varlen else B * ((T + 15) // 16 + 1)
+    slots_of = lambda rows: (T // rows + 2 * N + 1) if varlen else B * ((T + rows - 1) // rows + 1)
+    slots = slots_of(16)
     states = (slots * H * K * K + 3) // 4 * 4
-    strided = (B * ((T + 63) // 64 + 1) * H * K * K + 3) // 4 * 4
+    strided = (slots_of(64) * H * K * K + 3) // 4 * 4
     workspace = slots * H * (4 * 16 * K + K + 5 * 16 * 20)
     with FakeTensorMode():
         Bx, cu = (1, torch.tensor([0, 40, 40, T], device="cuda")) if varlen else (B, None)

@@ -350,10 +350,15 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     }
     __syncthreads();
   }
-  if (!REV && p.hst && p.cu_seqlens && !STRIDED) {  // hst may be kept as an op output: its varlen gap slots read 0
-    const int64_t next =
-        n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<C>(p.N, p.T, true);
-    for (int64_t slot = slot_of(nch) + 1; slot < next; ++slot)
+  if (!REV && p.hst && p.cu_seqlens) {  // hst may be kept as an op output: its varlen gap slots read 0
+    // (the slots after this sequence's final state: chunk_slot's map, or on strided states
+    // dplr_kept_state_slot's, whose final state sits at ceil(nch / S))
+    const int64_t after = STRIDED ? kslot0 + (nch + S - 1) / S + 1 : slot_of(nch) + 1;
+    const int64_t next = STRIDED ? (n + 1 < p.N ? dplr_kept_state_slot(p.cu_seqlens, n + 1, p.T, 0)
+                                                : dplr_kept_state_slots(p.N, p.T, true))
+                                 : (n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0)
+                                                : chunk_slots<C>(p.N, p.T, true));
+    for (int64_t slot = after; slot < next; ++slot)
       for (int e = threadIdx.x; e < K * SX; e += NTS)
         if (e % SX < nc) *state_at(slot, e / SX, e % SX) = 0.f;
   }

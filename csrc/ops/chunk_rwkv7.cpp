@@ -100,11 +100,12 @@ int64_t pipeline_window_chunks(const DiagArgs& d, bool backward = false, bool fu
 
 // Whether a CUDA training forward on the two-kernel path keeps the strided states, made by its
 // sweep (DplrChunkPass::sweep_strided_states), instead of every chunk-start state, on the shapes
-// whose grad walks strides (dplr_strided_states), no cu_seqlens: at K = V = 64 where it runs in
-// pipelined windows (few pairs, long sequences; elsewhere the fused forward keeps them), at K = V
-// = 128 always (every state there is 64 KB a chunk and head: benchmarks/NOTES.md c42).
+// whose grad walks strides (dplr_strided_states): at K = V = 64 where it runs in pipelined windows
+// (few pairs, long sequences, no cu_seqlens; elsewhere the fused forward keeps them), at K = V =
+// 128 always, cu_seqlens or not (every state there is 64 KB a chunk and head: benchmarks/NOTES.md
+// c42).
 bool sweep_strided(const DiagArgs& d, const Tensor& r) {
-  if (!r.is_cuda() || d.cu.defined() || !dplr_strided_states(kernel_dtype(r), int(d.K), int(d.V))) return false;
+  if (!r.is_cuda() || !dplr_strided_states(kernel_dtype(r), int(d.K), int(d.V))) return false;
   return d.K == 128 || (!fused_forward(d, r, true) && pipeline_window_chunks(d) > 0);
 }
 // Whether such a forward keeps prep's workspace too (DplrChunkPass::strided_ws_kept), so that
@@ -150,10 +151,11 @@ DplrKept saved_kind(const DiagArgs& d, const Tensor& r, const Tensor* saved) {
 }
 // Whether the two-kernel path runs on strided states (DplrChunkPass::sweep_strided_states): the
 // forward of sweep_strided, and a backward on strided states where the fused forward would not
-// run. Either backward reads either forward's states (the same slots); the fused reverse pass
-// also takes cu_seqlens.
+// run. Either backward reads either forward's states (the same slots); at K = 64 with cu_seqlens
+// the fused reverse pass takes them (the two-kernel forward keeps strided states there only in
+// pipelined windows, which take no cu_seqlens); K = 128 has no fused kernels.
 bool two_kernel_strided(const DiagArgs& d, const Tensor& r, DplrKept kind) {
-  return kind == DplrKept::states && !fused_forward(d, r, true) && !d.cu.defined();
+  return kind == DplrKept::states && !fused_forward(d, r, true) && (d.K == 128 || !d.cu.defined());
 }
 // Floats per (chunk slot, head) of the workspace a backward makes: the whole per-chunk block for
 // grad and the reverse sweep (no kept states; strided states where prep runs, `lean`), or the

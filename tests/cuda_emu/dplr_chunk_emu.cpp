@@ -173,7 +173,8 @@ std::vector<Tensor> run_t(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tens
     if constexpr (std::is_same_v<E, float>) {
       TORCH_CHECK(false, "the strided states take bf16");
     } else {
-      TORCH_CHECK(dplr_strided_states(p.dtype, K, V) && !varlen, "not a strided-state shape");
+      TORCH_CHECK(dplr_strided_states(p.dtype, K, V), "not a strided-state shape");
+      TORCH_CHECK(!varlen || keep == 10, "windows take no cu_seqlens");
       // the forward sweep's strided states (sweep_strided_states); prep's workspace per window
       // (8, 9) or kept whole (10, 11: strided_ws_kept)
       const bool ws_kept = keep >= 10;

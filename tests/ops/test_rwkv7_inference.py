@@ -424,6 +424,26 @@ def test_pipelined_windows_match_one_pass(head_first, dtype, K, fused, monkeypat
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_sweep_strided_states_varlen(gen):
+    """At K = V = 128 under cu_seqlens too, the training forward keeps the strided states (the
+    slot map of 64-row chunks, whose gap slots its sweep zeroes: `saved` is an op output, every
+    float written and finite under FLA_EXT_POISON) and prep's workspace after them; sequences of
+    6 chunks (a stride and 2), none, 20 (five strides) and one partial chunk. o, the final
+    states and every gradient against the float64 oracle."""
+    cu, H, K = [0, 90, 90, 410, 420], 2, 128
+    T, N = cu[-1], len(cu) - 1
+    ins = make(1, T, H, K, K, torch.bfloat16, "cuda", gen, w_kind="rwkv7", N=N)
+    cu_t = torch.tensor(cu, device="cuda")
+    _, _, saved = torch.ops.fla.chunk_rwkv7_train(*ins[:6], 0.7, ins[6], True, cu_t, False)
+    kept = T // 64 + 2 * N + 1  # chunk_slots of 64-row chunks under cu_seqlens
+    ws = (T // 16 + 2 * N + 1) * H * (4 * 16 * K + K + 5 * 16 * 20)
+    assert saved.numel() == (kept * H * K * K + 3) // 4 * 4 + ws
+    assert torch.isfinite(saved).all()
+    run_and_check(CHUNK, *ins, scale=0.7, cu=cu_t, gen=gen)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("K", [64, 128])
