@@ -246,8 +246,9 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // CUDA: a second stream (cudaStream_t) for the windows' sequential kernels, of higher priority
   // than the caller's; null: every kernel on the caller's stream, one after another.
   void* side_stream = nullptr;
-  // CUDA, bf16 / fp16 at K = V = 64 or 128 (dplr_strided_states), no cu_seqlens: the two-kernel
-  // path on the strided states (DplrKept::states) in place of every chunk-start state. A training
+  // CUDA, bf16 / fp16 at K = V = 64 or 128 (dplr_strided_states; at 64 in the pipelined windows,
+  // which take no cu_seqlens): the two-kernel path on the strided states (DplrKept::states) in
+  // place of every chunk-start state. A training
   // forward's sweep stores them; the backward on them runs the reverse sweep where the fused
   // reverse pass would run, and grad reads the pair matrices and X from prep's workspace. That
   // workspace is either
@@ -261,6 +262,13 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   bool strided_ws_kept = false;
 };
 
+// The first slot after sequence n's in a slot map of R rows a slot (its chunks' and its final
+// state's, then a varlen batch's gap slots up to here): the next sequence's first slot, or the
+// end of the slots. R: kDplrChunk (hst, ws), or the strided states' kDplrChunk kDplrStateStride.
+template <int R = kDplrChunk>
+FLA_HD int64_t dplr_slots_after(const DplrChunkPass& p, int n) {
+  return n + 1 < p.N ? chunk_slot<R>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<R>(p.N, p.T, p.cu_seqlens != nullptr);
+}
 // The slot of sequence n's chunk ci in the backward's dhst (and in the ws the backward makes:
 // prep's, or the fused reverse pass's matrices): hst's slot (chunk_slot), or in a window
 // (window_chunks > 0) n * window_chunks + ci - window_begin.

@@ -129,7 +129,7 @@ struct ForwardOut {
   // output: they read 0) and the final state.
   __device__ void finish(const DplrChunkPass& p, const float* S, int tid, int threads) const {
     if (kStates && p.cu_seqlens) {
-      const int64_t next = slots_after<C * kStride>(p, n);
+      const int64_t next = dplr_slots_after<C * kStride>(p, n);
       for (int64_t sl = slot0 + (nch + kStride - 1) / kStride + 1; sl < next; ++sl)
         for (int e = tid; e < K * V; e += threads) slot(sl - slot0)[e] = 0.f;
     }
@@ -194,7 +194,7 @@ struct KeptWorkspace {
   // The slots after the sequence's chunks (the final state's, a varlen batch's gaps): zeros, as
   // prep writes them (the workspace is kept as an op output).
   __device__ void finish(const DplrChunkPass& p, int n, int64_t nch, int tid, int threads) const {
-    const int64_t next = slots_after(p, n);
+    const int64_t next = dplr_slots_after(p, n);
     for (int64_t sl = slot0 + nch; sl < next; ++sl)
       for (int e = tid; e < ws().floats_per_chunk() / 4; e += threads)
         reinterpret_cast<float4*>(block(sl - slot0))[e] = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -135,14 +135,6 @@ __device__ __forceinline__ void store_mats(float* out, const float* blk, int tid
     reinterpret_cast<float4*>(out)[e] = e % (LM / 4) == C / 4 ? make_float4(0.f, 0.f, 0.f, 0.f) : mats[e];
 }
 
-// The first chunk slot after sequence n's (its chunks' and its final state's, then a varlen
-// batch's gap slots up to here): the next sequence's first slot, or the end of the slots. R: rows
-// per slot (C, or the strided states' C kDplrStateStride).
-template <int R = C>
-__device__ __forceinline__ int64_t slots_after(const DplrChunkPass& p, int n) {
-  return n + 1 < p.N ? chunk_slot<R>(p.cu_seqlens, n + 1, p.T, 0) : chunk_slots<R>(p.N, p.T, p.cu_seqlens != nullptr);
-}
-
 // A K x V state argument (h0, hT, dht, dh0, the windows' carry) of head h of sequence n and
 // the state in shared memory at row stride LB, by the `threads` threads tid = 0, 1, ...:
 // load_state reads it (0 where the argument is off), also into `copy` (a contiguous fp32 slot)

@@ -238,8 +238,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
   // XOR, which touches the low 3 bits only), gamma's and the B rows' by 32, the store's by 32 rows.
   constexpr int kTileStep = 8 * (NTS / 64);
   static_assert(kTileStep == 32, "sidx's 64-float step below is for channel steps of 32");
-  const int dlane = 8 * (warp / 2) + 2 * q;  // tile 0's accumulator channels dlane, dlane + 1
-  const int st_lane_at = sidx(R, m0 + g, dlane);
+  const int dwarp = 8 * (warp / 2);  // tile 0's first channel
+  const int st_lane_at = sidx(R, m0 + g, dwarp + 2 * q);
   for (int64_t step = 0; step < steps; ++step) {
     const int64_t ci = chunk_of(step);
     const float* cur = sm + L.buf + (step & 1) * L.stage;
@@ -314,8 +314,8 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
       constexpr int kTiles = KC ? (KC + kTileStep - 1) / kTileStep : 256 / kTileStep, kUnroll = KC ? kTiles : 1;
 #pragma unroll kUnroll
       for (int n = 0; n < kTiles; ++n) {
-        const int dc = dlane + kTileStep * n;  // this lane's accumulator channels dc, dc + 1
-        if ((KC == 0 || KC % kTileStep != 0) && dc - 2 * q >= K) break;  // d0 >= K
+        const int d0 = dwarp + kTileStep * n, dc = d0 + 2 * q;  // this lane's accumulator channels dc, dc + 1
+        if ((KC == 0 || KC % kTileStep != 0) && d0 >= K) break;
         float* const sx = ST + st_lane_at + 64 * n;
         float acc[4];
         {
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
           const float4 sv = *reinterpret_cast<const float4*>(sx);
           acc[0] = gm.x * sv.x, acc[1] = gm.y * sv.z, acc[2] = gm.x * sv.y, acc[3] = gm.y * sv.w;
         }
-        const bool bon = K % 8 == 0 || dc - 2 * q + g < K;  // this lane's B fragment channel
+        const bool bon = K % 8 == 0 || d0 + g < K;  // this lane's B fragment channel
         const float* const Xd = X + kTileStep * n;
         float b1[4], b2[4];
 #pragma unroll
@@ -354,10 +354,7 @@ __global__ void __launch_bounds__(NTS, 512 / NTS) sweep_kernel(const DplrChunkPa
     // (the slots after this sequence's final state: chunk_slot's map, or on strided states
     // dplr_kept_state_slot's, whose final state sits at ceil(nch / S))
     const int64_t after = STRIDED ? kslot0 + (nch + S - 1) / S + 1 : slot_of(nch) + 1;
-    const int64_t next = STRIDED ? (n + 1 < p.N ? dplr_kept_state_slot(p.cu_seqlens, n + 1, p.T, 0)
-                                                : dplr_kept_state_slots(p.N, p.T, true))
-                                 : (n + 1 < p.N ? chunk_slot<C>(p.cu_seqlens, n + 1, p.T, 0)
-                                                : chunk_slots<C>(p.N, p.T, true));
+    const int64_t next = dplr_slots_after<STRIDED ? C * S : C>(p, n);
     for (int64_t slot = after; slot < next; ++slot)
       for (int e = threadIdx.x; e < K * SX; e += NTS)
         if (e % SX < nc) *state_at(slot, e / SX, e % SX) = 0.f;
