@@ -6,6 +6,7 @@ skipped, since NCCL refuses two ranks on one GPU). Test bodies are ``cases(item,
 functions run for every item in every rank; ``device()`` says where a rank's tensors live."""
 import os
 import socket
+import sys
 import traceback
 from datetime import timedelta
 
@@ -39,6 +40,16 @@ def _worker(rank, world, port, cases, items, errors):
         errors.put(f"rank {rank}: {traceback.format_exc()}")
     finally:
         dist.destroy_process_group()
+    # Leave without finalizing the interpreter. A gloo worker thread may still be dropping its
+    # reference to a finished collective, which takes the GIL; once finalization has begun,
+    # Python ends such a thread with pthread_exit inside ProcessGroupGloo::runLoop, a noexcept
+    # frame, and the rank aborts ("terminate called without an active exception") after
+    # passing. Flush what this rank reports first.
+    errors.close()
+    errors.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port():
