@@ -412,13 +412,35 @@ def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol, acc=False):
     u = x["u"] if "u" in x else torch.empty(0)
     none, cu_e = torch.empty(0), cu_t if cu else torch.empty(0, dtype=torch.int64)
     vside = fam is GLA_GV
-    eo, eht = emu.run(q, k, v, g, u, x["h0"], none, none, 0.7, cu_e, keep, vside, acc)
+    eo, eht = emu.run(q, k, v, g, u, x["h0"], none, none, 0.7, cu_e, keep, vside, acc, False, False)
     assert eo.dtype == (torch.float32 if acc else dtype)
     assert_close("o", eo, o.detach(), tol, 1e-6)
     assert_close("ht", eht, ht.detach(), tol, 1e-6)
-    eg = emu.run(q, k, v, g, u, x["h0"], do, dht, 0.7, cu_e, keep, vside, acc)
+    if vside and not acc and shape[4] <= 64:
+        # o's rows through their softmax in the kernel (GSA's slot weights, ChunkPass::o_softmax):
+        # the fp32 weights against torch's softmax of the plain o, o their rounding.
+        so, sht, w = emu.run(q, k, v, g, u, x["h0"], none, none, 0.7, cu_e, keep, vside, acc, False,
+                             True)
+        torch.testing.assert_close(sht, eht, rtol=0, atol=0)
+        assert_close("softmax(o)", w, torch.softmax(eo.float(), -1),
+                     1e-6 if dtype == torch.float32 else tol, 1e-7)
+        torch.testing.assert_close(so, w.to(dtype), rtol=0, atol=0)
+    eg = emu.run(q, k, v, g, u, x["h0"], do, dht, 0.7, cu_e, keep, vside, acc, False, False)
     assert eg[0].dtype == (torch.float32 if acc else dtype)
     for name, e in zip(names[:4] + ["u", "h0"], eg):
         if name in grads:
             decay = name == fam.decay
             assert_close(f"d{name}", e, grads[name], 5 * tol if decay else tol, 1e-6)
+    # dk, dv and dg added into tensors that hold values (ChunkPass *_adds; GSA's ds and dg):
+    # the sum rounded once, so in fp32 bitwise the same gradients plus what was there.
+    ea = emu.run(q, k, v, g, u, x["h0"], do, dht, 0.7, cu_e, keep, vside, acc, True, False)
+    for i, (name, e, a) in enumerate(zip(names[:4] + ["u", "h0"], eg, ea)):
+        if i not in (1, 2, 3):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
+            continue
+        before = torch.linspace(-1, 1, e.numel(), dtype=torch.double).reshape(e.shape).to(e.dtype)
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, before + e, rtol=0, atol=0)
+        else:  # a rounds x + before once, e rounds x: each by at most 2^-8 of its size
+            want, a, size = before.float() + e.float(), a.float(), before.float().abs() + e.float().abs()
+            assert ((a - want).abs() <= 2.0 ** -7 * size).all(), f"d{name} added"

@@ -60,6 +60,11 @@ struct Engine {
         for (int x = 0; x < V; ++x) S[d * V + x] = *elem<Acc>(m, n, h, d, x);
     return S;
   }
+  // A gradient element, written or (ChunkPass dk_adds, ..) added to what the tensor holds.
+  void store_grad(const VecArg& a, bool adds, int64_t b, int64_t t, int h, int d, double x) const {
+    T* e = elem<T>(a, b, t, h, d);
+    *e = static_cast<T>(adds ? x + static_cast<double>(*e) : x);
+  }
   void store_state(const MatArg& m, int n, int h, const Vec& S) const {
     if (!m.on()) return;
     for (int d = 0; d < K; ++d)
@@ -215,6 +220,17 @@ struct Engine {
     }
   }
 
+  // ChunkPass::o_softmax: each of the L rows of o replaced by its softmax over the V entries.
+  void softmax_rows(int L, Vec& o) const {
+    for (int i = 0; i < L && V > 0; ++i) {
+      double* row = &o[size_t(i) * V];
+      const double top = *std::max_element(row, row + V);
+      double sum = 0;
+      for (int x = 0; x < V; ++x) sum += row[x] = std::exp(row[x] - top);
+      for (int x = 0; x < V; ++x) row[x] /= sum;
+    }
+  }
+
   void forward(int n, int h) const {
     const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
     const Vec u = bonus_u(h);
@@ -227,9 +243,13 @@ struct Engine {
       save_state(p.hst, slot(n, ci), h, S);
       intra(c, u, false, r);
       outputs(c, S, r.io, o);
+      if (p.o_softmax) softmax_rows(c.L, o);
       for (int i = 0; i < c.L; ++i) {
         const int64_t t = s.bos + ci * kChunk + i;
-        for (int x = 0; x < V; ++x) put<T>(p.o, p.o_acc, s.b, t, h, x, Acc(o[i * V + x]));
+        for (int x = 0; x < V; ++x) {
+          put<T>(p.o, p.o_acc, s.b, t, h, x, Acc(o[i * V + x]));
+          if (p.o_softmax_acc.on()) *elem<Acc>(p.o_softmax_acc, s.b, t, h, x) = Acc(o[i * V + x]);
+        }
       }
       advance(c, S);
     }
@@ -341,12 +361,12 @@ struct Engine {
         const int64_t t = s.bos + ci * kChunk + i;
         for (int d = 0; d < K; ++d) {
           if (p.dq.on()) put<T>(p.dq, p.dq_acc, s.b, t, h, d, Acc(dq[i * K + d]));
-          if (p.dk.on()) *elem<T>(p.dk, s.b, t, h, d) = static_cast<T>(dk[i * K + d]);
-          if (p.dg.on()) *elem<T>(p.dg, s.b, t, h, d) = static_cast<T>(dg[i * K + d]);
+          if (p.dk.on()) store_grad(p.dk, p.dk_adds, s.b, t, h, d, dk[i * K + d]);
+          if (p.dg.on()) store_grad(p.dg, p.dg_adds, s.b, t, h, d, dg[i * K + d]);
         }
         for (int x = 0; x < V; ++x) {
-          if (p.dv.on()) *elem<T>(p.dv, s.b, t, h, x) = static_cast<T>(dv[i * V + x]);
-          if (vd && p.dgv.on()) *elem<T>(p.dgv, s.b, t, h, x) = static_cast<T>(dgv[i * V + x]);
+          if (p.dv.on()) store_grad(p.dv, p.dv_adds, s.b, t, h, x, dv[i * V + x]);
+          if (vd && p.dgv.on()) store_grad(p.dgv, p.dgv_adds, s.b, t, h, x, dgv[i * V + x]);
         }
       }
       // dS of the previous chunk's end: diag(gamma) dS+ diag(gammav) + scale Q^T (dO * expv(G)).

@@ -155,12 +155,15 @@ __device__ __forceinline__ void stage(const F& f, float (*s)[N], float mul) {
 // base pointer, the per-element offsets from the fragment layout's compile-time pattern.
 template <typename T, class F>
 __device__ __forceinline__ void store_frag(const F& f, const VecArg& a, int64_t b, int64_t t0,
-                                           int L, int h, int d0, int D, float mul) {
+                                           int L, int h, int d0, int D, float mul, bool adds = false) {
   T* base = vptr<T>(a, b, t0 + F::row(0), h, d0 + F::col(0));
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int dr = F::row(i) - F::row(0), dc = F::col(i) - F::col(0);
-    if (F::row(i) < L && d0 + F::col(i) < D) base[dr * a.st + dc * a.sd] = from_f<T>(mul * f.v[i]);
+    if (F::row(i) < L && d0 + F::col(i) < D) {
+      T& x = base[dr * a.st + dc * a.sd];
+      x = from_f<T>(adds ? mul * f.v[i] + to_f(x) : mul * f.v[i]);
+    }
   }
 }
 // Per channel of a K tile: sub-chunk totals τ_m and, from them by addition only, the factors

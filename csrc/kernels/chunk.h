@@ -41,11 +41,20 @@ struct ChunkPass {
   // o / dq written in the acc type instead of `dtype` (a float32 q with bf16/fp16 k, v: GSA's
   // softmax input and its gradient stay unrounded).
   bool o_acc = false, dq_acc = false;
+  // o's rows through a softmax over their V entries, computed in the acc type (GSA's slot
+  // weights, ops/chunk_gsa_core.cpp): o then holds the weights in `dtype` (o_acc off) and
+  // o_softmax_acc, when on, the same unrounded; the logits themselves are never stored. The CUDA
+  // engine takes it with the value-side decay alone and V <= kChunkTile (chunk_softmax_on_cuda).
+  bool o_softmax = false;
+  VecArg o_softmax_acc;
 
   // Backward (when `dout` is on): every gradient below is written when on.
   VecArg dout;
   MatArg dht;                  // incoming final-state gradient, zero when off
   VecArg dq, dk, dv, dg, dgv;  // dgv: when gv is on
+  // Added to what the tensor holds instead of written over it, with one rounding of the sum
+  // (GSA adds its first pass's gradients of s and g into the second's: ops/chunk_gsa_core.cpp).
+  bool dk_adds = false, dv_adds = false, dg_adds = false, dgv_adds = false;
   MatArg dh0;
   void* du = nullptr;          // [slots, H, K] acc per-chunk partials of du (summed by the op)
 
@@ -84,9 +93,31 @@ inline ChunkPass value_side_as_key_side(const ChunkPass& p) {
   r.g = p.gv, r.gv = VecArg{};
   r.h0 = transposed(p.h0), r.hT = transposed(p.hT);
   r.dht = transposed(p.dht), r.dh0 = transposed(p.dh0);
-  r.o = r.dq = r.dk = r.dv = r.dg = r.dgv = VecArg{};
+  r.o = r.dq = r.dk = r.dv = r.dg = r.dgv = r.o_softmax_acc = VecArg{};
+  r.dk_adds = r.dv_adds = r.dg_adds = r.dgv_adds = r.o_softmax = false;
   return r;
 }
+
+// P' for the forward: P''s dq is P's o (grad_qk's dq-only form), with o's softmax.
+inline ChunkPass value_side_forward_as_key_side(const ChunkPass& p) {
+  ChunkPass f = value_side_as_key_side(p);
+  f.dq = p.o, f.dq_acc = p.o_acc;
+  f.o_softmax = p.o_softmax, f.o_softmax_acc = p.o_softmax_acc;
+  return f;
+}
+
+// P' with the backward's outputs of P: P''s out kernels write P's dk (as dv) and dq (as o),
+// its grad_qk kernel P's dv (as dk) and dgv (as dg); P''s dq (P's o) stays off.
+inline ChunkPass value_side_grads_as_key_side(const ChunkPass& p) {
+  ChunkPass b = value_side_as_key_side(p);
+  b.dv = p.dk, b.o = p.dq, b.o_acc = p.dq_acc, b.dk = p.dv, b.dg = p.dgv;
+  b.dv_adds = p.dk_adds, b.dk_adds = p.dv_adds, b.dg_adds = p.dgv_adds;
+  return b;
+}
+
+// Whether the CUDA engine takes ChunkPass::o_softmax for a value-side forward of this V: one CTA
+// then holds whole rows of o.
+FLA_HD constexpr bool chunk_softmax_on_cuda(int V) { return V <= kChunkTile; }
 
 // Whether the CUDA key-side forward forms o inside its sequential state kernel (its state
 // fragments for all of K fit in registers), so that it needs no hst workspace.

@@ -99,6 +99,42 @@ __device__ __forceinline__ void diag_grads(Tile* DQ, Tile* DK, const Tile* DA, c
 }
 
 // ------------------------------------------------------------------------------------------------
+// The value-side forward's o through a softmax over each row (ChunkPass::o_softmax; here o is the
+// transposed pass's dq, its row the K channels, all in this CTA's one K tile): every thread
+// completes its logits in DQ (channels past K: -inf, weight 0), then a warp per row takes their
+// max, the exponentials and their sum, and stores the weights. fp32 throughout, expf (not
+// ex2.approx: the logits are not decay sums and may be large).
+template <typename T>
+__device__ __forceinline__ void store_softmax_rows(const ChunkPass& p, const Pos& pos, int h, Tile* DQ,
+                                                   const Tile* DA, const Tile* KY, const float* us,
+                                                   int m, int ch) {
+  static_assert(DT == 64, "a lane holds channels lane and lane + 32");
+#pragma unroll
+  for (int t = m * SC; t < (m + 1) * SC; ++t)
+    DQ[t][ch] = ch < p.K ? DQ[t][ch] + DA[t][t] * us[ch] * KY[t][ch] : -INFINITY;
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  for (int t = threadIdx.x / 32; t < pos.L; t += NTH / 32) {  // warp-uniform: every lane shuffles
+    const float x0 = DQ[t][lane], x1 = DQ[t][lane + 32];
+    float top = fmaxf(x0, x1);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+    const float e0 = expf(x0 - top), e1 = expf(x1 - top);
+    float sum = e0 + e1;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    auto store = [&](int c, float e) {
+      if (c >= p.K) return;
+      const float w = e / sum;
+      *vptr<T>(p.dq, pos.b, pos.t0 + t, h, c) = from_f<T>(w);
+      if (p.o_softmax_acc.on()) *vptr<float>(p.o_softmax_acc, pos.b, pos.t0 + t, h, c) = w;
+    };
+    store(lane, e0);
+    store(lane + 32, e1);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // dq, dk, dg (and du partials) for one chunk and K tile. DQ_ONLY: dq alone (the value-side
 // forward's o, chunk_vdecay.cuh): no dS+, no q, no dk or dg work; dk, dg, du are not written.
 template <typename T, Reader RD, bool DQ_ONLY = false>
@@ -214,6 +250,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   __syncthreads();
   diag_grads<RD, !DQ_ONLY>(DQ, DK, DA, QX, KY, LAM, m, ch);
   if constexpr (DQ_ONLY) {  // the value-side forward's o: dq alone, no dg scan
+    if (p.o_softmax) return store_softmax_rows<T>(p, pos, h, DQ, DA, KY, us, m, ch);
     const int kk = k0 + ch;
     if (kk < p.K)
       for (int t = m * SC; t < (m + 1) * SC && t < pos.L; ++t)
@@ -253,9 +290,12 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (RD == Reader::Exclusive) acc += xq;
     if (write && t < pos.L && kk < p.K) {
       const float dA = DA[t][t];
-      if (dgp) dgp[t * p.dg.st] = from_f<T>(dg);
+      if (dgp) dgp[t * p.dg.st] = from_f<T>(p.dg_adds ? dg + to_f(dgp[t * p.dg.st]) : dg);
       if (p.dq.on()) put<T>(p.dq, p.dq_acc, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + dA * us[ch] * k);
-      if (dkp) dkp[t * p.dk.st] = from_f<T>(DK[t][ch] + dA * us[ch] * q);
+      if (dkp) {
+        const float dk = DK[t][ch] + dA * us[ch] * q;
+        dkp[t * p.dk.st] = from_f<T>(p.dk_adds ? dk + to_f(dkp[t * p.dk.st]) : dk);
+      }
       if (RD == Reader::Exclusive) dup[m * DT + ch] += dA * q * k;
     }
     return dead;

@@ -79,7 +79,8 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
     if (DV) acc[vt].template mma<true, Tri::KFromRow>(A, W, C);
     else acc[vt].template mma<false, Tri::KUpToRow>(A, W, C);
     if (!DV && p.o_acc) store_frag<float>(acc[vt], p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, rho);
-    else store_frag<T>(acc[vt], DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, DV ? 1.f : rho);
+    else store_frag<T>(acc[vt], DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, DV ? 1.f : rho,
+                       DV && p.dv_adds);
   }
 }
 

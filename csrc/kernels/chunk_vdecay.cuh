@@ -35,16 +35,14 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
   if (!p.dout.on()) {  // o = dq of P', by the grad_qk kernel's dq-only form
     auto o = chunk_grad_qk_kernel<T, RD, true>;
     if ((e = set_smem(o, kGradSmem)) != cudaSuccess) return e;
-    ChunkPass f = r;
-    f.dq = p.o, f.dq_acc = p.o_acc;
+    const ChunkPass f = value_side_forward_as_key_side(p);
     if (slots > 0) o<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(f, 0);
     return cudaGetLastError();
   }
   auto dqk = chunk_grad_qk_kernel<T, RD>;
   if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
   if ((e = launch_backward_state<T, RD>(r, stream)) != cudaSuccess) return e;
-  ChunkPass b = r;
-  b.dv = p.dk, b.o = p.dq, b.o_acc = p.dq_acc, b.dk = p.dv, b.dg = p.dgv;  // b.dq (= o) stays off
+  const ChunkPass b = value_side_grads_as_key_side(p);
   if (p.dk.on() && (e = launch_out<T, RD, true>(b, slots, stream)) != cudaSuccess) return e;
   if (p.dq.on() && (e = launch_out<T, RD, false>(b, slots, stream)) != cudaSuccess) return e;
   if (slots > 0) dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(b, nts);

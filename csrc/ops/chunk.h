@@ -20,17 +20,21 @@ bool keeps_workspaces(const Tensor& q);
 std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
     const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& g, const Tensor& gv, const Tensor& uc, const std::optional<Tensor>& h0,
-    bool output_final_state, bool keep, ChunkRunner run, bool o_acc);
+    bool output_final_state, bool keep, ChunkRunner run, bool o_acc, bool o_softmax = false,
+    const Tensor& o_softmax_acc = Tensor());
 struct ChunkGrads {
   Tensor dq, dk, dv, dg, dgv, du, dh0;
 };
 // Backward; dq_acc: dq in the acc type. hst_in / amat_in: the forward's kept workspaces, or none.
+// dv_into / dgv_into (where defined): tensors of v's / gv's size and dtype that dv / dgv are
+// added into and returned as (ChunkPass dv_adds / dgv_adds), instead of new ones.
 ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
                           const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                           const Tensor& grad_o, const std::optional<Tensor>& dht,
                           const std::optional<Tensor>& h0, const std::optional<Tensor>& hst_in,
                           const std::optional<Tensor>& amat_in, const char* qn,
-                          ChunkRunner run, bool dq_acc);
+                          ChunkRunner run, bool dq_acc, const Tensor& dv_into = Tensor(),
+                          const Tensor& dgv_into = Tensor());
 
 std::tuple<Tensor, Tensor> chunk_gla_fwd(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,

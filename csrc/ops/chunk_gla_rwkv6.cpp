@@ -74,8 +74,10 @@ bool keeps_workspaces(const Tensor& q) { return q.is_cuda(); }
 std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
     const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& g, const Tensor& gv, const Tensor& uc, const std::optional<Tensor>& h0,
-    bool output_final_state, bool keep, ChunkRunner run, bool o_acc) {
+    bool output_final_state, bool keep, ChunkRunner run, bool o_acc, bool o_softmax,
+    const Tensor& o_softmax_acc) {
   const bool vside = value_side_only(g, gv);
+  TORCH_INTERNAL_ASSERT(!(o_softmax && o_acc) && (o_softmax || !o_softmax_acc.defined()));
   Tensor o = a.L.empty_like_with_dim(v, a.V, o_acc ? acc_type(q) : q.scalar_type());
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
@@ -87,7 +89,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   Tensor amat = pair_workspace_for(a, q, hst, !vside);
   const Tensor qk = kernel_input(a, q, k);
   ChunkPass p = chunk_pass(a, reader, qk, k, v, g, gv, uc, h0);
-  p.o = a.L.vec(o), p.o_acc = o_acc;
+  p.o = a.L.vec(o), p.o_acc = o_acc, p.o_softmax = o_softmax;
+  if (o_softmax_acc.defined()) p.o_softmax_acc = a.L.vec(o_softmax_acc);
   if (output_final_state) p.hT = mat(hT);
   if (hst.numel()) p.hst = hst.data_ptr();
   if (amat.numel()) p.amat = amat.data_ptr();
@@ -101,17 +104,25 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
                           const Tensor& grad_o, const std::optional<Tensor>& dht,
                           const std::optional<Tensor>& h0, const std::optional<Tensor>& hst_in,
                           const std::optional<Tensor>& amat_in, const char* qn,
-                          ChunkRunner run, bool dq_acc) {
+                          ChunkRunner run, bool dq_acc, const Tensor& dv_into,
+                          const Tensor& dgv_into) {
   check_incoming_grads(a, grad_o, dht, q, qn, v);
   const auto acc = q.options().dtype(acc_type(q));
   const bool vside = value_side_only(g, gv);
   ChunkGrads r;  // a wide q's grad_o (float32 like its o) is rounded to k's dtype below
   r.dq = new_output(q.sizes(), dq_acc ? q.options().dtype(acc_type(q)) : q.options());
   r.dk = new_output(k.sizes(), k.options());
-  r.dv = new_output(v.sizes(), v.options());
+  auto into = [](const Tensor& t, const Tensor& like) {
+    TORCH_INTERNAL_ASSERT(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type() &&
+                          t.device() == like.device() && t.is_contiguous());
+    return t;
+  };
+  const bool dv_adds = dv_into.defined(), dgv_adds = gv.defined() && dgv_into.defined();
+  r.dv = dv_adds ? into(dv_into, v) : new_output(v.sizes(), v.options());
   // No decay on a side: a 0-element gradient (the autograd Function returns None for it).
   r.dg = g.defined() ? new_output(g.sizes(), g.options()) : new_output({0}, q.options());
-  r.dgv = gv.defined() ? new_output(gv.sizes(), gv.options()) : new_output({0}, q.options());
+  r.dgv = dgv_adds ? into(dgv_into, gv)
+          : gv.defined() ? new_output(gv.sizes(), gv.options()) : new_output({0}, q.options());
   r.dh0 = new_output({has(h0) ? a.N : 0, a.H, a.K, a.V}, acc);
   // A key-side pass keeps hst and amat together, a value-side pass hst alone (its amat is of dO).
   const Tensor* hst_kept = kept_workspace(hst_in, state_sizes(a), acc, "hst");
@@ -132,6 +143,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   p.dq = a.L.vec(r.dq), p.dk = a.L.vec(r.dk), p.dv = a.L.vec(r.dv);
   if (g.defined()) p.dg = a.L.vec(r.dg);
   if (gv.defined()) p.dgv = a.L.vec(r.dgv);
+  p.dv_adds = dv_adds, p.dgv_adds = dgv_adds;
   if (has(h0)) p.dh0 = mat(r.dh0);
   if (du_part.defined()) p.du = du_part.data_ptr();
   p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();

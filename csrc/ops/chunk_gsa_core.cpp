@@ -1,6 +1,7 @@
-// GSA's chunked core (ops/gsa.h, docs/algorithms.md §7): pass 1 (value-side decay) writes ok in float32
-// from the accumulators; the float32 softmax p feeds pass 2 in the inputs' dtype (as fla does);
-// pass 2's backward writes dp in float32, the softmax backward forms dok = p ⊙ (dp − ⟨p, dp⟩) in
+// GSA's chunked core (ops/gsa.h, docs/algorithms.md §7): pass 1 (value-side decay) takes the
+// softmax of its float32 output rows itself where the engine can (else writes them, ok, in
+// float32 for ATen's softmax); the float32 softmax p feeds pass 2 in the inputs' dtype (as fla
+// does); pass 2's backward writes dp in float32, the softmax backward forms dok = p ⊙ (dp − ⟨p, dp⟩) in
 // float32 and rounds the result (after the cancellation, not before) for pass 1's backward.
 // A training forward keeps p and the passes' workspaces (pass 1: hst; pass 2: hst and amat).
 #include "gsa.h"
@@ -37,14 +38,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
   ValueChecksDone checked;  // the passes' own checks would name internal tensors (p, gv)
   const DiagArgs a1 = pass1_args(q, k, s, g, scale, hk0, cu_seqlens, head_first);
   const bool keep = train && keeps_workspaces(q);
-  auto [ok, hk, hst1, amat1] = chunk_forward(a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(),
-                                             hk0, output_final_state, keep, run, true);
-  // Pass 2 is the forward's peak: what is dead by then is released before it (the fp32 logits
-  // ok, and p itself where no backward keeps it and pq is a copy), each the size of p.
-  Tensor p = at::softmax(ok, -1);
-  ok = Tensor();
-  const Tensor pq = p.to(q.scalar_type());
-  if (!train) p = new_output({0}, p.options());
+  const auto acc = q.options().dtype(acc_type(q));
+  Tensor p, pq, hk, hst1;
+  if (!q.is_cuda() || chunk_softmax_on_cuda(int(a1.V))) {
+    // Pass 1 takes the softmax of its output rows itself (ChunkPass::o_softmax): o is pq, p (for
+    // the backward) its unrounded twin, and the logits never reach memory.
+    if (train) p = a1.L.empty_like_with_dim(s, a1.V, acc_type(q));
+    std::tie(pq, hk, hst1, std::ignore) = chunk_forward(
+        a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(), hk0, output_final_state, keep, run,
+        false, true, p);
+    if (!train) p = new_output({0}, acc);
+  } else {
+    // Pass 2 is the forward's peak: what is dead by then is released before it (the fp32 logits
+    // ok, and p itself where no backward keeps it and pq is a copy), each the size of p.
+    Tensor ok;
+    std::tie(ok, hk, hst1, std::ignore) = chunk_forward(
+        a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(), hk0, output_final_state, keep, run, true);
+    p = at::softmax(ok, -1);
+    ok = Tensor();
+    pq = p.to(q.scalar_type());
+    if (!train) p = new_output({0}, acc);
+  }
   const DiagArgs a2 = pass2_args(pq, s, v, g, hv0, cu_seqlens, head_first);
   auto [o, hv, hst2, amat2] = chunk_forward(a2, Reader::Inclusive, pq, s, v, g, Tensor(), Tensor(),
                                             hv0, output_final_state, keep, run, false);
@@ -75,9 +89,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
   const Tensor dok = at::_softmax_backward_data(r2.dq, p, -1, p.scalar_type()).to(q.scalar_type());
   r2.dq = Tensor();
   pq = Tensor();
+  // ds and dg are the sums of both passes' gradients: pass 1 adds its own into pass 2's.
   ChunkGrads r1 = chunk_backward(a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(), dok,
-                                 grad_hk, hk0, hst1, std::nullopt, "q", run, false);
-  return {r1.dq, r1.dk, r2.dv, r1.dv + r2.dk, r1.dgv + r2.dg, r1.dh0, r2.dh0};
+                                 grad_hk, hk0, hst1, std::nullopt, "q", run, false, r2.dk, r2.dg);
+  return {r1.dq, r1.dk, r2.dv, r1.dv, r1.dgv, r1.dh0, r2.dh0};
 }
 
 }  // namespace fla::ops

@@ -27,17 +27,28 @@ void cta(const F& kernel) {
   emu::poisoned_cta(kernel, smem4);
 }
 
+// What `adds` runs add dk, dv and dg into: -1 .. 1 in steps over the elements, in the
+// tensor's dtype (tests/test_cuda_emu.py forms the same).
+Tensor prior(const Tensor& like) {
+  return torch::linspace(-1, 1, like.numel(), torch::kDouble).reshape(like.sizes()).to(like.scalar_type());
+}
+
 // The gradient outputs, NaN-poisoned, and the backward's inputs, bound into a pass (dg as dgv
-// for a value-side decay).
+// for a value-side decay). adds: dk, dv and dg hold prior(..) and the pass adds into them
+// (ChunkPass dk_adds, dv_adds, dg_adds / dgv_adds).
 struct Grads {
   Tensor dq, dk, dv, dg, dh0;
-  Grads(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, int N, int H, int K, int V)
-      : dq(poison(q.sizes(), q.scalar_type())), dk(poison(k.sizes(), k.scalar_type())),
-        dv(poison(v.sizes(), v.scalar_type())), dg(poison(g.sizes(), g.scalar_type())),
-        dh0(poison({N, H, K, V})) {}
+  bool adds;
+  Grads(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, int N, int H, int K, int V,
+        bool adds)
+      : dq(poison(q.sizes(), q.scalar_type())), dk(adds ? prior(k) : poison(k.sizes(), k.scalar_type())),
+        dv(adds ? prior(v) : poison(v.sizes(), v.scalar_type())),
+        dg(adds ? prior(g) : poison(g.sizes(), g.scalar_type())), dh0(poison({N, H, K, V})), adds(adds) {}
   void bind(ChunkPass& p, const Tensor& dout, const Tensor& dht, const Tensor& h0, bool vside) {
     p.dout = vec(dout), p.dq = vec(dq), p.dk = vec(dk), p.dv = vec(dv);
     (vside ? p.dgv : p.dg) = vec(dg);
+    p.dk_adds = p.dv_adds = adds;
+    (vside ? p.dgv_adds : p.dg_adds) = adds;
     if (dht.numel()) p.dht = mat(dht);
     if (h0.numel()) p.dh0 = mat(dh0);
   }
@@ -89,14 +100,12 @@ void value_side(const ChunkPass& p, int64_t slots) {
     emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(r); }); });
   if (!p.hst_kept) state<E, RD, false, 1>(r);
   if (!p.dout.on()) {
-    ChunkPass f = r;
-    f.dq = p.o, f.dq_acc = p.o_acc;
+    const ChunkPass f = value_side_forward_as_key_side(p);
     return emu::launch(dim3(unsigned(slots), p.H, unsigned((r.K + DT - 1) / DT)), NTH,
                        [&] { cta([&] { chunk_grad_qk_kernel<E, RD, true>(f, 0); }); });
   }
   state<E, RD, false, 1, true>(r);
-  ChunkPass b = r;
-  b.dv = p.dk, b.o = p.dq, b.o_acc = p.dq_acc, b.dk = p.dv, b.dg = p.dgv;
+  const ChunkPass b = value_side_grads_as_key_side(p);
   out<E, RD, true>(b, slots);
   out<E, RD, false>(b, slots);
   grad_qk<E>(b, slots, (r.V + kStateCols - 1) / kStateCols);
@@ -105,9 +114,12 @@ void value_side(const ChunkPass& p, int64_t slots) {
 // [o, hT] or, with dout, [dq, dk, dv, dg, du, dh0] (empty tensors stand for None). keep: the
 // forward keeps hst and amat and the backward reads them (else the backward rebuilds them).
 // vside: g is the value-side decay gv [B, T, H, V]. acc: o and dq in float32 (o_acc, dq_acc).
+// adds: the backward adds dk, dv, dg into prior(..) (Grads). softmax (a value-side forward):
+// o's rows through their softmax (ChunkPass::o_softmax), returned as [o, hT, the fp32 weights].
 template <typename E, Reader RD>
 std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,
-                          Tensor dht, double scale, Tensor cu, bool keep, bool vside, bool acc) {
+                          Tensor dht, double scale, Tensor cu, bool keep, bool vside, bool acc,
+                          bool adds, bool softmax) {
   const bool varlen = cu.numel() > 0, bwd = dout.dim() == 4;
   const int B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), V = v.size(3);
   const int N = varlen ? int(cu.numel()) - 1 : B;
@@ -125,7 +137,7 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   p.amat = amat.data_ptr();
   p.o_acc = acc;
   auto grads = [&] {
-    Grads r(q, k, v, g, N, H, K, V);
+    Grads r(q, k, v, g, N, H, K, V, adds);
     if (acc) r.dq = poison(q.sizes(), torch::kFloat);
     return r;
   };
@@ -134,7 +146,10 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
     Tensor dhst = poison({slots, H, V, K}), zeta = poison({slots, H, nts, V});
     p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();
     p.o = vec(o), p.hT = mat(hT);
+    Tensor weights = poison(v.sizes(), torch::kFloat);
+    if (softmax) p.o_softmax = true, p.o_softmax_acc = vec(weights);
     value_side<E>(p, slots);
+    if (softmax) return {o, hT, weights};
     if (!bwd) return {o, hT};
     ChunkPass b = p;
     b.o = VecArg{}, b.hT = MatArg{};
@@ -176,11 +191,12 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
 }
 
 std::vector<Tensor> run(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,
-                        Tensor dht, double scale, Tensor cu, bool keep, bool vside, bool acc) {
+                        Tensor dht, double scale, Tensor cu, bool keep, bool vside, bool acc,
+                        bool adds, bool softmax) {
   const bool bf = q.scalar_type() == torch::kBFloat16, ex = u.numel() > 0;
   auto f = bf ? (ex ? run_t<__nv_bfloat16, Reader::Exclusive> : run_t<__nv_bfloat16, Reader::Inclusive>)
               : (ex ? run_t<float, Reader::Exclusive> : run_t<float, Reader::Inclusive>);
-  return f(q, k, v, g, u, h0, dout, dht, scale, cu, keep, vside, acc);
+  return f(q, k, v, g, u, h0, dout, dht, scale, cu, keep, vside, acc, adds, softmax);
 }
 
 }  // namespace
