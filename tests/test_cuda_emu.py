@@ -444,3 +444,14 @@ def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol, acc=False):
         else:  # a rounds x + before once, e rounds x: each by at most 2^-8 of its size
             want, a, size = before.float() + e.float(), a.float(), before.float().abs() + e.float().abs()
             assert ((a - want).abs() <= 2.0 ** -7 * size).all(), f"d{name} added"
+    if fam is GLA and not acc and shape[3] <= 64:
+        # dq's rows through a softmax's backward in the kernel (GSA's dok, ChunkPass::dq_softmax_w):
+        # against the formula on the plain dq (in fp32, the plain dq's values; bf16: its rounding,
+        # so at the bf16 tolerance); every other gradient bitwise the plain one.
+        *es, w = emu.run(q, k, v, g, u, x["h0"], do, dht, 0.7, cu_e, keep, vside, acc, False, True)
+        for e, a in zip(eg[1:], es[1:]):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
+        dq = eg[0].float()
+        want = w * (dq - (w * dq).sum(-1, keepdim=True))
+        assert es[0].dtype == dtype
+        assert_close("softmax backward of dq", es[0], want, 1e-6 if dtype == torch.float32 else tol, 1e-7)

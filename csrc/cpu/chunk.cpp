@@ -231,6 +231,21 @@ struct Engine {
     }
   }
 
+  // ChunkPass::dq_softmax_w: each of the L rows of dq from row t0 on through the backward of the
+  // softmax with those weights w, dq := w * (dq - <w, dq>).
+  void softmax_grad_rows(const SeqSpan& s, int h, int64_t t0, int L, Vec& dq) const {
+    Vec w(K);
+    for (int i = 0; i < L; ++i) {
+      double* row = &dq[size_t(i) * K];
+      double dot = 0;
+      for (int d = 0; d < K; ++d) {
+        w[d] = cpu::load<double, Acc>(p.dq_softmax_w, s.b, t0 + i, h, d);
+        dot += w[d] * row[d];
+      }
+      for (int d = 0; d < K; ++d) row[d] = w[d] * (row[d] - dot);
+    }
+  }
+
   void forward(int n, int h) const {
     const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
     const Vec u = bonus_u(h);
@@ -357,6 +372,7 @@ struct Engine {
           for (int d = 0; d < K; ++d) du[d] = static_cast<Acc>(dpart[d]);
         }
       }
+      if (p.dq_softmax_w.on()) softmax_grad_rows(s, h, s.bos + ci * kChunk, L, dq);
       for (int i = 0; i < L; ++i) {
         const int64_t t = s.bos + ci * kChunk + i;
         for (int d = 0; d < K; ++d) {

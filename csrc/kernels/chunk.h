@@ -52,6 +52,11 @@ struct ChunkPass {
   VecArg dout;
   MatArg dht;                  // incoming final-state gradient, zero when off
   VecArg dq, dk, dv, dg, dgv;  // dgv: when gv is on
+  // When on: dq's rows through the backward of a softmax with these acc-type weights w (K wide),
+  // dq_t := w_t ⊙ (dq_t − ⟨w_t, dq_t⟩) in the acc type, then written in `dtype` (dq_acc off): GSA's
+  // dok from pass 2's dp and p. The CUDA engine takes it in GLA's key-side pass (the inclusive
+  // reader) with K <= kChunkTile (chunk_softmax_on_cuda).
+  VecArg dq_softmax_w;
   // Added to what the tensor holds instead of written over it, with one rounding of the sum
   // (GSA adds its first pass's gradients of s and g into the second's: ops/chunk_gsa_core.cpp).
   bool dk_adds = false, dv_adds = false, dg_adds = false, dgv_adds = false;
@@ -93,7 +98,7 @@ inline ChunkPass value_side_as_key_side(const ChunkPass& p) {
   r.g = p.gv, r.gv = VecArg{};
   r.h0 = transposed(p.h0), r.hT = transposed(p.hT);
   r.dht = transposed(p.dht), r.dh0 = transposed(p.dh0);
-  r.o = r.dq = r.dk = r.dv = r.dg = r.dgv = r.o_softmax_acc = VecArg{};
+  r.o = r.dq = r.dk = r.dv = r.dg = r.dgv = r.o_softmax_acc = r.dq_softmax_w = VecArg{};
   r.dk_adds = r.dv_adds = r.dg_adds = r.dgv_adds = r.o_softmax = false;
   return r;
 }
@@ -115,9 +120,9 @@ inline ChunkPass value_side_grads_as_key_side(const ChunkPass& p) {
   return b;
 }
 
-// Whether the CUDA engine takes ChunkPass::o_softmax for a value-side forward of this V: one CTA
-// then holds whole rows of o.
-FLA_HD constexpr bool chunk_softmax_on_cuda(int V) { return V <= kChunkTile; }
+// Whether the CUDA engine takes a softmax over rows of D entries (ChunkPass::o_softmax, D = V;
+// dq_softmax_w, D = K): one CTA then holds whole rows.
+FLA_HD constexpr bool chunk_softmax_on_cuda(int D) { return D <= kChunkTile; }
 
 // Whether the CUDA key-side forward forms o inside its sequential state kernel (its state
 // fragments for all of K fit in registers), so that it needs no hst workspace.

@@ -13,6 +13,9 @@ const char* chunk_cuda(const ChunkPass& p, void* stream) {
   if (p.gv.on() && p.g.on()) return "chunk engine: g and gv together are not supported on CUDA";
   if (p.o_softmax && (!p.gv.on() || p.o_acc || !chunk_softmax_on_cuda(p.V)))
     return "chunk engine: o_softmax needs the value-side decay alone, o in the inputs' dtype and V <= 64";
+  if (p.dq_softmax_w.on() &&
+      (p.gv.on() || p.reader != Reader::Inclusive || p.dq_acc || !chunk_softmax_on_cuda(p.K)))
+    return "chunk engine: dq_softmax_w needs GLA's key-side pass, dq in the inputs' dtype and K <= 64";
   // Every pass but the fused key-side forward writes or reads hst, unless it has no state element
   // (then the op's workspace is empty and its pointer null: an empty batch is not an error).
   const bool states = p.N > 0 && p.H > 0 && p.K > 0 && p.V > 0;

@@ -134,10 +134,34 @@ __device__ __forceinline__ void store_softmax_rows(const ChunkPass& p, const Pos
   }
 }
 
+// dq's rows through the softmax's backward (ChunkPass::dq_softmax_w; the launch has one K tile):
+// DQ holds every row's complete dq; a warp per row forms ⟨w, dq⟩ with shuffles and stores
+// w ⊙ (dq − ⟨w, dq⟩), rounded once.
+template <typename T>
+__device__ __forceinline__ void store_softmax_grad_rows(const ChunkPass& p, const Pos& pos, int h,
+                                                        const Tile* DQ) {
+  const int lane = threadIdx.x % 32;
+  const VecArg& w = p.dq_softmax_w;
+  for (int t = threadIdx.x / 32; t < pos.L; t += NTH / 32) {  // warp-uniform: every lane shuffles
+    const int64_t row = pos.t0 + t;
+    const bool on0 = lane < p.K, on1 = lane + 32 < p.K;
+    const float w0 = on0 ? *vptr<float>(w, pos.b, row, h, lane) : 0.f;
+    const float w1 = on1 ? *vptr<float>(w, pos.b, row, h, lane + 32) : 0.f;
+    const float d0 = on0 ? DQ[t][lane] : 0.f, d1 = on1 ? DQ[t][lane + 32] : 0.f;
+    float dot = w0 * d0 + w1 * d1;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    if (on0) *vptr<T>(p.dq, pos.b, row, h, lane) = from_f<T>(w0 * (d0 - dot));
+    if (on1) *vptr<T>(p.dq, pos.b, row, h, lane + 32) = from_f<T>(w1 * (d1 - dot));
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // dq, dk, dg (and du partials) for one chunk and K tile. DQ_ONLY: dq alone (the value-side
 // forward's o, chunk_vdecay.cuh): no dS+, no q, no dk or dg work; dk, dg, du are not written.
-template <typename T, Reader RD, bool DQ_ONLY = false>
+// DQ_SOFTMAX: dq through the softmax's backward (ChunkPass::dq_softmax_w; its own build, so the
+// plain kernels keep their registers).
+template <typename T, Reader RD, bool DQ_ONLY = false, bool DQ_SOFTMAX = false>
 __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int nts) {
   extern __shared__ float4 smem4[];
   Tile* DA = reinterpret_cast<Tile*>(smem4);
@@ -291,7 +315,8 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (write && t < pos.L && kk < p.K) {
       const float dA = DA[t][t];
       if (dgp) dgp[t * p.dg.st] = from_f<T>(p.dg_adds ? dg + to_f(dgp[t * p.dg.st]) : dg);
-      if (p.dq.on()) put<T>(p.dq, p.dq_acc, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + dA * us[ch] * k);
+      if (DQ_SOFTMAX) DQ[t][ch] += dA * us[ch] * k;  // stored by store_softmax_grad_rows
+      else if (p.dq.on()) put<T>(p.dq, p.dq_acc, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + dA * us[ch] * k);
       if (dkp) {
         const float dk = DK[t][ch] + dA * us[ch] * q;
         dkp[t * p.dk.st] = from_f<T>(p.dk_adds ? dk + to_f(dkp[t * p.dk.st]) : dk);
@@ -318,6 +343,12 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (threadIdx.x < DT && kk < p.K)
       static_cast<float*>(p.du)[(pos.slot * p.H + h) * p.K + kk] =
           dup[ch] + dup[DT + ch] + dup[2 * DT + ch] + dup[3 * DT + ch];
+  }
+  if constexpr (DQ_SOFTMAX) {
+    __syncthreads();
+    Pos at;  // located again: pos held through the scans would spill
+    locate(p, blockIdx.x, at);
+    store_softmax_grad_rows<T>(p, at, blockIdx.y, DQ);
   }
 }
 

@@ -113,6 +113,9 @@ cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
   if ((e = launch_backward_state<T, RD>(p, stream)) != cudaSuccess) return e;
   if ((e = launch_out<T, RD, true>(p, slots, stream)) != cudaSuccess) return e;
   auto dqk = chunk_grad_qk_kernel<T, RD>;
+  if constexpr (RD == Reader::Inclusive) {  // GSA's pass 2 (chunk_dispatch.cu checks the rest)
+    if (p.dq_softmax_w.on()) dqk = chunk_grad_qk_kernel<T, RD, false, true>;
+  }
   if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
   if (slots > 0) dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, nts);
   return cudaGetLastError();

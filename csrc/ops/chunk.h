@@ -28,13 +28,15 @@ struct ChunkGrads {
 // Backward; dq_acc: dq in the acc type. hst_in / amat_in: the forward's kept workspaces, or none.
 // dv_into / dgv_into (where defined): tensors of v's / gv's size and dtype that dv / dgv are
 // added into and returned as (ChunkPass dv_adds / dgv_adds), instead of new ones.
+// dq_softmax_w (where defined): the acc-type softmax weights, q's size, whose backward dq's rows
+// go through (ChunkPass::dq_softmax_w; dq then in q's dtype, dq_acc off).
 ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, const Tensor& k,
                           const Tensor& v, const Tensor& g, const Tensor& gv, const Tensor& uc,
                           const Tensor& grad_o, const std::optional<Tensor>& dht,
                           const std::optional<Tensor>& h0, const std::optional<Tensor>& hst_in,
                           const std::optional<Tensor>& amat_in, const char* qn,
                           ChunkRunner run, bool dq_acc, const Tensor& dv_into = Tensor(),
-                          const Tensor& dgv_into = Tensor());
+                          const Tensor& dgv_into = Tensor(), const Tensor& dq_softmax_w = Tensor());
 
 std::tuple<Tensor, Tensor> chunk_gla_fwd(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& g,

@@ -105,7 +105,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
                           const std::optional<Tensor>& h0, const std::optional<Tensor>& hst_in,
                           const std::optional<Tensor>& amat_in, const char* qn,
                           ChunkRunner run, bool dq_acc, const Tensor& dv_into,
-                          const Tensor& dgv_into) {
+                          const Tensor& dgv_into, const Tensor& dq_softmax_w) {
   check_incoming_grads(a, grad_o, dht, q, qn, v);
   const auto acc = q.options().dtype(acc_type(q));
   const bool vside = value_side_only(g, gv);
@@ -144,6 +144,11 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   if (g.defined()) p.dg = a.L.vec(r.dg);
   if (gv.defined()) p.dgv = a.L.vec(r.dgv);
   p.dv_adds = dv_adds, p.dgv_adds = dgv_adds;
+  if (dq_softmax_w.defined()) {
+    TORCH_INTERNAL_ASSERT(!dq_acc && dq_softmax_w.sizes() == q.sizes() &&
+                          dq_softmax_w.scalar_type() == acc_type(q));
+    p.dq_softmax_w = a.L.vec(dq_softmax_w);
+  }
   if (has(h0)) p.dh0 = mat(r.dh0);
   if (du_part.defined()) p.du = du_part.data_ptr();
   p.hst = hst.data_ptr(), p.dhst = dhst.data_ptr(), p.zeta = zeta.data_ptr();

@@ -81,12 +81,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
                     " returned by chunk_gsa_core_train, got ", p.scalar_type(), " ", shape_str(p));
   Tensor pq = p.to(q.scalar_type());
   const DiagArgs a2 = pass2_args(pq, s, v, g, hv0, cu_seqlens, head_first);
+  // dok = p ⊙ (dp − ⟨p, dp⟩) in float32, rounded once to the inputs' dtype: pass 2 forms it from
+  // its dp rows itself where its engine can (ChunkPass::dq_softmax_w), else writes dp in float32
+  // for ATen's softmax backward and a cast (ATen's fused half-to-float form takes fp16 on CUDA
+  // only, not bf16). pq is dead after pass 2: released before pass 1's backward, the peak.
+  const bool fused = !q.is_cuda() || chunk_softmax_on_cuda(int(a2.K));
   ChunkGrads r2 = chunk_backward(a2, Reader::Inclusive, pq, s, v, g, Tensor(), Tensor(), grad_o,
-                                 grad_hv, hv0, hst2, amat2, "p", run, true);
-  // dok in float32, rounded once to the inputs' dtype (ATen's fused half-to-float softmax
-  // backward takes fp16 on CUDA only, not bf16: one cast). dp (float32) and pq are dead after
-  // it: released before pass 1's backward, the backward's peak.
-  const Tensor dok = at::_softmax_backward_data(r2.dq, p, -1, p.scalar_type()).to(q.scalar_type());
+                                 grad_hv, hv0, hst2, amat2, "p", run, !fused, Tensor(), Tensor(),
+                                 fused ? p : Tensor());
+  const Tensor dok = fused ? r2.dq
+                           : at::_softmax_backward_data(r2.dq, p, -1, p.scalar_type()).to(q.scalar_type());
   r2.dq = Tensor();
   pq = Tensor();
   // ds and dg are the sums of both passes' gradients: pass 1 adds its own into pass 2's.

@@ -114,8 +114,10 @@ void value_side(const ChunkPass& p, int64_t slots) {
 // [o, hT] or, with dout, [dq, dk, dv, dg, du, dh0] (empty tensors stand for None). keep: the
 // forward keeps hst and amat and the backward reads them (else the backward rebuilds them).
 // vside: g is the value-side decay gv [B, T, H, V]. acc: o and dq in float32 (o_acc, dq_acc).
-// adds: the backward adds dk, dv, dg into prior(..) (Grads). softmax (a value-side forward):
-// o's rows through their softmax (ChunkPass::o_softmax), returned as [o, hT, the fp32 weights].
+// adds: the backward adds dk, dv, dg into prior(..) (Grads). softmax: a value-side forward takes
+// o's rows through their softmax (ChunkPass::o_softmax), returned as [o, hT, the fp32 weights]; a
+// key-side backward dq's rows through a softmax's backward (ChunkPass::dq_softmax_w) with
+// weights softmax(3 prior(q)), returned after du and dh0.
 template <typename E, Reader RD>
 std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tensor h0, Tensor dout,
                           Tensor dht, double scale, Tensor cu, bool keep, bool vside, bool acc,
@@ -181,12 +183,19 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   Tensor du = torch::zeros({slots, H, K});
   Grads r = grads();
   r.bind(b, dout, dht, h0, false);
+  const Tensor weights = torch::softmax(3 * prior(q).to(torch::kFloat), -1);
+  if (softmax) b.dq_softmax_w = vec(weights), b.dq_acc = false;
   if (u.numel()) b.du = du.data_ptr();
   b.dhst = dhst.data_ptr(), b.zeta = zeta.data_ptr();
   state<E, RD, false, 1, true>(b);
   out<E, RD, true>(b, slots);
-  emu::launch(dim3(unsigned(slots), H, unsigned((K + DT - 1) / DT)), NTH,
-              [&] { cta([&] { chunk_grad_qk_kernel<E, RD>(b, nts); }); });
+  if (softmax)  // chunk_launch.cuh's choice (the inclusive reader alone on the GPU)
+    emu::launch(dim3(unsigned(slots), H, unsigned((K + DT - 1) / DT)), NTH,
+                [&] { cta([&] { chunk_grad_qk_kernel<E, RD, false, true>(b, nts); }); });
+  else
+    emu::launch(dim3(unsigned(slots), H, unsigned((K + DT - 1) / DT)), NTH,
+                [&] { cta([&] { chunk_grad_qk_kernel<E, RD>(b, nts); }); });
+  if (softmax) return {r.dq, r.dk, r.dv, r.dg, du.sum(0), r.dh0, weights};
   return {r.dq, r.dk, r.dv, r.dg, du.sum(0), r.dh0};
 }
 
