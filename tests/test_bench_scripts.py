@@ -2,7 +2,8 @@
 rows the issues ask for, merged into an existing file row by row; benchmarks/env_ab.py compares
 settings in one process; benchmarks/cp_overhead.py
 times an op with and without a one-rank context; benchmarks/cp_scale.py splits one sequence over
-two gloo ranks; benchmarks/model_step.py trains a tiny RWKV7ForCausalLM."""
+two gloo ranks; benchmarks/model_step.py trains a tiny RWKV7ForCausalLM; benchmarks/ab_builds.sh
+(two builds on a GPU) parses and prints its usage."""
 import json
 import os
 import subprocess
@@ -164,3 +165,12 @@ def test_grid_autotune_cache_keeps_only_the_results(tmp_path):
     assert sorted(p.name for p in cache.iterdir()) == ["cpu.autotune.json"]
     assert json.loads((cache / "cpu.autotune.json").read_text()) == {
         "abc123/chunk_fwd_kernel.autotune.json": '{"configs": 1}', "def456/new.autotune.json": "{}"}
+
+
+def test_ab_builds_usage():
+    """ab_builds.sh needs a GPU to measure; here: it parses, and without cases prints its usage
+    (the revision or folder, then the kernel_times.py cases) and exits 2 before building."""
+    script = os.path.join(ROOT, "benchmarks", "ab_builds.sh")
+    subprocess.run(["bash", "-n", script], check=True, timeout=60)
+    r = subprocess.run(["bash", script, "HEAD"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "REV|DIR" in r.stdout and "kernel_times.py" in r.stdout
