@@ -10,7 +10,8 @@
 //   out    (chunk slot, H, V/64)  forward o = ρ(Q̂ S + A V) (K > 128), backward
 //          dv = K̂ dS+ + ρ Aᵀ dO (chunk_out.cuh).
 //   grad_qk (chunk slot, H, K/64)  dA, dq, dk (inter + intra), dg by the segmented reverse
-//          cumsum with exact resets, the u terms and the du partials (chunk_grad_qk.cuh).
+//          cumsum with exact resets, the u terms and the du partials; GSA's softmax (over the
+//          value-side forward's o) and its backward (over dq) as epilogues (chunk_grad_qk.cuh).
 // Launch sequences: chunk_launch.cuh. This file: what the kernels share (constants, ex2, where a
 // CTA's chunk lives, the tile loads and stores, the decay exponents and the scaled rows).
 // Decay exponents (log2 units) are only ever *added* (§2.6 additive segment sums), so they are
