@@ -26,6 +26,12 @@ DiagArgs pass2_args(const Tensor& p, const Tensor& s, const Tensor& v, const Ten
   return check_diag(p, "p", s, v, g, "g", 1.0, hv0, cu_seqlens, head_first);
 }
 
+// Whether the passes' engine takes the softmax over the M slots and its backward itself
+// (ChunkPass::o_softmax in pass 1, dq_softmax_w in pass 2): the CPU always, CUDA at M <= 64.
+bool softmax_in_passes(const Tensor& q, int64_t M) {
+  return !q.is_cuda() || chunk_softmax_on_cuda(int(M));
+}
+
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_core_train(
@@ -38,27 +44,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
   ValueChecksDone checked;  // the passes' own checks would name internal tensors (p, gv)
   const DiagArgs a1 = pass1_args(q, k, s, g, scale, hk0, cu_seqlens, head_first);
   const bool keep = train && keeps_workspaces(q);
-  const auto acc = q.options().dtype(acc_type(q));
-  Tensor p, pq, hk, hst1;
-  if (!q.is_cuda() || chunk_softmax_on_cuda(int(a1.V))) {
-    // Pass 1 takes the softmax of its output rows itself (ChunkPass::o_softmax): o is pq, p (for
-    // the backward) its unrounded twin, and the logits never reach memory.
-    if (train) p = a1.L.empty_like_with_dim(s, a1.V, acc_type(q));
-    std::tie(pq, hk, hst1, std::ignore) = chunk_forward(
-        a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(), hk0, output_final_state, keep, run,
-        false, true, p);
-    if (!train) p = new_output({0}, acc);
-  } else {
+  // In the passes, pass 1's o is pq and p (for the backward) its unrounded twin: the logits never
+  // reach memory. Else o is the fp32 logits ok for ATen's softmax.
+  const bool in_passes = softmax_in_passes(q, a1.V);
+  Tensor p = in_passes && train ? a1.L.empty_like_with_dim(s, a1.V, acc_type(q)) : Tensor();
+  auto [o1, hk, hst1, amat1] = chunk_forward(a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(),
+                                             hk0, output_final_state, keep, run, !in_passes,
+                                             in_passes, p);
+  Tensor pq = o1;
+  if (!in_passes) {
     // Pass 2 is the forward's peak: what is dead by then is released before it (the fp32 logits
     // ok, and p itself where no backward keeps it and pq is a copy), each the size of p.
-    Tensor ok;
-    std::tie(ok, hk, hst1, std::ignore) = chunk_forward(
-        a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(), hk0, output_final_state, keep, run, true);
-    p = at::softmax(ok, -1);
-    ok = Tensor();
+    p = at::softmax(o1, -1);
+    o1 = Tensor();
     pq = p.to(q.scalar_type());
-    if (!train) p = new_output({0}, acc);
   }
+  if (!train) p = new_output({0}, q.options().dtype(acc_type(q)));
   const DiagArgs a2 = pass2_args(pq, s, v, g, hv0, cu_seqlens, head_first);
   auto [o, hv, hst2, amat2] = chunk_forward(a2, Reader::Inclusive, pq, s, v, g, Tensor(), Tensor(),
                                             hv0, output_final_state, keep, run, false);
@@ -85,12 +86,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
   // its dp rows itself where its engine can (ChunkPass::dq_softmax_w), else writes dp in float32
   // for ATen's softmax backward and a cast (ATen's fused half-to-float form takes fp16 on CUDA
   // only, not bf16). pq is dead after pass 2: released before pass 1's backward, the peak.
-  const bool fused = !q.is_cuda() || chunk_softmax_on_cuda(int(a2.K));
+  const bool in_passes = softmax_in_passes(q, a2.K);
   ChunkGrads r2 = chunk_backward(a2, Reader::Inclusive, pq, s, v, g, Tensor(), Tensor(), grad_o,
-                                 grad_hv, hv0, hst2, amat2, "p", run, !fused, Tensor(), Tensor(),
-                                 fused ? p : Tensor());
-  const Tensor dok = fused ? r2.dq
-                           : at::_softmax_backward_data(r2.dq, p, -1, p.scalar_type()).to(q.scalar_type());
+                                 grad_hv, hv0, hst2, amat2, "p", run, !in_passes, Tensor(),
+                                 Tensor(), in_passes ? p : Tensor());
+  const Tensor dok = in_passes ? r2.dq
+                     : at::_softmax_backward_data(r2.dq, p, -1, p.scalar_type()).to(q.scalar_type());
   r2.dq = Tensor();
   pq = Tensor();
   // ds and dg are the sums of both passes' gradients: pass 1 adds its own into pass 2's.
