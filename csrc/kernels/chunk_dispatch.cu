@@ -11,7 +11,9 @@ const char* chunk_cuda(const ChunkPass& p, void* stream) {
   // A value-side decay runs as the transposed key-side problem (chunk_vdecay.cuh); the op
   // refuses g and gv together on CUDA before anything runs.
   if (p.gv.on() && p.g.on()) return "chunk engine: g and gv together are not supported on CUDA";
-  if (p.o_softmax && (!p.gv.on() || p.o_acc || !chunk_softmax_on_cuda(p.V)))
+  // gv's pointer is null when it has no elements (T = 0): then nothing is stored and the state
+  // passes through, so o_softmax asks only that no key-side decay be given.
+  if (p.o_softmax && (p.g.on() || p.o_acc || !chunk_softmax_on_cuda(p.V)))
     return "chunk engine: o_softmax needs the value-side decay alone, o in the inputs' dtype and V <= 64";
   if (p.dq_softmax_w.on() &&
       (p.gv.on() || p.reader != Reader::Inclusive || p.dq_acc || !chunk_softmax_on_cuda(p.K)))

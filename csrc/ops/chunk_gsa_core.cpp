@@ -51,10 +51,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_gsa_cor
   auto [o1, hk, hst1, amat1] = chunk_forward(a1, Reader::Inclusive, q, k, s, Tensor(), g, Tensor(),
                                              hk0, output_final_state, keep, run, !in_passes,
                                              in_passes, p);
-  Tensor pq = o1;
-  if (!in_passes) {
+  Tensor pq;
+  if (in_passes) {
+    pq = std::move(o1);
+  } else {
     // Pass 2 is the forward's peak: what is dead by then is released before it (the fp32 logits
-    // ok, and p itself where no backward keeps it and pq is a copy), each the size of p.
+    // ok before the cast, and p itself where no backward keeps it and pq is a copy), each the
+    // size of p.
     p = at::softmax(o1, -1);
     o1 = Tensor();
     pq = p.to(q.scalar_type());
