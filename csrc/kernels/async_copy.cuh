@@ -39,6 +39,15 @@ __device__ __forceinline__ void copy_wait() {
 #endif
 }
 
+// Asks L2 for the 128-byte line holding `p` (a hint: nothing waits on it; the host does nothing).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef __CUDA_ARCH__
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+
 // Bulk copies (sm_90: cp.async.bulk, the copy engine; one instruction moves a whole row, so a
 // CTA's fetch costs one warp a few instructions instead of every thread an address computation
 // per 16-byte piece) completing on an mbarrier in shared memory. FLA_BULK_COPY is 1 where they

@@ -1,6 +1,7 @@
 // The chunk engine's grad_qk kernel (chunk.cuh has the overview): dA, dq, dk, dg and the du
 // partials of every chunk.
 #pragma once
+#include "async_copy.cuh"   // prefetch_l2
 #include "chunk_intra.cuh"  // the micro-blocks (MB, NMB)
 
 namespace fla {
@@ -134,25 +135,48 @@ __device__ __forceinline__ void store_softmax_rows(const ChunkPass& p, const Pos
   }
 }
 
+// Asks L2 for rows t < pos.L of a's columns [c0, c0 + n), one prefetch a 128-byte line shared out
+// over the CTA's threads: the tensors that the kernel's last stores read (dq_softmax_w, the dg /
+// dk that they add into) are then on chip when the loads come, instead of each CTA's end waiting
+// on memory.
+template <typename E>
+__device__ __forceinline__ void prefetch_rows(const VecArg& a, const Pos& pos, int h, int c0, int n) {
+  constexpr int PER_LINE = 128 / sizeof(E);
+  const int lines = (n + PER_LINE - 1) / PER_LINE;
+  for (int i = threadIdx.x; i < pos.L * lines; i += NTH)
+    prefetch_l2(vptr<E>(a, pos.b, pos.t0 + i / lines, h, c0 + (i % lines) * PER_LINE));
+}
+
 // dq's rows through the softmax's backward (ChunkPass::dq_softmax_w; the launch has one K tile):
 // DQ holds every row's complete dq; a warp per row forms ⟨w, dq⟩ with shuffles and stores
-// w ⊙ (dq − ⟨w, dq⟩), rounded once.
+// w ⊙ (dq − ⟨w, dq⟩), rounded once. A warp loads the weights of all its rows before the first
+// row's sum, so that it waits out the memory's latency once, not once per row.
 template <typename T>
 __device__ __forceinline__ void store_softmax_grad_rows(const ChunkPass& p, const Pos& pos, int h,
                                                         const Tile* DQ) {
-  const int lane = threadIdx.x % 32;
+  constexpr int WARPS = NTH / 32, ROWS = C / WARPS;  // rows t = warp + i * WARPS
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const bool on0 = lane < p.K, on1 = lane + 32 < p.K;
   const VecArg& w = p.dq_softmax_w;
-  for (int t = threadIdx.x / 32; t < pos.L; t += NTH / 32) {  // warp-uniform: every lane shuffles
-    const int64_t row = pos.t0 + t;
-    const bool on0 = lane < p.K, on1 = lane + 32 < p.K;
-    const float w0 = on0 ? *vptr<float>(w, pos.b, row, h, lane) : 0.f;
-    const float w1 = on1 ? *vptr<float>(w, pos.b, row, h, lane + 32) : 0.f;
+  float w0[ROWS], w1[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    const int t = warp + i * WARPS;
+    const bool row = t < pos.L;
+    w0[i] = row && on0 ? *vptr<float>(w, pos.b, pos.t0 + t, h, lane) : 0.f;
+    w1[i] = row && on1 ? *vptr<float>(w, pos.b, pos.t0 + t, h, lane + 32) : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    const int t = warp + i * WARPS;
+    if (t >= pos.L) break;  // warp-uniform: every lane shuffles
     const float d0 = on0 ? DQ[t][lane] : 0.f, d1 = on1 ? DQ[t][lane + 32] : 0.f;
-    float dot = w0 * d0 + w1 * d1;
+    float dot = w0[i] * d0 + w1[i] * d1;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    if (on0) *vptr<T>(p.dq, pos.b, row, h, lane) = from_f<T>(w0 * (d0 - dot));
-    if (on1) *vptr<T>(p.dq, pos.b, row, h, lane + 32) = from_f<T>(w1 * (d1 - dot));
+    const int64_t row = pos.t0 + t;
+    if (on0) *vptr<T>(p.dq, pos.b, row, h, lane) = from_f<T>(w0[i] * (d0 - dot));
+    if (on1) *vptr<T>(p.dq, pos.b, row, h, lane + 32) = from_f<T>(w1[i] * (d1 - dot));
   }
 }
 
@@ -223,6 +247,11 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   __syncthreads();
 
   // Phase 2: the K tile's q, k, λ.
+  if constexpr (!DQ_ONLY) {
+    if (p.dg_adds) prefetch_rows<T>(p.dg, pos, h, k0, min(DT, p.K - k0));
+    if (p.dk_adds) prefetch_rows<T>(p.dk, pos, h, k0, min(DT, p.K - k0));
+  }
+  if constexpr (DQ_SOFTMAX) prefetch_rows<float>(p.dq_softmax_w, pos, h, 0, p.K);
   if (!DQ_ONLY) load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
   load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
   load_rows<T, false>(LAM, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
@@ -304,6 +333,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   auto col0 = [&](const VecArg& a) { return a.on() ? vptr<T>(a, pos.b, pos.t0, h, kk) : nullptr; };
   T* const dgp = col0(p.dg);
   T* const dkp = col0(p.dk);
+  const bool adds = p.dg_adds || p.dk_adds;  // then store_dg_dk stores both after the scan
   auto step = [&](float& acc, int t, bool write) {
     const float q = QX[t][ch], k = KY[t][ch];
     const bool dead = ex2(LAM[t][ch]) == 0.f && t < pos.L;
@@ -314,16 +344,41 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (RD == Reader::Exclusive) acc += xq;
     if (write && t < pos.L && kk < p.K) {
       const float dA = DA[t][t];
-      if (dgp) dgp[t * p.dg.st] = from_f<T>(p.dg_adds ? dg + to_f(dgp[t * p.dg.st]) : dg);
+      const float dk = DK[t][ch] + dA * us[ch] * q;
+      if (adds) {  // dg and dk wait in this thread's own (now dead) LAM and DK cells
+        LAM[t][ch] = dg;
+        DK[t][ch] = dk;
+      } else {
+        if (dgp) dgp[t * p.dg.st] = from_f<T>(dg);
+        if (dkp) dkp[t * p.dk.st] = from_f<T>(dk);
+      }
       if (DQ_SOFTMAX) DQ[t][ch] += dA * us[ch] * k;  // stored by store_softmax_grad_rows
       else if (p.dq.on()) put<T>(p.dq, p.dq_acc, pos.b, pos.t0 + t, h, kk, DQ[t][ch] + dA * us[ch] * k);
-      if (dkp) {
-        const float dk = DK[t][ch] + dA * us[ch] * q;
-        dkp[t * p.dk.st] = from_f<T>(p.dk_adds ? dk + to_f(dkp[t * p.dk.st]) : dk);
-      }
       if (RD == Reader::Exclusive) dup[m * DT + ch] += dA * q * k;
     }
     return dead;
+  };
+  // Where dg or dk add into tensors (dg_adds, dk_adds), this thread's column of both is stored
+  // after the scan, every earlier value loaded first, all at once: a load beside each store inside
+  // the scan waits out the memory's latency once per row. Plain stores stay in the scan, where
+  // nothing waits on them.
+  auto store_dg_dk = [&]() {
+    if (!adds || kk >= p.K) return;
+    float dg_before[SC], dk_before[SC];
+#pragma unroll
+    for (int i = 0; i < SC; ++i) {
+      const int t = m * SC + i;
+      const bool row = t < pos.L;
+      dg_before[i] = dgp && p.dg_adds && row ? to_f(dgp[t * p.dg.st]) : 0.f;
+      dk_before[i] = dkp && p.dk_adds && row ? to_f(dkp[t * p.dk.st]) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < SC; ++i) {
+      const int t = m * SC + i;
+      if (t >= pos.L) break;
+      if (dgp) dgp[t * p.dg.st] = from_f<T>(p.dg_adds ? LAM[t][ch] + dg_before[i] : LAM[t][ch]);
+      if (dkp) dkp[t * p.dk.st] = from_f<T>(p.dk_adds ? DK[t][ch] + dk_before[i] : DK[t][ch]);
+    }
   };
   {
     float acc = 0.f;
@@ -338,6 +393,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     for (int l = NSC - 1; l > m; --l) acc = resets[l * DT + ch] ? carry[l * DT + ch] : acc + carry[l * DT + ch];
     for (int t = (m + 1) * SC - 1; t >= m * SC; --t) step(acc, t, true);
   }
+  store_dg_dk();
   if (RD == Reader::Exclusive && p.du) {
     __syncthreads();
     if (threadIdx.x < DT && kk < p.K)
