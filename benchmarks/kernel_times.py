@@ -4,9 +4,11 @@
     python benchmarks/kernel_times.py chunk_rwkv6 --K 64 --dtype bf16 [--bwd] [--impl fla]
 
 Prints each CUDA kernel's mean time per call (ms), largest first, and the total: where the time of
-an op goes, as the "measure" step of benchmarks/NOTES.md. Shapes default to the benchmark shape
-(B=8, T=4096, H=16). `--impl fla` profiles fla's op of the same name on the same inputs (fla
-installed), to see where a peer spends its time.
+an op goes, as the "measure" step of benchmarks/NOTES.md; then the call's peak extra memory (MiB
+allocated during one call beyond what was allocated before it, as grid.py's peak_mib). Shapes
+default to the benchmark shape (B=8, T=4096, H=16). `--varlen` packs the B sequences into one row
+with cu_seqlens (the variable-length path; equal lengths T). `--impl fla` profiles fla's op of the
+same name on the same inputs (fla installed), to see where a peer spends its time.
 """
 import argparse
 import collections
@@ -24,30 +26,31 @@ def fla_op(op):
     return getattr(importlib.import_module(f"fla.ops.{op.split('_', 1)[1]}"), op)
 
 
-def inputs(op, B, T, H, K, V, dtype):
+def inputs(op, B, T, H, K, V, dtype, kw):
+    """The op's inputs and a call of it; kw: keyword arguments of every call (cu_seqlens)."""
     dev = "cuda"
     r = lambda *s: torch.randn(*s, device=dev, dtype=dtype)
     logd = lambda *s: F.logsigmoid(torch.randn(*s, device=dev) + 2).to(dtype)
     if op == "chunk_rwkv6":
         args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), logd(B, T, H, K), r(H, K))
-        return args, lambda *a: fla_ext.chunk_rwkv6(*a)[0]
+        return args, lambda *a: fla_ext.chunk_rwkv6(*a, **kw)[0]
     if op == "chunk_gla":
         args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), logd(B, T, H, K))
-        return args, lambda *a: fla_ext.chunk_gla(*a)[0]
+        return args, lambda *a: fla_ext.chunk_gla(*a, **kw)[0]
     if op == "chunk_gla_gv":  # the value-side decay alone (GSA pass 1)
         args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), logd(B, T, H, V))
-        return args, lambda q, k, v, gv: fla_ext.chunk_gla(q, k, v, gv=gv)[0]
+        return args, lambda q, k, v, gv: fla_ext.chunk_gla(q, k, v, gv=gv, **kw)[0]
     if op == "chunk_gsa":  # M = V slots, the gate logsigmoid (bench_ops' chunk_gsa)
         g = F.logsigmoid(torch.randn(B, T, H, V, device=dev)).to(dtype)
         args = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, V), g)
-        return args, lambda *a: fla_ext.chunk_gsa(*a)[0]
+        return args, lambda *a: fla_ext.chunk_gsa(*a, **kw)[0]
     if op == "chunk_rwkv7":  # the RWKV-7 layer's inputs: a = -kk, b = kk * iclr
         kk = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1)
         iclr = torch.sigmoid(torch.randn(B, T, H, K, device=dev))
         w = -0.6065306597126334 * torch.sigmoid(torch.randn(B, T, H, K, device=dev))
         args = (r(B, T, H, K), w.to(dtype), r(B, T, H, K), r(B, T, H, V), (-kk).to(dtype),
                 (kk * iclr).to(dtype))
-        return args, lambda *a: fla_ext.chunk_rwkv7(*a)[0]
+        return args, lambda *a: fla_ext.chunk_rwkv7(*a, **kw)[0]
     raise SystemExit(f"kernel_times: unknown op {op}")
 
 
@@ -64,12 +67,17 @@ def main():
     ap.add_argument("--train", action="store_true", help="forward only, inputs requiring grad")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--impl", default="fla_ext", choices=["fla_ext", "fla"])
+    ap.add_argument("--varlen", action="store_true", help="the B sequences in one row, with cu_seqlens")
     a = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-    args, fn = inputs(a.op, a.B, a.T, a.H, a.K, a.V or a.K, dtype)
+    kw = {}
+    if a.varlen:
+        kw["cu_seqlens"] = torch.arange(0, a.B * a.T + 1, a.T, device="cuda")
+    rows, T = (1, a.B * a.T) if a.varlen else (a.B, a.T)
+    args, fn = inputs(a.op, rows, T, a.H, a.K, a.V or a.K, dtype, kw)
     if a.impl == "fla":
         peer = fla_op(a.op)
-        fn = lambda *x: peer(*x)[0]
+        fn = lambda *x: peer(*x, **kw)[0]
     args = [x.requires_grad_(a.bwd or a.train) for x in args]
     do = None
 
@@ -92,10 +100,16 @@ def main():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             times[e.name] += e.device_time / 1e3 / a.reps
     total = sum(times.values())
-    print(f"{a.impl} {a.op} B{a.B} T{a.T} H{a.H} K{a.K} V{a.V or a.K} {a.dtype} {'fwd+bwd' if a.bwd else 'training fwd' if a.train else 'fwd'}:"
+    print(f"{a.impl} {a.op} B{a.B} T{a.T}{' varlen' if a.varlen else ''} H{a.H} K{a.K} V{a.V or a.K} {a.dtype} {'fwd+bwd' if a.bwd else 'training fwd' if a.train else 'fwd'}:"
           f" {total:.3f} ms of kernels per call")
     for name, t in sorted(times.items(), key=lambda x: -x[1]):
         print(f"  {t:8.3f}  {name[:110]}")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    print(f"peak extra memory of one call: {(torch.cuda.max_memory_allocated() - base) / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":
