@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .. import cp as _cp
 from ..checks import check_cu_seqlens_values, checks_enabled
 from .cache import layer_cache
 
@@ -181,3 +182,18 @@ def check_forward(layer, hidden_states, attention_mask, past_key_values, cu_seql
     check_cu_seqlens(layer, cu_seqlens, cu_seqlens_cpu, hidden_states)
     num_seqs = hidden_states.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return check_cache(layer, past_key_values, num_seqs)
+
+
+def begin_forward(layer, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens,
+                  kwargs, left_padded: bool):
+    """What every attention layer's forward does first: the call's sequences (``cu_seqlens``
+    with fla's ``cu_seqlens_cpu`` from kwargs, or, with kwargs ``cp_context``, this rank's slice
+    of a batch split across ranks: fla_ext.cp), then check_forward. Returns (cu_seqlens,
+    cu_seqlens_cpu, cp_context, the layer's cache entry or None)."""
+    cu_seqlens_cpu, cp_context = kwargs.get("cu_seqlens_cpu"), kwargs.get("cp_context")
+    if cp_context is not None:
+        cu_seqlens, cu_seqlens_cpu = _cp.layer_inputs(layer, cp_context, hidden_states, attention_mask,
+                                                      past_key_values, use_cache, cu_seqlens)
+    last = check_forward(layer, hidden_states, attention_mask, past_key_values, cu_seqlens,
+                         cu_seqlens_cpu, left_padded)
+    return cu_seqlens, cu_seqlens_cpu, cp_context, last

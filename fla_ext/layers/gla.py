@@ -12,11 +12,10 @@ import torch.nn.functional as F
 
 from ..ops import chunk_gla, fused_recurrent_gla
 from .cache import Cache
-from .checks import check_forward
+from .checks import begin_forward
 from .conv import add_qkv_convs, project_qkv
 from .norm import RMSNorm
 from .padding import repad, unpad_inputs
-from .. import cp as _cp
 
 _ACT = {"swish": F.silu, "silu": F.silu, "sigmoid": torch.sigmoid, "relu": F.relu,
         "gelu": F.gelu, "tanh": torch.tanh}
@@ -93,13 +92,9 @@ class GatedLinearAttention(nn.Module):
         and fla's ``cu_seqlens_cpu`` (its host copy: values checked without a device sync).
         A cache (past_key_values) needs layer_idx and belongs to one batch of N sequences.
         Every input is checked first (layers/checks.py)."""
-        cu_seqlens, cu_seqlens_cpu = kwargs.get("cu_seqlens"), kwargs.get("cu_seqlens_cpu")
-        cp_context = kwargs.get("cp_context")
-        if cp_context is not None:  # this rank's slice of a batch split across ranks (fla_ext.cp)
-            cu_seqlens, cu_seqlens_cpu = _cp.layer_inputs(self, cp_context, hidden_states, attention_mask,
-                                                          past_key_values, use_cache, cu_seqlens)
-        last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
-                             cu_seqlens_cpu, left_padded=False)
+        cu_seqlens, cu_seqlens_cpu, cp_context, last = begin_forward(
+            self, hidden_states, attention_mask, past_key_values, use_cache, kwargs.get("cu_seqlens"), kwargs,
+            left_padded=False)
         B, T, _ = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
         x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask, cu_seqlens)

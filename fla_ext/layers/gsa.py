@@ -9,11 +9,10 @@ import torch.nn.functional as F
 
 from ..ops import chunk_gsa, fused_recurrent_gsa
 from .cache import Cache
-from .checks import check_forward
+from .checks import begin_forward
 from .conv import add_qkv_convs, project_qkv
 from .norm import RMSNorm
 from .padding import repad, unpad_inputs
-from .. import cp as _cp
 
 
 class _T2R(nn.Module):
@@ -95,13 +94,9 @@ class GatedSlotAttention(nn.Module):
                 output_attentions: Optional[bool] = False, **kwargs):
         """As :meth:`GatedLinearAttention.forward` (the same mask, cu_seqlens and cache rules:
         padded tokens are removed, wherever they are)."""
-        cu_seqlens, cu_seqlens_cpu = kwargs.get("cu_seqlens"), kwargs.get("cu_seqlens_cpu")
-        cp_context = kwargs.get("cp_context")
-        if cp_context is not None:  # this rank's slice of a batch split across ranks (fla_ext.cp)
-            cu_seqlens, cu_seqlens_cpu = _cp.layer_inputs(self, cp_context, hidden_states, attention_mask,
-                                                          past_key_values, use_cache, cu_seqlens)
-        last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
-                             cu_seqlens_cpu, left_padded=False)
+        cu_seqlens, cu_seqlens_cpu, cp_context, last = begin_forward(
+            self, hidden_states, attention_mask, past_key_values, use_cache, kwargs.get("cu_seqlens"), kwargs,
+            left_padded=False)
         B, T, _ = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
         x, indices, cu_seqlens = unpad_inputs(hidden_states, attention_mask, cu_seqlens)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..ops import chunk_rwkv6, fused_recurrent_rwkv6
 from .cache import Cache
-from .checks import check_forward
+from .checks import begin_forward
 from .init import rwkv_orthogonal_
 from .lora import LoRA
 from .padding import kept_tokens
@@ -138,12 +138,9 @@ class RWKV6Attention(nn.Module):
         kwargs ``cu_seqlens_cpu`` is its host copy (values checked without a device sync).
         A cache (past_key_values) needs layer_idx and belongs to one batch of N sequences.
         Every input is checked first (layers/checks.py)."""
-        cu_seqlens_cpu, cp_context = kwargs.get("cu_seqlens_cpu"), kwargs.get("cp_context")
-        if cp_context is not None:  # this rank's slice of a batch split across ranks (fla_ext.cp)
-            cu_seqlens, cu_seqlens_cpu = _cp.layer_inputs(self, cp_context, hidden_states, attention_mask,
-                                                          past_key_values, use_cache, cu_seqlens)
-        last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
-                             cu_seqlens_cpu, left_padded=True)
+        cu_seqlens, cu_seqlens_cpu, cp_context, last = begin_forward(
+            self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens, kwargs,
+            left_padded=True)
         B, T, C = hidden_states.shape
         mode = "fused_recurrent" if T <= 64 else self.mode
         x = hidden_states

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..ops import chunk_rwkv7, fused_recurrent_rwkv7
 from .cache import Cache
-from .checks import check_forward, check_v_first
+from .checks import begin_forward, check_v_first
 from .init import rwkv_orthogonal_
 from .lean_linear import mixed
 from .lora import LoRA
@@ -143,12 +143,9 @@ class RWKV7Attention(nn.Module):
         :meth:`RWKV6Attention.forward`: left padding only, since padded tokens are zeroed, not
         removed. v_first: layer 0's values, [B, T, value_dim] like this layer's v (needed from
         layer 1 on; layer 0 makes it and ignores one given)."""
-        cu_seqlens_cpu, cp_context = kwargs.get("cu_seqlens_cpu"), kwargs.get("cp_context")
-        if cp_context is not None:  # this rank's slice of a batch split across ranks (fla_ext.cp)
-            cu_seqlens, cu_seqlens_cpu = _cp.layer_inputs(self, cp_context, hidden_states, attention_mask,
-                                                          past_key_values, use_cache, cu_seqlens)
-        last = check_forward(self, hidden_states, attention_mask, past_key_values, cu_seqlens,
-                             cu_seqlens_cpu, left_padded=True)
+        cu_seqlens, cu_seqlens_cpu, cp_context, last = begin_forward(
+            self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens, kwargs,
+            left_padded=True)
         B, T, C = hidden_states.shape
         if self.has_v_lora:
             check_v_first(self, v_first, (B, T, self.value_dim))
