@@ -12,11 +12,16 @@ same name on the same inputs (fla installed), to see where a peer spends its tim
 """
 import argparse
 import collections
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import fla_ext
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_ops  # noqa: E402  (_peak_mb: the same peak as grid.py's peak_mib)
 
 
 def fla_op(op):
@@ -104,12 +109,8 @@ def main():
           f" {total:.3f} ms of kernels per call")
     for name, t in sorted(times.items(), key=lambda x: -x[1]):
         print(f"  {t:8.3f}  {name[:110]}")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    call()
-    torch.cuda.synchronize()
-    print(f"peak extra memory of one call: {(torch.cuda.max_memory_allocated() - base) / 2**20:.1f} MiB")
+    _, extra = bench_ops._peak_mb(call, torch.device("cuda"))
+    print(f"peak extra memory of one call: {extra:.1f} MiB")
 
 
 if __name__ == "__main__":
