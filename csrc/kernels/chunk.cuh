@@ -22,6 +22,7 @@
 #pragma once
 #include <type_traits>
 
+#include "async_copy.cuh"
 #include "chunk.h"
 #include "elements.cuh"
 #include "sequence.h"
@@ -76,8 +77,10 @@ __device__ __forceinline__ bool locate(const ChunkPass& p, int64_t slot, Pos& o)
 }
 
 // Tile loads are split into fetch (every load of the tile issued back to back into registers)
-// and store (to shared memory), so a tile costs one memory latency, not sixteen. (The sequential
-// state kernel holds whole tiles one chunk ahead instead: chunk_state.cuh's RowPieces.)
+// and store (to shared memory), so a tile costs one memory latency, not sixteen. The values are
+// held as loaded and converted at the store: a conversion right after its load would wait for it
+// there, so a kernel can fetch the next tile before working on the current one (chunk_out.cuh).
+// (The sequential state kernel holds whole tiles one chunk ahead: chunk_state.cuh's RowPieces.)
 constexpr int kPer = C * DT / NTH;  // elements per thread per tile
 
 // Rows [t0, t0 + L) x channels [d0, d0 + DT) of an activation, times mul, zero outside the
@@ -96,19 +99,28 @@ __device__ __forceinline__ const T* row_start(const VecArg& a, int64_t b, int64_
   left = on ? L - int(r0) : 0;
   return on ? vptr<T>(a, b, t0 + r0, h, d0 + c) : nullptr;
 }
+// T: the element type as loaded (float for fp32 matrices). RAW holds the values as loaded and
+// converts at the store, for a fetch ahead of its use; else they are converted as they arrive
+// (fewer registers where the store follows at once: holding them raw made the intra kernel spill).
+template <typename T, bool RAW = false>
 struct RowFetch {
-  float x[kPer];
-  template <typename T>
-  __device__ __forceinline__ void fetch(const VecArg& a, int64_t b, int64_t t0, int L, int h,
-                                        int d0, int D, float mul) {
+  std::conditional_t<RAW, T, float> x[kPer];
+  float mul = 1.f;
+  __device__ __forceinline__ void fetch(const VecArg& a, int64_t b, int64_t t0, int L, int h, int d0,
+                                        int D, float m) {
     int left;
     const T* ptr = row_start<T>(a, b, t0, L, h, d0, D, left);
     const int64_t step = kRowStep * a.st;
+    if (RAW) mul = m;
 #pragma unroll
-    for (int it = 0; it < kPer; ++it, ptr += step) x[it] = it * kRowStep < left ? to_f(*ptr) * mul : 0.f;
+    for (int it = 0; it < kPer; ++it, ptr += step) {
+      if constexpr (RAW) x[it] = it * kRowStep < left ? *ptr : from_f<T>(0.f);
+      else x[it] = it * kRowStep < left ? to_f(*ptr) * m : 0.f;
+    }
   }
   // Rows [r0, r0 + DT) x cols [c0, c0 + DT) of a row-major fp32 [R, Cn] matrix, zero outside.
   __device__ __forceinline__ void fetch_mat(const float* m, int R, int Cn, int r0, int c0) {
+    static_assert(std::is_same_v<T, float>, "matrices are fp32");
     const unsigned c = threadIdx.x % DT, rr = threadIdx.x / DT;
     const bool on = c0 + int(c) < Cn;
     const float* ptr = m + int64_t(r0 + int(rr)) * Cn + c0 + c;
@@ -124,7 +136,10 @@ struct RowFetch {
 #pragma unroll
     for (int it = 0; it < kPer; ++it) {
       const unsigned r = r0 + it * kRowStep;
-      if (TRANSPOSE) s[c][r] = x[it]; else s[r][c] = x[it];
+      float v;
+      if constexpr (RAW) v = to_f(x[it]) * mul;
+      else v = x[it];
+      if (TRANSPOSE) s[c][r] = v; else s[r][c] = v;
     }
   }
 };
@@ -132,16 +147,25 @@ struct RowFetch {
 template <typename T, bool TRANSPOSE, int N>
 __device__ __forceinline__ void load_rows(float (*s)[N], const VecArg& a, int64_t b, int64_t t0, int L,
                                           int h, int d0, int D, float mul) {
-  RowFetch f;
-  f.fetch<T>(a, b, t0, L, h, d0, D, mul);
-  f.store<TRANSPOSE>(s);
+  RowFetch<T> f;
+  f.fetch(a, b, t0, L, h, d0, D, mul);
+  f.template store<TRANSPOSE>(s);
 }
 
 template <bool TRANSPOSE, int N>
 __device__ __forceinline__ void load_mat(float (*s)[N], const float* m, int R, int Cn, int r0, int c0) {
-  RowFetch f;
+  RowFetch<float> f;
   f.fetch_mat(m, R, Cn, r0, c0);
   f.store<TRANSPOSE>(s);
+}
+
+// A chunk's pair matrix (fp32 [C][C], from amat) into a shared tile of row stride N by cp.async:
+// no registers and no wait until its product.
+template <int N>
+__device__ __forceinline__ void copy_pairs(float (*a)[N], const float* src) {
+  for (int e = threadIdx.x; e < C * C / 4; e += NTH)
+    copy16(&a[e / (C / 4)][4 * (e % (C / 4))], src + 4 * e, true);
+  copy_commit();
 }
 
 // A fragment's 64 x 64 values into a shared tile, then out to a row-major fp32 matrix row by row
@@ -209,9 +233,11 @@ __device__ __forceinline__ void chunk_decays(Decays& d, const float (*lam)[N]) {
 // (m + 1) SC of channel ch of x and λ (zero outside the sequence and past D, as RowFetch), sums
 // its sub-chunk total τ_m in the same order as chunk_decays, trades the totals through tau
 // (NSC x DT floats; one barrier) and stores x times exp2 of the same exponents as the walks.
+// Held as loaded (converted in put_scaled), so that the next K tile's rows can be fetched while
+// the current one is used.
+template <typename T>
 struct SubChunkRows {
-  float x[SC], lam[SC];
-  template <typename T>
+  T x[SC], lam[SC];
   __device__ __forceinline__ void fetch(const VecArg& xa, const VecArg& ga, int64_t b, int64_t t0,
                                         int L, int h, int d0, int D) {
     const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
@@ -221,8 +247,8 @@ struct SubChunkRows {
     const T* pg = on && ga.on() && left > 0 ? vptr<T>(ga, b, t0 + m * SC, h, d0 + ch) : nullptr;
 #pragma unroll
     for (int i = 0; i < SC; ++i) {
-      x[i] = px && i < left ? to_f(px[i * xa.st]) : 0.f;
-      lam[i] = pg && i < left ? to_f(pg[i * ga.st]) * kLog2e : 0.f;
+      x[i] = px && i < left ? px[i * xa.st] : from_f<T>(0.f);
+      lam[i] = pg && i < left ? pg[i * ga.st] : from_f<T>(0.f);
     }
   }
   // READER: x ⊙ exp2(reader exponent) before[m] into s[row][ch] (scale_reader<RD>); else
@@ -230,29 +256,32 @@ struct SubChunkRows {
   template <bool READER, Reader RD, int N>
   __device__ __forceinline__ void put_scaled(float (*s)[N], float (*tau)[DT]) const {
     const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
+    float l[SC];
+#pragma unroll
+    for (int i = 0; i < SC; ++i) l[i] = to_f(lam[i]) * kLog2e;
     float t = 0.f;
 #pragma unroll
-    for (int i = 0; i < SC; ++i) t += lam[i];
+    for (int i = 0; i < SC; ++i) t += l[i];
     tau[m][ch] = t;
     __syncthreads();
     float mul = 0.f;
 #pragma unroll
-    for (int l = 0; l < NSC; ++l)
-      if (READER ? l < m : l > m) mul += tau[l][ch];
+    for (int q = 0; q < NSC; ++q)
+      if (READER ? q < m : q > m) mul += tau[q][ch];
     mul = ex2(mul);
     float e = 0.f;
     if constexpr (READER) {
 #pragma unroll
       for (int i = 0; i < SC; ++i) {
-        if (RD == Reader::Inclusive) e += lam[i];
-        s[m * SC + i][ch] = x[i] * (mul * ex2(e));
-        if (RD == Reader::Exclusive) e += lam[i];
+        if (RD == Reader::Inclusive) e += l[i];
+        s[m * SC + i][ch] = to_f(x[i]) * (mul * ex2(e));
+        if (RD == Reader::Exclusive) e += l[i];
       }
     } else {
 #pragma unroll
       for (int j = SC - 1; j >= 0; --j) {
-        s[ch][m * SC + j] = x[j] * (mul * ex2(e));
-        e += lam[j];
+        s[ch][m * SC + j] = to_f(x[j]) * (mul * ex2(e));
+        e += l[j];
       }
     }
   }

@@ -161,11 +161,11 @@ __global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p) {
   for (int k0 = 0; k0 < p.K; k0 += DT) {
     __syncthreads();
     {  // every load of the K tile in flight at once: one memory latency
-      RowFetch fq, fk, fl;
-      fq.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-      fk.fetch<T>(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-      fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
-      fq.store<false>(QX), fk.store<true>(KYt), fl.store<false>(W);
+      RowFetch<T> fq, fk, fl;
+      fq.fetch(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+      fk.fetch(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+      fl.fetch(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+      fq.template store<false>(QX), fk.template store<true>(KYt), fl.template store<false>(W);
     }
     if (RD == Reader::Exclusive && threadIdx.x < DT)
       us[threadIdx.x] = k0 + threadIdx.x < p.K ? ldu(p.u, int64_t(h) * p.K + k0 + threadIdx.x, p.udtype) : 0.f;

@@ -10,7 +10,7 @@ namespace chunk_detail {
 // p.amat (chunk_intra_kernel, or kept from the forward).
 // NV V tiles per CTA (2 when V > 64): Q̂ or K̂ is then built once for both. dv builds K̂ from
 // registers (SubChunkRows: λ never goes to shared memory, no Decays); o keeps the walks over
-// shared tiles, whose registers fit its three CTAs per SM without spills.
+// shared tiles (with SubChunkRows it spilled).
 //
 // Row strides follow how the tensor-core products read each tile (tile_mma.cuh): W is only ever
 // a B operand (rows stored whole), so LDB; A is read as stored (LD) for o and transposed (LDB)
@@ -18,8 +18,32 @@ namespace chunk_detail {
 // conflicts that it saves on the reads.
 template <bool DV>
 using OutPairTile = std::conditional_t<DV, TileB, Tile>;
+
+// Every global operand is fetched one step ahead into registers (held as loaded): a K tile's rows
+// (o: q and λ; dv: k and λ) while the previous K tile is used, each state tile while the previous
+// one is multiplied, the first V / dO tile under the last state tile, A by cp.async from the
+// start. Fetched right before their use, each CTA waited on memory at every tile (the loads'
+// conversions led the stalls), which three CTAs per SM did not hide; with the fetches ahead,
+// two CTAs per SM hold the registers for them.
+template <typename T, bool DV>
+struct OutRows;
+template <typename T>
+struct OutRows<T, false> {  // q and λ
+  RowFetch<T, true> fx, fl;
+  __device__ __forceinline__ void fetch(const ChunkPass& p, const Pos& pos, int h, int k0) {
+    fx.fetch(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+    fl.fetch(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+  }
+};
+template <typename T>
+struct OutRows<T, true> : SubChunkRows<T> {  // k and λ
+  __device__ __forceinline__ void fetch(const ChunkPass& p, const Pos& pos, int h, int k0) {
+    SubChunkRows<T>::fetch(p.k, p.g, pos.b, pos.t0, pos.L, h, k0, p.K);
+  }
+};
+
 template <typename T, Reader RD, bool DV, int NV>
-__global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p) {
+__global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
   extern __shared__ float4 smem4[];
   Tile* X = reinterpret_cast<Tile*>(smem4);        // Q̂, or K̂ transposed [ch][j]
   TileB* W = reinterpret_cast<TileB*>(X + C);      // (o) λ, then the state tile, then V / dO
@@ -30,23 +54,29 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
   Pos pos;
   if (!locate(p, blockIdx.x, pos)) return;
   const int h = blockIdx.y, v0 = blockIdx.z * NV * DT;
-  const int nv = min(NV, (p.V - v0 + DT - 1) / DT);
+  const int nv = min(NV, (p.V - v0 + DT - 1) / DT), nk = (p.K + DT - 1) / DT;
   const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
   const int64_t KV = int64_t(p.K) * p.V;
   const float* st = static_cast<const float*>(DV ? p.dhst : p.hst) + (pos.slot * p.H + h) * KV;
+  const VecArg& right = DV ? p.dout : p.v;  // the B operand of the pair product
+  copy_pairs(A, static_cast<const float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C);
+  OutRows<T, DV> rows;
+  RowFetch<float> fs;  // state tiles, in the order (K tile, V tile)
+  RowFetch<T, true> fr;  // V / dO tiles
+  rows.fetch(p, pos, h, 0);
+  fs.fetch_mat(st, p.K, p.V, 0, v0);
+  if (nk == 0) fr.fetch(right, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
   Acc<T> acc[NV];
-  for (int k0 = 0; k0 < p.K; k0 += DT) {
+  for (int kt = 0; kt < nk; ++kt) {
+    const int k0 = kt * DT;
     __syncthreads();  // the previous K tile's X, W and tau are consumed
     // Q̂ = q ⊙ exp2(G or E) = q ⊙ exp2(reader exponent) before[m];  K̂ = k ⊙ exp2(Qex) after[m].
     if constexpr (DV) {
-      SubChunkRows rows;
-      rows.fetch<T>(p.k, p.g, pos.b, pos.t0, pos.L, h, k0, p.K);
-      rows.put_scaled<false, RD>(X, tau);
+      rows.template put_scaled<false, RD>(X, tau);
+      if (kt + 1 < nk) rows.fetch(p, pos, h, k0 + DT);
     } else {
-      RowFetch fx, fl;
-      fx.fetch<T>(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-      fl.fetch<T>(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
-      fx.store<false>(X), fl.store<false>(W);
+      rows.fx.template store<false>(X), rows.fl.template store<false>(W);
+      if (kt + 1 < nk) rows.fetch(p, pos, h, k0 + DT);
       __syncthreads();
       chunk_decays(d, W);
       scale_reader<RD>(X, W, m, ch, d.before[m][ch]);
@@ -56,24 +86,27 @@ __global__ void __launch_bounds__(NTH, DV ? 2 : 3) chunk_out_kernel(ChunkPass p)
     for (int vt = 0; vt < NV; ++vt) {
       if (vt >= nv) break;
       if (vt > 0) __syncthreads();  // the previous V tile's product has read W
-      load_mat<false>(W, st, p.K, p.V, k0, v0 + vt * DT);
+      fs.template store<false>(W);
+      if (vt + 1 < nv) fs.fetch_mat(st, p.K, p.V, k0, v0 + (vt + 1) * DT);
+      else if (kt + 1 < nk) fs.fetch_mat(st, p.K, p.V, k0 + DT, v0);
+      else fr.fetch(right, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
       __syncthreads();
       if (DV) acc[vt].template mma<true>(X, W, DT);
       else acc[vt].template mma<false>(X, W, DT);
     }
   }
-  __syncthreads();
-  load_mat<false>(A, static_cast<const float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C, C, C, 0, 0);
+  copy_wait<0>();
+  __syncthreads();  // A has landed; the last product has read W
   const float rho = float(p.scale);
   if (DV) {  // dv = K̂ dS+ + ρ Aᵀ dO: fold ρ into A
-    __syncthreads();
     for (int e = threadIdx.x; e < C * C; e += NTH) A[e / C][e % C] *= rho;
   }
 #pragma unroll
   for (int vt = 0; vt < NV; ++vt) {
     if (vt >= nv) break;
     if (vt > 0) __syncthreads();
-    load_rows<T, false>(W, DV ? p.dout : p.v, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, 1.f);
+    fr.template store<false>(W);
+    if (vt + 1 < nv) fr.fetch(right, pos.b, pos.t0, pos.L, h, v0 + (vt + 1) * DT, p.V, 1.f);
     __syncthreads();
     // A is lower triangular: row i of A V needs j <= i, row j of Aᵀ dO needs i >= j.
     if (DV) acc[vt].template mma<true, Tri::KFromRow>(A, W, C);

@@ -161,14 +161,6 @@ __device__ __forceinline__ void store_frag_mat(const F& f, float* m, int64_t ld,
   }
 }
 
-// A chunk's pair matrix (fp32 [C][C], from amat) into a shared tile by cp.async: no registers
-// and no wait until the A V product.
-__device__ __forceinline__ void copy_pairs(Tile* a, const float* src) {
-  for (int e = threadIdx.x; e < C * C / 4; e += NTH)
-    copy16(&a[e / (C / 4)][4 * (e % (C / 4))], src + 4 * e, true);
-  copy_commit();
-}
-
 // zeta partials of slot `slot` (workspace [slots, H, ceil(V / 32), K]): for each state row k,
 // γ_k Σ S ⊙ D over each 32-column group. A thread's elements share one column group (Frag), and
 // the lanes that share its rows and group are the low F::kGroupLanes lane bits.
