@@ -159,6 +159,20 @@ __device__ __forceinline__ void load_mat(float (*s)[N], const float* m, int R, i
   f.store<TRANSPOSE>(s);
 }
 
+// Asks L2 for rows t < pos.L of a's columns [c0, c0 + n) (nothing for an off argument), one
+// prefetch a 128-byte line shared out over the CTA's threads, so that a later tile load (or an
+// epilogue's: dq_softmax_w, the dg / dk that grad_qk adds into) finds them on chip instead of the
+// CTA waiting on memory there. Issued once the registers of the loads before it are free: at a
+// kernel's start its addresses stayed live and the kernels spilled.
+template <typename E>
+__device__ __forceinline__ void prefetch_rows(const VecArg& a, const Pos& pos, int h, int c0, int n) {
+  constexpr int PER_LINE = 128 / sizeof(E);
+  const int lines = (n + PER_LINE - 1) / PER_LINE;
+  if (!a.on()) return;
+  for (int i = threadIdx.x; i < pos.L * lines; i += NTH)
+    prefetch_l2(vptr<E>(a, pos.b, pos.t0 + i / lines, h, c0 + (i % lines) * PER_LINE));
+}
+
 // A chunk's pair matrix (fp32 [C][C], from amat) into a shared tile of row stride N by cp.async:
 // no registers and no wait until its product.
 template <int N>

@@ -135,18 +135,6 @@ __device__ __forceinline__ void store_softmax_rows(const ChunkPass& p, const Pos
   }
 }
 
-// Asks L2 for rows t < pos.L of a's columns [c0, c0 + n), one prefetch a 128-byte line shared out
-// over the CTA's threads: the tensors that the kernel's last stores read (dq_softmax_w, the dg /
-// dk that they add into) are then on chip when the loads come, instead of each CTA's end waiting
-// on memory.
-template <typename E>
-__device__ __forceinline__ void prefetch_rows(const VecArg& a, const Pos& pos, int h, int c0, int n) {
-  constexpr int PER_LINE = 128 / sizeof(E);
-  const int lines = (n + PER_LINE - 1) / PER_LINE;
-  for (int i = threadIdx.x; i < pos.L * lines; i += NTH)
-    prefetch_l2(vptr<E>(a, pos.b, pos.t0 + i / lines, h, c0 + (i % lines) * PER_LINE));
-}
-
 // dq's rows through the softmax's backward (ChunkPass::dq_softmax_w; the launch has one K tile):
 // DQ holds every row's complete dq; a warp per row forms ⟨w, dq⟩ with shuffles and stores
 // w ⊙ (dq − ⟨w, dq⟩), rounded once. A warp loads the weights of all its rows before the first
@@ -221,6 +209,12 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     load_mat<true>(LAM, S, p.K, p.V, k0, v0);
     if (!DQ_ONLY) load_mat<true>(DQ, dS, p.K, p.V, k0, v0);
     __syncthreads();
+    // Phase 2's rows, on their way to L2 under this tile's products (their loads waited on DRAM).
+    if (v0 + DT >= p.V) {
+      if (!DQ_ONLY) prefetch_rows<T>(p.q, pos, h, k0, min(DT, p.K - k0));
+      prefetch_rows<T>(p.k, pos, h, k0, min(DT, p.K - k0));
+      prefetch_rows<T>(p.g, pos, h, k0, min(DT, p.K - k0));
+    }
     da.template mma<true>(QX, KY, DT);
     dqi.template mma<true>(QX, LAM, DT);
     if (!DQ_ONLY) dki.template mma<true>(KY, DQ, DT);
