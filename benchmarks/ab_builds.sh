@@ -25,7 +25,11 @@ if [ -d "$rev" ]; then
   rm -rf "$work/build" "$work"/fla_ext/_C*.so
 else
   git -C "$root" archive "$rev" | tar -x -C "$work"
+  # The name as this checkout resolves it: a machine's copy of .git may lag the working tree's
+  # (one GPU session built its first commit for HEAD), so the log says which commit ran.
+  rev="$rev = $(git -C "$root" rev-parse --short "$rev^{commit}")"
 fi
+echo "old: $rev; tree: $(git -C "$root" rev-parse --short HEAD 2>/dev/null) plus its uncommitted changes"
 (cd "$work" && "$py" setup.py -q build_ext --inplace > "$work/build.log" 2>&1) & old_build=$!
 (cd "$root" && "$py" setup.py -q build_ext --inplace > "$work/build_tree.log" 2>&1) & new_build=$!
 wait "$old_build" || { tail -20 "$work/build.log"; exit 1; }
