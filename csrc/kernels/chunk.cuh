@@ -173,6 +173,14 @@ __device__ __forceinline__ void prefetch_rows(const VecArg& a, const Pos& pos, i
     prefetch_l2(vptr<E>(a, pos.b, pos.t0 + i / lines, h, c0 + (i % lines) * PER_LINE));
 }
 
+// Columns [k0, k0 + n) of q (WITH_Q), k and λ to L2, the rows of a K tile: what intra and grad_qk's phase 2 load.
+template <typename T, bool WITH_Q = true>
+__device__ __forceinline__ void prefetch_key_tile(const ChunkPass& p, const Pos& pos, int h, int k0, int n) {
+  if (WITH_Q) prefetch_rows<T>(p.q, pos, h, k0, n);
+  prefetch_rows<T>(p.k, pos, h, k0, n);
+  prefetch_rows<T>(p.g, pos, h, k0, n);
+}
+
 // A chunk's pair matrix (fp32 [C][C], from amat) into a shared tile of row stride N by cp.async:
 // no registers and no wait until its product.
 template <int N>

@@ -210,11 +210,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (!DQ_ONLY) load_mat<true>(DQ, dS, p.K, p.V, k0, v0);
     __syncthreads();
     // Phase 2's rows, on their way to L2 under this tile's products (their loads waited on DRAM).
-    if (v0 + DT >= p.V) {
-      if (!DQ_ONLY) prefetch_rows<T>(p.q, pos, h, k0, min(DT, p.K - k0));
-      prefetch_rows<T>(p.k, pos, h, k0, min(DT, p.K - k0));
-      prefetch_rows<T>(p.g, pos, h, k0, min(DT, p.K - k0));
-    }
+    if (v0 + DT >= p.V) prefetch_key_tile<T, !DQ_ONLY>(p, pos, h, k0, min(DT, p.K - k0));
     da.template mma<true>(QX, KY, DT);
     dqi.template mma<true>(QX, LAM, DT);
     if (!DQ_ONLY) dki.template mma<true>(KY, DQ, DT);

@@ -167,11 +167,8 @@ __global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p) {
       fl.fetch(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
       fq.template store<false>(QX), fk.template store<true>(KYt), fl.template store<false>(W);
     }
-    if (k0 + DT < p.K) {  // the next K tile's rows, on their way to L2 under this tile's work
-      prefetch_rows<T>(p.q, pos, h, k0 + DT, min(DT, p.K - k0 - DT));
-      prefetch_rows<T>(p.k, pos, h, k0 + DT, min(DT, p.K - k0 - DT));
-      prefetch_rows<T>(p.g, pos, h, k0 + DT, min(DT, p.K - k0 - DT));
-    }
+    // The next K tile's rows, on their way to L2 under this tile's work.
+    if (k0 + DT < p.K) prefetch_key_tile<T>(p, pos, h, k0 + DT, min(DT, p.K - k0 - DT));
     if (RD == Reader::Exclusive && threadIdx.x < DT)
       us[threadIdx.x] = k0 + threadIdx.x < p.K ? ldu(p.u, int64_t(h) * p.K + k0 + threadIdx.x, p.udtype) : 0.f;
     __syncthreads();
