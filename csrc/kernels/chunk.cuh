@@ -24,6 +24,7 @@
 
 #include "async_copy.cuh"
 #include "chunk.h"
+#include "chunk_pieces.cuh"
 #include "elements.cuh"
 #include "sequence.h"
 #include "tile_mma.cuh"
@@ -77,10 +78,10 @@ __device__ __forceinline__ bool locate(const ChunkPass& p, int64_t slot, Pos& o)
 }
 
 // Tile loads are split into fetch (every load of the tile issued back to back into registers)
-// and store (to shared memory), so a tile costs one memory latency, not sixteen. The values are
-// held as loaded and converted at the store: a conversion right after its load would wait for it
-// there, so a kernel can fetch the next tile before working on the current one (chunk_out.cuh).
-// (The sequential state kernel holds whole tiles one chunk ahead: chunk_state.cuh's RowPieces.)
+// and store (to shared memory), so a tile costs one memory latency. Most kernels fetch whole
+// 16-byte pieces (chunk_pieces.cuh: intra, grad_qk, and the state kernel, which holds the next
+// chunk's pieces). RowFetch below fetches an element per row and thread; the out kernel holds its
+// values raw one step ahead of their use (chunk_out.cuh).
 constexpr int kPer = C * DT / NTH;  // elements per thread per tile
 
 // Rows [t0, t0 + L) x channels [d0, d0 + DT) of an activation, times mul, zero outside the
@@ -100,8 +101,7 @@ __device__ __forceinline__ const T* row_start(const VecArg& a, int64_t b, int64_
   return on ? vptr<T>(a, b, t0 + r0, h, d0 + c) : nullptr;
 }
 // T: the element type as loaded (float for fp32 matrices). RAW holds the values as loaded and
-// converts at the store, for a fetch ahead of its use; else they are converted as they arrive
-// (fewer registers where the store follows at once: holding them raw made the intra kernel spill).
+// converts at the store, for a fetch ahead of its use; else they are converted as they arrive.
 template <typename T, bool RAW = false>
 struct RowFetch {
   std::conditional_t<RAW, T, float> x[kPer];
@@ -143,21 +143,6 @@ struct RowFetch {
     }
   }
 };
-
-template <typename T, bool TRANSPOSE, int N>
-__device__ __forceinline__ void load_rows(float (*s)[N], const VecArg& a, int64_t b, int64_t t0, int L,
-                                          int h, int d0, int D, float mul) {
-  RowFetch<T> f;
-  f.fetch(a, b, t0, L, h, d0, D, mul);
-  f.template store<TRANSPOSE>(s);
-}
-
-template <bool TRANSPOSE, int N>
-__device__ __forceinline__ void load_mat(float (*s)[N], const float* m, int R, int Cn, int r0, int c0) {
-  RowFetch<float> f;
-  f.fetch_mat(m, R, Cn, r0, c0);
-  f.store<TRANSPOSE>(s);
-}
 
 // Asks L2 for rows t < pos.L of a's columns [c0, c0 + n) (nothing for an off argument), one
 // prefetch a 128-byte line shared out over the CTA's threads, so that a later tile load (or an

@@ -172,9 +172,10 @@ __device__ __forceinline__ void store_softmax_grad_rows(const ChunkPass& p, cons
 // dq, dk, dg (and du partials) for one chunk and K tile. DQ_ONLY: dq alone (the value-side
 // forward's o, chunk_vdecay.cuh): no dS+, no q, no dk or dg work; dk, dg, du are not written.
 // DQ_SOFTMAX: dq through the softmax's backward (ChunkPass::dq_softmax_w; its own build, so the
-// plain kernels keep their registers).
+// plain kernels keep their registers). vec: the activations are rows of whole 16-byte pieces
+// (grad_qk_vec).
 template <typename T, Reader RD, bool DQ_ONLY = false, bool DQ_SOFTMAX = false>
-__global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int nts) {
+__global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int nts, bool vec) {
   extern __shared__ float4 smem4[];
   Tile* DA = reinterpret_cast<Tile*>(smem4);
   Tile* DQ = DA + C;
@@ -202,12 +203,22 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
   Acc<T> da, dqi, dki;
   const float* S = static_cast<const float*>(p.hst) + (pos.slot * p.H + h) * KV;
   const float* dS = static_cast<const float*>(p.dhst) + (pos.slot * p.H + h) * KV;
+  const bool mats_vec = p.V % 4 == 0 && aligned16(S) && (DQ_ONLY || aligned16(dS));
   for (int v0 = 0; v0 < p.V; v0 += DT) {
     __syncthreads();
-    load_rows<T, true>(QX, p.dout, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
-    load_rows<T, true>(KY, p.v, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
-    load_mat<true>(LAM, S, p.K, p.V, k0, v0);
-    if (!DQ_ONLY) load_mat<true>(DQ, dS, p.K, p.V, k0, v0);
+    {  // the V tile's loads in flight at once (kTilesTogether), by columns for the transposed stores
+      constexpr bool together = kTilesTogether<T>;
+      RowPieces<T, true> fo, fv;
+      RowPieces<float, true> fs, fd;
+      fo.fetch(p.dout, pos.b, pos.t0, pos.L, h, v0, p.V, vec);
+      fv.fetch(p.v, pos.b, pos.t0, pos.L, h, v0, p.V, vec);
+      if (!together) fo.store_transposed(QX, 1.f), fv.store_transposed(KY, 1.f);
+      fs.fetch_mat(S, p.K, p.V, k0, v0, mats_vec);
+      if (!together) fs.store_transposed(LAM, 1.f);
+      if (!DQ_ONLY) fd.fetch_mat(dS, p.K, p.V, k0, v0, mats_vec);
+      if (together) fo.store_transposed(QX, 1.f), fv.store_transposed(KY, 1.f), fs.store_transposed(LAM, 1.f);
+      if (!DQ_ONLY) fd.store_transposed(DQ, 1.f);
+    }
     __syncthreads();
     // Phase 2's rows, on their way to L2 under this tile's products (their loads waited on DRAM).
     if (v0 + DT >= p.V) prefetch_key_tile<T, !DQ_ONLY>(p, pos, h, k0, min(DT, p.K - k0));
@@ -242,9 +253,18 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     if (p.dk_adds) prefetch_rows<T>(p.dk, pos, h, k0, min(DT, p.K - k0));
   }
   if constexpr (DQ_SOFTMAX) prefetch_rows<float>(p.dq_softmax_w, pos, h, 0, p.K);
-  if (!DQ_ONLY) load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-  load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-  load_rows<T, false>(LAM, p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+  {
+    constexpr bool together = kTilesTogether<T>;
+    RowPieces<T> fq, fk, fl;
+    if (!DQ_ONLY) fq.fetch(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
+    if (!DQ_ONLY && !together) fq.store(QX, 1.f);
+    fk.fetch(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
+    if (!together) fk.store(KY, 1.f);
+    fl.fetch(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
+    if (!DQ_ONLY && together) fq.store(QX, 1.f);
+    if (together) fk.store(KY, 1.f);
+    fl.store(LAM, kLog2e);
+  }
   __syncthreads();
   chunk_decays(d, LAM);
   // Inter terms to the sub-chunk references; operands for the off-diagonal blocks. Also
@@ -288,8 +308,13 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     }
   }
   __syncthreads();
-  if (!DQ_ONLY) load_rows<T, false>(QX, p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);  // raw q, k again
-  load_rows<T, false>(KY, p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
+  {  // raw q, k again
+    RowPieces<T> fq, fk;
+    if (!DQ_ONLY) fq.fetch(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
+    fk.fetch(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
+    if (!DQ_ONLY) fq.store(QX, 1.f);
+    fk.store(KY, 1.f);
+  }
   __syncthreads();
   diag_grads<RD, !DQ_ONLY>(DQ, DK, DA, QX, KY, LAM, m, ch);
   if constexpr (DQ_ONLY) {  // the value-side forward's o: dq alone, no dg scan
@@ -396,6 +421,13 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
     locate(p, blockIdx.x, at);
     store_softmax_grad_rows<T>(p, at, blockIdx.y, DQ);
   }
+}
+
+// The `vec` argument of chunk_grad_qk_kernel.
+template <typename T>
+inline bool grad_qk_vec(const ChunkPass& p) {
+  constexpr int P = RowPieces<T>::P;
+  return intra_vec<T>(p) && rows_in_pieces(p.v, p.V, P) && rows_in_pieces(p.dout, p.V, P);
 }
 
 }  // namespace chunk_detail

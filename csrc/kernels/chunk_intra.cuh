@@ -133,11 +133,12 @@ __device__ __forceinline__ void diag_store(Tile* A, DiagAcc& acc) {
 
 // The pair matrix A_ij = Σ_c q_ic k_jc exp2(Σ_{j<s<=i} λ_sc) for j < i (and the i = j terms: 1,
 // or the bonus u) of one chunk and head, over all K tiles (once, whatever V), into p.amat
-// [slots, H, C, C] (fp32, zero above the diagonal and for slots that hold no chunk).
+// [slots, H, C, C] (fp32, zero above the diagonal and for slots that hold no chunk). vec: q, k
+// and λ are rows of whole 16-byte pieces (intra_vec).
 // 61 KB of shared memory keep 3 CTAs on an SM: the kernel is latency-bound, so a third CTA to
 // switch to is worth more than the registers it costs (the bound of 3 spills a little).
 template <typename T, Reader RD>
-__global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p) {
+__global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p, bool vec) {
   extern __shared__ float4 smem4[];
   Tile* QX = reinterpret_cast<Tile*>(smem4);  // q, then q4, then q ⊙ exp2(reader exponent)
   Tile* KYt = QX + C;                          // k transposed [ch][j], then k4, then k ⊙ exp2(Qex)
@@ -160,12 +161,17 @@ __global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p) {
   Acc<T> off;  // off-diagonal blocks (query sub-chunk mq > key sub-chunk mk); the rest stays 0
   for (int k0 = 0; k0 < p.K; k0 += DT) {
     __syncthreads();
-    {  // every load of the K tile in flight at once: one memory latency
-      RowFetch<T> fq, fk, fl;
-      fq.fetch(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-      fk.fetch(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-      fl.fetch(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
-      fq.template store<false>(QX), fk.template store<true>(KYt), fl.template store<false>(W);
+    {  // every load of the K tile in flight at once (kTilesTogether): one memory latency
+      constexpr bool together = kTilesTogether<T>;
+      RowPieces<T> fq, fl;
+      RowPieces<T, true> fk;  // by columns: its transposed store is conflict-free
+      fq.fetch(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
+      if (!together) fq.store(QX, 1.f);
+      fk.fetch(p.k, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
+      if (!together) fk.store_transposed(KYt, 1.f);
+      fl.fetch(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
+      if (together) fq.store(QX, 1.f), fk.store_transposed(KYt, 1.f);
+      fl.store(W, kLog2e);
     }
     // The next K tile's rows, on their way to L2 under this tile's work.
     if (k0 + DT < p.K) prefetch_key_tile<T>(p, pos, h, k0 + DT, min(DT, p.K - k0 - DT));
@@ -199,6 +205,13 @@ __global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p) {
     const float4 a = *reinterpret_cast<const float4*>(&A[e / (C / 4)][4 * (e % (C / 4))]);
     amat[e] = make_float4(tf32_if<kTC<T>>(a.x), tf32_if<kTC<T>>(a.y), tf32_if<kTC<T>>(a.z), tf32_if<kTC<T>>(a.w));
   }
+}
+
+// The `vec` argument of chunk_intra_kernel.
+template <typename T>
+inline bool intra_vec(const ChunkPass& p) {
+  constexpr int P = RowPieces<T>::P;
+  return rows_in_pieces(p.q, p.K, P) && rows_in_pieces(p.k, p.K, P) && rows_in_pieces(p.g, p.K, P);
 }
 
 }  // namespace chunk_detail

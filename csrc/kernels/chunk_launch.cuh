@@ -26,7 +26,7 @@ cudaError_t launch_pairs(const ChunkPass& p, int64_t slots, cudaStream_t stream)
   auto intra = chunk_intra_kernel<T, RD>;
   cudaError_t e = set_smem(intra, kIntraSmem);
   if (e != cudaSuccess) return e;
-  if (slots > 0) intra<<<dim3(unsigned(slots), p.H), NTH, kIntraSmem, stream>>>(p);
+  if (slots > 0) intra<<<dim3(unsigned(slots), p.H), NTH, kIntraSmem, stream>>>(p, intra_vec<T>(p));
   return cudaGetLastError();
 }
 
@@ -117,7 +117,7 @@ cudaError_t launch_chunk_reader(const ChunkPass& p, cudaStream_t stream) {
     if (p.dq_softmax_w.on()) dqk = chunk_grad_qk_kernel<T, RD, false, true>;
   }
   if ((e = set_smem(dqk, kGradSmem)) != cudaSuccess) return e;
-  if (slots > 0) dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, nts);
+  if (slots > 0) dqk<<<dim3(unsigned(slots), p.H, ntk), NTH, kGradSmem, stream>>>(p, nts, grad_qk_vec<T>(p));
   return cudaGetLastError();
 }
 

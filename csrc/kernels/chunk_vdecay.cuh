@@ -36,7 +36,7 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
     auto o = chunk_grad_qk_kernel<T, RD, true>;
     if ((e = set_smem(o, kGradSmem)) != cudaSuccess) return e;
     const ChunkPass f = value_side_forward_as_key_side(p);
-    if (slots > 0) o<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(f, 0);
+    if (slots > 0) o<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(f, 0, grad_qk_vec<T>(f));
     return cudaGetLastError();
   }
   auto dqk = chunk_grad_qk_kernel<T, RD>;
@@ -45,7 +45,7 @@ cudaError_t launch_chunk_vdecay(const ChunkPass& p, cudaStream_t stream) {
   const ChunkPass b = value_side_grads_as_key_side(p);
   if (p.dk.on() && (e = launch_out<T, RD, true>(b, slots, stream)) != cudaSuccess) return e;
   if (p.dq.on() && (e = launch_out<T, RD, false>(b, slots, stream)) != cudaSuccess) return e;
-  if (slots > 0) dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(b, nts);
+  if (slots > 0) dqk<<<dim3(unsigned(slots), r.H, ntk), NTH, kGradSmem, stream>>>(b, nts, grad_qk_vec<T>(b));
   return cudaGetLastError();
 }
 

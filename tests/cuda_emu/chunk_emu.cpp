@@ -77,7 +77,7 @@ bool split_out = false;
 // The forward of chunk_launch.cuh's launch_forward; `keep`: hst is written (a training forward).
 template <typename E, Reader RD>
 void forward(const ChunkPass& p, int64_t slots) {
-  emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(p); }); });
+  emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(p, intra_vec<E>(p)); }); });
   const bool split = split_out && p.hst;
   if (p.K <= DT && !split) return state<E, RD, true, 1>(p);
   if (chunk_fused_out(p.K) && !split) return state<E, RD, true, 2>(p);
@@ -88,7 +88,7 @@ void forward(const ChunkPass& p, int64_t slots) {
 template <typename E>
 void grad_qk(const ChunkPass& p, int64_t slots, int nts) {
   emu::launch(dim3(unsigned(slots), p.H, unsigned((p.K + DT - 1) / DT)), NTH,
-              [&] { cta([&] { chunk_grad_qk_kernel<E, Reader::Inclusive>(p, nts); }); });
+              [&] { cta([&] { chunk_grad_qk_kernel<E, Reader::Inclusive>(p, nts, grad_qk_vec<E>(p)); }); });
 }
 
 // A value-side decay (chunk_vdecay.cuh): the transposed key-side pass.
@@ -97,12 +97,12 @@ void value_side(const ChunkPass& p, int64_t slots) {
   const ChunkPass r = value_side_as_key_side(p);
   constexpr Reader RD = Reader::Inclusive;
   if (p.dout.on())
-    emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(r); }); });
+    emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(r, intra_vec<E>(r)); }); });
   if (!p.hst_kept) state<E, RD, false, 1>(r);
   if (!p.dout.on()) {
     const ChunkPass f = value_side_forward_as_key_side(p);
     return emu::launch(dim3(unsigned(slots), p.H, unsigned((r.K + DT - 1) / DT)), NTH,
-                       [&] { cta([&] { chunk_grad_qk_kernel<E, RD, true>(f, 0); }); });
+                       [&] { cta([&] { chunk_grad_qk_kernel<E, RD, true>(f, 0, grad_qk_vec<E>(f)); }); });
   }
   state<E, RD, false, 1, true>(r);
   const ChunkPass b = value_side_grads_as_key_side(p);
@@ -175,7 +175,7 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   b.o_acc = false, b.dq_acc = acc;
   if (!keep) {  // launch_forward_state<PAIRS = true>: the pair matrices and hst again
     amat.fill_(NAN), hst.fill_(NAN);
-    emu::launch(dim3(unsigned(slots), H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(b); }); });
+    emu::launch(dim3(unsigned(slots), H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(b, intra_vec<E>(b)); }); });
     state<E, RD, false, 1>(b);
   }
   const int nts = (V + kStateCols - 1) / kStateCols;
@@ -191,10 +191,10 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   out<E, RD, true>(b, slots);
   if (softmax)  // chunk_launch.cuh's choice (the inclusive reader alone on the GPU)
     emu::launch(dim3(unsigned(slots), H, unsigned((K + DT - 1) / DT)), NTH,
-                [&] { cta([&] { chunk_grad_qk_kernel<E, RD, false, true>(b, nts); }); });
+                [&] { cta([&] { chunk_grad_qk_kernel<E, RD, false, true>(b, nts, grad_qk_vec<E>(b)); }); });
   else
     emu::launch(dim3(unsigned(slots), H, unsigned((K + DT - 1) / DT)), NTH,
-                [&] { cta([&] { chunk_grad_qk_kernel<E, RD>(b, nts); }); });
+                [&] { cta([&] { chunk_grad_qk_kernel<E, RD>(b, nts, grad_qk_vec<E>(b)); }); });
   if (softmax) return {r.dq, r.dk, r.dv, r.dg, du.sum(0), r.dh0, weights};
   return {r.dq, r.dk, r.dv, r.dg, du.sum(0), r.dh0};
 }
