@@ -3,7 +3,8 @@ rows the issues ask for, merged into an existing file row by row; benchmarks/env
 settings in one process; benchmarks/cp_overhead.py
 times an op with and without a one-rank context; benchmarks/cp_scale.py splits one sequence over
 two gloo ranks; benchmarks/model_step.py trains a tiny RWKV7ForCausalLM; benchmarks/ab_builds.sh
-(two builds on a GPU) parses and prints its usage."""
+(two builds on a GPU) parses and prints its usage; benchmarks/operand_precision.py (a precision
+study of chunk_rwkv7's algebra) matches the oracle with exact products."""
 import json
 import os
 import subprocess
@@ -174,3 +175,21 @@ def test_ab_builds_usage():
     subprocess.run(["bash", "-n", script], check=True, timeout=60)
     r = subprocess.run(["bash", script, "HEAD"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "REV|DIR" in r.stdout and "kernel_times.py" in r.stdout
+
+
+def test_operand_precision_quick_cpu(tmp_path):
+    """benchmarks/operand_precision.py: its chunked RWKV7 algebra with exact products matches the
+    float64 oracle (the final state and dh0 to their fp32 rounding: the outputs and gradients are
+    bf16, so their error is bf16's); rounding the products' operands to TF32, then bf16, adds error
+    in that order."""
+    out = tmp_path / "prec.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "operand_precision.py"), "--T", "48", "--H", "1",
+           "--K", "8", "--w", "rwkv7", "--lr", "iclr1", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    err = {(r["fmt"], r["out"]): r["rel"] for r in rows}
+    assert len(rows) == 5 * 9
+    assert err["exact", "ht"] < 1e-7 and err["exact", "dh0"] < 1e-7
+    assert all(err["exact", n] < 5e-3 for n in ("o", "dr", "dw", "dk", "dv", "da", "db"))
+    assert err["exact", "ht"] < err["tf32", "ht"] < err["bf16", "ht"]
