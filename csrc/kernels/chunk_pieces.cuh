@@ -1,10 +1,9 @@
 // The chunk engine's tile loads in 16-byte pieces (kernels/chunk.cuh has the overview): a 64 x 64
 // tile of an activation, fetched into registers as loaded and converted at the store to shared
-// memory. Per-element loads (a 2-byte load per row and thread) cost more registers than a tile's
-// worth of pieces, so at a kernel's register cap the compiler issued them in batches of six or
-// seven, each batch waiting on memory before the next went out (ncu: eight round trips for
-// intra's three tiles); a tile's pieces are two to four 16-byte loads a thread, all in flight at
-// once.
+// memory. Per-element loads (a 2-byte load per row and thread) need more registers than a tile's
+// worth of pieces, so at a kernel's register cap the compiler issued them in small batches, each
+// waiting on memory before the next went out (benchmarks/NOTES.md c51); a tile's pieces are two
+// to four 16-byte loads a thread, all in flight at once.
 #pragma once
 #include <cstring>
 #include <type_traits>
@@ -174,8 +173,8 @@ struct RowPieces {
 
 // Whether a kernel that loads several tiles at once fetches them all before storing any (all their
 // loads in flight: one memory latency) or stores each before fetching the next. A bf16 / fp16 tile
-// is two pieces a thread, an fp32 tile four: three or four fp32 tiles in flight spilled intra and
-// grad_qk at their register caps and were slower than one tile at a time.
+// is two pieces a thread, an fp32 tile four: three or four fp32 tiles in flight do not fit intra's
+// and grad_qk's register caps (they spill), so fp32 takes one tile at a time.
 template <typename T>
 constexpr bool kTilesTogether = sizeof(T) < 4;
 
