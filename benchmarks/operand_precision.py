@@ -23,14 +23,13 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
-import fla_ext  # noqa: F401  (the package path; reference below)
 from fla_ext import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "support")]
-from inputs import log_decay  # noqa: E402
+from inputs import log_decay  # noqa: E402  (the stress regimes of the tests)
+from rwkv7_cases import low_rank  # noqa: E402
 
 C = 16
 # A format per product: one format for all, or a split: the products with the state (R̂ S, W S,
@@ -122,22 +121,17 @@ def rel(x, ref, atol=1e-4):
     return float(d), bool((x - ref).abs().max() <= atol)
 
 
+def bf(x):
+    """x's bf16 value, as float64."""
+    return x.to(torch.bfloat16).double()
+
+
 def case(T, H, K, w_kind, lr, seed):
+    """bf16-valued inputs (the tests' regimes: log_decay, low_rank), h0, dO and dHT."""
     g = torch.Generator().manual_seed(seed)
-    bf = lambda x: x.to(torch.bfloat16).double()  # noqa: E731  (bf16 inputs, their exact values)
     r, k, v = (bf(torch.randn(H, T, K, generator=g)) for _ in range(3))
     w = bf(log_decay(w_kind, (H, T, K), g))
-    src = torch.randn(H, T, K, generator=g)
-    if lr == "repeated":
-        kk = F.normalize(1 + 0.01 * src, dim=-1)
-        a, b = -kk, kk.clone()
-    elif lr == "generic":
-        a, b = 0.3 * src / K ** 0.5, 0.3 * torch.randn(H, T, K, generator=g) / K ** 0.5
-    else:
-        kk = F.normalize(src, dim=-1)
-        iclr = torch.rand(kk.shape, generator=g) if lr == "rwkv" else torch.ones(kk.shape)
-        a, b = -kk, kk * iclr
-    a, b = bf(a), bf(b)
+    a, b = (bf(x) for x in low_rank(lr, torch.randn(H, T, K, generator=g), g))
     h0 = torch.randn(H, K, K, generator=g).double()
     do = bf(torch.randn(H, T, K, generator=g))
     dht = torch.randn(H, K, K, generator=g).double()
@@ -157,9 +151,8 @@ def run(T, H, K, w_kind, lr, seed=0):
         ins = [x.clone().requires_grad_(True) for x in (r, w, k, v, a, b, h0)]
         o, ht = chunked_rwkv7(*ins[:6], ins[6], 1.0, fmt)
         grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), ins)
-        bf = lambda x: x.to(torch.bfloat16).double()  # noqa: E731  (the op returns bf16)
         got = dict(o=bf(o.detach()), ht=ht.detach().float().double(), dh0=grads[6].float().double(),
-                   **{f"d{n}": bf(x) for n, x in zip("rwkvab", grads[:6])})
+                   **{f"d{n}": bf(x) for n, x in zip("rwkvab", grads[:6])})  # as the op returns them
         for name in OUTPUTS:
             e, escape = rel(got[name], refs[name])
             rows.append(dict(T=T, H=H, K=K, w=w_kind, lr=lr, fmt=fmt, out=name, rel=e, atol_ok=escape))
