@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
 template <typename T>
 inline bool grad_qk_vec(const ChunkPass& p) {
   constexpr int P = RowPieces<T>::P;
-  return intra_vec<T>(p) && rows_in_pieces(p.v, p.V, P) && rows_in_pieces(p.dout, p.V, P);
+  return key_rows_vec<T>(p) && rows_in_pieces(p.v, p.V, P) && rows_in_pieces(p.dout, p.V, P);
 }
 
 }  // namespace chunk_detail

@@ -134,7 +134,7 @@ __device__ __forceinline__ void diag_store(Tile* A, DiagAcc& acc) {
 // The pair matrix A_ij = Σ_c q_ic k_jc exp2(Σ_{j<s<=i} λ_sc) for j < i (and the i = j terms: 1,
 // or the bonus u) of one chunk and head, over all K tiles (once, whatever V), into p.amat
 // [slots, H, C, C] (fp32, zero above the diagonal and for slots that hold no chunk). vec: q, k
-// and λ are rows of whole 16-byte pieces (intra_vec).
+// and λ are rows of whole 16-byte pieces (key_rows_vec).
 // 61 KB of shared memory keep 3 CTAs on an SM: the kernel is latency-bound, so a third CTA to
 // switch to is worth more than the registers it costs (the bound of 3 spills a little).
 template <typename T, Reader RD>
@@ -207,9 +207,10 @@ __global__ void __launch_bounds__(NTH, 3) chunk_intra_kernel(ChunkPass p, bool v
   }
 }
 
-// The `vec` argument of chunk_intra_kernel.
+// The `vec` argument of chunk_intra_kernel (and its part of grad_qk_vec): q, k and λ are rows of
+// whole 16-byte pieces.
 template <typename T>
-inline bool intra_vec(const ChunkPass& p) {
+inline bool key_rows_vec(const ChunkPass& p) {
   constexpr int P = RowPieces<T>::P;
   return rows_in_pieces(p.q, p.K, P) && rows_in_pieces(p.k, p.K, P) && rows_in_pieces(p.g, p.K, P);
 }

@@ -26,7 +26,7 @@ cudaError_t launch_pairs(const ChunkPass& p, int64_t slots, cudaStream_t stream)
   auto intra = chunk_intra_kernel<T, RD>;
   cudaError_t e = set_smem(intra, kIntraSmem);
   if (e != cudaSuccess) return e;
-  if (slots > 0) intra<<<dim3(unsigned(slots), p.H), NTH, kIntraSmem, stream>>>(p, intra_vec<T>(p));
+  if (slots > 0) intra<<<dim3(unsigned(slots), p.H), NTH, kIntraSmem, stream>>>(p, key_rows_vec<T>(p));
   return cudaGetLastError();
 }
 

@@ -77,7 +77,7 @@ bool split_out = false;
 // The forward of chunk_launch.cuh's launch_forward; `keep`: hst is written (a training forward).
 template <typename E, Reader RD>
 void forward(const ChunkPass& p, int64_t slots) {
-  emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(p, intra_vec<E>(p)); }); });
+  emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(p, key_rows_vec<E>(p)); }); });
   const bool split = split_out && p.hst;
   if (p.K <= DT && !split) return state<E, RD, true, 1>(p);
   if (chunk_fused_out(p.K) && !split) return state<E, RD, true, 2>(p);
@@ -97,7 +97,7 @@ void value_side(const ChunkPass& p, int64_t slots) {
   const ChunkPass r = value_side_as_key_side(p);
   constexpr Reader RD = Reader::Inclusive;
   if (p.dout.on())
-    emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(r, intra_vec<E>(r)); }); });
+    emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(r, key_rows_vec<E>(r)); }); });
   if (!p.hst_kept) state<E, RD, false, 1>(r);
   if (!p.dout.on()) {
     const ChunkPass f = value_side_forward_as_key_side(p);
@@ -175,7 +175,7 @@ std::vector<Tensor> run_t(Tensor q, Tensor k, Tensor v, Tensor g, Tensor u, Tens
   b.o_acc = false, b.dq_acc = acc;
   if (!keep) {  // launch_forward_state<PAIRS = true>: the pair matrices and hst again
     amat.fill_(NAN), hst.fill_(NAN);
-    emu::launch(dim3(unsigned(slots), H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(b, intra_vec<E>(b)); }); });
+    emu::launch(dim3(unsigned(slots), H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(b, key_rows_vec<E>(b)); }); });
     state<E, RD, false, 1>(b);
   }
   const int nts = (V + kStateCols - 1) / kStateCols;
