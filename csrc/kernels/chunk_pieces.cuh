@@ -2,7 +2,7 @@
 // tile of an activation, fetched into registers as loaded and converted at the store to shared
 // memory. Per-element loads (a 2-byte load per row and thread) need more registers than a tile's
 // worth of pieces, so at a kernel's register cap the compiler issued them in small batches, each
-// waiting on memory before the next went out (benchmarks/NOTES.md c51); a tile's pieces are two
+// waiting on memory before the next went out (docs/design.md §5.2); a tile's pieces are two
 // to four 16-byte loads a thread, all in flight at once.
 #pragma once
 #include <cstring>
