@@ -18,6 +18,13 @@ import fla_ext  # noqa: E402,F401
 
 HAS_CUDA = torch.cuda.is_available()
 
+# Under pytest-xdist (`-n N`) each worker takes an equal share of the cores for torch's CPU
+# threads. The float64 oracles run OpenMP loops whose barriers spin, and with more threads than
+# cores in all (workers x threads) a test that takes 0.2 s took 25 s (docs/design.md §8).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // _workers)))
+
 # Every test that takes `device` runs on the CPU and, marked `cuda`, on the GPU when present.
 DEVICES = [
     pytest.param("cpu", id="cpu"),

@@ -77,72 +77,11 @@ __device__ __forceinline__ bool locate(const ChunkPass& p, int64_t slot, Pos& o)
   return true;
 }
 
-// Tile loads are split into fetch (every load of the tile issued back to back into registers)
-// and store (to shared memory), so a tile costs one memory latency. Most kernels fetch whole
-// 16-byte pieces (chunk_pieces.cuh: intra, grad_qk, and the state kernel, which holds the next
-// chunk's pieces). RowFetch below fetches an element per row and thread; the out kernel holds its
-// values raw one step ahead of their use (chunk_out.cuh).
-constexpr int kPer = C * DT / NTH;  // elements per thread per tile
-
-// Rows [t0, t0 + L) x channels [d0, d0 + DT) of an activation, times mul, zero outside the
-// sequence and past D: padded rows and channels then contribute exactly 0 (λ = 0, §2.4).
-// Thread x owns column x % DT of rows x / DT + 4 it: one pointer, advanced by a fixed row step
-// (the index arithmetic, not the loads, dominated these kernels' instruction counts).
-constexpr int kRowStep = NTH / DT;
-// Thread x's element of row x / DT: its pointer, and in `left` how many rows it has inside the
-// sequence (rows it * kRowStep < left; 0 when its column is past D or the argument is off: an off
-// argument, no decay, reads as zeros).
-template <typename T>
-__device__ __forceinline__ const T* row_start(const VecArg& a, int64_t b, int64_t t0, int L, int h,
-                                              int d0, int D, int& left) {
-  const unsigned c = threadIdx.x % DT, r0 = threadIdx.x / DT;
-  const bool on = a.on() && d0 + int(c) < D;
-  left = on ? L - int(r0) : 0;
-  return on ? vptr<T>(a, b, t0 + r0, h, d0 + c) : nullptr;
-}
-// T: the element type as loaded (float for fp32 matrices). RAW holds the values as loaded and
-// converts at the store, for a fetch ahead of its use; else they are converted as they arrive.
-template <typename T, bool RAW = false>
-struct RowFetch {
-  std::conditional_t<RAW, T, float> x[kPer];
-  float mul = 1.f;
-  __device__ __forceinline__ void fetch(const VecArg& a, int64_t b, int64_t t0, int L, int h, int d0,
-                                        int D, float m) {
-    int left;
-    const T* ptr = row_start<T>(a, b, t0, L, h, d0, D, left);
-    const int64_t step = kRowStep * a.st;
-    if (RAW) mul = m;
-#pragma unroll
-    for (int it = 0; it < kPer; ++it, ptr += step) {
-      if constexpr (RAW) x[it] = it * kRowStep < left ? *ptr : from_f<T>(0.f);
-      else x[it] = it * kRowStep < left ? to_f(*ptr) * m : 0.f;
-    }
-  }
-  // Rows [r0, r0 + DT) x cols [c0, c0 + DT) of a row-major fp32 [R, Cn] matrix, zero outside.
-  __device__ __forceinline__ void fetch_mat(const float* m, int R, int Cn, int r0, int c0) {
-    static_assert(std::is_same_v<T, float>, "matrices are fp32");
-    const unsigned c = threadIdx.x % DT, rr = threadIdx.x / DT;
-    const bool on = c0 + int(c) < Cn;
-    const float* ptr = m + int64_t(r0 + int(rr)) * Cn + c0 + c;
-    const int64_t step = int64_t(kRowStep) * Cn;
-    const int left = on ? R - r0 - int(rr) : 0;
-#pragma unroll
-    for (int it = 0; it < kPer; ++it, ptr += step) x[it] = it * kRowStep < left ? *ptr : 0.f;
-  }
-  // s[row][ch], or transposed s[ch][row]; s at row stride N (LD or LDB, tile_mma.cuh).
-  template <bool TRANSPOSE, int N>
-  __device__ __forceinline__ void store(float (*s)[N]) const {
-    const unsigned c = threadIdx.x % DT, r0 = threadIdx.x / DT;
-#pragma unroll
-    for (int it = 0; it < kPer; ++it) {
-      const unsigned r = r0 + it * kRowStep;
-      float v;
-      if constexpr (RAW) v = to_f(x[it]) * mul;
-      else v = x[it];
-      if (TRANSPOSE) s[c][r] = v; else s[r][c] = v;
-    }
-  }
-};
+// Tile loads (chunk_pieces.cuh): a kernel fetches a tile's 16-byte pieces into registers and
+// stores them to shared memory afterwards, converted there, so a tile costs one memory latency and
+// the next one can be in flight while the current one is used (the state kernel holds the next
+// chunk's pieces; the out kernel fetches each operand one step ahead). SubChunkRows (below) holds a
+// thread's column of a sub-chunk instead, for the scalings that walk it in registers.
 
 // Asks L2 for rows t < pos.L of a's columns [c0, c0 + n) (nothing for an off argument), one
 // prefetch a 128-byte line shared out over the CTA's threads, so that a later tile load (or an
@@ -237,7 +176,7 @@ __device__ __forceinline__ void chunk_decays(Decays& d, const float (*lam)[N]) {
 
 // The scale_reader / scale_key walks with the rows in registers, for a kernel that needs the
 // scaled tile alone (no λ in shared memory, no Decays): thread (m, ch) fetches rows m SC ..
-// (m + 1) SC of channel ch of x and λ (zero outside the sequence and past D, as RowFetch), sums
+// (m + 1) SC of channel ch of x and λ (zero outside the sequence and past D, as RowPieces), sums
 // its sub-chunk total τ_m in the same order as chunk_decays, trades the totals through tau
 // (NSC x DT floats; one barrier) and stores x times exp2 of the same exponents as the walks.
 // Held as loaded (converted in put_scaled), so that the next K tile's rows can be fetched while

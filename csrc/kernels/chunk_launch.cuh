@@ -66,7 +66,7 @@ cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
     cudaError_t e = set_smem(out, smem);
     if (e != cudaSuccess) return e;
     const unsigned z = unsigned((p.V + nv * DT - 1) / (nv * DT));
-    if (slots > 0) out<<<dim3(unsigned(slots), p.H, z), NTH, smem, stream>>>(p);
+    if (slots > 0) out<<<dim3(unsigned(slots), p.H, z), NTH, smem, stream>>>(p, out_vec<T>(p, DV));
     return cudaGetLastError();
   };
   return p.V > DT ? launch(chunk_out_kernel<T, RD, DV, 2>, 2) : launch(chunk_out_kernel<T, RD, DV, 1>, 1);

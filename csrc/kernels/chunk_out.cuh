@@ -28,22 +28,23 @@ using OutPairTile = std::conditional_t<DV, TileB, Tile>;
 template <typename T, bool DV>
 struct OutRows;
 template <typename T>
-struct OutRows<T, false> {  // q and λ
-  RowFetch<T, true> fx, fl;
-  __device__ __forceinline__ void fetch(const ChunkPass& p, const Pos& pos, int h, int k0) {
-    fx.fetch(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, 1.f);
-    fl.fetch(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, kLog2e);
+struct OutRows<T, false> {  // q and λ, in 16-byte pieces (chunk_pieces.cuh)
+  RowPieces<T> fx, fl;
+  __device__ __forceinline__ void fetch(const ChunkPass& p, const Pos& pos, int h, int k0, bool vec) {
+    fx.fetch(p.q, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
+    fl.fetch(p.g, pos.b, pos.t0, pos.L, h, k0, p.K, vec);
   }
 };
 template <typename T>
-struct OutRows<T, true> : SubChunkRows<T> {  // k and λ
-  __device__ __forceinline__ void fetch(const ChunkPass& p, const Pos& pos, int h, int k0) {
+struct OutRows<T, true> : SubChunkRows<T> {  // k and λ, a column of 16 rows a thread
+  __device__ __forceinline__ void fetch(const ChunkPass& p, const Pos& pos, int h, int k0, bool) {
     SubChunkRows<T>::fetch(p.k, p.g, pos.b, pos.t0, pos.L, h, k0, p.K);
   }
 };
 
+// vec: the rows it reads in pieces are whole 16-byte pieces (out_vec).
 template <typename T, Reader RD, bool DV, int NV>
-__global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
+__global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p, bool vec) {
   extern __shared__ float4 smem4[];
   Tile* X = reinterpret_cast<Tile*>(smem4);        // Q̂, or K̂ transposed [ch][j]
   TileB* W = reinterpret_cast<TileB*>(X + C);      // (o) λ, then the state tile, then V / dO
@@ -61,11 +62,12 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
   const VecArg& right = DV ? p.dout : p.v;  // the B operand of the pair product
   copy_pairs(A, static_cast<const float*>(p.amat) + (blockIdx.x * p.H + h) * int64_t(C) * C);
   OutRows<T, DV> rows;
-  RowFetch<float> fs;  // state tiles, in the order (K tile, V tile)
-  RowFetch<T, true> fr;  // V / dO tiles
-  rows.fetch(p, pos, h, 0);
-  fs.fetch_mat(st, p.K, p.V, 0, v0);
-  if (nk == 0) fr.fetch(right, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+  RowPieces<float> fs;  // state tiles, in the order (K tile, V tile)
+  RowPieces<T> fr;      // V / dO tiles
+  const bool mats_vec = p.V % 4 == 0 && aligned16(st);
+  rows.fetch(p, pos, h, 0, vec);
+  fs.fetch_mat(st, p.K, p.V, 0, v0, mats_vec);
+  if (nk == 0) fr.fetch(right, pos.b, pos.t0, pos.L, h, v0, p.V, vec);
   Acc<T> acc[NV];
   for (int kt = 0; kt < nk; ++kt) {
     const int k0 = kt * DT;
@@ -73,10 +75,10 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
     // Q̂ = q ⊙ exp2(G or E) = q ⊙ exp2(reader exponent) before[m];  K̂ = k ⊙ exp2(Qex) after[m].
     if constexpr (DV) {
       rows.template put_scaled<false, RD>(X, tau);
-      if (kt + 1 < nk) rows.fetch(p, pos, h, k0 + DT);
+      if (kt + 1 < nk) rows.fetch(p, pos, h, k0 + DT, vec);
     } else {
-      rows.fx.template store<false>(X), rows.fl.template store<false>(W);
-      if (kt + 1 < nk) rows.fetch(p, pos, h, k0 + DT);
+      rows.fx.store(X, 1.f), rows.fl.store(W, kLog2e);
+      if (kt + 1 < nk) rows.fetch(p, pos, h, k0 + DT, vec);
       __syncthreads();
       chunk_decays(d, W);
       scale_reader<RD>(X, W, m, ch, d.before[m][ch]);
@@ -86,10 +88,10 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
     for (int vt = 0; vt < NV; ++vt) {
       if (vt >= nv) break;
       if (vt > 0) __syncthreads();  // the previous V tile's product has read W
-      fs.template store<false>(W);
-      if (vt + 1 < nv) fs.fetch_mat(st, p.K, p.V, k0, v0 + (vt + 1) * DT);
-      else if (kt + 1 < nk) fs.fetch_mat(st, p.K, p.V, k0 + DT, v0);
-      else fr.fetch(right, pos.b, pos.t0, pos.L, h, v0, p.V, 1.f);
+      fs.store(W, 1.f);
+      if (vt + 1 < nv) fs.fetch_mat(st, p.K, p.V, k0, v0 + (vt + 1) * DT, mats_vec);
+      else if (kt + 1 < nk) fs.fetch_mat(st, p.K, p.V, k0 + DT, v0, mats_vec);
+      else fr.fetch(right, pos.b, pos.t0, pos.L, h, v0, p.V, vec);
       __syncthreads();
       if (DV) acc[vt].template mma<true>(X, W, DT);
       else acc[vt].template mma<false>(X, W, DT);
@@ -105,8 +107,8 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
   for (int vt = 0; vt < NV; ++vt) {
     if (vt >= nv) break;
     if (vt > 0) __syncthreads();
-    fr.template store<false>(W);
-    if (vt + 1 < nv) fr.fetch(right, pos.b, pos.t0, pos.L, h, v0 + (vt + 1) * DT, p.V, 1.f);
+    fr.store(W, 1.f);
+    if (vt + 1 < nv) fr.fetch(right, pos.b, pos.t0, pos.L, h, v0 + (vt + 1) * DT, p.V, vec);
     __syncthreads();
     // A is lower triangular: row i of A V needs j <= i, row j of Aᵀ dO needs i >= j.
     if (DV) acc[vt].template mma<true, Tri::KFromRow>(A, W, C);
@@ -115,6 +117,14 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p) {
     else store_frag<T>(acc[vt], DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, DV ? 1.f : rho,
                        DV && p.dv_adds);
   }
+}
+
+// The `vec` argument of chunk_out_kernel.
+template <typename T>
+inline bool out_vec(const ChunkPass& p, bool dv) {
+  constexpr int P = RowPieces<T>::P;
+  if (dv) return rows_in_pieces(p.dout, p.V, P);
+  return rows_in_pieces(p.q, p.K, P) && rows_in_pieces(p.g, p.K, P) && rows_in_pieces(p.v, p.V, P);
 }
 
 constexpr size_t out_smem(bool dv) {

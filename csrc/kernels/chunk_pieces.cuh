@@ -59,7 +59,8 @@ struct RowPieces {
     }
   }
   // The tile at rows [t0, t0 + L) x channels [d0, d0 + D) of a, at this thread's pieces: zeros
-  // past L and D, and everywhere for an off argument (no decay reads as λ = 0).
+  // past L and D, and everywhere for an off argument (no decay reads as λ = 0), so padded rows
+  // and channels contribute exactly 0 (algorithms.md §2.4).
   __device__ __forceinline__ void fetch(const VecArg& a, int64_t b, int64_t t0, int L, int h, int d0, int D,
                                         bool vec) {
     if (!a.on()) return fetch(nullptr, 0, 1, 0, 0, vec);

@@ -66,9 +66,9 @@ template <typename E, Reader RD, bool DV>
 void out(const ChunkPass& p, int64_t slots) {
   if (p.V > DT)
     emu::launch(dim3(unsigned(slots), p.H, unsigned((p.V + 2 * DT - 1) / (2 * DT))), NTH,
-                [&] { cta([&] { chunk_out_kernel<E, RD, DV, 2>(p); }); });
+                [&] { cta([&] { chunk_out_kernel<E, RD, DV, 2>(p, out_vec<E>(p, DV)); }); });
   else
-    emu::launch(dim3(unsigned(slots), p.H, 1), NTH, [&] { cta([&] { chunk_out_kernel<E, RD, DV, 1>(p); }); });
+    emu::launch(dim3(unsigned(slots), p.H, 1), NTH, [&] { cta([&] { chunk_out_kernel<E, RD, DV, 1>(p, out_vec<E>(p, DV)); }); });
 }
 
 // chunk_launch.cuh's chunk_split_out, which depends on the GPU's SM count: set from the tests.
