@@ -372,6 +372,29 @@ def test_chunk_kernels_split_out(chunk_emu, fam, shape, cu, gen):
 
 
 @pytest.mark.parametrize("fam", [GLA, RWKV6, GLA_GV], ids=["gla", "rwkv6", "gla_gv"])
+@pytest.mark.parametrize("shape,split,keep", [((2, 300, 1, 32, 24), False, True),
+                                              ((1, 290, 1, 136, 70), False, True),
+                                              ((1, 300, 2, 32, 24), True, True),
+                                              ((2, 300, 1, 32, 24), False, False)],
+                         ids=["with_o", "K136", "split", "recomputed"])
+def test_chunk_kernels_windows(chunk_emu, fam, shape, split, keep, gen):
+    """The state kernel's walks in windows of two chunks (ChunkPass::window_chunks; T = 290-300:
+    three windows, the last partial): the first walk of each window from a zero state, the
+    hand-over through hst (dhst for the backward's reverse walk) and the flags, the second walk
+    from the true start state; with o formed in the walk (K = 32), per K tile (K = 136, two V
+    tiles), o split off, and the backward's recomputed states (keep off). The value-side pass
+    (gla_gv) walks its transposed states the same way. Weak decays (near0: e^-6 over a window), so that the state handed over
+    matters: the stress regimes' decays leave nothing of it after 128 rows."""
+    chunk_emu.set_window_chunks(2)
+    chunk_emu.set_split_out(split)
+    try:
+        check_chunk(chunk_emu, fam, shape, None, keep, gen, torch.float32, 1e-5, w_kind="near0")
+    finally:
+        chunk_emu.set_window_chunks(0)
+        chunk_emu.set_split_out(False)
+
+
+@pytest.mark.parametrize("fam", [GLA, RWKV6, GLA_GV], ids=["gla", "rwkv6", "gla_gv"])
 @pytest.mark.parametrize("shape", [(1, 70, 2, 32, 24), (1, 50, 1, 20, 12)], ids=["pieces", "K20"])
 def test_chunk_kernels_bf16(chunk_emu, fam, shape, gen):
     """bf16 tiles in 16-byte pieces (K, V multiples of 8) or element by element (K = 20) and the
@@ -394,10 +417,10 @@ def test_chunk_kernels_descending_warps(descending, fam, gen):
     check_chunk(descending, fam, (1, 70, 2, 32, 24), None, True, gen, torch.bfloat16, 1e-2)
 
 
-def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol, acc=False):
+def check_chunk(emu, fam, shape, cu, keep, gen, dtype, tol, acc=False, w_kind="mixedinf"):
     B, T, H, K, V = shape
     N = len(cu) - 1 if cu else B
-    x = fam.make(B, T, H, K, V, dtype, "cpu", gen, N=N, w_kind="mixedinf")
+    x = fam.make(B, T, H, K, V, dtype, "cpu", gen, N=N, w_kind=w_kind)
     names = list(fam.args)
     xs = [x[n].clone().requires_grad_(True) for n in names] + [x["h0"].clone().requires_grad_(True)]
     if acc:  # a wide q: o and dq in float32

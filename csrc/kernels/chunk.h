@@ -80,6 +80,13 @@ struct ChunkPass {
   void* amat = nullptr;
   bool amat_kept = false;
   bool hst_kept = false;
+
+  // The CUDA state kernel walks in windows of this many chunks (chunk_window_chunks; 0: one walk
+  // per sequence), with hst on and no cu_seqlens: each window hands its end state to the next
+  // through hst (dhst backward) and a flag in window_flags (chunk_window_flags ints, zeroed by
+  // each launch).
+  int window_chunks = 0;
+  int* window_flags = nullptr;
 };
 
 // The CUDA engine's value-side decay (kernels/chunk_vdecay.cuh) runs the transposed key-side pass.
@@ -127,6 +134,28 @@ FLA_HD constexpr bool chunk_softmax_on_cuda(int D) { return D <= kChunkTile; }
 // Whether the CUDA key-side forward forms o inside its sequential state kernel (its state
 // fragments for all of K fit in registers), so that it needs no hst workspace.
 FLA_HD constexpr bool chunk_fused_out(int K) { return K <= 2 * kChunkTile; }
+
+// Windows of the chunk index for the CUDA state kernel's walks (kernels/chunk_state.cuh):
+// where the (sequence, head, V tile) walks are few (at most kWindowMaxWalks, far below the SMs of
+// the GPUs this targets) and the sequences long, each walk is cut into windows of at least
+// kWindowMinChunks chunks, about kWindowCtas CTAs in all; else 0. Without cu_seqlens only (every
+// sequence then has the same chunks).
+constexpr int kWindowMaxWalks = 64, kWindowMinChunks = 8, kWindowCtas = 256;
+FLA_HD constexpr int chunk_window_chunks(int N, int H, int V, int T) {
+  const int64_t walks = int64_t(N) * H * ((V + kChunkTile - 1) / kChunkTile);
+  const int64_t nch = (int64_t(T) + kChunk - 1) / kChunk;
+  if (walks <= 0 || walks > kWindowMaxWalks) return 0;
+  const int64_t windows = (kWindowCtas + walks - 1) / walks, per = (nch + windows - 1) / windows;
+  const int64_t chunks = per < kWindowMinChunks ? kWindowMinChunks : per;
+  return chunks < nch ? int(chunks) : 0;
+}
+// The window_flags of such a pass: a flag per window and CTA of a walk (K x V tiles bound the CTAs
+// of every form, the value-side pass's transposed one included).
+FLA_HD constexpr int64_t chunk_window_flags(int N, int H, int K, int V, int T, int window_chunks) {
+  if (window_chunks <= 0) return 0;
+  const int64_t nch = (int64_t(T) + kChunk - 1) / kChunk, windows = (nch + window_chunks - 1) / window_chunks;
+  return windows * N * H * ((K + kChunkTile - 1) / kChunkTile) * ((V + kChunkTile - 1) / kChunkTile);
+}
 
 // Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens), for chunks of
 // C rows (the RWKV7 chunk engine, kernels/dplr_chunk.h, uses the same map with C = 16).

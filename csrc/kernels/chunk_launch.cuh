@@ -30,17 +30,32 @@ cudaError_t launch_pairs(const ChunkPass& p, int64_t slots, cudaStream_t stream)
   return cudaGetLastError();
 }
 
-// The sequential state kernel: NK K tiles per CTA (with OUT, all of K).
+// The sequential state kernel: NK K tiles per CTA (with OUT, all of K); in windows of the chunk
+// index where state_windows (the window the slowest grid index, its flags zeroed first).
 template <typename T, Reader RD, bool OUT, int NK, bool BWD = false>
 cudaError_t launch_state(const ChunkPass& p, cudaStream_t stream) {
+  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+  const unsigned z = unsigned(ntv * ((ntk + NK - 1) / NK));
+  if (p.N <= 0 || p.H <= 0 || z == 0) return cudaGetLastError();  // an empty grid is an invalid launch
+  const bool vec = state_vec<T>(p, OUT, BWD);
+  if constexpr (NK == 1) {  // (NK = 2 runs where the walks fill the GPU: no windows)
+    if (state_windows(p, BWD)) {
+      auto state = chunk_state_kernel<T, RD, OUT, NK, BWD, true>;
+      const size_t smem = state_smem(OUT, NK, true);
+      cudaError_t e = set_smem(state, smem);
+      if (e != cudaSuccess) return e;
+      const int64_t nch = (int64_t(p.T) + C - 1) / C, windows = (nch + p.window_chunks - 1) / p.window_chunks;
+      const size_t flags = sizeof(int) * size_t(windows) * p.N * p.H * z;
+      if ((e = cudaMemsetAsync(p.window_flags, 0, flags, stream)) != cudaSuccess) return e;
+      state<<<dim3(unsigned(p.N), p.H, unsigned(z * windows)), NTH, smem, stream>>>(p, ntv, vec);
+      return cudaGetLastError();
+    }
+  }
   auto state = chunk_state_kernel<T, RD, OUT, NK, BWD>;
   const size_t smem = state_smem(OUT);
   cudaError_t e = set_smem(state, smem);
   if (e != cudaSuccess) return e;
-  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
-  const unsigned z = unsigned(ntv * ((ntk + NK - 1) / NK));
-  if (p.N > 0 && p.H > 0 && z > 0)  // an empty grid is an invalid launch
-    state<<<dim3(unsigned(p.N), p.H, z), NTH, smem, stream>>>(p, ntv, state_vec<T>(p, OUT, BWD));
+  state<<<dim3(unsigned(p.N), p.H, z), NTH, smem, stream>>>(p, ntv, vec);
   return cudaGetLastError();
 }
 

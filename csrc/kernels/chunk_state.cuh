@@ -75,20 +75,66 @@ __device__ __forceinline__ void load_frag_mat(F& f, const float* m, int64_t ld, 
   }
 }
 
-// Grid (N, H, ntv x K groups), z = group * ntv + V tile. One CTA walks its sequence's chunks in
-// order (reverse order for BWD); the loads of the next K tile (or chunk) are issued right after
-// the current one is stored to shared memory. At K <= 64 with o there is one CTA per (sequence,
-// head) and V tile, few enough for one per SM: no register cap (128 spilled).
+// Windows of the chunk index (WIN; ChunkPass::window_chunks; BWD in the walk's order). The walk
+// of a (sequence, head, V tile, K group) is cut into windows of window_chunks chunks, a CTA each,
+// the window the slowest grid index, so that a window's predecessor was dispatched before it (as
+// single-pass scans rely on). A CTA walks its window twice: first from a zero state (window 0:
+// the initial state) for its local end state, which needs nothing from the predecessor; then it
+// waits for the predecessor's flag, forms the true state at its end, Γ ⊙ S_in + S_local (Γ the
+// window's decay, a product of the chunks' γ: the decay is diagonal, so the step is elementwise),
+// stores it in hst (BWD: dhst) as the next window's start and raises its own flag; then it walks
+// the window again from S_in, as the plain kernel does. The chain between windows is one flag and
+// one elementwise step, not a walk.
+__device__ __forceinline__ void window_fence() {
+#ifdef __CUDA_ARCH__
+  __threadfence();
+#endif
+}
+__device__ __forceinline__ void raise_flag(int* flag) {
+#ifdef __CUDA_ARCH__
+  atomicExch(flag, 1);
+#else
+  *flag = 1;
+#endif
+}
+__device__ __forceinline__ void wait_flag(int* flag) {
+#ifdef __CUDA_ARCH__
+  while (atomicAdd(flag, 0) == 0) __nanosleep(64);
+  __threadfence();
+#else
+  (void)flag;  // the emulator runs CTAs in order: the predecessor has finished
+#endif
+}
+// load_frag_mat through L2 (the predecessor's stores are not in this SM's L1).
+template <class F>
+__device__ __forceinline__ void load_frag_mat_l2(F& f, const float* m, int64_t ld, int R, int Cn) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int r = F::row(i), c = F::col(i);
+#ifdef __CUDA_ARCH__
+    f.v[i] = r < R && c < Cn ? __ldcg(m + r * ld + c) : 0.f;
+#else
+    f.v[i] = r < R && c < Cn ? m[r * ld + c] : 0.f;
+#endif
+  }
+}
+
+// Grid (N, H, ntv x K groups [x windows]), z = [window x groups +] group * ntv + V tile. One CTA
+// walks its sequence's chunks (its window's, WIN) in order (reverse order for BWD); the loads of
+// the next K tile (or chunk) are issued right after the current one is stored to shared memory. At K <= 64 with o there is one CTA per (sequence,
+// head) and V tile, few enough for one per SM: no register cap.
 //
 // BWD runs the backward state pass of the same algebra, D = dS+ from dht backwards:
 // dHst[c] = D, the zeta partials γ_c ⊙ rowsum(S_c ⊙ D) per 32 columns (S_c from hst), then
 // D = diag(γ_c) D + ρ Q̂_cᵀ dO_c, and dh0 = D at the end. It replaced a parallel ΔD kernel and a
 // serial elementwise scan (two fp32 state round trips per chunk).
-template <bool OUT, int NK>
-constexpr int kStateCtas = OUT && NK == 1 ? 1 : 2;
-template <typename T, Reader RD, bool OUT, int NK, bool BWD = false>
-__global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel(ChunkPass p, int ntv, bool vec) {
+// The windowed walks are many CTAs by design: two an SM.
+template <bool OUT, int NK, bool WIN>
+constexpr int kStateCtas = OUT && NK == 1 && !WIN ? 1 : 2;
+template <typename T, Reader RD, bool OUT, int NK, bool BWD = false, bool WIN = false>
+__global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK, WIN>)) chunk_state_kernel(ChunkPass p, int ntv, bool vec) {
   static_assert(!(BWD && OUT) && (NK == 1 || OUT), "o is a forward output; NK > 1 only for it");
+  static_assert(!(WIN && NK > 1), "windows walk a K tile or all of K <= 64 a CTA");
   extern __shared__ float4 smem4[];
   // B operands and the transposed A operand at stride LDB, A operands [row][k] at LD (tile_mma.cuh).
   TileB* X = reinterpret_cast<TileB*>(smem4);  // v (BWD: dO)
@@ -97,14 +143,21 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
   Tile* Q = reinterpret_cast<Tile*>(LS + C);   // (OUT) q, then Q̂ = q ⊙ exp2(reader) before[m]
   Tile* AM = Q + C;                            // (OUT) A
   Decays& d = *reinterpret_cast<Decays*>(OUT ? AM + C : Q);
+  float* const gamw = reinterpret_cast<float*>(&d + 1);  // (WIN) [NK][DT] the window's decay
 
   const int n = blockIdx.x, h = blockIdx.y;
-  const int kt0 = int(blockIdx.z) / ntv * NK, v0 = int(blockIdx.z) % ntv * DT;
+  const int groups = ntv * ((p.K + NK * DT - 1) / (NK * DT));  // CTAs per (sequence, head, window)
+  const int zz = WIN ? int(blockIdx.z) % groups : int(blockIdx.z), w = WIN ? int(blockIdx.z) / groups : 0;
+  const int kt0 = zz / ntv * NK, v0 = zz % ntv * DT;
   const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
   // Every mma operand is stored as TF32 values (v and A are already: widened inputs, intra).
   constexpr bool TC = kTC<T>;
   const SeqSpan s = seq_span(p.cu_seqlens, n, p.T);
   const int64_t nch = num_chunks(s.len), slot0 = chunk_slot(p.cu_seqlens, n, p.T, 0);
+  // The chunks this CTA walks: all, or (WIN) its window's.
+  const int64_t i_begin = WIN ? int64_t(w) * p.window_chunks : 0;
+  const int64_t i_end = WIN ? (i_begin + p.window_chunks < nch ? i_begin + p.window_chunks : nch) : nch;
+  if (WIN && i_begin >= nch) return;
   const int64_t KV = int64_t(p.K) * p.V;
   float* const hst = static_cast<float*>(p.hst);
   float* const out_states = BWD ? static_cast<float*>(p.dhst) : hst;
@@ -135,25 +188,92 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
   auto chunk_rows = [&](int64_t c) { return int(s.len - c * C < C ? s.len - c * C : C); };
   auto chunk_of = [&](int64_t i) { return BWD ? nch - 1 - i : i; };  // the i-th chunk walked
   Acc<T> Sn;  // BWD: the next chunk's S (zeta), loaded with its pieces
-  auto fetch = [&](int64_t i, int kt) {
-    if (i >= nch) return;
+  auto fetch = [&](int64_t i, int kt, bool full = true) {  // full off: the windows' first walk
+    if (i >= i_end) return;
     const int64_t c = chunk_of(i);
     const int L = chunk_rows(c);
     auto one = [&](Pc& f, const PieceSrc<T>& a, int dk) {
       f.fetch(a.p + c * C * a.st + dk * a.sd, a.st, a.sd, L, a.cols - dk, vec);
     };
-    if (OUT) one(fq, sq, kt * DT);
+    if (OUT && full) one(fq, sq, kt * DT);
     one(fk, sk, kt * DT), one(fg, sg, kt * DT);
     if (kt == 0) one(fv, sv, 0);
-    if (BWD) load_frag_mat(Sn, corner(hst, slot0 + c, 0), p.V, kleft(0), vleft);
+    if (BWD && full) load_frag_mat(Sn, corner(hst, slot0 + c, 0), p.V, kleft(0), vleft);
   };
   const float* const amat = static_cast<const float*>(p.amat);
   auto pairs_of = [&](int64_t c) { return amat + ((slot0 + c) * p.H + h) * int64_t(C) * C; };
-  fetch(0, 0);
-  if (OUT && nch > 0) copy_pairs(AM, pairs_of(0));
   const float rho = float(p.scale);
+  if constexpr (WIN) {
+    // First walk: the window from a zero state (window 0: from the initial state, or dht, already
+    // in S), state products alone, and Γ. The hand-over slot of a window is its first chunk's
+    // (forward: the chunk-start state; BWD: dS+ of the last chunk in time, the walk's first).
+    float* const handed = out_states;
+    auto flag = [&](int win) {
+      return p.window_flags + int64_t(win) * p.N * p.H * groups + (int64_t(n) * p.H + h) * groups + zz;
+    };
+    if (w > 0)
+#pragma unroll
+      for (int kt = 0; kt < NK; ++kt) S[kt] = Acc<T>();
+    for (int e = threadIdx.x; e < NK * DT; e += NTH) gamw[e] = 1.f;
+    fetch(i_begin, 0, false);
+    for (int64_t i = i_begin; i < i_end; ++i) {
+#pragma unroll
+      for (int kt = 0; kt < NK; ++kt) {
+        __syncthreads();
+        fk.store(Y, 1.f), fg.store(LS, kLog2e);
+        if (kt == 0) fv.store(X, 1.f);
+        if (kt + 1 < NK) fetch(i, kt + 1, false);
+        else fetch(i + 1, 0, false);
+        __syncthreads();
+        chunk_decays(d, LS);
+        if (BWD) scale_reader<RD, TC>(Y, LS, m, ch, rho * d.before[m][ch]);
+        else scale_key<false, TC>(Y, LS, m, ch, d.after[m][ch]);
+        if (threadIdx.x < DT) gamw[kt * DT + threadIdx.x] *= d.gamma[threadIdx.x];
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 16; ++e) S[kt].v[e] *= d.gamma[Acc<T>::row(e)];
+        S[kt].template mma<true, Tri::Full, true>(Y, X, C);
+      }
+    }
+    // The state at the window's end, Γ ⊙ S_in + S_local, into hst (dhst) as the next window's start.
+    if (w > 0 && threadIdx.x == 0) wait_flag(flag(w - 1));
+    __syncthreads();
+#pragma unroll
+    for (int kt = 0; kt < NK; ++kt) {
+      if (w > 0) {
+        Acc<T> sin;
+        load_frag_mat_l2(sin, corner(handed, slot0 + chunk_of(i_begin), kt), p.V, kleft(kt), vleft);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) S[kt].v[e] += gamw[kt * DT + Acc<T>::row(e)] * sin.v[e];
+      }
+      if (i_end < nch) store_frag_mat(S[kt], corner(handed, slot0 + chunk_of(i_end), kt), p.V, kleft(kt), vleft);
+    }
+    if (i_end < nch) {
+      window_fence();
+      __syncthreads();
+      if (threadIdx.x == 0) raise_flag(flag(w));
+    }
+    // Second walk from the true start state: the initial state, or what the predecessor stored.
+#pragma unroll
+    for (int kt = 0; kt < NK; ++kt) {
+      if (w > 0) {
+        load_frag_mat_l2(S[kt], corner(handed, slot0 + chunk_of(i_begin), kt), p.V, kleft(kt), vleft);
+      } else {
+        S[kt] = Acc<T>();
+        if (init.on())
+#pragma unroll
+          for (int e = 0; e < 16; ++e) {
+            const int r = Acc<T>::row(e), c = Acc<T>::col(e);
+            if (r < kleft(kt) && c < vleft) S[kt].v[e] = *mptr(init, n, h, (kt0 + kt) * DT + r, v0 + c);
+          }
+      }
+    }
+    __syncthreads();  // the first walk's tiles are consumed
+  }
+  fetch(i_begin, 0);
+  if (OUT && i_end > i_begin) copy_pairs(AM, pairs_of(chunk_of(i_begin)));
 
-  for (int64_t i = 0; i < nch; ++i) {
+  for (int64_t i = i_begin; i < i_end; ++i) {
     const int64_t c = chunk_of(i);
     Acc<T> o, Sc;
 #pragma unroll
@@ -188,7 +308,7 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
       o.template mma<false, Tri::KUpToRow, true>(AM, X, C);  // A is lower triangular
       stage(o, LS, 1.f);                                // LS is free since the sync
       __syncthreads();
-      if (i + 1 < nch) copy_pairs(AM, pairs_of(c + 1));
+      if (i + 1 < i_end) copy_pairs(AM, pairs_of(c + 1));
       if (p.o_acc) {  // fp32 o (ChunkPass::o_acc) in its own pieces, addressed per chunk
         const PieceSrc<float> sf(p.o, s, h, v0, p.V);
         RowPieces<float>::put(LS, sf.p + c * C * sf.st, sf.st, sf.sd, chunk_rows(c), sf.cols, vec, rho);
@@ -198,6 +318,7 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK>)) chunk_state_kernel
     }
   }
 
+  if (WIN && i_end < nch) return;  // the final state is the last window's
 #pragma unroll
   for (int kt = 0; kt < NK; ++kt) {
     if (!BWD && hst) store_frag_mat(S[kt], corner(hst, slot0 + nch, kt), p.V, kleft(kt), vleft);
@@ -226,8 +347,14 @@ inline bool state_vec(const ChunkPass& p, bool out, bool bwd) {
   return kv && (!out || (rows_in_pieces(p.q, p.K, P) && rows_in_pieces(p.o, p.V, P)));
 }
 
-constexpr size_t state_smem(bool out) {
-  return sizeof(float) * C * (3 * tile::LDB + (out ? 2 * LD : 0)) + sizeof(Decays);
+// Whether a state pass walks in windows of the chunk index (ChunkPass::window_chunks).
+inline bool state_windows(const ChunkPass& p, bool bwd) {
+  return p.window_chunks > 0 && p.window_flags && p.hst && (!bwd || p.dhst) && !p.cu_seqlens && p.T > 0;
+}
+
+constexpr size_t state_smem(bool out, int nk = 1, bool win = false) {
+  return sizeof(float) * C * (3 * tile::LDB + (out ? 2 * LD : 0)) + sizeof(Decays) +
+         (win ? sizeof(float) * nk * DT : 0);
 }
 
 }  // namespace chunk_detail

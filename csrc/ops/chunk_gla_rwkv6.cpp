@@ -11,6 +11,7 @@
 #include "rwkv6.h"
 
 #include <torch/library.h>
+#include <cstdlib>
 
 namespace fla::ops {
 namespace {
@@ -67,6 +68,21 @@ Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst,
   return q.is_cuda() && needed ? pair_workspace(a, hst) : new_output({0}, hst.options());
 }
 
+// The CUDA state kernel's walks in windows of the chunk index where they are few and the sequences
+// long (kernels/chunk.h chunk_window_chunks; no cu_seqlens, hst on): the forward's, the same again
+// where the backward makes its states, and the backward's reverse walk. Off unless FLA_EXT_CHUNK_WINDOWS=1
+// until they are measured on a GPU (benchmarks/NOTES.md c53). The flags live until the pass ran.
+Tensor state_window_flags(const DiagArgs& a, const Tensor& q, const Tensor& hst, ChunkPass& p) {
+  const char* on = std::getenv("FLA_EXT_CHUNK_WINDOWS");
+  if (!q.is_cuda() || !hst.numel() || a.cu.defined() || !on || on[0] != '1') return Tensor();
+  const int chunks = chunk_window_chunks(int(a.N), int(a.H), int(a.V), int(a.T));
+  const int64_t n = chunk_window_flags(int(a.N), int(a.H), int(a.K), int(a.V), int(a.T), chunks);
+  if (n == 0) return Tensor();
+  Tensor flags = at::empty({n}, q.options().dtype(at::kInt));
+  p.window_chunks = chunks, p.window_flags = flags.data_ptr<int>();
+  return flags;
+}
+
 }  // namespace
 
 bool keeps_workspaces(const Tensor& q) { return q.is_cuda(); }
@@ -94,6 +110,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   if (output_final_state) p.hT = mat(hT);
   if (hst.numel()) p.hst = hst.data_ptr();
   if (amat.numel()) p.amat = amat.data_ptr();
+  const Tensor flags = state_window_flags(a, q, hst, p);
   run(p);
   auto none = [&] { return new_output({0}, hst.options()); };  // distinct: outputs must not alias
   return {o, hT, keep ? hst : none(), keep ? amat : none()};
@@ -156,6 +173,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   p.amat_kept = amat_kept != nullptr;
   Tensor amat = amat_kept ? *amat_kept : pair_workspace_for(a, q, hst, true);
   if (amat.numel()) p.amat = amat.data_ptr();
+  const Tensor flags = state_window_flags(a, q, hst, p);  // (the launch zeroes them per walk)
   if (a.T > 0) {
     run(p);
   } else if (has(h0)) {

@@ -54,12 +54,31 @@ struct Grads {
   }
 };
 
+// ChunkPass::window_chunks of every pass (the ops' chunk_window_chunks, which needs long
+// sequences): set from the tests; 0 walks each sequence in one CTA.
+int window_chunks = 0;
+
+// launch_state of chunk_launch.cuh: in windows where state_windows (flags zeroed).
 template <typename E, Reader RD, bool OUT, int NK, bool BWD = false>
-void state(const ChunkPass& p) {
-  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+void state(const ChunkPass& pass) {
+  const int ntk = (pass.K + DT - 1) / DT, ntv = (pass.V + DT - 1) / DT;
+  const unsigned z = unsigned(ntv * ((ntk + NK - 1) / NK));
+  ChunkPass p = pass;
+  std::vector<int> flags;
+  p.window_chunks = window_chunks;
+  if (window_chunks > 0) {
+    flags.assign(size_t(chunk_window_flags(p.N, p.H, p.K, p.V, p.T, window_chunks)), 0);
+    p.window_flags = flags.data();
+  }
   const bool vec = state_vec<E>(p, OUT, BWD);
-  emu::launch(dim3(unsigned(p.N), p.H, unsigned(ntv * ((ntk + NK - 1) / NK))), NTH,
-              [&] { cta([&] { chunk_state_kernel<E, RD, OUT, NK, BWD>(p, ntv, vec); }); });
+  if constexpr (NK == 1) {
+    if (state_windows(p, BWD)) {
+      const unsigned windows = unsigned((num_chunks(p.T) + window_chunks - 1) / window_chunks);
+      return emu::launch(dim3(unsigned(p.N), p.H, z * windows), NTH,
+                         [&] { cta([&] { chunk_state_kernel<E, RD, OUT, NK, BWD, true>(p, ntv, vec); }); });
+    }
+  }
+  emu::launch(dim3(unsigned(p.N), p.H, z), NTH, [&] { cta([&] { chunk_state_kernel<E, RD, OUT, NK, BWD>(p, ntv, vec); }); });
 }
 
 template <typename E, Reader RD, bool DV>
@@ -214,4 +233,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run);
   m.def("set_warp_order", [](int order) { emu::warp_order = order; });
   m.def("set_split_out", [](bool split) { split_out = split; });
+  m.def("set_window_chunks", [](int chunks) { window_chunks = chunks; });
 }

@@ -89,6 +89,22 @@ def test_stress_long(device, fam, T, w_kind, gen):
     run_and_check(fam, "chunk", x, gen=gen)
 
 
+@pytest.mark.parametrize("device,fam", on_devices(DEVICES[1:], CHUNK_FAMILIES))
+@pytest.mark.parametrize("H,K", [(2, 64), (2, 128), (48, 64)])
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "remade"])
+def test_state_windows(device, fam, H, K, keep, monkeypatch, gen):
+    """The state kernel's walks in windows of the chunk index (FLA_EXT_CHUNK_WINDOWS=1;
+    kernels/chunk.h chunk_window_chunks: walks of 32 chunks in 4 windows of 8), forward and
+    backward: o, the final state and every gradient against the float64 oracle, with the states
+    kept by the training forward or made again by the backward. H = 2: o split off the walk
+    (few CTAs); H = 48: o formed in the walk. Weak decays (near0), so that the state handed from
+    window to window matters."""
+    monkeypatch.setenv("FLA_EXT_CHUNK_WINDOWS", "1")
+    x = fam.make(1, 2048, H, K, K, F32, device, gen, w_kind="near0")
+    with fla_ext.keep_workspaces(keep):
+        run_and_check(fam, "chunk", x, gen=gen)
+
+
 @pytest.mark.parametrize("device,fam", on_devices(DEVICES, CHUNK_FAMILIES))
 @pytest.mark.parametrize("fill", [-1e4, -math.inf])
 def test_analytic_hard_decay(device, fam, fill, gen):
