@@ -58,19 +58,26 @@ __device__ __forceinline__ void zeta_partials(const F& D, const F& S, const floa
 }
 
 // A fragment's elements of state rows [0, R) x columns [0, Cn) from a row-major fp32 matrix m
-// (row stride ld), zero elsewhere: the loads of store_frag_mat.
-template <class F>
+// (row stride ld), zero elsewhere: the loads of store_frag_mat. L2: through L2 only (__ldcg), for
+// a matrix another CTA stored during this kernel (its lines are not in this SM's L1).
+template <class F, bool L2 = false>
 __device__ __forceinline__ void load_frag_mat(F& f, const float* m, int64_t ld, int R, int Cn) {
+  auto load = [](const auto* a) {
+#ifdef __CUDA_ARCH__
+    if constexpr (L2) return __ldcg(a);
+#endif
+    return *a;
+  };
 #pragma unroll
   for (int i = 0; i < 16; i += 2) {
     const int r = F::row(i), c = F::col(i);
     const float* e = m + r * ld + c;
     if (r < R && ld % 2 == 0 && c + 1 < Cn) {
-      const float2 x = *reinterpret_cast<const float2*>(e);
+      const float2 x = load(reinterpret_cast<const float2*>(e));
       f.v[i] = x.x, f.v[i + 1] = x.y;
     } else {
-      f.v[i] = r < R && c < Cn ? e[0] : 0.f;
-      f.v[i + 1] = r < R && c + 1 < Cn ? e[1] : 0.f;
+      f.v[i] = r < R && c < Cn ? load(e) : 0.f;
+      f.v[i + 1] = r < R && c + 1 < Cn ? load(e + 1) : 0.f;
     }
   }
 }
@@ -105,24 +112,12 @@ __device__ __forceinline__ void wait_flag(int* flag) {
   (void)flag;  // the emulator runs CTAs in order: the predecessor has finished
 #endif
 }
-// load_frag_mat through L2 (the predecessor's stores are not in this SM's L1).
-template <class F>
-__device__ __forceinline__ void load_frag_mat_l2(F& f, const float* m, int64_t ld, int R, int Cn) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int r = F::row(i), c = F::col(i);
-#ifdef __CUDA_ARCH__
-    f.v[i] = r < R && c < Cn ? __ldcg(m + r * ld + c) : 0.f;
-#else
-    f.v[i] = r < R && c < Cn ? m[r * ld + c] : 0.f;
-#endif
-  }
-}
 
 // Grid (N, H, ntv x K groups [x windows]), z = [window x groups +] group * ntv + V tile. One CTA
 // walks its sequence's chunks (its window's, WIN) in order (reverse order for BWD); the loads of
-// the next K tile (or chunk) are issued right after the current one is stored to shared memory. At K <= 64 with o there is one CTA per (sequence,
-// head) and V tile, few enough for one per SM: no register cap.
+// the next K tile (or chunk) are issued right after the current one is stored to shared memory.
+// At K <= 64 with o there is one CTA per (sequence, head) and V tile, few enough for one per SM:
+// no register cap.
 //
 // BWD runs the backward state pass of the same algebra, D = dS+ from dht backwards:
 // dHst[c] = D, the zeta partials γ_c ⊙ rowsum(S_c ⊙ D) per 32 columns (S_c from hst), then
@@ -170,15 +165,20 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK, WIN>)) chunk_state_k
   const MatArg& init = BWD ? p.dht : p.h0;
   const MatArg& fin = BWD ? p.dh0 : p.hT;
 
-  Acc<T> S[NK];  // BWD: D
-#pragma unroll
-  for (int kt = 0; kt < NK; ++kt)
+  // K tile kt of the initial state (BWD: dht), zero when off.
+  auto initial = [&](int kt) {
+    Acc<T> a;
     if (init.on())
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const int r = Acc<T>::row(i), c = Acc<T>::col(i);
-        if (r < kleft(kt) && c < vleft) S[kt].v[i] = *mptr(init, n, h, (kt0 + kt) * DT + r, v0 + c);
+        if (r < kleft(kt) && c < vleft) a.v[i] = *mptr(init, n, h, (kt0 + kt) * DT + r, v0 + c);
       }
+    return a;
+  };
+  Acc<T> S[NK];  // BWD: D
+#pragma unroll
+  for (int kt = 0; kt < NK; ++kt) S[kt] = initial(kt);
 
   using Pc = RowPieces<T>;
   Pc fq, fk, fg, fv;
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK, WIN>)) chunk_state_k
     for (int kt = 0; kt < NK; ++kt) {
       if (w > 0) {
         Acc<T> sin;
-        load_frag_mat_l2(sin, corner(handed, slot0 + chunk_of(i_begin), kt), p.V, kleft(kt), vleft);
+        load_frag_mat<Acc<T>, true>(sin, corner(handed, slot0 + chunk_of(i_begin), kt), p.V, kleft(kt), vleft);
 #pragma unroll
         for (int e = 0; e < 16; ++e) S[kt].v[e] += gamw[kt * DT + Acc<T>::row(e)] * sin.v[e];
       }
@@ -257,15 +257,9 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK, WIN>)) chunk_state_k
 #pragma unroll
     for (int kt = 0; kt < NK; ++kt) {
       if (w > 0) {
-        load_frag_mat_l2(S[kt], corner(handed, slot0 + chunk_of(i_begin), kt), p.V, kleft(kt), vleft);
+        load_frag_mat<Acc<T>, true>(S[kt], corner(handed, slot0 + chunk_of(i_begin), kt), p.V, kleft(kt), vleft);
       } else {
-        S[kt] = Acc<T>();
-        if (init.on())
-#pragma unroll
-          for (int e = 0; e < 16; ++e) {
-            const int r = Acc<T>::row(e), c = Acc<T>::col(e);
-            if (r < kleft(kt) && c < vleft) S[kt].v[e] = *mptr(init, n, h, (kt0 + kt) * DT + r, v0 + c);
-          }
+        S[kt] = initial(kt);
       }
     }
     __syncthreads();  // the first walk's tiles are consumed

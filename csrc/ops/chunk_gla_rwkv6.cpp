@@ -68,10 +68,11 @@ Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst,
   return q.is_cuda() && needed ? pair_workspace(a, hst) : new_output({0}, hst.options());
 }
 
-// The CUDA state kernel's walks in windows of the chunk index where they are few and the sequences
-// long (kernels/chunk.h chunk_window_chunks; no cu_seqlens, hst on): the forward's, the same again
-// where the backward makes its states, and the backward's reverse walk. Off unless FLA_EXT_CHUNK_WINDOWS=1
-// until they are measured on a GPU (benchmarks/NOTES.md c53). The flags live until the pass ran.
+// The CUDA state kernel's walks in windows of the chunk index where they are few and the
+// sequences long (kernels/chunk.h chunk_window_chunks; no cu_seqlens, hst on): the forward's, the
+// same again where the backward makes its states, and the backward's reverse walk. Off unless
+// FLA_EXT_CHUNK_WINDOWS=1 until they are measured on a GPU (docs/design.md §5.2). The flags live
+// until the pass ran.
 Tensor state_window_flags(const DiagArgs& a, const Tensor& q, const Tensor& hst, ChunkPass& p) {
   const char* on = std::getenv("FLA_EXT_CHUNK_WINDOWS");
   if (!q.is_cuda() || !hst.numel() || a.cu.defined() || !on || on[0] != '1') return Tensor();
