@@ -82,11 +82,12 @@ struct ChunkPass {
   bool hst_kept = false;
 
   // The CUDA state kernel walks in windows of this many chunks (chunk_window_chunks; 0: one walk
-  // per sequence), with hst on and no cu_seqlens: each window hands its end state to the next
-  // through hst (dhst backward) and a flag in window_flags (chunk_window_flags ints, zeroed by
-  // each launch).
+  // per sequence), without cu_seqlens: each window hands its end state to the next through
+  // window_states (chunk_window_states floats, [window][sequence][head][K][V]) and a flag in
+  // window_flags (chunk_window_flags ints, zeroed by each launch).
   int window_chunks = 0;
   int* window_flags = nullptr;
+  float* window_states = nullptr;
 };
 
 // The CUDA engine's value-side decay (kernels/chunk_vdecay.cuh) runs the transposed key-side pass.
@@ -155,6 +156,12 @@ FLA_HD constexpr int64_t chunk_window_flags(int N, int H, int K, int V, int T, i
   if (window_chunks <= 0) return 0;
   const int64_t nch = (int64_t(T) + kChunk - 1) / kChunk, windows = (nch + window_chunks - 1) / window_chunks;
   return windows * N * H * ((K + kChunkTile - 1) / kChunkTile) * ((V + kChunkTile - 1) / kChunkTile);
+}
+// The window_states of such a pass: a state a window and (sequence, head), of the walk's K x V.
+FLA_HD constexpr int64_t chunk_window_states(int N, int H, int K, int V, int T, int window_chunks) {
+  if (window_chunks <= 0) return 0;
+  const int64_t nch = (int64_t(T) + kChunk - 1) / kChunk, windows = (nch + window_chunks - 1) / window_chunks;
+  return windows * N * H * int64_t(K) * V;
 }
 
 // Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens), for chunks of

@@ -39,7 +39,7 @@ cudaError_t launch_state(const ChunkPass& p, cudaStream_t stream) {
   if (p.N <= 0 || p.H <= 0 || z == 0) return cudaGetLastError();  // an empty grid is an invalid launch
   const bool vec = state_vec<T>(p, OUT, BWD);
   if constexpr (NK == 1) {  // (NK = 2 runs where the walks fill the GPU: no windows)
-    if (state_windows(p, BWD)) {
+    if (state_windows(p)) {
       auto state = chunk_state_kernel<T, RD, OUT, NK, BWD, true>;
       const size_t smem = state_smem(OUT, NK, true);
       cudaError_t e = set_smem(state, smem);
@@ -51,12 +51,17 @@ cudaError_t launch_state(const ChunkPass& p, cudaStream_t stream) {
       return cudaGetLastError();
     }
   }
-  auto state = chunk_state_kernel<T, RD, OUT, NK, BWD>;
-  const size_t smem = state_smem(OUT);
-  cudaError_t e = set_smem(state, smem);
-  if (e != cudaSuccess) return e;
-  state<<<dim3(unsigned(p.N), p.H, z), NTH, smem, stream>>>(p, ntv, vec);
-  return cudaGetLastError();
+  auto launch = [&](auto state) {
+    const size_t smem = state_smem(OUT);
+    cudaError_t e = set_smem(state, smem);
+    if (e != cudaSuccess) return e;
+    state<<<dim3(unsigned(p.N), p.H, z), NTH, smem, stream>>>(p, ntv, vec);
+    return cudaGetLastError();
+  };
+  if constexpr (OUT && NK == 1) {  // more CTAs than one wave at one an SM: two an SM
+    if (int64_t(p.N) * p.H * z > device_sm_count()) return launch(chunk_state_kernel<T, RD, OUT, NK, BWD, false, 2>);
+  }
+  return launch(chunk_state_kernel<T, RD, OUT, NK, BWD>);
 }
 
 // Forward state for a backward: (PAIRS) the pair matrices, then hst (and hT).
@@ -93,10 +98,13 @@ cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
 // its per-chunk latency is the forward's time. Split, the state kernel runs a CTA per K tile as
 // well and each chunk step is shorter (no o): at K >= 128 when the fused grid does not fill the
 // SMs, at K <= 64 when it fills under a quarter of them (long sequences, few heads). Split where
-// the fused grid fills the SMs, the out kernel is a pass more.
+// the fused grid fills the SMs, the out kernel is a pass more. Walks in windows fill the SMs by
+// design: at K <= 64 they form o (then no hst is needed); windows at K = 128 walk a K tile a CTA
+// and split (the ops give such a forward hst).
 inline bool chunk_split_out(const ChunkPass& p) {
   if (!p.hst) return false;
   const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
+  if (state_windows(p)) return ntk >= 2;
   const int64_t fused_ctas = int64_t(p.N) * p.H * ntv;
   return (ntk >= 2 ? fused_ctas : 4 * fused_ctas) <= device_sm_count();
 }

@@ -89,7 +89,7 @@ __device__ __forceinline__ void load_frag_mat(F& f, const float* m, int64_t ld, 
 // the initial state) for its local end state, which needs nothing from the predecessor; then it
 // waits for the predecessor's flag, forms the true state at its end, Γ ⊙ S_in + S_local (Γ the
 // window's decay, a product of the chunks' γ: the decay is diagonal, so the step is elementwise),
-// stores it in hst (BWD: dhst) as the next window's start and raises its own flag; then it walks
+// stores it in window_states as the next window's start and raises its own flag; then it walks
 // the window again from S_in, as the plain kernel does. The chain between windows is one flag and
 // one elementwise step, not a walk.
 __device__ __forceinline__ void window_fence() {
@@ -116,8 +116,9 @@ __device__ __forceinline__ void wait_flag(int* flag) {
 // Grid (N, H, ntv x K groups [x windows]), z = [window x groups +] group * ntv + V tile. One CTA
 // walks its sequence's chunks (its window's, WIN) in order (reverse order for BWD); the loads of
 // the next K tile (or chunk) are issued right after the current one is stored to shared memory.
-// At K <= 64 with o there is one CTA per (sequence, head) and V tile, few enough for one per SM:
-// no register cap.
+// At K <= 64 with o there is one CTA per (sequence, head) and V tile: built for one an SM (no
+// register cap) and for two (CTAS = 2: 128 registers, a little spill), which launch_state runs
+// where those CTAs are more than one wave at one an SM.
 //
 // BWD runs the backward state pass of the same algebra, D = dS+ from dht backwards:
 // dHst[c] = D, the zeta partials γ_c ⊙ rowsum(S_c ⊙ D) per 32 columns (S_c from hst), then
@@ -126,9 +127,11 @@ __device__ __forceinline__ void wait_flag(int* flag) {
 // The windowed walks are many CTAs by design: two an SM.
 template <bool OUT, int NK, bool WIN>
 constexpr int kStateCtas = OUT && NK == 1 && !WIN ? 1 : 2;
-template <typename T, Reader RD, bool OUT, int NK, bool BWD = false, bool WIN = false>
-__global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK, WIN>)) chunk_state_kernel(ChunkPass p, int ntv, bool vec) {
+template <typename T, Reader RD, bool OUT, int NK, bool BWD = false, bool WIN = false,
+          int CTAS = kStateCtas<OUT, NK, WIN>>
+__global__ void __launch_bounds__(NTH, CTAS) chunk_state_kernel(ChunkPass p, int ntv, bool vec) {
   static_assert(!(BWD && OUT) && (NK == 1 || OUT), "o is a forward output; NK > 1 only for it");
+  static_assert(CTAS == kStateCtas<OUT, NK, WIN> || (OUT && NK == 1 && !WIN), "CTAS: the walk with o at K <= 64");
   static_assert(!(WIN && NK > 1), "windows walk a K tile or all of K <= 64 a CTA");
   extern __shared__ float4 smem4[];
   // B operands and the transposed A operand at stride LDB, A operands [row][k] at LD (tile_mma.cuh).
@@ -205,9 +208,11 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK, WIN>)) chunk_state_k
   const float rho = float(p.scale);
   if constexpr (WIN) {
     // First walk: the window from a zero state (window 0: from the initial state, or dht, already
-    // in S), state products alone, and Γ. The hand-over slot of a window is its first chunk's
-    // (forward: the chunk-start state; BWD: dS+ of the last chunk in time, the walk's first).
-    float* const handed = out_states;
+    // in S), state products alone, and Γ. Window w's start state (forward: its first chunk's
+    // state; BWD: dS+ of its last chunk in time, the walk's first) is handed to it in
+    // window_states' slot w x N + n; the walks store their states where they store them unwindowed.
+    float* const handed = p.window_states;
+    const int64_t slot_in = int64_t(w) * p.N + n, slot_out = slot_in + p.N;
     auto flag = [&](int win) {
       return p.window_flags + int64_t(win) * p.N * p.H * groups + (int64_t(n) * p.H + h) * groups + zz;
     };
@@ -242,11 +247,11 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK, WIN>)) chunk_state_k
     for (int kt = 0; kt < NK; ++kt) {
       if (w > 0) {
         Acc<T> sin;
-        load_frag_mat<Acc<T>, true>(sin, corner(handed, slot0 + chunk_of(i_begin), kt), p.V, kleft(kt), vleft);
+        load_frag_mat<Acc<T>, true>(sin, corner(handed, slot_in, kt), p.V, kleft(kt), vleft);
 #pragma unroll
         for (int e = 0; e < 16; ++e) S[kt].v[e] += gamw[kt * DT + Acc<T>::row(e)] * sin.v[e];
       }
-      if (i_end < nch) store_frag_mat(S[kt], corner(handed, slot0 + chunk_of(i_end), kt), p.V, kleft(kt), vleft);
+      if (i_end < nch) store_frag_mat(S[kt], corner(handed, slot_out, kt), p.V, kleft(kt), vleft);
     }
     if (i_end < nch) {
       window_fence();
@@ -257,7 +262,7 @@ __global__ void __launch_bounds__(NTH, (kStateCtas<OUT, NK, WIN>)) chunk_state_k
 #pragma unroll
     for (int kt = 0; kt < NK; ++kt) {
       if (w > 0) {
-        load_frag_mat<Acc<T>, true>(S[kt], corner(handed, slot0 + chunk_of(i_begin), kt), p.V, kleft(kt), vleft);
+        load_frag_mat<Acc<T>, true>(S[kt], corner(handed, slot_in, kt), p.V, kleft(kt), vleft);
       } else {
         S[kt] = initial(kt);
       }
@@ -342,8 +347,8 @@ inline bool state_vec(const ChunkPass& p, bool out, bool bwd) {
 }
 
 // Whether a state pass walks in windows of the chunk index (ChunkPass::window_chunks).
-inline bool state_windows(const ChunkPass& p, bool bwd) {
-  return p.window_chunks > 0 && p.window_flags && p.hst && (!bwd || p.dhst) && !p.cu_seqlens && p.T > 0;
+inline bool state_windows(const ChunkPass& p) {
+  return p.window_chunks > 0 && p.window_flags && p.window_states && !p.cu_seqlens && p.T > 0;
 }
 
 constexpr size_t state_smem(bool out, int nk = 1, bool win = false) {

@@ -68,20 +68,30 @@ Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst,
   return q.is_cuda() && needed ? pair_workspace(a, hst) : new_output({0}, hst.options());
 }
 
-// The CUDA state kernel's walks in windows of the chunk index where they are few and the
-// sequences long (kernels/chunk.h chunk_window_chunks; no cu_seqlens, hst on): the forward's, the
-// same again where the backward makes its states, and the backward's reverse walk. Off unless
-// FLA_EXT_CHUNK_WINDOWS=1 until they are measured on a GPU (docs/design.md §5.2). The flags live
-// until the pass ran.
-Tensor state_window_flags(const DiagArgs& a, const Tensor& q, const Tensor& hst, ChunkPass& p) {
+// Whether the CUDA state kernel walks in windows of the chunk index (kernels/chunk.h
+// chunk_window_chunks: the walks few and the sequences long; no cu_seqlens): the forward's, the
+// same again where the backward makes its states, and the backward's reverse walk
+// (docs/design.md §5.2). FLA_EXT_CHUNK_WINDOWS=0 turns them off.
+bool state_windows_on(const DiagArgs& a, const Tensor& q) {
   const char* on = std::getenv("FLA_EXT_CHUNK_WINDOWS");
-  if (!q.is_cuda() || !hst.numel() || a.cu.defined() || !on || on[0] != '1') return Tensor();
+  if (!q.is_cuda() || a.cu.defined() || (on && on[0] == '0')) return false;
+  return chunk_window_chunks(int(a.N), int(a.H), int(a.V), int(a.T)) > 0;
+}
+
+// What the windows hand on (their flags and the states at their starts), where
+// state_windows_on; it lives until the pass ran.
+struct WindowBuffers {
+  Tensor flags, states;
+};
+WindowBuffers window_buffers(const DiagArgs& a, const Tensor& q, ChunkPass& p) {
+  if (!state_windows_on(a, q)) return {};
   const int chunks = chunk_window_chunks(int(a.N), int(a.H), int(a.V), int(a.T));
-  const int64_t n = chunk_window_flags(int(a.N), int(a.H), int(a.K), int(a.V), int(a.T), chunks);
-  if (n == 0) return Tensor();
-  Tensor flags = at::empty({n}, q.options().dtype(at::kInt));
-  p.window_chunks = chunks, p.window_flags = flags.data_ptr<int>();
-  return flags;
+  const int N = int(a.N), H = int(a.H), K = int(a.K), V = int(a.V), T = int(a.T);
+  WindowBuffers w{at::empty({chunk_window_flags(N, H, K, V, T, chunks)}, q.options().dtype(at::kInt)),
+                  at::empty({chunk_window_states(N, H, K, V, T, chunks)}, q.options().dtype(at::kFloat))};
+  p.window_chunks = chunks;
+  p.window_flags = w.flags.data_ptr<int>(), p.window_states = w.states.data_ptr<float>();
+  return w;
 }
 
 }  // namespace
@@ -99,8 +109,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
   // The CUDA key-side forward at K <= 128 forms o inside its state kernel (kernels/chunk.h): it
-  // needs the chunk-start states only when they are kept for the backward.
-  const bool fused = q.is_cuda() && !vside && chunk_fused_out(int(a.K));
+  // needs the chunk-start states only when they are kept for the backward, or at K > 64 when its
+  // walks run in windows (a K tile a CTA: o is split off into the out kernel, which reads them).
+  const bool fused = q.is_cuda() && !vside && chunk_fused_out(int(a.K)) &&
+                     !(a.K > kChunkTile && state_windows_on(a, q));
   Tensor hst = state_workspace(a, q, !fused || keep);
   // The value-side forward runs no out kernel (kernels/chunk_vdecay.cuh): no A.
   Tensor amat = pair_workspace_for(a, q, hst, !vside);
@@ -111,7 +123,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   if (output_final_state) p.hT = mat(hT);
   if (hst.numel()) p.hst = hst.data_ptr();
   if (amat.numel()) p.amat = amat.data_ptr();
-  const Tensor flags = state_window_flags(a, q, hst, p);
+  const WindowBuffers windows = window_buffers(a, q, p);
   run(p);
   auto none = [&] { return new_output({0}, hst.options()); };  // distinct: outputs must not alias
   return {o, hT, keep ? hst : none(), keep ? amat : none()};
@@ -174,7 +186,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   p.amat_kept = amat_kept != nullptr;
   Tensor amat = amat_kept ? *amat_kept : pair_workspace_for(a, q, hst, true);
   if (amat.numel()) p.amat = amat.data_ptr();
-  const Tensor flags = state_window_flags(a, q, hst, p);  // (the launch zeroes them per walk)
+  const WindowBuffers windows = window_buffers(a, q, p);  // (the launch zeroes the flags)
   if (a.T > 0) {
     run(p);
   } else if (has(h0)) {

@@ -58,21 +58,24 @@ struct Grads {
 // sequences): set from the tests; 0 walks each sequence in one CTA.
 int window_chunks = 0;
 
-// launch_state of chunk_launch.cuh: in windows where state_windows (flags zeroed).
+// launch_state of chunk_launch.cuh: in windows where state_windows (flags zeroed; the ops'
+// window_states).
 template <typename E, Reader RD, bool OUT, int NK, bool BWD = false>
 void state(const ChunkPass& pass) {
   const int ntk = (pass.K + DT - 1) / DT, ntv = (pass.V + DT - 1) / DT;
   const unsigned z = unsigned(ntv * ((ntk + NK - 1) / NK));
   ChunkPass p = pass;
   std::vector<int> flags;
+  std::vector<float> handed;  // poisoned: a window reads only what its predecessor handed on
   p.window_chunks = window_chunks;
   if (window_chunks > 0) {
     flags.assign(size_t(chunk_window_flags(p.N, p.H, p.K, p.V, p.T, window_chunks)), 0);
-    p.window_flags = flags.data();
+    handed.assign(size_t(chunk_window_states(p.N, p.H, p.K, p.V, p.T, window_chunks)), NAN);
+    p.window_flags = flags.data(), p.window_states = handed.data();
   }
   const bool vec = state_vec<E>(p, OUT, BWD);
   if constexpr (NK == 1) {
-    if (state_windows(p, BWD)) {
+    if (state_windows(p)) {
       const unsigned windows = unsigned((num_chunks(p.T) + window_chunks - 1) / window_chunks);
       return emu::launch(dim3(unsigned(p.N), p.H, z * windows), NTH,
                          [&] { cta([&] { chunk_state_kernel<E, RD, OUT, NK, BWD, true>(p, ntv, vec); }); });

@@ -93,15 +93,47 @@ def test_stress_long(device, fam, T, w_kind, gen):
 @pytest.mark.parametrize("H,K", [(2, 64), (2, 128), (48, 64)])
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "remade"])
 def test_state_windows(device, fam, H, K, keep, monkeypatch, gen):
-    """The state kernel's walks in windows of the chunk index (FLA_EXT_CHUNK_WINDOWS=1;
-    kernels/chunk.h chunk_window_chunks: walks of 32 chunks in 4 windows of 8), forward and
-    backward: o, the final state and every gradient against the float64 oracle, with the states
-    kept by the training forward or made again by the backward. H = 2: o split off the walk
-    (few CTAs); H = 48: o formed in the walk. Weak decays (near0), so that the state handed from
-    window to window matters."""
-    monkeypatch.setenv("FLA_EXT_CHUNK_WINDOWS", "1")
+    """The state kernel's walks in windows of the chunk index (on by default; kernels/chunk.h
+    chunk_window_chunks: walks of 32 chunks in windows of 8), forward and backward: o, the final
+    state and every gradient against the float64 oracle, with the states kept by the training
+    forward or made again by the backward (the forward then the inference one). K = 64: o formed
+    in the windowed walk; K = 128: o split off into the out kernel. Weak decays (near0), so that
+    the state handed from window to window matters."""
+    monkeypatch.delenv("FLA_EXT_CHUNK_WINDOWS", raising=False)  # on by default
     x = fam.make(1, 2048, H, K, K, F32, device, gen, w_kind="near0")
     with fla_ext.keep_workspaces(keep):
+        run_and_check(fam, "chunk", x, gen=gen)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_windowed_inference_forward_memory(device):
+    """A forward that keeps nothing, its walks in windows (K = 64, 2 walks of 128 chunks): the
+    windows hand their states on through a state a window and the chunk-start states are not
+    allocated. Peak extra memory: o and the float32 pair matrices, with 1 MiB of slack for the
+    windows' states and flags (512 KiB); the chunk-start states would be 4.2 MB more."""
+    B, T, H, K = 1, 8192, 2, 64
+    q, k, v = (torch.randn(B, T, H, K, device=device, dtype=BF16) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device)).to(BF16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        o, _ = fla_ext.chunk_gla(q, k, v, g)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    pairs = (T // 64) * H * 64 * 64 * 4
+    assert extra <= o.numel() * o.element_size() + pairs + (1 << 20), extra
+
+
+@pytest.mark.parametrize("device,fam", on_devices(DEVICES[1:], CHUNK_FAMILIES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_state_two_ctas_an_sm(device, fam, dtype, gen):
+    """The forward's state kernel with o at K <= 64 where its (sequence, head) CTAs are more than
+    the SMs (then built for two an SM: kernels/chunk_launch.cuh launch_state): a forward that
+    keeps no workspace (the inference one) and its backward against the float64 oracle."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    x = fam.make(2, 130, sms // 2 + 4, 64, 64, dtype, device, gen)
+    with fla_ext.keep_workspaces(False):
         run_and_check(fam, "chunk", x, gen=gen)
 
 

@@ -331,12 +331,15 @@ def test_core_ops(device, dtype, gen):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("train", [True, False], ids=["train", "inference"])
-def test_core_forward_peak_memory(train, gen):
+def test_core_forward_peak_memory(train, monkeypatch, gen):
     """The forward's peak extra memory: the float32 logits of pass 1 (and, without a backward,
     the float32 p: pass 2 reads its bf16 copy) are released before pass 2, not held to the end
     (each the size of p, 8 MiB here; the slack is 1 MiB). Training: the peak is pass 2, holding
     what the op returns plus the bf16 p. Inference: pass 1, the logits with pass 1's states (or
-    with p, the softmax)."""
+    with p, the softmax). The state walks in one piece: in windows (on by default at these few
+    long walks) pass 2 holds their hand-over states as well, and at M = 128 its chunk-start
+    states (docs/design.md §5.2; the windows' memory has its own test in test_gla_rwkv6_chunk)."""
+    monkeypatch.setenv("FLA_EXT_CHUNK_WINDOWS", "0")
     x = make(2, 4096, 2, 2, 64, 64, 128, BF16, "cuda", gen, h0=False)
     fargs = (x["q"], x["k"], x["v"], x["s"], x["g"], None, None, None, False, None, False)
     train_op = torch.ops.fla.chunk_gsa_core_train.default
