@@ -372,23 +372,26 @@ def test_chunk_kernels_split_out(chunk_emu, fam, shape, cu, gen):
 
 
 @pytest.mark.parametrize("fam", [GLA, RWKV6, GLA_GV], ids=["gla", "rwkv6", "gla_gv"])
-@pytest.mark.parametrize("shape,split,keep", [((2, 300, 1, 32, 24), False, True),
-                                              ((1, 290, 1, 136, 70), False, True),
-                                              ((1, 300, 2, 32, 24), True, True),
-                                              ((2, 300, 1, 32, 24), False, False)],
-                         ids=["with_o", "K136", "split", "recomputed"])
-def test_chunk_kernels_windows(chunk_emu, fam, shape, split, keep, gen):
+@pytest.mark.parametrize("shape,cu,split,keep", [
+    ((2, 300, 1, 32, 24), None, False, True), ((1, 290, 1, 136, 70), None, False, True),
+    ((1, 300, 2, 32, 24), None, True, True), ((2, 300, 1, 32, 24), None, False, False),
+    ((1, 420, 1, 32, 24), [0, 0, 300, 301, 420], False, True),
+    ((1, 420, 1, 32, 24), [0, 190, 190, 420], False, False)],
+    ids=["with_o", "K136", "split", "recomputed", "varlen", "varlen_recomputed"])
+def test_chunk_kernels_windows(chunk_emu, fam, shape, cu, split, keep, gen):
     """The state kernel's walks in windows of two chunks (ChunkPass::window_chunks; T = 290-300:
     three windows, the last partial): the first walk of each window from a zero state, the
     hand-over through hst (dhst for the backward's reverse walk) and the flags, the second walk
     from the true start state; with o formed in the walk (K = 32), per K tile (K = 136, two V
-    tiles), o split off, and the backward's recomputed states (keep off). The value-side pass
+    tiles), o split off, and the backward's recomputed states (keep off); with cu_seqlens (windows
+    for ceil(T / 64) chunks, those past a sequence's end idle; empty sequences, whose final state
+    window 0 writes, and a sequence of one row). The value-side pass
     (gla_gv) walks its transposed states the same way. Weak decays (near0: e^-6 over a window), so that the state handed over
     matters: the stress regimes' decays leave nothing of it after 128 rows."""
     chunk_emu.set_window_chunks(2)
     chunk_emu.set_split_out(split)
     try:
-        check_chunk(chunk_emu, fam, shape, None, keep, gen, torch.float32, 1e-5, w_kind="near0")
+        check_chunk(chunk_emu, fam, shape, cu, keep, gen, torch.float32, 1e-5, w_kind="near0")
     finally:
         chunk_emu.set_window_chunks(0)
         chunk_emu.set_split_out(False)

@@ -82,7 +82,7 @@ struct ChunkPass {
   bool hst_kept = false;
 
   // The CUDA state kernel walks in windows of this many chunks (chunk_window_chunks; 0: one walk
-  // per sequence), without cu_seqlens: each window hands its end state to the next through
+  // per sequence): each window hands its end state to the next through
   // window_states (chunk_window_states floats, [window][sequence][head][K][V]) and a flag in
   // window_flags (chunk_window_flags ints, zeroed by each launch).
   int window_chunks = 0;
@@ -139,13 +139,16 @@ FLA_HD constexpr bool chunk_fused_out(int K) { return K <= 2 * kChunkTile; }
 // Windows of the chunk index for the CUDA state kernel's walks (kernels/chunk_state.cuh):
 // where the (sequence, head, V tile) walks are few (at most kWindowMaxWalks, far below the SMs of
 // the GPUs this targets) and the sequences long, each walk is cut into windows of at least
-// kWindowMinChunks chunks, about kWindowCtas CTAs in all; else 0. Without cu_seqlens only (every
-// sequence then has the same chunks).
+// kWindowMinChunks chunks, about kWindowCtas CTAs in all; else 0. With cu_seqlens (`varlen`, T
+// the rows of all N sequences) the windows are sized for the mean length; the launch runs as
+// many windows as the longest sequence could need (ceil(T / C) chunks), and the windows past a
+// sequence's end return at once.
 constexpr int kWindowMaxWalks = 64, kWindowMinChunks = 8, kWindowCtas = 256;
-FLA_HD constexpr int chunk_window_chunks(int N, int H, int V, int T) {
+FLA_HD constexpr int chunk_window_chunks(int N, int H, int V, int T, bool varlen = false) {
   const int64_t walks = int64_t(N) * H * ((V + kChunkTile - 1) / kChunkTile);
-  const int64_t nch = (int64_t(T) + kChunk - 1) / kChunk;
   if (walks <= 0 || walks > kWindowMaxWalks) return 0;
+  const int64_t rows = varlen ? (int64_t(T) + N - 1) / N : int64_t(T);
+  const int64_t nch = (rows + kChunk - 1) / kChunk;
   const int64_t windows = (kWindowCtas + walks - 1) / walks, per = (nch + windows - 1) / windows;
   const int64_t chunks = per < kWindowMinChunks ? kWindowMinChunks : per;
   return chunks < nch ? int(chunks) : 0;

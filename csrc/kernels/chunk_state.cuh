@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(NTH, CTAS) chunk_state_kernel(ChunkPass p, int
   // The chunks this CTA walks: all, or (WIN) its window's.
   const int64_t i_begin = WIN ? int64_t(w) * p.window_chunks : 0;
   const int64_t i_end = WIN ? (i_begin + p.window_chunks < nch ? i_begin + p.window_chunks : nch) : nch;
-  if (WIN && i_begin >= nch) return;
+  if (WIN && w > 0 && i_begin >= nch) return;  // (window 0 writes an empty sequence's final state)
   const int64_t KV = int64_t(p.K) * p.V;
   float* const hst = static_cast<float*>(p.hst);
   float* const out_states = BWD ? static_cast<float*>(p.dhst) : hst;
@@ -348,7 +348,7 @@ inline bool state_vec(const ChunkPass& p, bool out, bool bwd) {
 
 // Whether a state pass walks in windows of the chunk index (ChunkPass::window_chunks).
 inline bool state_windows(const ChunkPass& p) {
-  return p.window_chunks > 0 && p.window_flags && p.window_states && !p.cu_seqlens && p.T > 0;
+  return p.window_chunks > 0 && p.window_flags && p.window_states && p.T > 0;
 }
 
 constexpr size_t state_smem(bool out, int nk = 1, bool win = false) {

@@ -68,14 +68,19 @@ Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst,
   return q.is_cuda() && needed ? pair_workspace(a, hst) : new_output({0}, hst.options());
 }
 
+int window_chunks(const DiagArgs& a) {
+  return chunk_window_chunks(int(a.N), int(a.H), int(a.V), int(a.T), a.cu.defined());
+}
+
 // Whether the CUDA state kernel walks in windows of the chunk index (kernels/chunk.h
-// chunk_window_chunks: the walks few and the sequences long; no cu_seqlens): the forward's, the
-// same again where the backward makes its states, and the backward's reverse walk
-// (docs/design.md §5.2). FLA_EXT_CHUNK_WINDOWS=0 turns them off.
+// chunk_window_chunks: the walks few and the sequences long): the forward's, the same again
+// where the backward makes its states, and the backward's reverse walk (docs/design.md §5.2).
+// FLA_EXT_CHUNK_WINDOWS=0 turns them off; with cu_seqlens they run only at
+// FLA_EXT_CHUNK_WINDOWS=1 until they are measured on a GPU there.
 bool state_windows_on(const DiagArgs& a, const Tensor& q) {
   const char* on = std::getenv("FLA_EXT_CHUNK_WINDOWS");
-  if (!q.is_cuda() || a.cu.defined() || (on && on[0] == '0')) return false;
-  return chunk_window_chunks(int(a.N), int(a.H), int(a.V), int(a.T)) > 0;
+  if (!q.is_cuda() || (on && on[0] == '0') || (a.cu.defined() && !(on && on[0] == '1'))) return false;
+  return window_chunks(a) > 0;
 }
 
 // What the windows hand on (their flags and the states at their starts), where
@@ -85,7 +90,7 @@ struct WindowBuffers {
 };
 WindowBuffers window_buffers(const DiagArgs& a, const Tensor& q, ChunkPass& p) {
   if (!state_windows_on(a, q)) return {};
-  const int chunks = chunk_window_chunks(int(a.N), int(a.H), int(a.V), int(a.T));
+  const int chunks = window_chunks(a);
   const int N = int(a.N), H = int(a.H), K = int(a.K), V = int(a.V), T = int(a.T);
   WindowBuffers w{at::empty({chunk_window_flags(N, H, K, V, T, chunks)}, q.options().dtype(at::kInt)),
                   at::empty({chunk_window_states(N, H, K, V, T, chunks)}, q.options().dtype(at::kFloat))};

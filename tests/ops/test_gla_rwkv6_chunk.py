@@ -90,19 +90,28 @@ def test_stress_long(device, fam, T, w_kind, gen):
 
 
 @pytest.mark.parametrize("device,fam", on_devices(DEVICES[1:], CHUNK_FAMILIES))
-@pytest.mark.parametrize("H,K", [(2, 64), (2, 128), (48, 64)])
+@pytest.mark.parametrize("H,K,cu", [(2, 64, None), (2, 128, None), (48, 64, None),
+                                    (2, 64, [0, 0, 1500, 1501, 3100])],
+                         ids=["H2K64", "H2K128", "H48K64", "varlen"])
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "remade"])
-def test_state_windows(device, fam, H, K, keep, monkeypatch, gen):
+def test_state_windows(device, fam, H, K, cu, keep, monkeypatch, gen):
     """The state kernel's walks in windows of the chunk index (on by default; kernels/chunk.h
     chunk_window_chunks: walks of 32 chunks in windows of 8), forward and backward: o, the final
     state and every gradient against the float64 oracle, with the states kept by the training
     forward or made again by the backward (the forward then the inference one). K = 64: o formed
     in the windowed walk; K = 128: o split off into the out kernel. Weak decays (near0), so that
-    the state handed from window to window matters."""
-    monkeypatch.delenv("FLA_EXT_CHUNK_WINDOWS", raising=False)  # on by default
-    x = fam.make(1, 2048, H, K, K, F32, device, gen, w_kind="near0")
+    the state handed from window to window matters. With cu_seqlens (FLA_EXT_CHUNK_WINDOWS=1 until
+    measured): windows sized for the mean length (775 rows: 13 chunks, windows of 8), an empty
+    sequence and one of a single row among them."""
+    if cu:
+        monkeypatch.setenv("FLA_EXT_CHUNK_WINDOWS", "1")
+    else:
+        monkeypatch.delenv("FLA_EXT_CHUNK_WINDOWS", raising=False)  # on by default
+    T = cu[-1] if cu else 2048
+    x = fam.make(1, T, H, K, K, F32, device, gen, w_kind="near0", N=len(cu) - 1 if cu else 1)
+    kw = dict(cu_seqlens=torch.tensor(cu, device=device)) if cu else {}
     with fla_ext.keep_workspaces(keep):
-        run_and_check(fam, "chunk", x, gen=gen)
+        run_and_check(fam, "chunk", x, gen=gen, **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES[1:])
