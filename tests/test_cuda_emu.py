@@ -381,7 +381,7 @@ def test_chunk_kernels_split_out(chunk_emu, fam, shape, cu, gen):
 def test_chunk_kernels_windows(chunk_emu, fam, shape, cu, split, keep, gen):
     """The state kernel's walks in windows of two chunks (ChunkPass::window_chunks; T = 290-300:
     three windows, the last partial): the first walk of each window from a zero state, the
-    hand-over through hst (dhst for the backward's reverse walk) and the flags, the second walk
+    hand-over through window_states (poisoned) and the flags, the second walk
     from the true start state; with o formed in the walk (K = 32), per K tile (K = 136, two V
     tiles), o split off, and the backward's recomputed states (keep off); with cu_seqlens (windows
     for ceil(T / 64) chunks, those past a sequence's end idle; empty sequences, whose final state

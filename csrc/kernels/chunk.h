@@ -82,9 +82,9 @@ struct ChunkPass {
   bool hst_kept = false;
 
   // The CUDA state kernel walks in windows of this many chunks (chunk_window_chunks; 0: one walk
-  // per sequence): each window hands its end state to the next through
-  // window_states (chunk_window_states floats, [window][sequence][head][K][V]) and a flag in
-  // window_flags (chunk_window_flags ints, zeroed by each launch).
+  // per sequence): each window hands its end state to the next through window_states
+  // (chunk_window_states floats, [window][sequence][head][K][V]) and a flag in window_flags
+  // (chunk_window_flags ints, zeroed by each launch).
   int window_chunks = 0;
   int* window_flags = nullptr;
   float* window_states = nullptr;
@@ -140,9 +140,8 @@ FLA_HD constexpr bool chunk_fused_out(int K) { return K <= 2 * kChunkTile; }
 // where the (sequence, head, V tile) walks are few (at most kWindowMaxWalks, far below the SMs of
 // the GPUs this targets) and the sequences long, each walk is cut into windows of at least
 // kWindowMinChunks chunks, about kWindowCtas CTAs in all; else 0. With cu_seqlens (`varlen`, T
-// the rows of all N sequences) the windows are sized for the mean length; the launch runs as
-// many windows as the longest sequence could need (ceil(T / C) chunks), and the windows past a
-// sequence's end return at once.
+// the rows of all N sequences) the windows are sized for the mean length (the launch runs
+// chunk_window_count of them).
 constexpr int kWindowMaxWalks = 64, kWindowMinChunks = 8, kWindowCtas = 256;
 FLA_HD constexpr int chunk_window_chunks(int N, int H, int V, int T, bool varlen = false) {
   const int64_t walks = int64_t(N) * H * ((V + kChunkTile - 1) / kChunkTile);
@@ -153,18 +152,22 @@ FLA_HD constexpr int chunk_window_chunks(int N, int H, int V, int T, bool varlen
   const int64_t chunks = per < kWindowMinChunks ? kWindowMinChunks : per;
   return chunks < nch ? int(chunks) : 0;
 }
+// The windows a launch runs per walk: enough for ceil(T / C) chunks (with cu_seqlens, for the
+// longest sequence there could be; the windows past a sequence's end return at once).
+FLA_HD constexpr int64_t chunk_window_count(int T, int window_chunks) {
+  if (window_chunks <= 0) return 0;
+  const int64_t nch = (int64_t(T) + kChunk - 1) / kChunk;
+  return (nch + window_chunks - 1) / window_chunks;
+}
 // The window_flags of such a pass: a flag per window and CTA of a walk (K x V tiles bound the CTAs
 // of every form, the value-side pass's transposed one included).
 FLA_HD constexpr int64_t chunk_window_flags(int N, int H, int K, int V, int T, int window_chunks) {
-  if (window_chunks <= 0) return 0;
-  const int64_t nch = (int64_t(T) + kChunk - 1) / kChunk, windows = (nch + window_chunks - 1) / window_chunks;
-  return windows * N * H * ((K + kChunkTile - 1) / kChunkTile) * ((V + kChunkTile - 1) / kChunkTile);
+  return chunk_window_count(T, window_chunks) * N * H * ((K + kChunkTile - 1) / kChunkTile) *
+         ((V + kChunkTile - 1) / kChunkTile);
 }
 // The window_states of such a pass: a state a window and (sequence, head), of the walk's K x V.
 FLA_HD constexpr int64_t chunk_window_states(int N, int H, int K, int V, int T, int window_chunks) {
-  if (window_chunks <= 0) return 0;
-  const int64_t nch = (int64_t(T) + kChunk - 1) / kChunk, windows = (nch + window_chunks - 1) / window_chunks;
-  return windows * N * H * int64_t(K) * V;
+  return chunk_window_count(T, window_chunks) * N * H * int64_t(K) * V;
 }
 
 // Slots in the workspaces for a batch of T rows (T = total rows with cu_seqlens), for chunks of

@@ -38,13 +38,13 @@ cudaError_t launch_state(const ChunkPass& p, cudaStream_t stream) {
   const unsigned z = unsigned(ntv * ((ntk + NK - 1) / NK));
   if (p.N <= 0 || p.H <= 0 || z == 0) return cudaGetLastError();  // an empty grid is an invalid launch
   const bool vec = state_vec<T>(p, OUT, BWD);
-  if constexpr (NK == 1) {  // (NK = 2 runs where the walks fill the GPU: no windows)
+  if constexpr (NK == 1) {  // (windowed forwards at K = 128 split o off: chunk_split_out)
     if (state_windows(p)) {
       auto state = chunk_state_kernel<T, RD, OUT, NK, BWD, true>;
       const size_t smem = state_smem(OUT, NK, true);
       cudaError_t e = set_smem(state, smem);
       if (e != cudaSuccess) return e;
-      const int64_t nch = (int64_t(p.T) + C - 1) / C, windows = (nch + p.window_chunks - 1) / p.window_chunks;
+      const int64_t windows = chunk_window_count(p.T, p.window_chunks);
       const size_t flags = sizeof(int) * size_t(windows) * p.N * p.H * z;
       if ((e = cudaMemsetAsync(p.window_flags, 0, flags, stream)) != cudaSuccess) return e;
       state<<<dim3(unsigned(p.N), p.H, unsigned(z * windows)), NTH, smem, stream>>>(p, ntv, vec);

@@ -68,29 +68,24 @@ Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst,
   return q.is_cuda() && needed ? pair_workspace(a, hst) : new_output({0}, hst.options());
 }
 
-int window_chunks(const DiagArgs& a) {
+// The chunks of a window where the CUDA state kernel walks in windows of the chunk index
+// (kernels/chunk.h chunk_window_chunks: the walks few and the sequences long), else 0: the
+// forward's, the same again where the backward makes its states, and the backward's reverse walk
+// (docs/design.md §5.2). FLA_EXT_CHUNK_WINDOWS=0 turns them off; with cu_seqlens they run only at
+// FLA_EXT_CHUNK_WINDOWS=1 until they are measured on a GPU there.
+int state_window_chunks(const DiagArgs& a, const Tensor& q) {
+  const char* on = std::getenv("FLA_EXT_CHUNK_WINDOWS");
+  if (!q.is_cuda() || (on && on[0] == '0') || (a.cu.defined() && !(on && on[0] == '1'))) return 0;
   return chunk_window_chunks(int(a.N), int(a.H), int(a.V), int(a.T), a.cu.defined());
 }
 
-// Whether the CUDA state kernel walks in windows of the chunk index (kernels/chunk.h
-// chunk_window_chunks: the walks few and the sequences long): the forward's, the same again
-// where the backward makes its states, and the backward's reverse walk (docs/design.md §5.2).
-// FLA_EXT_CHUNK_WINDOWS=0 turns them off; with cu_seqlens they run only at
-// FLA_EXT_CHUNK_WINDOWS=1 until they are measured on a GPU there.
-bool state_windows_on(const DiagArgs& a, const Tensor& q) {
-  const char* on = std::getenv("FLA_EXT_CHUNK_WINDOWS");
-  if (!q.is_cuda() || (on && on[0] == '0') || (a.cu.defined() && !(on && on[0] == '1'))) return false;
-  return window_chunks(a) > 0;
-}
-
-// What the windows hand on (their flags and the states at their starts), where
-// state_windows_on; it lives until the pass ran.
+// What windows of `chunks` chunks hand on (their flags and the states at their starts); it lives
+// until the pass ran.
 struct WindowBuffers {
   Tensor flags, states;
 };
-WindowBuffers window_buffers(const DiagArgs& a, const Tensor& q, ChunkPass& p) {
-  if (!state_windows_on(a, q)) return {};
-  const int chunks = window_chunks(a);
+WindowBuffers window_buffers(const DiagArgs& a, const Tensor& q, int chunks, ChunkPass& p) {
+  if (chunks <= 0) return {};
   const int N = int(a.N), H = int(a.H), K = int(a.K), V = int(a.V), T = int(a.T);
   WindowBuffers w{at::empty({chunk_window_flags(N, H, K, V, T, chunks)}, q.options().dtype(at::kInt)),
                   at::empty({chunk_window_states(N, H, K, V, T, chunks)}, q.options().dtype(at::kFloat))};
@@ -116,8 +111,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   // The CUDA key-side forward at K <= 128 forms o inside its state kernel (kernels/chunk.h): it
   // needs the chunk-start states only when they are kept for the backward, or at K > 64 when its
   // walks run in windows (a K tile a CTA: o is split off into the out kernel, which reads them).
+  const int window_chunks = state_window_chunks(a, q);
   const bool fused = q.is_cuda() && !vside && chunk_fused_out(int(a.K)) &&
-                     !(a.K > kChunkTile && state_windows_on(a, q));
+                     !(a.K > kChunkTile && window_chunks > 0);
   Tensor hst = state_workspace(a, q, !fused || keep);
   // The value-side forward runs no out kernel (kernels/chunk_vdecay.cuh): no A.
   Tensor amat = pair_workspace_for(a, q, hst, !vside);
@@ -128,7 +124,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   if (output_final_state) p.hT = mat(hT);
   if (hst.numel()) p.hst = hst.data_ptr();
   if (amat.numel()) p.amat = amat.data_ptr();
-  const WindowBuffers windows = window_buffers(a, q, p);
+  const WindowBuffers windows = window_buffers(a, q, window_chunks, p);
   run(p);
   auto none = [&] { return new_output({0}, hst.options()); };  // distinct: outputs must not alias
   return {o, hT, keep ? hst : none(), keep ? amat : none()};
@@ -191,7 +187,7 @@ ChunkGrads chunk_backward(const DiagArgs& a, Reader reader, const Tensor& q, con
   p.amat_kept = amat_kept != nullptr;
   Tensor amat = amat_kept ? *amat_kept : pair_workspace_for(a, q, hst, true);
   if (amat.numel()) p.amat = amat.data_ptr();
-  const WindowBuffers windows = window_buffers(a, q, p);  // (the launch zeroes the flags)
+  const WindowBuffers windows = window_buffers(a, q, state_window_chunks(a, q), p);  // (the launch zeroes the flags)
   if (a.T > 0) {
     run(p);
   } else if (has(h0)) {

@@ -76,7 +76,7 @@ void state(const ChunkPass& pass) {
   const bool vec = state_vec<E>(p, OUT, BWD);
   if constexpr (NK == 1) {
     if (state_windows(p)) {
-      const unsigned windows = unsigned((num_chunks(p.T) + window_chunks - 1) / window_chunks);
+      const unsigned windows = unsigned(chunk_window_count(p.T, window_chunks));
       return emu::launch(dim3(unsigned(p.N), p.H, z * windows), NTH,
                          [&] { cta([&] { chunk_state_kernel<E, RD, OUT, NK, BWD, true>(p, ntv, vec); }); });
     }
