@@ -376,14 +376,17 @@ def test_chunk_kernels_split_out(chunk_emu, fam, shape, cu, gen):
     ((2, 300, 1, 32, 24), None, False, True), ((1, 290, 1, 136, 70), None, False, True),
     ((1, 300, 2, 32, 24), None, True, True), ((2, 300, 1, 32, 24), None, False, False),
     ((1, 420, 1, 32, 24), [0, 0, 300, 301, 420], False, True),
-    ((1, 420, 1, 32, 24), [0, 190, 190, 420], False, False)],
-    ids=["with_o", "K136", "split", "recomputed", "varlen", "varlen_recomputed"])
+    ((1, 420, 1, 32, 24), [0, 190, 190, 420], False, False),
+    ((1, 290, 1, 128, 70), None, False, False), ((1, 290, 1, 128, 70), None, True, True)],
+    ids=["with_o", "K136", "split", "recomputed", "varlen", "varlen_recomputed", "K128_with_o",
+         "K128_split"])
 def test_chunk_kernels_windows(chunk_emu, fam, shape, cu, split, keep, gen):
     """The state kernel's walks in windows of two chunks (ChunkPass::window_chunks; T = 290-300:
     three windows, the last partial): the first walk of each window from a zero state, the
     hand-over through window_states (poisoned) and the flags, the second walk
-    from the true start state; with o formed in the walk (K = 32), per K tile (K = 136, two V
-    tiles), o split off, and the backward's recomputed states (keep off); with cu_seqlens (windows
+    from the true start state; with o formed in the walk (K = 32; K = 128 over both K tiles, as an
+    inference forward runs it), per K tile (K = 136, two V tiles), o split off (K = 128 as a
+    training forward runs it), and the backward's recomputed states (keep off); with cu_seqlens (windows
     for ceil(T / 64) chunks, those past a sequence's end idle; empty sequences, whose final state
     window 0 writes, and a sequence of one row). The value-side pass
     (gla_gv) walks its transposed states the same way. Weak decays (near0: e^-6 over a window), so that the state handed over

@@ -38,18 +38,16 @@ cudaError_t launch_state(const ChunkPass& p, cudaStream_t stream) {
   const unsigned z = unsigned(ntv * ((ntk + NK - 1) / NK));
   if (p.N <= 0 || p.H <= 0 || z == 0) return cudaGetLastError();  // an empty grid is an invalid launch
   const bool vec = state_vec<T>(p, OUT, BWD);
-  if constexpr (NK == 1) {  // (windowed forwards at K = 128 split o off: chunk_split_out)
-    if (state_windows(p)) {
-      auto state = chunk_state_kernel<T, RD, OUT, NK, BWD, true>;
-      const size_t smem = state_smem(OUT, NK, true);
-      cudaError_t e = set_smem(state, smem);
-      if (e != cudaSuccess) return e;
-      const int64_t windows = chunk_window_count(p.T, p.window_chunks);
-      const size_t flags = sizeof(int) * size_t(windows) * p.N * p.H * z;
-      if ((e = cudaMemsetAsync(p.window_flags, 0, flags, stream)) != cudaSuccess) return e;
-      state<<<dim3(unsigned(p.N), p.H, unsigned(z * windows)), NTH, smem, stream>>>(p, ntv, vec);
-      return cudaGetLastError();
-    }
+  if (state_windows(p)) {
+    auto state = chunk_state_kernel<T, RD, OUT, NK, BWD, true>;
+    const size_t smem = state_smem(OUT, NK, true);
+    cudaError_t e = set_smem(state, smem);
+    if (e != cudaSuccess) return e;
+    const int64_t windows = chunk_window_count(p.T, p.window_chunks);
+    const size_t flags = sizeof(int) * size_t(windows) * p.N * p.H * z;
+    if ((e = cudaMemsetAsync(p.window_flags, 0, flags, stream)) != cudaSuccess) return e;
+    state<<<dim3(unsigned(p.N), p.H, unsigned(z * windows)), NTH, smem, stream>>>(p, ntv, vec);
+    return cudaGetLastError();
   }
   auto launch = [&](auto state) {
     const size_t smem = state_smem(OUT);
@@ -99,8 +97,9 @@ cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
 // well and each chunk step is shorter (no o): at K >= 128 when the fused grid does not fill the
 // SMs, at K <= 64 when it fills under a quarter of them (long sequences, few heads). Split where
 // the fused grid fills the SMs, the out kernel is a pass more. Walks in windows fill the SMs by
-// design: at K <= 64 they form o (then no hst is needed); windows at K = 128 walk a K tile a CTA
-// and split (the ops give such a forward hst).
+// design: at K <= 64 they form o; at K = 128 they split when the states are stored anyway (their
+// walk a K tile a CTA is the shorter one), and form o over both K tiles when nothing is kept (an
+// inference forward then needs no hst; benchmarks/NOTES.md c55).
 inline bool chunk_split_out(const ChunkPass& p) {
   if (!p.hst) return false;
   const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;

@@ -132,7 +132,6 @@ template <typename T, Reader RD, bool OUT, int NK, bool BWD = false, bool WIN = 
 __global__ void __launch_bounds__(NTH, CTAS) chunk_state_kernel(ChunkPass p, int ntv, bool vec) {
   static_assert(!(BWD && OUT) && (NK == 1 || OUT), "o is a forward output; NK > 1 only for it");
   static_assert(CTAS == kStateCtas<OUT, NK, WIN> || (OUT && NK == 1 && !WIN), "CTAS: the walk with o at K <= 64");
-  static_assert(!(WIN && NK > 1), "windows walk a K tile or all of K <= 64 a CTA");
   extern __shared__ float4 smem4[];
   // B operands and the transposed A operand at stride LDB, A operands [row][k] at LD (tile_mma.cuh).
   TileB* X = reinterpret_cast<TileB*>(smem4);  // v (BWD: dO)

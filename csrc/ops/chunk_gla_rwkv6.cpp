@@ -71,11 +71,10 @@ Tensor pair_workspace_for(const DiagArgs& a, const Tensor& q, const Tensor& hst,
 // The chunks of a window where the CUDA state kernel walks in windows of the chunk index
 // (kernels/chunk.h chunk_window_chunks: the walks few and the sequences long), else 0: the
 // forward's, the same again where the backward makes its states, and the backward's reverse walk
-// (docs/design.md §5.2). FLA_EXT_CHUNK_WINDOWS=0 turns them off; with cu_seqlens they run only at
-// FLA_EXT_CHUNK_WINDOWS=1 until they are measured on a GPU there.
+// (docs/design.md §5.2). FLA_EXT_CHUNK_WINDOWS=0 turns them off.
 int state_window_chunks(const DiagArgs& a, const Tensor& q) {
   const char* on = std::getenv("FLA_EXT_CHUNK_WINDOWS");
-  if (!q.is_cuda() || (on && on[0] == '0') || (a.cu.defined() && !(on && on[0] == '1'))) return 0;
+  if (!q.is_cuda() || (on && on[0] == '0')) return 0;
   return chunk_window_chunks(int(a.N), int(a.H), int(a.V), int(a.T), a.cu.defined());
 }
 
@@ -109,11 +108,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   Tensor hT = new_output({output_final_state ? a.N : 0, a.H, a.K, a.V},
                          q.options().dtype(acc_type(q)));
   // The CUDA key-side forward at K <= 128 forms o inside its state kernel (kernels/chunk.h): it
-  // needs the chunk-start states only when they are kept for the backward, or at K > 64 when its
-  // walks run in windows (a K tile a CTA: o is split off into the out kernel, which reads them).
+  // needs the chunk-start states only when they are kept for the backward.
   const int window_chunks = state_window_chunks(a, q);
-  const bool fused = q.is_cuda() && !vside && chunk_fused_out(int(a.K)) &&
-                     !(a.K > kChunkTile && window_chunks > 0);
+  const bool fused = q.is_cuda() && !vside && chunk_fused_out(int(a.K));
   Tensor hst = state_workspace(a, q, !fused || keep);
   // The value-side forward runs no out kernel (kernels/chunk_vdecay.cuh): no A.
   Tensor amat = pair_workspace_for(a, q, hst, !vside);

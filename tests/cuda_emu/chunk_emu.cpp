@@ -74,12 +74,10 @@ void state(const ChunkPass& pass) {
     p.window_flags = flags.data(), p.window_states = handed.data();
   }
   const bool vec = state_vec<E>(p, OUT, BWD);
-  if constexpr (NK == 1) {
-    if (state_windows(p)) {
-      const unsigned windows = unsigned(chunk_window_count(p.T, window_chunks));
-      return emu::launch(dim3(unsigned(p.N), p.H, z * windows), NTH,
-                         [&] { cta([&] { chunk_state_kernel<E, RD, OUT, NK, BWD, true>(p, ntv, vec); }); });
-    }
+  if (state_windows(p)) {
+    const unsigned windows = unsigned(chunk_window_count(p.T, window_chunks));
+    return emu::launch(dim3(unsigned(p.N), p.H, z * windows), NTH,
+                       [&] { cta([&] { chunk_state_kernel<E, RD, OUT, NK, BWD, true>(p, ntv, vec); }); });
   }
   emu::launch(dim3(unsigned(p.N), p.H, z), NTH, [&] { cta([&] { chunk_state_kernel<E, RD, OUT, NK, BWD>(p, ntv, vec); }); });
 }
