@@ -10,8 +10,10 @@ Writes rows ``{op, impl, gpu, B, T, H, K, V, dtype, mode, ms, peak_mib, run}`` i
 ``<out>/<gpu>_<op>_grid.json`` (row by row, replacing rows of another run with the same key, so parts
 of the grid can run as separate processes: wind_rwkv compiles one head size per process, for
 over two minutes) and a plot
-next to it. ``run`` names the process that measured the row (its UTC start and the checkout's
-commit where git can tell): compare rows only within one run. ``--resume`` skips the points and
+next to it. ``run`` names the process that measured the row (its UTC start, the checkout's commit
+where git can tell, ``-dirty`` when the tracked files differ from it, and ``src:`` the digest of
+the sources built, which ``--source-digest`` prints for a checkout): compare rows only within one
+run. ``--resume`` skips the points and
 modes whose every impl already has a row, so that a grid cut short by a time limit (fla autotunes
 for minutes per new shape) goes on where it stopped; each point and mode still measures all of its
 impls in one run. Modes: ``fwd`` (a training forward: inputs require grad), ``fwdbwd`` (forward and
@@ -49,6 +51,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_ops  # noqa: E402  (Timer, _peak_mb, _free, _version)
 import fla_ext  # noqa: E402
@@ -259,15 +262,44 @@ def merge(path, rows, meta):
     return merged
 
 
+# What decides the code a run measures: the extension's sources, the Python package, the build
+# script (not what a build writes: the machine's torch and CUDA versions are in the row's meta).
+SOURCE_ROOTS = ("csrc", "fla_ext")
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp", ".py")
+BUILD_OUTPUTS = ("fla_ext/_build_info.py",)
+
+
+def source_digest(root: str = ROOT) -> str:
+    """A digest of the sources that make the measured code (SOURCE_ROOTS' files with
+    SOURCE_SUFFIXES, and setup.py), by relative path and content. A GPU machine may run a working
+    tree whose git metadata lags it (HEAD then names an older commit): the digest names the code
+    itself, and `grid.py --source-digest` on a checkout says whether it is the one measured."""
+    import hashlib
+    files = [os.path.join(root, "setup.py")]
+    for top in SOURCE_ROOTS:
+        for d, subdirs, names in os.walk(os.path.join(root, top)):
+            subdirs[:] = sorted(x for x in subdirs if x != "__pycache__")
+            files += [os.path.join(d, n) for n in names if n.endswith(SOURCE_SUFFIXES)]
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda f: os.path.relpath(f, root)):
+        rel = os.path.relpath(f, root).replace(os.sep, "/")
+        if os.path.isfile(f) and rel not in BUILD_OUTPUTS:
+            h.update(rel.encode() + b"\0")
+            with open(f, "rb") as fh:
+                h.update(fh.read() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def run_id() -> str:
-    """This process's run: its UTC start, and the checkout's commit where git can tell."""
+    """This process's run: its UTC start, the checkout's commit where git can tell (-dirty when
+    the tracked files differ from it) and the sources' digest (source_digest)."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                                text=True, cwd=ROOT, timeout=10).stdout.strip()
     except Exception:
         commit = ""
-    return f"{stamp} {commit}".strip()
+    return " ".join(x for x in (stamp, commit, f"src:{source_digest()}") if x)
 
 
 def plot(rows, path) -> Optional[str]:
@@ -337,7 +369,7 @@ def save_autotune_results(root: str, path: str, results: Dict[str, str]) -> int:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("op", choices=sorted(GRIDS))
+    p.add_argument("op", nargs="?", choices=sorted(GRIDS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--k", type=int, nargs="+", help="only the points with these head sizes")
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="only the points of these dtypes")
@@ -351,11 +383,18 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="skip the points and modes whose every impl has a row in the results file")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--source-digest", action="store_true",
+                   help="print this checkout's source digest (the `src:` of a row's run) and stop")
     args = p.parse_args(argv)
+    if args.source_digest:
+        print(source_digest())
+        return
     if args.replot:
         with open(args.replot) as f:
             print(plot(json.load(f)["rows"], args.replot[:-5] + ".png") or "plotted")
         return
+    if not args.op:
+        p.error("the op is required")
     device = torch.device(args.device)
     points = QUICK if args.quick else [pt for pt in GRIDS[args.op] if (not args.k or pt[2] in args.k)
                                        and (not args.dtypes or pt[4] in args.dtypes)]

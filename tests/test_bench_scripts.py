@@ -193,3 +193,32 @@ def test_operand_precision_quick_cpu(tmp_path):
     assert err["exact", "ht"] < 1e-7 and err["exact", "dh0"] < 1e-7
     assert all(err["exact", n] < 5e-3 for n in ("o", "dr", "dw", "dk", "dv", "da", "db"))
     assert err["exact", "ht"] < err["tf32", "ht"] < err["bf16", "ht"]
+
+
+def test_grid_run_names_the_sources(tmp_path):
+    """A row's run carries the digest of the sources built (a GPU machine may run a working tree
+    whose git HEAD lags it): `--source-digest` prints the same for the checkout; the digest
+    follows a source's content, not what a build writes (fla_ext/_build_info.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import grid
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = os.path.join(ROOT, "benchmarks", "grid.py")
+    digest = subprocess.run([sys.executable, script, "--source-digest"], check=True, env=env,
+                            capture_output=True, text=True, timeout=300).stdout.strip()
+    assert len(digest) == 12 and digest == grid.source_digest()
+    subprocess.run([sys.executable, script, "chunk_gla", "--quick", "--device", "cpu", "--no-fla",
+                    "--modes", "fwd", "--out", str(tmp_path)], check=True, env=env, capture_output=True,
+                   timeout=300)
+    (row,) = json.loads((tmp_path / "cpu_chunk_gla_grid.json").read_text())["rows"]
+    assert row["run"].endswith(f"src:{digest}")
+    tree = tmp_path / "tree"
+    (tree / "csrc").mkdir(parents=True)
+    (tree / "fla_ext").mkdir()
+    (tree / "setup.py").write_text("setup()\n")
+    (tree / "csrc" / "op.cu").write_text("a\n")
+    (tree / "fla_ext" / "ops.py").write_text("b\n")
+    first = grid.source_digest(str(tree))
+    (tree / "fla_ext" / "_build_info.py").write_text("TORCH_VERSION = 'x'\n")
+    assert grid.source_digest(str(tree)) == first
+    (tree / "csrc" / "op.cu").write_text("a2\n")
+    assert grid.source_digest(str(tree)) != first
