@@ -8,7 +8,11 @@ segment sums, exact pair matrices, X by a float64 triangular solve) runs in floa
 every tile product (W = X Â, U = X A_ak V + W S, O = ρ (R̂ S + A_rk V + A_rb U),
 S⁺ = γ S + K̂ᵀ V + B̂ᵀ U) rounds its two operands to a format first: `exact` (none), `tf32`
 (what the kernels' TF32 products do for bf16 / fp16 inputs), `bf16` (bf16 tensor-core operands,
-with fp32 states and accumulators), or a split (FORMATS): `bf16_state` for bf16 in the products
+with fp32 states and accumulators), `fp16s` (fp16 operands scaled by powers of two, one per row
+of the left operand and one per column of the right: fp16 has TF32's 10-bit significand and
+bf16's tensor-core rate, and the scales, along the dimensions a product does not sum over, come
+out of the fp32 result exactly), `fp16t` (the same with one power of two per operand tile: a
+chunk's 16 x K rows, a state), or a split (FORMATS): `bf16_state` for bf16 in the products
 with the state and TF32 in the chunk-local ones, `bf16_local` the other way round. The backward is autograd of that forward, each
 gradient product rounding its operands the same way (a kernel's backward products), so the
 difference between formats is what operand rounding alone costs. Inputs are bf16 values (the
@@ -36,7 +40,8 @@ C = 16
 # K̂ᵀ V, B̂ᵀ U: the state-sized ones, and the backward's through dS) in one and the chunk-local ones
 # (X Â, A_ak V, X (A_ak V), A_rk V, A_rb U) in another.
 FORMATS = {"exact": ("exact", "exact"), "tf32": ("tf32", "tf32"), "bf16": ("bf16", "bf16"),
-           "bf16_state": ("bf16", "tf32"), "bf16_local": ("tf32", "bf16")}
+           "bf16_state": ("bf16", "tf32"), "bf16_local": ("tf32", "bf16"), "fp16s": ("fp16s", "fp16s"),
+           "fp16t": ("fp16t", "fp16t")}
 OUTPUTS = ["o", "ht", "dr", "dw", "dk", "dv", "da", "db", "dh0"]
 
 
@@ -53,6 +58,25 @@ def rounded(x, fmt):
     return torch.where(finite, r, x.float()).double()
 
 
+def fp16_scaled(x, dim):
+    """x as fp16 after dividing each slice along `dim` (the summed dimension; both matrix
+    dimensions: one scale per tile) by the power of two at or above its largest magnitude, and
+    multiplied back (exact): [0.5, 1]-scaled fp16 keeps 10 significand bits down to 2^-14 of the
+    slice's largest entry, gradually fewer below."""
+    amax = x.abs().amax(dim=dim, keepdim=True)
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax))), torch.ones_like(amax))
+    return (x / scale).to(torch.float16).double() * scale
+
+
+def product(a, b, fmt):
+    """a @ b on operands of format `fmt`: fp16s scales a's rows and b's columns, fp16t each whole."""
+    if fmt == "fp16s":
+        return fp16_scaled(a, -1) @ fp16_scaled(b, -2)
+    if fmt == "fp16t":
+        return fp16_scaled(a, (-2, -1)) @ fp16_scaled(b, (-2, -1))
+    return rounded(a, fmt) @ rounded(b, fmt)
+
+
 class RoundedMatmul(torch.autograd.Function):
     """a @ b with both operands rounded; its backward's two products round theirs too."""
 
@@ -60,13 +84,13 @@ class RoundedMatmul(torch.autograd.Function):
     def forward(ctx, a, b, fmt):
         ctx.save_for_backward(a, b)
         ctx.fmt = fmt
-        return rounded(a, fmt) @ rounded(b, fmt)
+        return product(a, b, fmt)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         f = ctx.fmt
-        return rounded(g, f) @ rounded(b, f).transpose(-1, -2), rounded(a, f).transpose(-1, -2) @ rounded(g, f), None
+        return product(g, b.transpose(-1, -2), f), product(a.transpose(-1, -2), g, f), None
 
 
 def segment_sums(w, lo, hi):
@@ -168,7 +192,7 @@ def plot(rows, path):
         import matplotlib.pyplot as plt
     except Exception as exc:
         return f"plot skipped ({type(exc).__name__})"
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(11.5, 4))
     width = 0.8 / len(FORMATS)
     for i, fmt in enumerate(FORMATS):
         worst = [max(r["rel"] for r in rows if r["fmt"] == fmt and r["out"] == n) for n in OUTPUTS]
@@ -178,7 +202,7 @@ def plot(rows, path):
     ax.set_xticks(range(len(OUTPUTS)))
     ax.set_xticklabels(OUTPUTS)
     ax.set_ylabel("largest rel. error over the regimes")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_title(f"chunk_rwkv7's algebra, tile-product operands rounded (T = {rows[0]['T']}, K = {rows[0]['K']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -181,7 +181,8 @@ def test_operand_precision_quick_cpu(tmp_path):
     """benchmarks/operand_precision.py: its chunked RWKV7 algebra with exact products matches the
     float64 oracle (the final state and dh0 to their fp32 rounding: the outputs and gradients are
     bf16, so their error is bf16's); rounding the products' operands to TF32, then bf16, adds error
-    in that order."""
+    in that order; fp16 operands scaled by powers of two (per row / column, or per tile) stay at
+    TF32's error, below bf16's."""
     out = tmp_path / "prec.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "operand_precision.py"), "--T", "48", "--H", "1",
            "--K", "8", "--w", "rwkv7", "--lr", "iclr1", "--out", str(out)]
@@ -189,10 +190,32 @@ def test_operand_precision_quick_cpu(tmp_path):
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["rows"]
     err = {(r["fmt"], r["out"]): r["rel"] for r in rows}
-    assert len(rows) == 5 * 9
+    assert len(rows) == 7 * 9
     assert err["exact", "ht"] < 1e-7 and err["exact", "dh0"] < 1e-7
     assert all(err["exact", n] < 5e-3 for n in ("o", "dr", "dw", "dk", "dv", "da", "db"))
     assert err["exact", "ht"] < err["tf32", "ht"] < err["bf16", "ht"]
+    for fmt in ("fp16s", "fp16t"):
+        assert err["exact", "ht"] < err[fmt, "ht"] < 2 * err["tf32", "ht"] < err["bf16", "ht"]
+
+
+def test_fp16_scaled_operands():
+    """operand_precision.fp16_scaled: each slice divided by a power of two at or above its largest
+    magnitude, rounded to fp16, multiplied back: 11 significant bits down to 2^-14 of the slice's
+    largest entry (TF32's), an absolute error of at most 2^-25 of it below; no overflow whatever
+    the magnitude, zeros stay zeros."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import torch
+    from operand_precision import fp16_scaled
+    x = torch.tensor([[3e30, -1.0e30, 7.0e26, 2.5e16, 0.0],
+                      [1e-30, 3e-31, -5e-35, 1e-40, 0.0]], dtype=torch.float64)
+    for dims in (-1, (-2, -1)):
+        y = fp16_scaled(x, dims)
+        amax = x.abs().amax(dim=dims, keepdim=True)
+        big = x.abs() >= amax * 2.0 ** -14
+        assert torch.isfinite(y).all() and (y[x == 0] == 0).all()
+        assert ((y - x).abs() <= x.abs() * 2.0 ** -11)[big].all()
+        assert ((y - x).abs() <= amax * 2.0 ** -25)[~big].all()
+    assert fp16_scaled(x, -1)[1, 0] != 0 and fp16_scaled(x, (-2, -1))[1, 0] == 0  # one scale per tile
 
 
 def test_grid_run_names_the_sources(tmp_path):
