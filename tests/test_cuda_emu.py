@@ -45,6 +45,45 @@ def chunk_emu():
     return build("chunk_emu")
 
 
+@pytest.fixture(scope="module")
+def tile_emu():
+    return build("tile_emu")
+
+
+def test_fp16_scaled_warp_products(tile_emu, gen):
+    """tile_mma.cuh's fp16 tensor-core product (mma_f16 via warp_mma_f16, m16n8k16) on operands
+    scaled by pow2_down_scale (benchmarks/NOTES.md c57): O(1) tiles give TF32's products (the
+    same rounding of each operand, fp32 sums); tiles of any magnitude (1e-15 to 1e15 each) and with
+    rows and columns 2^±40 apart, stay finite and within TF32's error bound of the float64
+    product, plus 2^-24 of the largest terms for the entries fp16 holds below its normal range
+    (unscaled fp16 would overflow or flush them); a zero tile gives zeros at scale 1."""
+    K = 64
+
+    def check(a, b, rel_to_tf32=None):
+        tf32, f16, scales = tile_emu.products(a, b)
+        exact = a.double() @ b.double()
+        mag = a.double().abs() @ b.double().abs()
+        bound = 2.0 ** -10 * mag + 2.0 ** -23 * K * a.abs().max().double() * b.abs().max().double()
+        assert torch.isfinite(f16).all()
+        assert ((f16.double() - exact).abs() <= bound).all()
+        if rel_to_tf32 is not None:
+            assert ((f16 - tf32).abs() <= rel_to_tf32 * mag.float()).all()
+        return scales
+
+    a = torch.randn(16, K, generator=gen)
+    b = torch.randn(K, 8, generator=gen)
+    check(a, b, rel_to_tf32=1e-6)
+    for big in (1e15, 1e-15):  # products 1e30, 1e-30: beyond fp16's range, inside fp32's
+        check(a * big, b * big, rel_to_tf32=1e-6)
+    rows = torch.exp2(torch.randint(-40, 41, (16, 1), generator=gen).float())
+    cols = torch.exp2(torch.randint(-40, 41, (1, 8), generator=gen).float())
+    check(a * rows, b * cols)
+    ks = torch.exp2(torch.randint(-40, 41, (1, K), generator=gen).float())
+    check(a * ks, b)  # along the summed dimension: one scale cannot bring every entry near 1
+    tf32, f16, scales = tile_emu.products(torch.zeros(16, K), b)
+    assert (f16 == 0).all() and scales[0] == 1
+
+
 @pytest.mark.parametrize("shape,w_kind,cu,lr", [
     ((1, 40, 2, 16, 8), "rwkv", None, "rwkv"),
     ((2, 37, 1, 32, 40), "mixedinf", None, "rwkv"),

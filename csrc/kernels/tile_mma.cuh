@@ -8,6 +8,8 @@
 //                columns 32(w/4)..+32 as four m16n8 tiles.
 // Epilogues address elements through row(i) / col(i), so kernels do not know the layout.
 #pragma once
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 namespace fla {
@@ -123,6 +125,45 @@ __device__ __forceinline__ void mma_tf32(float* d, uint32_t a0, uint32_t a1, uin
 #endif
 }
 
+#ifndef __CUDA_ARCH__
+void emu_mma_f16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                 uint32_t b1);
+#endif
+
+// d (an m16n8 fp32 accumulator) += a (m16k16) b (k16n8), fp16 operands two to a register (the
+// lower k in the low half): lane (g, q) holds a0 = a(g, 2q .. 2q+1), a1 = a(g + 8, 2q .. 2q+1),
+// a2 = a(g, 2q+8 .. 2q+9), a3 = a(g + 8, 2q+8 .. 2q+9), b0 = b(2q .. 2q+1, g),
+// b1 = b(2q+8 .. 2q+9, g); d as mma_tf32's. Twice mma_tf32's multiply-adds an instruction on half
+// its operand bytes; with operands scaled by pow2_down_scale, TF32's rounding (below).
+__device__ __forceinline__ void mma_f16(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+#ifdef __CUDA_ARCH__
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  emu_mma_f16(d, a0, a1, a2, a3, b0, b1);
+#endif
+}
+
+// Two floats as an fp16 pair (round to nearest even; lo in the low half).
+__device__ __forceinline__ uint32_t f16_pair(float lo, float hi) {
+  return uint32_t(__half_as_ushort(__float2half_rn(lo))) | (uint32_t(__half_as_ushort(__float2half_rn(hi))) << 16);
+}
+
+// The power of two s that takes a tile whose largest magnitude is amax into [0.5, 1) (1 where
+// amax is 0, not finite, or below 2^-126). x s then rounds to fp16 exactly as TF32 rounds x (the
+// same 10 stored bits) for every x down to 2^-14 amax, keeps an absolute error under 2^-25 amax
+// below that, and never overflows; a product of operands scaled by sa and sb is the fp32 result
+// times sa sb exactly (benchmarks/NOTES.md c57: TF32's errors on the RWKV7 stress suite).
+__device__ __forceinline__ float pow2_down_scale(float amax) {
+  if (!(amax >= 0x1p-126f) || !(amax <= 3.4028235e38f)) return 1.f;
+  const int e = int(__float_as_uint(amax) >> 23) - 126;  // amax in [2^(e-1), 2^e)
+  return ldexpf(1.f, -e);
+}
+
 // mma_tf32 with fp32-accurate products (3xTF32): each operand split into hi, its leading 11
 // bits (truncated: one AND), and the exact remainder lo = x - hi (|lo| < 2^-10 |x|, passed raw:
 // the tensor core keeps its leading 11 bits, an error below 2^-20 |x|), and the three products
@@ -176,6 +217,19 @@ __device__ __forceinline__ void warp_mma(float* acc, int kn, A a, B b) {
   const int g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
   for (int k = 0; k < kn; k += 8)
     mma_lanes<X3>(acc, a(g, k + q), a(g + 8, k + q), a(g, k + q + 4), a(g + 8, k + q + 4), b(k + q, g), b(k + q + 4, g));
+}
+// warp_mma on fp16 tensor cores: acc += (sa A)(sb B) for A [16][kn], B [kn][8] given as
+// functions (kn a multiple of 16), each operand times its power of two (pow2_down_scale of its
+// tile's largest magnitude) before the rounding; the caller takes 1 / (sa sb) out of acc, exactly.
+template <class A, class B>
+__device__ __forceinline__ void warp_mma_f16(float* acc, int kn, A a, B b, float sa, float sb) {
+  const int g = threadIdx.x % 32 / 4, q2 = 2 * (threadIdx.x % 4);
+  for (int k = 0; k < kn; k += 16)
+    mma_f16(acc, f16_pair(sa * a(g, k + q2), sa * a(g, k + q2 + 1)),
+            f16_pair(sa * a(g + 8, k + q2), sa * a(g + 8, k + q2 + 1)),
+            f16_pair(sa * a(g, k + q2 + 8), sa * a(g, k + q2 + 9)),
+            f16_pair(sa * a(g + 8, k + q2 + 8), sa * a(g + 8, k + q2 + 9)),
+            f16_pair(sb * b(k + q2, g), sb * b(k + q2 + 1, g)), f16_pair(sb * b(k + q2 + 8, g), sb * b(k + q2 + 9, g)));
 }
 // warp_mma for operands in memory with row strides and nothing to mask: A(r, k) = a[r * lda + k]
 // (TA: a[k * lda + r]), B(k, n) = b[k * ldb + n] (TB: b[n * ldb + k]), every element with k < kn

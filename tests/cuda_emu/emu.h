@@ -7,6 +7,7 @@
 // warp's write that no barrier separates from it sees the stale or poisoned value every time,
 // not by the chance of thread scheduling; 0 lets all threads run at once.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -79,6 +80,8 @@ inline float __uint_as_float(uint32_t u) {
 inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
 struct EmuMmaLane { float a[4], b[2]; };
 inline std::vector<EmuMmaLane> emu_lanes;
+struct EmuMma16Lane { float a[8], b[4]; };
+inline std::vector<EmuMma16Lane> emu_lanes16;
 inline std::vector<float> emu_shfl;
 // __shfl_sync over the thread's warp (every lane must call it, as on the GPU with a full mask).
 inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
@@ -145,6 +148,31 @@ inline void emu_mma_tf32(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32
   bar.arrive_and_wait();  // every lane has read the operands before any overwrites them
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
+// mma.sync m16n8k16 with fp16 operands (mma_f16's layout), the products summed in fp32 in the
+// order of k.
+inline void emu_mma_f16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                        uint32_t b1) {
+  auto lo = [](uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u & 0xffffu))); };
+  auto hi = [](uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u >> 16))); };
+  const int t = int(threadIdx.x), lane = t % 32, g = lane / 4, q = lane % 4;
+  std::barrier<>& bar = *emu_warps[t / 32];
+  // a(r, k) of this lane's registers in the order a0 lo, a0 hi, .. a3 hi; b0 lo .. b1 hi
+  emu_lanes16[t] = {{lo(a0), hi(a0), lo(a1), hi(a1), lo(a2), hi(a2), lo(a3), hi(a3)}, {lo(b0), hi(b0), lo(b1), hi(b1)}};
+  bar.arrive_and_wait();
+  const EmuMma16Lane* w = &emu_lanes16[t - lane];
+  float out[4];
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * q + e % 2;
+    float acc = d[e];
+    for (int k = 0; k < 16; ++k) {
+      const int kq = k % 8 / 2, kh = k >= 8, odd = k % 2;  // the lane (row % 8, kq) holds a(row, k)
+      acc += w[(row % 8) * 4 + kq].a[2 * ((row >= 8) + 2 * kh) + odd] * w[col * 4 + kq].b[2 * kh + odd];
+    }
+    out[e] = acc;
+  }
+  bar.arrive_and_wait();  // every lane has read the operands before any overwrites them
+  for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
 }  // namespace fla::tile
 
 namespace emu {
@@ -160,6 +188,7 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
   emu_warps.clear();
   for (int w = 0; w < (threads + 31) / 32; ++w) emu_warps.push_back(std::make_unique<std::barrier<>>(32));
   emu_lanes.assign(size_t(threads), {});
+  emu_lanes16.assign(size_t(threads), {});
   emu_shfl.assign(size_t(threads), 0.f);
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
