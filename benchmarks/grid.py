@@ -39,6 +39,7 @@ head size; bf16, K = V, T a multiple of 16; its log decay is log(-w), its states
 """
 import argparse
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -274,7 +275,6 @@ def source_digest(root: str = ROOT) -> str:
     SOURCE_SUFFIXES, and setup.py), by relative path and content. A GPU machine may run a working
     tree whose git metadata lags it (HEAD then names an older commit): the digest names the code
     itself, and `grid.py --source-digest` on a checkout says whether it is the one measured."""
-    import hashlib
     files = [os.path.join(root, "setup.py")]
     for top in SOURCE_ROOTS:
         for d, subdirs, names in os.walk(os.path.join(root, top)):

@@ -154,10 +154,11 @@ __device__ __forceinline__ uint32_t f16_pair(float lo, float hi) {
 }
 
 // The power of two s that takes a tile whose largest magnitude is amax into [0.5, 1) (1 where
-// amax is 0, not finite, or below 2^-126). x s then rounds to fp16 exactly as TF32 rounds x (the
-// same 10 stored bits) for every x down to 2^-14 amax, keeps an absolute error under 2^-25 amax
-// below that, and never overflows; a product of operands scaled by sa and sb is the fp32 result
-// times sa sb exactly (benchmarks/NOTES.md c57: TF32's errors on the RWKV7 stress suite).
+// amax is 0, not finite, or below 2^-126). x s then rounds to fp16 as TF32 rounds x (the same 10
+// stored bits, to nearest; ties to even where to_tf32 rounds them away) for every x down to
+// 2^-14 amax, keeps an absolute error under 2^-25 amax below that, and never overflows; a product
+// of operands scaled by sa and sb is the fp32 result times sa sb exactly (benchmarks/NOTES.md c57:
+// TF32's errors on the RWKV7 stress suite).
 __device__ __forceinline__ float pow2_down_scale(float amax) {
   if (!(amax >= 0x1p-126f) || !(amax <= 3.4028235e38f)) return 1.f;
   const int e = int(__float_as_uint(amax) >> 23) - 126;  // amax in [2^(e-1), 2^e)

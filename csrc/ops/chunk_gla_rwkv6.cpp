@@ -109,7 +109,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
                          q.options().dtype(acc_type(q)));
   // The CUDA key-side forward at K <= 128 forms o inside its state kernel (kernels/chunk.h): it
   // needs the chunk-start states only when they are kept for the backward.
-  const int window_chunks = state_window_chunks(a, q);
   const bool fused = q.is_cuda() && !vside && chunk_fused_out(int(a.K));
   Tensor hst = state_workspace(a, q, !fused || keep);
   // The value-side forward runs no out kernel (kernels/chunk_vdecay.cuh): no A.
@@ -121,7 +120,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> chunk_forward(
   if (output_final_state) p.hT = mat(hT);
   if (hst.numel()) p.hst = hst.data_ptr();
   if (amat.numel()) p.amat = amat.data_ptr();
-  const WindowBuffers windows = window_buffers(a, q, window_chunks, p);
+  const WindowBuffers windows = window_buffers(a, q, state_window_chunks(a, q), p);
   run(p);
   auto none = [&] { return new_output({0}, hst.options()); };  // distinct: outputs must not alias
   return {o, hT, keep ? hst : none(), keep ? amat : none()};

@@ -78,10 +78,8 @@ inline float __uint_as_float(uint32_t u) {
 }
 // Warp collectives: a barrier per warp and each thread's operands of the current one.
 inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
-struct EmuMmaLane { float a[4], b[2]; };
+struct EmuMmaLane { float a[8], b[4]; };  // one lane's mma operands (fla::tile::emu_mma)
 inline std::vector<EmuMmaLane> emu_lanes;
-struct EmuMma16Lane { float a[8], b[4]; };
-inline std::vector<EmuMma16Lane> emu_lanes16;
 inline std::vector<float> emu_shfl;
 // __shfl_sync over the thread's warp (every lane must call it, as on the GPU with a full mask).
 inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
@@ -122,8 +120,34 @@ inline float atomicAdd(float* p, float v) {
 }
 
 namespace fla::tile {
-// mma.sync m16n8k8 (tile_mma.cuh's layout) with the operands cut to TF32's 10 mantissa bits, as
-// the tensor cores read them; the products are summed in fp32 (the hardware's order may differ).
+// One warp's mma.sync m16n8 product over P x 8 of k (P = 1: m16n8k8, one TF32 value a register;
+// P = 2: m16n8k16, two fp16 values a register, the lower k in the low half), on the lane's
+// operands as floats in register order (a0 .. a3, b0 b1; with P = 2 each register's low then high
+// value). Lane (row % 8, (k % 4P) / P) holds a(row, k) in register (row >= 8) + 2 (k >= 4P) and
+// b(k, col) for lane (col, (k % 4P) / P) in register k >= 4P. The products are summed in fp32 in
+// the order of k (the hardware's order may differ).
+template <int P>
+inline void emu_mma(float* d, const float (&a)[4 * P], const float (&b)[2 * P]) {
+  const int t = int(threadIdx.x), lane = t % 32, g = lane / 4, q = lane % 4;
+  std::barrier<>& bar = *emu_warps[t / 32];
+  std::copy_n(a, 4 * P, emu_lanes[t].a), std::copy_n(b, 2 * P, emu_lanes[t].b);
+  bar.arrive_and_wait();
+  const EmuMmaLane* w = &emu_lanes[t - lane];
+  float out[4];
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * q + e % 2;
+    float acc = d[e];
+    for (int k = 0; k < 8 * P; ++k) {
+      const int kq = k % (4 * P) / P, kh = k >= 4 * P, kp = k % P;
+      acc += w[(row % 8) * 4 + kq].a[P * ((row >= 8) + 2 * kh) + kp] * w[col * 4 + kq].b[P * kh + kp];
+    }
+    out[e] = acc;
+  }
+  bar.arrive_and_wait();  // every lane has read the operands before any overwrites them
+  for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+// mma.sync m16n8k8 (tile_mma.cuh's mma_tf32) with the operands cut to TF32's 10 mantissa bits, as
+// the tensor cores read them.
 inline void emu_mma_tf32(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                          uint32_t b1) {
   auto tf = [](uint32_t u) {
@@ -132,46 +156,14 @@ inline void emu_mma_tf32(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32
     std::memcpy(&f, &u, 4);
     return f;
   };
-  const int t = int(threadIdx.x), lane = t % 32, g = lane / 4, q = lane % 4;
-  std::barrier<>& bar = *emu_warps[t / 32];
-  emu_lanes[t] = {{tf(a0), tf(a1), tf(a2), tf(a3)}, {tf(b0), tf(b1)}};
-  bar.arrive_and_wait();
-  const EmuMmaLane* w = &emu_lanes[t - lane];
-  float out[4];
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * q + e % 2;
-    float acc = d[e];
-    for (int k = 0; k < 8; ++k)
-      acc += w[(row % 8) * 4 + k % 4].a[(row >= 8) + 2 * (k >= 4)] * w[col * 4 + k % 4].b[k >= 4];
-    out[e] = acc;
-  }
-  bar.arrive_and_wait();  // every lane has read the operands before any overwrites them
-  for (int e = 0; e < 4; ++e) d[e] = out[e];
+  emu_mma<1>(d, {tf(a0), tf(a1), tf(a2), tf(a3)}, {tf(b0), tf(b1)});
 }
-// mma.sync m16n8k16 with fp16 operands (mma_f16's layout), the products summed in fp32 in the
-// order of k.
+// mma.sync m16n8k16 with fp16 operands (tile_mma.cuh's mma_f16).
 inline void emu_mma_f16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                         uint32_t b1) {
   auto lo = [](uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u & 0xffffu))); };
   auto hi = [](uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u >> 16))); };
-  const int t = int(threadIdx.x), lane = t % 32, g = lane / 4, q = lane % 4;
-  std::barrier<>& bar = *emu_warps[t / 32];
-  // a(r, k) of this lane's registers in the order a0 lo, a0 hi, .. a3 hi; b0 lo .. b1 hi
-  emu_lanes16[t] = {{lo(a0), hi(a0), lo(a1), hi(a1), lo(a2), hi(a2), lo(a3), hi(a3)}, {lo(b0), hi(b0), lo(b1), hi(b1)}};
-  bar.arrive_and_wait();
-  const EmuMma16Lane* w = &emu_lanes16[t - lane];
-  float out[4];
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * q + e % 2;
-    float acc = d[e];
-    for (int k = 0; k < 16; ++k) {
-      const int kq = k % 8 / 2, kh = k >= 8, odd = k % 2;  // the lane (row % 8, kq) holds a(row, k)
-      acc += w[(row % 8) * 4 + kq].a[2 * ((row >= 8) + 2 * kh) + odd] * w[col * 4 + kq].b[2 * kh + odd];
-    }
-    out[e] = acc;
-  }
-  bar.arrive_and_wait();  // every lane has read the operands before any overwrites them
-  for (int e = 0; e < 4; ++e) d[e] = out[e];
+  emu_mma<2>(d, {lo(a0), hi(a0), lo(a1), hi(a1), lo(a2), hi(a2), lo(a3), hi(a3)}, {lo(b0), hi(b0), lo(b1), hi(b1)});
 }
 }  // namespace fla::tile
 
@@ -188,7 +180,6 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
   emu_warps.clear();
   for (int w = 0; w < (threads + 31) / 32; ++w) emu_warps.push_back(std::make_unique<std::barrier<>>(32));
   emu_lanes.assign(size_t(threads), {});
-  emu_lanes16.assign(size_t(threads), {});
   emu_shfl.assign(size_t(threads), 0.f);
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
