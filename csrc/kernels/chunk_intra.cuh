@@ -21,6 +21,22 @@ struct DiagAcc {
   float a4[MB] = {}, ab[SC - MB] = {}, b = 0.f;
 };
 
+// A micro-block's MB entries of one row of a transposed tile (k by channel) as one 16-byte shared
+// access. Read as four scalars they were bank-conflicted (at the row stride LD, lanes 8 channels
+// apart share a bank): two-way in diag_step_a, four-way in micro_keys. Rows are 16-byte aligned
+// (LD % 4 == 0) and micro-blocks start at multiples of MB.
+struct MicroRow {
+  float v[MB];
+};
+static_assert(MB == 4 && LD % 4 == 0, "a micro-block row is one float4");
+__device__ __forceinline__ MicroRow micro_row(const float* row, int j0) {
+  const float4 x = *reinterpret_cast<const float4*>(row + j0);
+  return {{x.x, x.y, x.z, x.w}};
+}
+__device__ __forceinline__ void put_micro_row(float* row, int j0, const MicroRow& r) {
+  *reinterpret_cast<float4*>(row + j0) = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
+}
+
 // Step A, from raw q, k, λ; leaves q4 in Q (row I, this thread's channels).
 template <Reader RD>
 __device__ __forceinline__ void diag_step_a(DiagAcc& acc, Tile* Q, const Tile* KT_,
@@ -30,12 +46,13 @@ __device__ __forceinline__ void diag_step_a(DiagAcc& acc, Tile* Q, const Tile* K
   const int j0 = I / MB * MB;                              // first row of I's micro-block
   for (int ch = cq; ch < DT; ch += 4) {
     const float qi = Q[I][ch];
+    const MicroRow kr = micro_row(KT_[ch], j0);
     float e = 0.f;
 #pragma unroll
     for (int r = MB - 1; r >= 0; --r) {  // branch-free row mask: j > iend adds nothing
       const int j = j0 + r;
       const bool on = j <= iend;
-      acc.a4[r] += qi * KT_[ch][j] * ex2(on ? e : -INFINITY);
+      acc.a4[r] += qi * kr.v[r] * ex2(on ? e : -INFINITY);
       e += on ? lam[j][ch] : 0.f;
     }
     if (RD == Reader::Exclusive) acc.b += qi * u[ch] * KT_[ch][I];
@@ -49,13 +66,15 @@ __device__ __forceinline__ void micro_keys(Tile* KT_, const Tile* lam, float* ta
   const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
 #pragma unroll
   for (int mu = 0; mu < NMB; ++mu) {
+    const int j0 = m * SC + mu * MB;
+    MicroRow kr = micro_row(KT_[ch], j0);
     float f = 0.f;
 #pragma unroll
     for (int r = MB - 1; r >= 0; --r) {
-      const int j = m * SC + mu * MB + r;
-      KT_[ch][j] *= ex2(f);
-      f += lam[j][ch];
+      kr.v[r] *= ex2(f);
+      f += lam[j0 + r][ch];
     }
+    put_micro_row(KT_[ch], j0, kr);
     tau4[(m * NMB + mu) * DT + ch] = f;
   }
 }
