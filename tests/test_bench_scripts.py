@@ -4,7 +4,8 @@ settings in one process; benchmarks/cp_overhead.py
 times an op with and without a one-rank context; benchmarks/cp_scale.py splits one sequence over
 two gloo ranks; benchmarks/model_step.py trains a tiny RWKV7ForCausalLM; benchmarks/ab_builds.sh
 (two builds on a GPU) parses and prints its usage; benchmarks/operand_precision.py (a precision
-study of chunk_rwkv7's algebra) matches the oracle with exact products."""
+study of chunk_rwkv7's algebra) matches the oracle with exact products; benchmarks/sass_counts.py
+(static counts from SASS) reads cuobjdump's text: kernels, their counts and their mma loops."""
 import json
 import os
 import subprocess
@@ -245,3 +246,38 @@ def test_grid_run_names_the_sources(tmp_path):
     assert grid.source_digest(str(tree)) == first
     (tree / "csrc" / "op.cu").write_text("a2\n")
     assert grid.source_digest(str(tree)) != first
+
+
+SASS = """
+	code for sm_90a
+		Function : _ZN3fla12chunk_detail6kernelEv
+	.headerflags	@"EF_CUDA_SM90"
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                  /* 0x00000a0000017a02 */
+        /*0010*/                   LDS R4, [R2] ;                          /* 0x0000000002047984 */
+        /*0020*/                   VIADD R4, R4, 0x1000 ;                  /* 0x0000100004047836 */
+        /*0030*/                   HMMA.1688.F32.TF32 R8, R4, R6, R8 ;     /* 0x000000060408723c */
+        /*0040*/              @!P0 BRA 0x10 ;                              /* 0xfffffffc00008947 */
+        /*0050*/                   STG.E [R2.64], R8 ;                     /* 0x0000000802007986 */
+        /*0060*/                   EXIT ;                                  /* 0x000000000000794d */
+		Function : _ZN3fla5otherEv
+        /*0000*/                   IADD3 R1, R1, 0x1000, RZ ;              /* 0x0000100001017810 */
+        /*0010*/                   IADD3 R1, R1, 0x2000, RZ ;              /* 0x0000200001017810 */
+        /*0020*/                   EXIT ;                                  /* 0x000000000000794d */
+"""
+
+
+def test_sass_counts_reads_kernels_and_loops():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import sass_counts
+    funcs = sass_counts.parse_functions(SASS)
+    assert list(funcs) == ["_ZN3fla12chunk_detail6kernelEv", "_ZN3fla5otherEv"]
+    k = funcs["_ZN3fla12chunk_detail6kernelEv"]
+    assert sass_counts.counts(k) == {"instr": 7, "hmma": 1, "lds": 1, "sts": 0, "ldg": 0, "stg": 1,
+                                     "mufu": 0, "tf32_round": 1}
+    # the predicated branch back to 0x10 closes a loop over LDS, the rounding add and the HMMA
+    (j, i, c), = sass_counts.mma_loops(k)
+    assert (j, i, c["instr"], c["hmma"], c["lds"], c["tf32_round"]) == (1, 4, 4, 1, 1, 1)
+    other = funcs["_ZN3fla5otherEv"]
+    assert sass_counts.counts(other)["tf32_round"] == 1  # 0x2000 is not a TF32 rounding add
+    assert sass_counts.mma_loops(other) == []
+    assert sass_counts.short_name("_ZN3fla12chunk_detail6kernelEv") == "kernelEv"
