@@ -214,17 +214,18 @@ __global__ void __launch_bounds__(NTH, 2) chunk_grad_qk_kernel(ChunkPass p, int 
       fv.fetch(p.v, pos.b, pos.t0, pos.L, h, v0, p.V, vec);
       if (!together) fo.store_transposed(QX, 1.f), fv.store_transposed(KY, 1.f);
       fs.fetch_mat(S, p.K, p.V, k0, v0, mats_vec);
-      if (!together) fs.store_transposed(LAM, 1.f);
+      if (!together) fs.template store_transposed<kTC<T>>(LAM, 1.f);
       if (!DQ_ONLY) fd.fetch_mat(dS, p.K, p.V, k0, v0, mats_vec);
-      if (together) fo.store_transposed(QX, 1.f), fv.store_transposed(KY, 1.f), fs.store_transposed(LAM, 1.f);
-      if (!DQ_ONLY) fd.store_transposed(DQ, 1.f);
+      if (together) fo.store_transposed(QX, 1.f), fv.store_transposed(KY, 1.f), fs.template store_transposed<kTC<T>>(LAM, 1.f);
+      if (!DQ_ONLY) fd.template store_transposed<kTC<T>>(DQ, 1.f);
     }
     __syncthreads();
     // Phase 2's rows, on their way to L2 under this tile's products (their loads waited on DRAM).
     if (v0 + DT >= p.V) prefetch_key_tile<T, !DQ_ONLY>(p, pos, h, k0, min(DT, p.K - k0));
-    da.template mma<true>(QX, KY, DT);
-    dqi.template mma<true>(QX, LAM, DT);
-    if (!DQ_ONLY) dki.template mma<true>(KY, DQ, DT);
+    // Every operand a TF32 value (dO, V widened; S, dS+ rounded at the store): read RAW.
+    da.template mma<true, Tri::Full, true>(QX, KY, DT);
+    dqi.template mma<true, Tri::Full, true>(QX, LAM, DT);
+    if (!DQ_ONLY) dki.template mma<true, Tri::Full, true>(KY, DQ, DT);
   }
   __syncthreads();
 #pragma unroll

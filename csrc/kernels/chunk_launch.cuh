@@ -92,20 +92,18 @@ cudaError_t launch_out(const ChunkPass& p, int64_t slots, cudaStream_t stream) {
 
 // Whether a forward that stores its chunk-start states anyway (a training forward: hst kept)
 // splits o off the sequential state kernel into the parallel out kernel. The state kernel with o
-// runs a CTA per (sequence, head, V tile) over all of K; where those few CTAs leave most SMs idle,
-// its per-chunk latency is the forward's time. Split, the state kernel runs a CTA per K tile as
-// well and each chunk step is shorter (no o): at K >= 128 when the fused grid does not fill the
-// SMs, at K <= 64 when it fills under a quarter of them (long sequences, few heads). Split where
-// the fused grid fills the SMs, the out kernel is a pass more. Walks in windows fill the SMs by
-// design: at K <= 64 they form o; at K = 128 they split when the states are stored anyway (their
-// walk a K tile a CTA is the shorter one), and form o over both K tiles when nothing is kept (an
-// inference forward then needs no hst; benchmarks/NOTES.md c55).
+// runs a CTA per (sequence, head, V tile) over all of K; split, it runs a CTA per K tile as well
+// and each chunk step is shorter (no o), and the out kernel is a pass more. At K = 128 the split
+// pair is faster whatever the grid (benchmarks/NOTES.md c60: the walk over both K tiles with o is
+// the longest step of the engine). At K <= 64 it splits where the fused grid fills under a
+// quarter of the SMs (long sequences, few heads), unless the walks run in windows, which fill the
+// SMs by design and form o in their second walk (NOTES c55).
 inline bool chunk_split_out(const ChunkPass& p) {
   if (!p.hst) return false;
-  const int ntk = (p.K + DT - 1) / DT, ntv = (p.V + DT - 1) / DT;
-  if (state_windows(p)) return ntk >= 2;
-  const int64_t fused_ctas = int64_t(p.N) * p.H * ntv;
-  return (ntk >= 2 ? fused_ctas : 4 * fused_ctas) <= device_sm_count();
+  if (p.K > DT) return true;
+  if (state_windows(p)) return false;
+  const int64_t fused_ctas = int64_t(p.N) * p.H * ((p.V + DT - 1) / DT);
+  return 4 * fused_ctas <= device_sm_count();
 }
 
 // Forward: the pair matrices, then the state kernel with o when K <= 128 (its state fragments for

@@ -19,6 +19,12 @@ namespace chunk_detail {
 template <bool DV>
 using OutPairTile = std::conditional_t<DV, TileB, Tile>;
 
+// The forward's products read their operands as stored TF32 values (RAW) where they run on tensor
+// cores: Q̂ and the state tiles rounded where written, A by chunk_intra_kernel, V widened bf16 /
+// fp16; each element is read by two to four warps, so that saves a rounding at every read and
+// the tensor cores get the same bits (docs/design.md §5.2). The dv form rounds at its reads: stored
+// rounded, it ran slower (benchmarks/NOTES.md c60).
+//
 // Every global operand is fetched one step ahead into registers (held as loaded): a K tile's rows
 // (o: q and λ; dv: k and λ) while the previous K tile is used, each state tile while the previous
 // one is multiplied, the first V / dO tile under the last state tile, A by cp.async from the
@@ -45,6 +51,7 @@ struct OutRows<T, true> : SubChunkRows<T> {  // k and λ, a column of 16 rows a 
 // vec: the rows it reads in pieces are whole 16-byte pieces (out_vec).
 template <typename T, Reader RD, bool DV, int NV>
 __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p, bool vec) {
+  constexpr bool TF = kTC<T> && !DV;  // operands stored as TF32 values, read RAW (above)
   extern __shared__ float4 smem4[];
   Tile* X = reinterpret_cast<Tile*>(smem4);        // Q̂, or K̂ transposed [ch][j]
   TileB* W = reinterpret_cast<TileB*>(X + C);      // (o) λ, then the state tile, then V / dO
@@ -74,27 +81,27 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p, bool vec
     __syncthreads();  // the previous K tile's X, W and tau are consumed
     // Q̂ = q ⊙ exp2(G or E) = q ⊙ exp2(reader exponent) before[m];  K̂ = k ⊙ exp2(Qex) after[m].
     if constexpr (DV) {
-      rows.template put_scaled<false, RD>(X, tau);
+      rows.template put_scaled<false, RD, TF>(X, tau);
       if (kt + 1 < nk) rows.fetch(p, pos, h, k0 + DT, vec);
     } else {
       rows.fx.store(X, 1.f), rows.fl.store(W, kLog2e);
       if (kt + 1 < nk) rows.fetch(p, pos, h, k0 + DT, vec);
       __syncthreads();
       chunk_decays(d, W);
-      scale_reader<RD>(X, W, m, ch, d.before[m][ch]);
+      scale_reader<RD, TF>(X, W, m, ch, d.before[m][ch]);
       __syncthreads();  // λ (W) is consumed before the state tile lands there
     }
 #pragma unroll
     for (int vt = 0; vt < NV; ++vt) {
       if (vt >= nv) break;
       if (vt > 0) __syncthreads();  // the previous V tile's product has read W
-      fs.store(W, 1.f);
+      fs.template store<TF>(W, 1.f);
       if (vt + 1 < nv) fs.fetch_mat(st, p.K, p.V, k0, v0 + (vt + 1) * DT, mats_vec);
       else if (kt + 1 < nk) fs.fetch_mat(st, p.K, p.V, k0 + DT, v0, mats_vec);
       else fr.fetch(right, pos.b, pos.t0, pos.L, h, v0, p.V, vec);
       __syncthreads();
-      if (DV) acc[vt].template mma<true>(X, W, DT);
-      else acc[vt].template mma<false>(X, W, DT);
+      if (DV) acc[vt].template mma<true, Tri::Full, TF>(X, W, DT);
+      else acc[vt].template mma<false, Tri::Full, TF>(X, W, DT);
     }
   }
   copy_wait<0>();
@@ -111,8 +118,8 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p, bool vec
     if (vt + 1 < nv) fr.fetch(right, pos.b, pos.t0, pos.L, h, v0 + (vt + 1) * DT, p.V, vec);
     __syncthreads();
     // A is lower triangular: row i of A V needs j <= i, row j of Aᵀ dO needs i >= j.
-    if (DV) acc[vt].template mma<true, Tri::KFromRow>(A, W, C);
-    else acc[vt].template mma<false, Tri::KUpToRow>(A, W, C);
+    if (DV) acc[vt].template mma<true, Tri::KFromRow, TF>(A, W, C);
+    else acc[vt].template mma<false, Tri::KUpToRow, TF>(A, W, C);
     if (!DV && p.o_acc) store_frag<float>(acc[vt], p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, rho);
     else store_frag<T>(acc[vt], DV ? p.dv : p.o, pos.b, pos.t0, pos.L, h, v0 + vt * DT, p.V, DV ? 1.f : rho,
                        DV && p.dv_adds);

@@ -74,19 +74,21 @@ struct RowPieces {
     fetch(m + int64_t(r0 + row0()) * Cn + c0 + col0(), Cn, 1, R - r0, Cn - c0 - col0(), vec);
   }
 
+  // TF: rounded to TF32 values (tile::tf32_round), for products that read them RAW.
+  template <bool TF = false>
   __device__ __forceinline__ void widen(int j, float (&f)[P], float mul) const {
     T e[P];
     memcpy(e, &x[j], sizeof e);
 #pragma unroll
-    for (int i = 0; i < P; ++i) f[i] = to_f(e[i]) * mul;
+    for (int i = 0; i < P; ++i) f[i] = tile::tf32_if<TF>(to_f(e[i]) * mul);
   }
-  template <int N>
+  template <bool TF = false, int N>
   __device__ __forceinline__ void store(float (*s)[N], float mul) const {
     static_assert(!BY_COLUMN, "row-major stores take the pieces by rows");
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
       float v[P];
-      widen(j, v, mul);
+      widen<TF>(j, v, mul);
       float4 f[P / 4];
 #pragma unroll
       for (int i = 0; i < P / 4; ++i) f[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
@@ -101,13 +103,13 @@ struct RowPieces {
     }
   }
   // s[column][row], the tile transposed.
-  template <int N>
+  template <bool TF = false, int N>
   __device__ __forceinline__ void store_transposed(float (*s)[N], float mul) const {
     static_assert(BY_COLUMN, "transposed stores take the pieces by columns (conflict-free)");
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
       float v[P];
-      widen(j, v, mul);
+      widen<TF>(j, v, mul);
 #pragma unroll
       for (int i = 0; i < P; ++i) s[col0() + kColStep * j + i][row0()] = v[i];
     }

@@ -91,14 +91,15 @@ void out(const ChunkPass& p, int64_t slots) {
     emu::launch(dim3(unsigned(slots), p.H, 1), NTH, [&] { cta([&] { chunk_out_kernel<E, RD, DV, 1>(p, out_vec<E>(p, DV)); }); });
 }
 
-// chunk_launch.cuh's chunk_split_out, which depends on the GPU's SM count: set from the tests.
+// chunk_launch.cuh's chunk_split_out at K <= 64, which depends on the GPU's SM count: set from the
+// tests (at K > 64 a forward that keeps hst always splits).
 bool split_out = false;
 
 // The forward of chunk_launch.cuh's launch_forward; `keep`: hst is written (a training forward).
 template <typename E, Reader RD>
 void forward(const ChunkPass& p, int64_t slots) {
   emu::launch(dim3(unsigned(slots), p.H), NTH, [&] { cta([&] { chunk_intra_kernel<E, RD>(p, key_rows_vec<E>(p)); }); });
-  const bool split = split_out && p.hst;
+  const bool split = p.hst && (split_out || p.K > DT);
   if (p.K <= DT && !split) return state<E, RD, true, 1>(p);
   if (chunk_fused_out(p.K) && !split) return state<E, RD, true, 2>(p);
   state<E, RD, false, 1>(p);
