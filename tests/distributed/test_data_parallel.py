@@ -1,7 +1,11 @@
 """Plain data parallelism over fla_ext layers: a small language model (embedding, an RWKV-7 layer, a
 GLA layer, a GSA layer, norm, head) trained one SGD step under DistributedDataParallel on two
-ranks, each with half the batch, ends with the parameters of the same model stepped on the whole
-batch in one process (fp32, 1e-5). gloo on the CPU, or NCCL on two GPUs (launch.py)."""
+ranks, each with half the batch, ends with the parameters of the same model stepped in one
+process on the same loss, the whole batch's mean, with each half's gradient taken separately and
+accumulated (fp32, 1e-5): the sums of the per-rank products in the order DDP forms them. Against
+one backward over the whole batch (other summation orders inside the weight gradients) the
+difference depends on the CPU's GEMM kernels and was 1.7e-5 on one machine. gloo on the CPU, or
+NCCL on two GPUs (launch.py)."""
 import os
 import sys
 
@@ -50,9 +54,12 @@ def _loss(model, tokens):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def _step(model, tokens):
+def _step(model, tokens, parts=1):
+    """One SGD step on the mean loss over `tokens`, its gradient as the sum of `parts` equal
+    slices' (each slice's mean loss over parts)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    _loss(model, tokens).backward()
+    for piece in tokens.chunk(parts):
+        (_loss(model, piece) / parts).backward()
     opt.step()
 
 
@@ -68,7 +75,7 @@ def _ddp_case(_, rank, world):
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (world * B_PER_RANK, T + 1), generator=gen).to(dev)
     before = {n: p.detach().clone() for n, p in one.named_parameters()}
-    _step(one, tokens)  # the whole batch, one process
+    _step(one, tokens, parts=world)  # the whole batch in one process, as the ranks slice it
     ddp = torch.nn.parallel.DistributedDataParallel(
         ddp_model, device_ids=[rank] if dev.type == "cuda" else None)
     _step(ddp, tokens[rank * B_PER_RANK:(rank + 1) * B_PER_RANK])
