@@ -199,8 +199,7 @@ struct SubChunkRows {
   }
   // READER: x ⊙ exp2(reader exponent) before[m] into s[row][ch] (scale_reader<RD>); else
   // x ⊙ exp2(Qex) after[m] into s[ch][row] (scale_key<true>). Ends with a barrier: s is complete.
-  // TF: stored as TF32 values (scale_reader's TF).
-  template <bool READER, Reader RD, bool TF = false, int N>
+  template <bool READER, Reader RD, int N>
   __device__ __forceinline__ void put_scaled(float (*s)[N], float (*tau)[DT]) const {
     const int m = threadIdx.x / DT, ch = threadIdx.x % DT;
     float l[SC];
@@ -221,13 +220,13 @@ struct SubChunkRows {
 #pragma unroll
       for (int i = 0; i < SC; ++i) {
         if (RD == Reader::Inclusive) e += l[i];
-        s[m * SC + i][ch] = tile::tf32_if<TF>(to_f(x[i]) * (mul * ex2(e)));
+        s[m * SC + i][ch] = to_f(x[i]) * (mul * ex2(e));
         if (RD == Reader::Exclusive) e += l[i];
       }
     } else {
 #pragma unroll
       for (int j = SC - 1; j >= 0; --j) {
-        s[ch][m * SC + j] = tile::tf32_if<TF>(to_f(x[j]) * (mul * ex2(e)));
+        s[ch][m * SC + j] = to_f(x[j]) * (mul * ex2(e));
         e += l[j];
       }
     }

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p, bool vec
     __syncthreads();  // the previous K tile's X, W and tau are consumed
     // Q̂ = q ⊙ exp2(G or E) = q ⊙ exp2(reader exponent) before[m];  K̂ = k ⊙ exp2(Qex) after[m].
     if constexpr (DV) {
-      rows.template put_scaled<false, RD, TF>(X, tau);
+      rows.template put_scaled<false, RD>(X, tau);  // the dv form rounds at the mma reads
       if (kt + 1 < nk) rows.fetch(p, pos, h, k0 + DT, vec);
     } else {
       rows.fx.store(X, 1.f), rows.fl.store(W, kLog2e);
