@@ -1,9 +1,11 @@
 """The CUDA kernels of chunk_rwkv7 and of the chunk engine (chunk_gla, chunk_rwkv6), run on the
-CPU (tests/cuda_emu: a thread per CUDA thread, a barrier per __syncthreads, NaN-poisoned outputs
+CPU (tests/cuda_emu: a fiber per CUDA thread, a barrier per __syncthreads, NaN-poisoned outputs
 and workspaces), against fla_ext's CPU ops: forward and every gradient, fp32 and bf16. CI has no GPU; this is where it executes the
 kernels' indexing, workspace layout and algebra (not their speed, nor races the barrier order
 hides on the CPU). Needs the CUDA headers (CUDA_HOME) and a C++20 compiler."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,6 +50,20 @@ def chunk_emu():
 @pytest.fixture(scope="module")
 def tile_emu():
     return build("tile_emu")
+
+
+@pytest.mark.parametrize("warp", [True, False], ids=["syncwarp", "syncthreads"])
+def test_emulator_aborts_on_a_barrier_some_threads_skip(tile_emu, warp):
+    """A barrier that some threads never reach (undefined on a GPU, and a hang there for a warp):
+    the emulator's scheduler (fibers on one OS thread) must say so and abort, not spin or let it
+    pass. Run in a child process, which must die with the message."""
+    code = ("import sys; sys.path[:0] = sys.argv[1:]; from test_cuda_emu import build; "
+            f"build('tile_emu').divergent_barrier({warp})")
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", code, here, os.path.join(here, "support")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    assert ("warp barrier" if warp else "at __syncthreads") in r.stderr and "emu: deadlock" in r.stderr
 
 
 def test_fp16_scaled_warp_products(tile_emu, gen):

@@ -1,68 +1,221 @@
 // Runs CUDA kernels written for this project on the CPU, for checking kernel logic where no GPU
-// is at hand: every CTA thread is a std::thread, __syncthreads a std::barrier, shared memory a
-// host array, and the CTAs of a grid run one after another. Include this before the kernel
-// header, then launch with emu::launch. Host branches (#ifndef __CUDA_ARCH__) of the kernels
-// replace their inline PTX. Not a timing tool. Between two barriers the warps of a CTA run one
-// at a time, in ascending or descending order (emu::warp_order), so that a read of another
-// warp's write that no barrier separates from it sees the stale or poisoned value every time,
-// not by the chance of thread scheduling; 0 lets all threads run at once.
+// is at hand: every CTA thread is a fiber (its own stack, switched to and from in user space, all
+// on the calling thread), __syncthreads and the warp collectives are barriers between fibers,
+// shared memory is a host array, and the CTAs of a grid run one after another. Include this
+// before the kernel header, then launch with emu::launch. Host branches (#ifndef __CUDA_ARCH__)
+// of the kernels replace their inline PTX. Not a timing tool. Between two barriers the warps of a
+// CTA run one at a time, in ascending or descending order (emu::warp_order), so that a read of
+// another warp's write that no barrier separates from it sees the stale or poisoned value every
+// time, not by chance; 0 runs the threads of all warps in turn. A barrier some threads never
+// reach (undefined on the GPU) aborts with a message.
+//
+// Fibers, not one OS thread per CUDA thread: a warp collective (every mma, every shuffle) is two
+// barriers of 32 threads, and as OS threads each was a round of futex waits and wake-ups across
+// the cores, and most of the test suite's time went there (docs/design.md §8).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <vector>
+
+#include <sys/mman.h>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
 
 #define __launch_bounds__(...)
 using std::min;
 using std::max;
 
-inline thread_local uint3 threadIdx, blockIdx;
+// The running fiber's indices: the scheduler sets them before it resumes a fiber.
+inline uint3 threadIdx, blockIdx;
 
-// A CTA's barrier with the warp-serial schedule: a warp waits for its turn after each barrier
-// (and at the start), and the last of its threads to arrive at the next one passes the turn on.
+namespace emu_fiber {
+
+#if defined(__x86_64__)
+// emu_fiber_switch(save, load): saves the callee-saved registers, the SSE and x87 control words
+// and the stack pointer (into *save), then resumes the context whose stack pointer is `load`.
+// A new fiber's stack holds such a frame whose return address is emu_fiber_start.
+#define EMU_HIDDEN __attribute__((visibility("hidden")))
+extern "C" EMU_HIDDEN void emu_fiber_switch(void** save, void* load);
+extern "C" EMU_HIDDEN void emu_fiber_start();
+extern "C" EMU_HIDDEN void emu_fiber_entry();
+asm(R"(
+  .text
+  .weak emu_fiber_switch
+  .hidden emu_fiber_switch
+  .type emu_fiber_switch, @function
+emu_fiber_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_fiber_switch, .-emu_fiber_switch
+  .weak emu_fiber_start
+  .hidden emu_fiber_start
+  .type emu_fiber_start, @function
+emu_fiber_start:
+  call emu_fiber_entry
+  ud2
+  .size emu_fiber_start, .-emu_fiber_start
+)");
+#endif
+
+enum class State { Runnable, AtBarrier, Done };
+
+struct Fiber {
+  uint3 tid{}, bid{};
+  State state = State::Runnable;
+#if defined(__x86_64__)
+  void* sp = nullptr;
+#else
+  ucontext_t ctx;
+#endif
+};
+
+// Stacks stay mapped from launch to launch (pages are committed as touched); a guard page below
+// each turns an overflow into a fault.
+constexpr size_t kStack = size_t(1) << 20, kGuard = 4096;
+struct Stacks {
+  std::vector<char*> base;
+  char* get(int i) {
+    while (int(base.size()) <= i) {
+      void* m = mmap(nullptr, kStack + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (m == MAP_FAILED) std::perror("emu: fiber stack"), std::abort();
+      mprotect(m, kGuard, PROT_NONE);
+      base.push_back(static_cast<char*>(m) + kGuard);
+    }
+    return base[size_t(i)];
+  }
+};
+inline Stacks stacks;
+
+struct Scheduler {
+  std::vector<Fiber> fibers;
+  const std::function<void()>* body = nullptr;  // what every fiber runs
+  int current = -1;
+  bool progress = false;  // set by any arrival: a round without one is a deadlock
+#if defined(__x86_64__)
+  void* main_sp = nullptr;
+#else
+  ucontext_t main_ctx;
+#endif
+
+  void resume(int i) {
+    Fiber& f = fibers[size_t(i)];
+    threadIdx = f.tid, blockIdx = f.bid, current = i;
+#if defined(__x86_64__)
+    emu_fiber_switch(&main_sp, f.sp);
+#else
+    swapcontext(&main_ctx, &f.ctx);
+#endif
+  }
+  // Back to the scheduler; returns when the scheduler resumes this fiber.
+  void yield() {
+    Fiber& f = fibers[size_t(current)];
+    f.bid = blockIdx;
+#if defined(__x86_64__)
+    emu_fiber_switch(&f.sp, main_sp);
+#else
+    swapcontext(&f.ctx, &main_ctx);
+#endif
+  }
+};
+inline Scheduler sched;
+
+[[noreturn]] inline void fiber_main() {
+  (*sched.body)();
+  sched.fibers[size_t(sched.current)].state = State::Done;
+  sched.progress = true;
+  sched.yield();
+  std::abort();  // a finished fiber is never resumed
+}
+
+#if defined(__x86_64__)
+// used: only the assembly above calls it
+extern "C" __attribute__((used)) EMU_HIDDEN inline void emu_fiber_entry() { fiber_main(); }
+#else
+inline void ucontext_entry() { fiber_main(); }
+#endif
+
+inline void start(Fiber& f, int i) {
+  char* top = stacks.get(i) + kStack;
+#if defined(__x86_64__)
+  // The frame emu_fiber_switch pops: control words, r15 .. r12, rbx, rbp, return address; after
+  // its ret the stack pointer is 16-byte aligned, as a call instruction expects.
+  uint64_t* sp = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(top) & ~uintptr_t(15)) - 80);
+  std::memset(sp, 0, 64);
+  uint32_t mxcsr;
+  uint16_t fcw;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fcw));
+  std::memcpy(sp, &mxcsr, 4);
+  std::memcpy(reinterpret_cast<char*>(sp) + 4, &fcw, 2);
+  sp[7] = reinterpret_cast<uint64_t>(&emu_fiber_start);
+  f.sp = sp;
+#else
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = top - kStack;
+  f.ctx.uc_stack.ss_size = kStack;
+  f.ctx.uc_link = nullptr;
+  makecontext(&f.ctx, ucontext_entry, 0);
+#endif
+}
+
+// A barrier of `size` fibers (a warp's lanes, or a CTA's threads). Every arrival yields: the
+// last one releases the others, and the scheduler picks who runs next.
+struct Barrier {
+  int size = 0, arrived = 0;
+  unsigned generation = 0;
+  void arrive_and_wait() {
+    const unsigned g = generation;
+    sched.progress = true;
+    if (++arrived == size) arrived = 0, ++generation;
+    else
+      while (generation == g) sched.yield();
+  }
+};
+
+}  // namespace emu_fiber
+
+// A CTA's barrier (__syncthreads): the fiber waits at it until all have arrived; the scheduler
+// then runs the warps again in their order (emu::launch).
 struct EmuCta {
-  struct Reset {
-    EmuCta* c;
-    void operator()() noexcept {  // every thread is at the barrier: none reads these now
-      c->turn = 0;
-      for (int w = 0; w < c->nwarps; ++w) c->pending[w] = c->size(w);
-    }
-  };
-  int threads, nwarps, order, turn = 0;
-  std::vector<int> pending;
-  std::mutex m;
-  std::condition_variable cv;
-  std::barrier<Reset> bar;
-  EmuCta(int threads_, int order_)
-      : threads(threads_), nwarps((threads_ + 31) / 32), order(order_), pending(nwarps), bar(threads_, Reset{this}) {
-    Reset{this}();
-  }
-  int size(int w) const { return std::min(32, threads - 32 * w); }
-  int slot(int w) const { return order > 0 ? w : nwarps - 1 - w; }
-  void begin() {
-    if (!order) return;
-    std::unique_lock<std::mutex> lk(m);
-    cv.wait(lk, [&] { return turn == slot(int(threadIdx.x) / 32); });
-  }
-  // more = false: the thread's last arrival (it takes no further turn).
+  int threads, arrived = 0;
+  explicit EmuCta(int threads_) : threads(threads_) {}
+  // more = false: the thread's last arrival (the end of its last CTA).
   void arrive_and_wait(bool more = true) {
-    if (order) {
-      std::lock_guard<std::mutex> lk(m);
-      if (--pending[int(threadIdx.x) / 32] == 0) ++turn, cv.notify_all();
-    }
-    bar.arrive_and_wait();
-    if (more) begin();
+    (void)more;
+    using emu_fiber::sched;
+    ++arrived;
+    sched.progress = true;
+    sched.fibers[size_t(sched.current)].state = emu_fiber::State::AtBarrier;
+    sched.yield();
   }
 };
 inline EmuCta* emu_cta = nullptr;
@@ -77,14 +230,14 @@ inline float __uint_as_float(uint32_t u) {
   return f;
 }
 // Warp collectives: a barrier per warp and each thread's operands of the current one.
-inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
+inline std::vector<emu_fiber::Barrier> emu_warps;
 struct EmuMmaLane { float a[8], b[4]; };  // one lane's mma operands (fla::tile::emu_mma)
 inline std::vector<EmuMmaLane> emu_lanes;
 inline std::vector<float> emu_shfl;
 // __shfl_sync over the thread's warp (every lane must call it, as on the GPU with a full mask).
 inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
   const int t = int(threadIdx.x), lane = t % 32;
-  std::barrier<>& bar = *emu_warps[t / 32];
+  emu_fiber::Barrier& bar = emu_warps[size_t(t / 32)];
   emu_shfl[t] = v;
   bar.arrive_and_wait();
   const float r = emu_shfl[t - lane + lane / width * width + src % width];
@@ -100,7 +253,7 @@ inline float __fdividef(float x, float y) { return x / y; }
 inline void __syncthreads() { emu_cta->arrive_and_wait(); }
 // __syncthreads_and: a barrier, then every thread reads the AND of the predicates; a third
 // barrier keeps the reset of the shared flag after every read.
-inline std::atomic<bool> emu_and_fail{false};
+inline bool emu_and_fail = false;
 inline int __syncthreads_and(int pred) {
   if (!pred) emu_and_fail = true;
   emu_cta->arrive_and_wait();
@@ -111,7 +264,7 @@ inline int __syncthreads_and(int pred) {
   return all;
 }
 // A barrier of the thread's warp (every lane must call it, as the kernels do: full mask).
-inline void __syncwarp(unsigned = 0xffffffffu) { emu_warps[int(threadIdx.x) / 32]->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warps[size_t(threadIdx.x / 32)].arrive_and_wait(); }
 // A CTA's threads never add to one element here, and CTAs run one after another.
 inline float atomicAdd(float* p, float v) {
   const float old = *p;
@@ -129,7 +282,7 @@ namespace fla::tile {
 template <int P>
 inline void emu_mma(float* d, const float (&a)[4 * P], const float (&b)[2 * P]) {
   const int t = int(threadIdx.x), lane = t % 32, g = lane / 4, q = lane % 4;
-  std::barrier<>& bar = *emu_warps[t / 32];
+  emu_fiber::Barrier& bar = emu_warps[size_t(t / 32)];
   std::copy_n(a, 4 * P, emu_lanes[t].a), std::copy_n(b, 2 * P, emu_lanes[t].b);
   bar.arrive_and_wait();
   const EmuMmaLane* w = &emu_lanes[t - lane];
@@ -169,34 +322,66 @@ inline void emu_mma_f16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_
 
 namespace emu {
 
-// The schedule of the warps between barriers (see the top): 1 ascending, -1 descending, 0 all at
-// once.
+// The schedule of the warps between barriers (see the top): 1 ascending, -1 descending, 0 the
+// threads of all warps in turn.
 inline int warp_order = 1;
 
 // kernel() once per thread of every CTA of `grid` (x fastest), `threads` threads per CTA.
 inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) {
-  EmuCta cta(threads, warp_order);
+  using namespace emu_fiber;
+  EmuCta cta(threads);
   emu_cta = &cta;
-  emu_warps.clear();
-  for (int w = 0; w < (threads + 31) / 32; ++w) emu_warps.push_back(std::make_unique<std::barrier<>>(32));
+  const int nwarps = (threads + 31) / 32;
+  emu_warps.assign(size_t(nwarps), Barrier{});
+  for (int w = 0; w < nwarps; ++w) emu_warps[size_t(w)].size = std::min(32, threads - 32 * w);
   emu_lanes.assign(size_t(threads), {});
   emu_shfl.assign(size_t(threads), 0.f);
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      threadIdx = {unsigned(t), 0, 0};
-      cta.begin();
-      for (unsigned z = 0; z < grid.z; ++z)
-        for (unsigned y = 0; y < grid.y; ++y)
-          for (unsigned x = 0; x < grid.x; ++x) {
-            blockIdx = {x, y, z};
-            kernel();
-            // The CTA's end: its shared memory is reused.
-            cta.arrive_and_wait(x + 1 < grid.x || y + 1 < grid.y || z + 1 < grid.z);
-          }
-    });
-  for (auto& th : pool) th.join();
+  const std::function<void()> body = [&] {
+    for (unsigned z = 0; z < grid.z; ++z)
+      for (unsigned y = 0; y < grid.y; ++y)
+        for (unsigned x = 0; x < grid.x; ++x) {
+          blockIdx = {x, y, z};
+          kernel();
+          // The CTA's end: its shared memory is reused.
+          cta.arrive_and_wait(x + 1 < grid.x || y + 1 < grid.y || z + 1 < grid.z);
+        }
+  };
+  sched.body = &body;
+  sched.fibers.assign(size_t(threads), Fiber{});
+  for (int t = 0; t < threads; ++t) {
+    sched.fibers[size_t(t)].tid = {unsigned(t), 0, 0};
+    start(sched.fibers[size_t(t)], t);
+  }
+  // Runs threads [first, last) in turn until each is at the CTA barrier or done.
+  auto run = [&](int first, int last) {
+    for (;;) {
+      bool any = false;
+      sched.progress = false;
+      for (int t = first; t < last; ++t)
+        if (sched.fibers[size_t(t)].state == State::Runnable) any = true, sched.resume(t);
+      if (!any) return;
+      if (!sched.progress) {
+        std::fprintf(stderr, "emu: deadlock: threads %d-%d wait at a warp barrier others never reach\n", first, last - 1);
+        std::abort();
+      }
+    }
+  };
+  for (;;) {
+    if (warp_order == 0) run(0, threads);
+    for (int i = 0; warp_order != 0 && i < nwarps; ++i) {
+      const int w = warp_order > 0 ? i : nwarps - 1 - i;
+      run(32 * w, std::min(threads, 32 * w + 32));
+    }
+    if (cta.arrived == 0) break;  // every thread is done
+    if (cta.arrived != threads) {
+      std::fprintf(stderr, "emu: deadlock: %d of %d threads at __syncthreads, the others done\n", cta.arrived, threads);
+      std::abort();
+    }
+    cta.arrived = 0;
+    for (Fiber& f : sched.fibers) f.state = State::Runnable;
+  }
   emu_cta = nullptr;
+  sched.body = nullptr;
 }
 
 }  // namespace emu

@@ -1,6 +1,7 @@
 // tile_mma.cuh's warp products run on the CPU by emu.h: one warp forms A B (A [16][K], B [K][8],
 // K a multiple of 16) on TF32 operands (warp_mma) and on fp16 operands scaled by powers of two
 // (warp_mma_f16), so that tests/test_cuda_emu.py can hold the second to the first's rounding.
+// Also two kernels with a barrier some threads never reach (undefined on a GPU), for emu.h's abort.
 #include <torch/extension.h>
 
 #include "emu.h"
@@ -47,6 +48,21 @@ std::vector<Tensor> products(Tensor a, Tensor b) {
   return {tf32, f16, scales};
 }
 
+// Two warps; `warp`: lanes 0-15 of warp 0 wait at __syncwarp for lanes that have returned; else
+// warp 0 waits at __syncthreads for warp 1, which has returned. Both abort the process.
+void divergent_barrier(bool warp) {
+  emu::launch(dim3(1), 64, [&] {
+    if (warp) {
+      if (threadIdx.x < 16) __syncwarp();
+    } else if (threadIdx.x < 32) {
+      __syncthreads();
+    }
+  });
+}
+
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("products", &products); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("products", &products);
+  m.def("divergent_barrier", &divergent_barrier);
+}
