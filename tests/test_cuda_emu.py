@@ -261,8 +261,9 @@ def test_chunk_rwkv7_kernels_cp_async_fetch(emu_cp_async, shape, dtype, tol, gen
 
 @pytest.fixture
 def descending(request):
-    """The emulator's warps in descending order between barriers for one test (the others run
-    ascending: emu.h), so that an unsynchronised read of a later warp's write shows too."""
+    """The emulator's warps, and each warp's lanes, in descending order between barriers for one
+    test (the others run ascending: emu.h), so that an unsynchronised read of a later warp's or
+    lane's write shows too."""
     mod = request.getfixturevalue(request.param)
     mod.set_warp_order(-1)
     yield mod

@@ -4,10 +4,11 @@
 // shared memory is a host array, and the CTAs of a grid run one after another. Include this
 // before the kernel header, then launch with emu::launch. Host branches (#ifndef __CUDA_ARCH__)
 // of the kernels replace their inline PTX. Not a timing tool. Between two barriers the warps of a
-// CTA run one at a time, in ascending or descending order (emu::warp_order), so that a read of
-// another warp's write that no barrier separates from it sees the stale or poisoned value every
-// time, not by chance; 0 runs the threads of all warps in turn. A barrier some threads never
-// reach (undefined on the GPU) aborts with a message.
+// CTA run one at a time, in ascending or descending order (emu::warp_order; a warp's lanes in the
+// same order, each up to its next barrier), so that a read of another thread's write that no
+// barrier separates from it sees the stale or poisoned value every time, not by chance; 0 runs
+// the threads of all warps in turn. A barrier some threads never reach (undefined on the GPU)
+// aborts with a message.
 //
 // Fibers, not one OS thread per CUDA thread: a warp collective (every mma, every shuffle) is two
 // barriers of 32 threads, and as OS threads each was a round of futex waits and wake-ups across
@@ -23,7 +24,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <vector>
 
 #include <sys/mman.h>
@@ -187,8 +187,8 @@ inline void start(Fiber& f, int i) {
 #endif
 }
 
-// A barrier of `size` fibers (a warp's lanes, or a CTA's threads). Every arrival yields: the
-// last one releases the others, and the scheduler picks who runs next.
+// A barrier of `size` fibers (a warp's lanes): each arrival but the last yields until the last
+// one arrives, which goes on; the scheduler resumes the others in its order.
 struct Barrier {
   int size = 0, arrived = 0;
   unsigned generation = 0;
@@ -208,9 +208,7 @@ struct Barrier {
 struct EmuCta {
   int threads, arrived = 0;
   explicit EmuCta(int threads_) : threads(threads_) {}
-  // more = false: the thread's last arrival (the end of its last CTA).
-  void arrive_and_wait(bool more = true) {
-    (void)more;
+  void arrive_and_wait() {
     using emu_fiber::sched;
     ++arrived;
     sched.progress = true;
@@ -322,8 +320,8 @@ inline void emu_mma_f16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_
 
 namespace emu {
 
-// The schedule of the warps between barriers (see the top): 1 ascending, -1 descending, 0 the
-// threads of all warps in turn.
+// The schedule of the warps (and of each warp's lanes) between barriers (see the top): 1
+// ascending, -1 descending, 0 the threads of all warps in turn, ascending.
 inline int warp_order = 1;
 
 // kernel() once per thread of every CTA of `grid` (x fastest), `threads` threads per CTA.
@@ -342,8 +340,7 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
         for (unsigned x = 0; x < grid.x; ++x) {
           blockIdx = {x, y, z};
           kernel();
-          // The CTA's end: its shared memory is reused.
-          cta.arrive_and_wait(x + 1 < grid.x || y + 1 < grid.y || z + 1 < grid.z);
+          cta.arrive_and_wait();  // the CTA's end: its shared memory is reused
         }
   };
   sched.body = &body;
@@ -352,13 +349,18 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
     sched.fibers[size_t(t)].tid = {unsigned(t), 0, 0};
     start(sched.fibers[size_t(t)], t);
   }
-  // Runs threads [first, last) in turn until each is at the CTA barrier or done.
+  // Runs threads [first, last) in turn (descending where the warps are) until each is at the CTA
+  // barrier or done. A thread runs until it waits at a barrier, so a lane reading what another
+  // lane of its warp writes without a __syncwarp between sees the stale value in one of the two
+  // orders.
   auto run = [&](int first, int last) {
     for (;;) {
       bool any = false;
       sched.progress = false;
-      for (int t = first; t < last; ++t)
+      for (int i = first; i < last; ++i) {
+        const int t = warp_order < 0 ? first + last - 1 - i : i;
         if (sched.fibers[size_t(t)].state == State::Runnable) any = true, sched.resume(t);
+      }
       if (!any) return;
       if (!sched.progress) {
         std::fprintf(stderr, "emu: deadlock: threads %d-%d wait at a warp barrier others never reach\n", first, last - 1);
