@@ -89,7 +89,7 @@ emu_fiber_start:
 enum class State { Runnable, AtBarrier, Done };
 
 struct Fiber {
-  uint3 tid{}, bid{};
+  uint3 bid{};  // its blockIdx while it is switched out (its threadIdx is its index)
   State state = State::Runnable;
 #if defined(__x86_64__)
   void* sp = nullptr;
@@ -128,7 +128,7 @@ struct Scheduler {
 
   void resume(int i) {
     Fiber& f = fibers[size_t(i)];
-    threadIdx = f.tid, blockIdx = f.bid, current = i;
+    threadIdx = {unsigned(i), 0, 0}, blockIdx = f.bid, current = i;
 #if defined(__x86_64__)
     emu_fiber_switch(&main_sp, f.sp);
 #else
@@ -206,8 +206,7 @@ struct Barrier {
 // A CTA's barrier (__syncthreads): the fiber waits at it until all have arrived; the scheduler
 // then runs the warps again in their order (emu::launch).
 struct EmuCta {
-  int threads, arrived = 0;
-  explicit EmuCta(int threads_) : threads(threads_) {}
+  int arrived = 0;
   void arrive_and_wait() {
     using emu_fiber::sched;
     ++arrived;
@@ -327,7 +326,7 @@ inline int warp_order = 1;
 // kernel() once per thread of every CTA of `grid` (x fastest), `threads` threads per CTA.
 inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) {
   using namespace emu_fiber;
-  EmuCta cta(threads);
+  EmuCta cta;
   emu_cta = &cta;
   const int nwarps = (threads + 31) / 32;
   emu_warps.assign(size_t(nwarps), Barrier{});
@@ -345,10 +344,7 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
   };
   sched.body = &body;
   sched.fibers.assign(size_t(threads), Fiber{});
-  for (int t = 0; t < threads; ++t) {
-    sched.fibers[size_t(t)].tid = {unsigned(t), 0, 0};
-    start(sched.fibers[size_t(t)], t);
-  }
+  for (int t = 0; t < threads; ++t) start(sched.fibers[size_t(t)], t);
   // Runs threads [first, last) in turn (descending where the warps are) until each is at the CTA
   // barrier or done. A thread runs until it waits at a barrier, so a lane reading what another
   // lane of its warp writes without a __syncwarp between sees the stale value in one of the two
@@ -369,10 +365,13 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
     }
   };
   for (;;) {
-    if (warp_order == 0) run(0, threads);
-    for (int i = 0; warp_order != 0 && i < nwarps; ++i) {
-      const int w = warp_order > 0 ? i : nwarps - 1 - i;
-      run(32 * w, std::min(threads, 32 * w + 32));
+    if (warp_order == 0) {
+      run(0, threads);
+    } else {
+      for (int i = 0; i < nwarps; ++i) {
+        const int w = warp_order > 0 ? i : nwarps - 1 - i;
+        run(32 * w, std::min(threads, 32 * w + 32));
+      }
     }
     if (cta.arrived == 0) break;  // every thread is done
     if (cta.arrived != threads) {
