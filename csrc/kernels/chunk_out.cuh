@@ -48,9 +48,15 @@ struct OutRows<T, true> : SubChunkRows<T> {  // k and λ, a column of 16 rows a 
   }
 };
 
+// How many CTAs of the out kernel an SM holds. The kernel is latency-bound and its registers set
+// its occupancy: the forward form over one V tile fits three CTAs with a few bytes spilled, and
+// the third hides more of its latency; the other forms would spill hundreds of bytes, so two.
+template <bool DV, int NV>
+constexpr int kOutCtasPerSm = !DV && NV == 1 ? 3 : 2;
+
 // vec: the rows it reads in pieces are whole 16-byte pieces (out_vec).
 template <typename T, Reader RD, bool DV, int NV>
-__global__ void __launch_bounds__(NTH, 2) chunk_out_kernel(ChunkPass p, bool vec) {
+__global__ void __launch_bounds__(NTH, (kOutCtasPerSm<DV, NV>)) chunk_out_kernel(ChunkPass p, bool vec) {
   constexpr bool TF = kTC<T> && !DV;  // operands stored as TF32 values, read RAW (above)
   extern __shared__ float4 smem4[];
   Tile* X = reinterpret_cast<Tile*>(smem4);        // Q̂, or K̂ transposed [ch][j]
