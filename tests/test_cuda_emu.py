@@ -100,6 +100,39 @@ def test_fp16_scaled_warp_products(tile_emu, gen):
     assert (f16 == 0).all() and scales[0] == 1
 
 
+def test_fp16_products_read_from_accumulators(tile_emu, gen):
+    """tile_mma.cuh's packs of fp32 accumulators into fp16 operands (benchmarks/NOTES.md c67):
+    P = x y held in a warp's two m16n8 accumulators, then read as the A operand of P z (packing
+    alone), the B operand of w P (movmatrix transposes) and the A operand of P^T z (transposes).
+    Integer inputs make every product exact, so each layout is checked element for element
+    against float64; then real inputs of mixed magnitude against fp16's rounding bound."""
+    def run(x, y, z, w):
+        P, q1, q2, q3, q4 = tile_emu.chained(x, y, z, w)
+        P64 = x.double() @ y.double()
+        want = [P64 @ z.double(), w.double() @ P64[:, :8], w.double() @ P64[:, 8:], P64.T @ z.double()]
+        return P, [q1, q2, q3, q4], P64, want
+
+    ints = lambda *s: torch.randint(-2, 3, s, generator=gen).float()
+    x, y, z, w = ints(16, 16), ints(16, 16), ints(16, 8), ints(16, 16)
+    P, got, P64, want = run(x, y, z, w)
+    assert torch.equal(P.double(), P64)
+    for name, a, b in zip(("P z", "w P[:, :8]", "w P[:, 8:]", "P^T z"), got, want):
+        assert torch.equal(a.double(), b), name
+
+    mags = torch.exp2(torch.randint(-20, 21, (16, 1), generator=gen).float())
+    x = torch.randn(16, 16, generator=gen) * mags  # rows of P 2^+-20 apart
+    y, z, w = torch.randn(16, 16, generator=gen), torch.randn(16, 8, generator=gen), torch.randn(16, 16, generator=gen)
+    P, got, P64, want = run(x, y, z, w)
+    absP = x.double().abs() @ y.double().abs()
+    mags_of = [absP @ z.double().abs(), w.double().abs() @ absP[:, :8], w.double().abs() @ absP[:, 8:],
+               absP.T @ z.double().abs()]
+    for name, a, b, m in zip(("P z", "w P[:, :8]", "w P[:, 8:]", "P^T z"), got, want, mags_of):
+        # x, y rounded once for P, P and z (or w) once more for the product: 3 x 2^-11 relative,
+        # and below fp16's normal range (2^-14 of P's largest) an absolute 2^-25 of it per term
+        bound = 2.0 ** -9 * m + 2.0 ** -24 * 16 * absP.max() * max(z.abs().max(), w.abs().max())
+        assert torch.isfinite(a).all() and ((a.double() - b).abs() <= bound).all(), name
+
+
 @pytest.mark.parametrize("shape,w_kind,cu,lr", [
     ((1, 40, 2, 16, 8), "rwkv", None, "rwkv"),
     ((2, 37, 1, 32, 40), "mixedinf", None, "rwkv"),

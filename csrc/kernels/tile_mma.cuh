@@ -153,6 +153,55 @@ __device__ __forceinline__ uint32_t f16_pair(float lo, float hi) {
   return uint32_t(__half_as_ushort(__float2half_rn(lo))) | (uint32_t(__half_as_ushort(__float2half_rn(hi))) << 16);
 }
 
+#ifndef __CUDA_ARCH__
+uint32_t emu_movmatrix_trans(uint32_t x);
+#endif
+
+// The warp's 8 x 8 matrix of 16-bit values M transposed: lane (g, q) gives row g, columns 2q and
+// 2q + 1 of M (the lower column in the low half: the layout of an m16n8 accumulator's 8-row half,
+// packed) and gets the same elements of M^T, (M[2q][g], M[2q + 1][g]). One instruction, no shared
+// memory.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+#ifdef __CUDA_ARCH__
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+#else
+  return emu_movmatrix_trans(x);
+#endif
+}
+
+// fp16 operands of mma_f16 made from fp32 m16n8 accumulators held by the warp (lane (g, q):
+// c[0], c[1] at row g, columns 2q, 2q + 1; c[2], c[3] at row g + 8), each value times s (a power
+// of two: pow2_down_scale of the matrix's largest magnitude), so that a product can read a result
+// where it was made instead of through shared memory (benchmarks/NOTES.md c67):
+//   a_from_acc(c0, c1, s): the m16k16 A operand of the 16 x 16 matrix [c0 c1] (c0 its columns
+//     0-7): the two layouts agree, so it is packing alone;
+//   b_from_acc(c, s): the k16n8 B operand of c's 16 x 8 matrix (k its rows): two transposes;
+//   a_from_acc_t(c0, c1, s): the A operand of [c0 c1]^T: four transposes.
+struct F16A {
+  uint32_t r[4];
+};
+struct F16B {
+  uint32_t r[2];
+};
+__device__ __forceinline__ F16A a_from_acc(const float (&c0)[4], const float (&c1)[4], float s) {
+  return {{f16_pair(s * c0[0], s * c0[1]), f16_pair(s * c0[2], s * c0[3]), f16_pair(s * c1[0], s * c1[1]),
+           f16_pair(s * c1[2], s * c1[3])}};
+}
+__device__ __forceinline__ F16B b_from_acc(const float (&c)[4], float s) {
+  return {{movmatrix_trans(f16_pair(s * c[0], s * c[1])), movmatrix_trans(f16_pair(s * c[2], s * c[3]))}};
+}
+__device__ __forceinline__ void mma_f16(float* d, const F16A& a, const F16B& b) {
+  mma_f16(d, a.r[0], a.r[1], a.r[2], a.r[3], b.r[0], b.r[1]);
+}
+__device__ __forceinline__ F16A a_from_acc_t(const float (&c0)[4], const float (&c1)[4], float s) {
+  // A(i, j) = [c0 c1](j, i): the 8 x 8 blocks (row block, column block) (0, 0), (1, 0) of the
+  // transpose are blocks (0, 0), (0, 1) of [c0 c1] transposed; (0, 1), (1, 1) are (1, 0), (1, 1).
+  return {{movmatrix_trans(f16_pair(s * c0[0], s * c0[1])), movmatrix_trans(f16_pair(s * c1[0], s * c1[1])),
+           movmatrix_trans(f16_pair(s * c0[2], s * c0[3])), movmatrix_trans(f16_pair(s * c1[2], s * c1[3]))}};
+}
+
 // The power of two s that takes a tile whose largest magnitude is amax into [0.5, 1) (1 where
 // amax is 0, not finite, or below 2^-126). x s then rounds to fp16 as TF32 rounds x (the same 10
 // stored bits, to nearest; ties to even where to_tf32 rounds them away) for every x down to

@@ -231,6 +231,7 @@ inline std::vector<emu_fiber::Barrier> emu_warps;
 struct EmuMmaLane { float a[8], b[4]; };  // one lane's mma operands (fla::tile::emu_mma)
 inline std::vector<EmuMmaLane> emu_lanes;
 inline std::vector<float> emu_shfl;
+inline std::vector<uint32_t> emu_words;  // one 32-bit register a thread (movmatrix)
 // __shfl_sync over the thread's warp (every lane must call it, as on the GPU with a full mask).
 inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
   const int t = int(threadIdx.x), lane = t % 32;
@@ -315,6 +316,20 @@ inline void emu_mma_f16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_
   auto hi = [](uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u >> 16))); };
   emu_mma<2>(d, {lo(a0), hi(a0), lo(a1), hi(a1), lo(a2), hi(a2), lo(a3), hi(a3)}, {lo(b0), hi(b0), lo(b1), hi(b1)});
 }
+// movmatrix.sync.aligned.m8n8.trans.b16 (tile_mma.cuh's movmatrix_trans): element (r, c) of the
+// warp's 8 x 8 matrix is half c % 2 of lane 4r + c / 2's register; lane (g, q) gets (2q, g) and
+// (2q + 1, g).
+inline uint32_t emu_movmatrix_trans(uint32_t x) {
+  const int t = int(threadIdx.x), lane = t % 32, g = lane / 4, q = lane % 4;
+  emu_fiber::Barrier& bar = emu_warps[size_t(t / 32)];
+  emu_words[size_t(t)] = x;
+  bar.arrive_and_wait();
+  const uint32_t* w = &emu_words[size_t(t - lane)];
+  auto half = [&](int r, int c) { return (w[4 * r + c / 2] >> (16 * (c % 2))) & 0xffffu; };
+  const uint32_t y = half(2 * q, g) | (half(2 * q + 1, g) << 16);
+  bar.arrive_and_wait();  // every lane has read before any lane's next write
+  return y;
+}
 }  // namespace fla::tile
 
 namespace emu {
@@ -333,6 +348,7 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
   for (int w = 0; w < nwarps; ++w) emu_warps[size_t(w)].size = std::min(32, threads - 32 * w);
   emu_lanes.assign(size_t(threads), {});
   emu_shfl.assign(size_t(threads), 0.f);
+  emu_words.assign(size_t(threads), 0u);
   const std::function<void()> body = [&] {
     for (unsigned z = 0; z < grid.z; ++z)
       for (unsigned y = 0; y < grid.y; ++y)

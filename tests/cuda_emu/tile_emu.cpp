@@ -1,6 +1,7 @@
 // tile_mma.cuh's warp products run on the CPU by emu.h: one warp forms A B (A [16][K], B [K][8],
 // K a multiple of 16) on TF32 operands (warp_mma) and on fp16 operands scaled by powers of two
-// (warp_mma_f16), so that tests/test_cuda_emu.py can hold the second to the first's rounding.
+// (warp_mma_f16), so that tests/test_cuda_emu.py can hold the second to the first's rounding;
+// and reads such a product's accumulators as the operands of the next (chained).
 // Also two kernels with a barrier some threads never reach (undefined on a GPU), for emu.h's abort.
 #include <torch/extension.h>
 
@@ -48,6 +49,55 @@ std::vector<Tensor> products(Tensor a, Tensor b) {
   return {tf32, f16, scales};
 }
 
+// tile_mma.cuh's accumulator-to-operand packs (a_from_acc, b_from_acc, a_from_acc_t): P = x y
+// (x, y [16][16]) on fp16 tensor cores, held as two m16n8 accumulators, then read where it was
+// made: [P, P z, w P[:, :8], w P[:, 8:], P^T z] for z [16][8], w [16][16]; every operand scaled
+// by its pow2_down_scale, the scales taken out of each result.
+std::vector<Tensor> chained(Tensor x, Tensor y, Tensor z, Tensor w) {
+  for (const Tensor& t : {x, y, z, w}) TORCH_CHECK(t.dtype() == torch::kFloat && t.dim() == 2 && t.size(0) == 16);
+  TORCH_CHECK(x.size(1) == 16 && y.size(1) == 16 && z.size(1) == 8 && w.size(1) == 16, "x, y, w [16][16], z [16][8]");
+  x = x.contiguous(), y = y.contiguous(), z = z.contiguous(), w = w.contiguous();
+  const float *X = x.data_ptr<float>(), *Y = y.data_ptr<float>(), *Z = z.data_ptr<float>(), *W = w.data_ptr<float>();
+  Tensor P = torch::full({16, 16}, NAN);
+  std::vector<Tensor> Q(4);
+  for (Tensor& t : Q) t = torch::full({16, 8}, NAN);
+  emu::launch(dim3(1), 32, [&] {
+    const int g = int(threadIdx.x) / 4, q = int(threadIdx.x) % 4;
+    const float sx = pow2_down_scale(warp_amax(X, 256)), sy = pow2_down_scale(warp_amax(Y, 256));
+    const float sz = pow2_down_scale(warp_amax(Z, 128)), sw = pow2_down_scale(warp_amax(W, 256));
+    float c0[4] = {}, c1[4] = {};
+    auto fx = [&](int r, int k) { return X[r * 16 + k]; };
+    warp_mma_f16(c0, 16, fx, [&](int k, int n) { return Y[k * 16 + n]; }, sx, sy);
+    warp_mma_f16(c1, 16, fx, [&](int k, int n) { return Y[k * 16 + 8 + n]; }, sx, sy);
+    float pmax = 0.f;
+    for (int e = 0; e < 4; ++e) {
+      c0[e] *= (1.f / sx) * (1.f / sy), c1[e] *= (1.f / sx) * (1.f / sy);
+      pmax = std::max(pmax, std::max(std::fabs(c0[e]), std::fabs(c1[e])));
+    }
+    for (int o = 16; o > 0; o /= 2) pmax = std::max(pmax, __shfl_xor_sync(0xffffffffu, pmax, o));
+    const float sp = pow2_down_scale(pmax);
+    const int q2 = 2 * q;
+    const F16B zb{{f16_pair(sz * Z[q2 * 8 + g], sz * Z[(q2 + 1) * 8 + g]),
+                   f16_pair(sz * Z[(q2 + 8) * 8 + g], sz * Z[(q2 + 9) * 8 + g])}};
+    auto wp = [&](int r, int k) { return f16_pair(sw * W[r * 16 + k], sw * W[r * 16 + k + 1]); };
+    const F16A wa{{wp(g, q2), wp(g + 8, q2), wp(g, q2 + 8), wp(g + 8, q2 + 8)}};
+    float out[4][4] = {};
+    mma_f16(out[0], a_from_acc(c0, c1, sp), zb);
+    mma_f16(out[1], wa, b_from_acc(c0, sp));
+    mma_f16(out[2], wa, b_from_acc(c1, sp));
+    mma_f16(out[3], a_from_acc_t(c0, c1, sp), zb);
+    // the scales out one at a time (their product may overflow)
+    const float ua[4] = {1.f / sp, 1.f / sw, 1.f / sw, 1.f / sp}, ub[4] = {1.f / sz, 1.f / sp, 1.f / sp, 1.f / sz};
+    float* const p = P.data_ptr<float>();
+    for (int e = 0; e < 4; ++e) {
+      const int row = g + 8 * (e / 2), col = q2 + e % 2;
+      p[row * 16 + col] = c0[e], p[row * 16 + 8 + col] = c1[e];
+      for (int i = 0; i < 4; ++i) Q[size_t(i)].data_ptr<float>()[row * 8 + col] = out[i][e] * ua[i] * ub[i];
+    }
+  });
+  return {P, Q[0], Q[1], Q[2], Q[3]};
+}
+
 // Two warps; `warp`: lanes 0-15 of warp 0 wait at __syncwarp for lanes that have returned; else
 // warp 0 waits at __syncthreads for warp 1, which has returned. Both abort the process.
 void divergent_barrier(bool warp) {
@@ -64,5 +114,6 @@ void divergent_barrier(bool warp) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("products", &products);
+  m.def("chained", &chained);
   m.def("divergent_barrier", &divergent_barrier);
 }
