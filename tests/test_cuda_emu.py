@@ -133,6 +133,19 @@ def test_fp16_products_read_from_accumulators(tile_emu, gen):
         assert torch.isfinite(a).all() and ((a.double() - b).abs() <= bound).all(), name
 
 
+def test_fp16_operands_from_shared_tiles(tile_emu, gen):
+    """tile_mma.cuh's ldmatrix loads of mma_f16 operands from fp16 tiles (benchmarks/NOTES.md
+    c67): A from a tile stored [m][k] and one stored transposed, B from tiles stored [k][n] and
+    [n][k]; integer inputs, so x y, x^T y and x y^T must equal float64's element for element."""
+    x = torch.randint(-4, 5, (16, 16), generator=gen).float()
+    y = torch.randint(-4, 5, (16, 16), generator=gen).float()
+    xy, xty, xyt = tile_emu.shared_products(x, y)
+    x64, y64 = x.double(), y.double()
+    assert torch.equal(xy.double(), x64 @ y64)
+    assert torch.equal(xty.double(), x64.T @ y64)
+    assert torch.equal(xyt.double(), x64 @ y64.T)
+
+
 @pytest.mark.parametrize("shape,w_kind,cu,lr", [
     ((1, 40, 2, 16, 8), "rwkv", None, "rwkv"),
     ((2, 37, 1, 32, 40), "mixedinf", None, "rwkv"),

@@ -171,6 +171,68 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 #endif
 }
 
+// A warp's mma_f16 operands in its lanes' registers (the layouts at mma_f16).
+struct F16A {
+  uint32_t r[4];
+};
+struct F16B {
+  uint32_t r[2];
+};
+
+#ifndef __CUDA_ARCH__
+template <bool TRANS>
+void emu_ldmatrix_x4(uint32_t (&r)[4], const void* row);
+#endif
+
+// Four 8 x 8 matrices of 16-bit values from shared memory: lane l gives the address of row l % 8
+// of matrix l / 8 (16 bytes, 16-byte aligned); lane (g, q) gets in r[i] matrix i's elements
+// (g, 2q), (g, 2q + 1), or with TRANS those of its transpose, (2q, g), (2q + 1, g): the lane
+// layout of mma_f16's operand registers.
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#ifdef __CUDA_ARCH__
+  const unsigned a = unsigned(__cvta_generic_to_shared(row));
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+  emu_ldmatrix_x4<TRANS>(r, row);
+#endif
+}
+
+// mma_f16 operands from fp16 tiles in shared memory (row stride ld halves, a multiple of 8), by
+// ldmatrix: the A operand (m16k16) of rows [0, 16) x columns [0, 16) of a row-major [m][k] tile,
+// or (a_from_km) of a tile stored transposed, [k][m]; the B operands (k16n8) of two 8-column
+// tiles n = [0, 8), [8, 16) of a tile stored [n][k] (b_from_nk: B(k, n) = t[n][k]) or [k][n]
+// (b_from_kn).
+__device__ __forceinline__ F16A a_from_mk(const __half* t, int ld) {
+  const int l = int(threadIdx.x) % 32;
+  F16A a;
+  ldmatrix_x4<false>(a.r, t + (l % 8 + 8 * (l / 8 % 2)) * ld + 8 * (l / 16));
+  return a;
+}
+__device__ __forceinline__ F16A a_from_km(const __half* t, int ld) {
+  const int l = int(threadIdx.x) % 32;  // matrix i: k block i / 2, m block i % 2
+  F16A a;
+  ldmatrix_x4<true>(a.r, t + (l % 8 + 8 * (l / 16)) * ld + 8 * (l / 8 % 2));
+  return a;
+}
+__device__ __forceinline__ void b_from_nk(F16B (&b)[2], const __half* t, int ld) {
+  const int l = int(threadIdx.x) % 32;  // matrix i: n block i / 2, k block i % 2
+  uint32_t r[4];
+  ldmatrix_x4<false>(r, t + (l % 8 + 8 * (l / 16)) * ld + 8 * (l / 8 % 2));
+  b[0] = {{r[0], r[1]}}, b[1] = {{r[2], r[3]}};
+}
+__device__ __forceinline__ void b_from_kn(F16B (&b)[2], const __half* t, int ld) {
+  const int l = int(threadIdx.x) % 32;  // matrix i: k block i % 2, n block i / 2
+  uint32_t r[4];
+  ldmatrix_x4<true>(r, t + (l % 8 + 8 * (l / 8 % 2)) * ld + 8 * (l / 16));
+  b[0] = {{r[0], r[1]}}, b[1] = {{r[2], r[3]}};
+}
+
 // fp16 operands of mma_f16 made from fp32 m16n8 accumulators held by the warp (lane (g, q):
 // c[0], c[1] at row g, columns 2q, 2q + 1; c[2], c[3] at row g + 8), each value times s (a power
 // of two: pow2_down_scale of the matrix's largest magnitude), so that a product can read a result
@@ -179,12 +241,6 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 //     0-7): the two layouts agree, so it is packing alone;
 //   b_from_acc(c, s): the k16n8 B operand of c's 16 x 8 matrix (k its rows): two transposes;
 //   a_from_acc_t(c0, c1, s): the A operand of [c0 c1]^T: four transposes.
-struct F16A {
-  uint32_t r[4];
-};
-struct F16B {
-  uint32_t r[2];
-};
 __device__ __forceinline__ F16A a_from_acc(const float (&c0)[4], const float (&c1)[4], float s) {
   return {{f16_pair(s * c0[0], s * c0[1]), f16_pair(s * c0[2], s * c0[3]), f16_pair(s * c1[0], s * c1[1]),
            f16_pair(s * c1[2], s * c1[3])}};

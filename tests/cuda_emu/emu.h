@@ -232,6 +232,7 @@ struct EmuMmaLane { float a[8], b[4]; };  // one lane's mma operands (fla::tile:
 inline std::vector<EmuMmaLane> emu_lanes;
 inline std::vector<float> emu_shfl;
 inline std::vector<uint32_t> emu_words;  // one 32-bit register a thread (movmatrix)
+inline std::vector<const void*> emu_rows;  // one address a thread (ldmatrix)
 // __shfl_sync over the thread's warp (every lane must call it, as on the GPU with a full mask).
 inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
   const int t = int(threadIdx.x), lane = t % 32;
@@ -330,6 +331,25 @@ inline uint32_t emu_movmatrix_trans(uint32_t x) {
   bar.arrive_and_wait();  // every lane has read before any lane's next write
   return y;
 }
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (tile_mma.cuh's ldmatrix_x4): lane l gives
+// the address of row l % 8 of matrix l / 8 (eight 16-bit values); lane (g, q) gets, in r[i],
+// matrix i's elements (g, 2q) and (g, 2q + 1), or with TRANS (2q, g) and (2q + 1, g).
+template <bool TRANS>
+inline void emu_ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const int t = int(threadIdx.x), lane = t % 32, g = lane / 4, q = lane % 4;
+  emu_fiber::Barrier& bar = emu_warps[size_t(t / 32)];
+  emu_rows[size_t(t)] = row;
+  bar.arrive_and_wait();
+  const void* const* w = &emu_rows[size_t(t - lane)];
+  auto at = [&](int m, int i, int j) {  // matrix m, row i, column j
+    uint16_t v;
+    std::memcpy(&v, static_cast<const char*>(w[8 * m + i]) + 2 * j, 2);
+    return uint32_t(v);
+  };
+  for (int m = 0; m < 4; ++m)
+    r[m] = TRANS ? at(m, 2 * q, g) | (at(m, 2 * q + 1, g) << 16) : at(m, g, 2 * q) | (at(m, g, 2 * q + 1) << 16);
+  bar.arrive_and_wait();
+}
 }  // namespace fla::tile
 
 namespace emu {
@@ -349,6 +369,7 @@ inline void launch(dim3 grid, int threads, const std::function<void()>& kernel) 
   emu_lanes.assign(size_t(threads), {});
   emu_shfl.assign(size_t(threads), 0.f);
   emu_words.assign(size_t(threads), 0u);
+  emu_rows.assign(size_t(threads), nullptr);
   const std::function<void()> body = [&] {
     for (unsigned z = 0; z < grid.z; ++z)
       for (unsigned y = 0; y < grid.y; ++y)

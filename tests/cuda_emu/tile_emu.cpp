@@ -1,7 +1,8 @@
 // tile_mma.cuh's warp products run on the CPU by emu.h: one warp forms A B (A [16][K], B [K][8],
 // K a multiple of 16) on TF32 operands (warp_mma) and on fp16 operands scaled by powers of two
 // (warp_mma_f16), so that tests/test_cuda_emu.py can hold the second to the first's rounding;
-// and reads such a product's accumulators as the operands of the next (chained).
+// reads such a product's accumulators as the operands of the next (chained), and its operands
+// from fp16 tiles in shared memory (shared_products).
 // Also two kernels with a barrier some threads never reach (undefined on a GPU), for emu.h's abort.
 #include <torch/extension.h>
 
@@ -98,6 +99,39 @@ std::vector<Tensor> chained(Tensor x, Tensor y, Tensor z, Tensor w) {
   return {P, Q[0], Q[1], Q[2], Q[3]};
 }
 
+// tile_mma.cuh's operand loads from fp16 tiles in shared memory (ldmatrix): x, y [16][16] stored
+// as fp16 at a row stride of 24, then [x y, x^T y, x y^T] from a_from_mk, a_from_km, b_from_kn,
+// b_from_nk (no scales: the test's values are exact in fp16).
+std::vector<Tensor> shared_products(Tensor x, Tensor y) {
+  for (const Tensor& t : {x, y}) TORCH_CHECK(t.dtype() == torch::kFloat && t.dim() == 2 && t.size(0) == 16 && t.size(1) == 16);
+  x = x.contiguous(), y = y.contiguous();
+  const float *X = x.data_ptr<float>(), *Y = y.data_ptr<float>();
+  constexpr int ld = 24;
+  alignas(16) static __half tx[16 * ld], ty[16 * ld];
+  std::vector<Tensor> out(3);
+  for (Tensor& t : out) t = torch::full({16, 16}, NAN);
+  emu::launch(dim3(1), 32, [&] {
+    const int g = int(threadIdx.x) / 4, q = int(threadIdx.x) % 4;
+    for (int e = int(threadIdx.x); e < 256; e += 32)
+      tx[e / 16 * ld + e % 16] = __float2half_rn(X[e]), ty[e / 16 * ld + e % 16] = __float2half_rn(Y[e]);
+    __syncwarp();
+    F16B ykn[2], ynk[2];
+    b_from_kn(ykn, ty, ld), b_from_nk(ynk, ty, ld);
+    const F16A xmk = a_from_mk(tx, ld), xkm = a_from_km(tx, ld);
+    float d[3][2][4] = {};
+    for (int n = 0; n < 2; ++n) {
+      mma_f16(d[0][n], xmk, ykn[n]);
+      mma_f16(d[1][n], xkm, ykn[n]);
+      mma_f16(d[2][n], xmk, ynk[n]);
+    }
+    for (int i = 0; i < 3; ++i)
+      for (int n = 0; n < 2; ++n)
+        for (int e = 0; e < 4; ++e)
+          out[size_t(i)].data_ptr<float>()[(g + 8 * (e / 2)) * 16 + 8 * n + 2 * q + e % 2] = d[i][n][e];
+  });
+  return out;
+}
+
 // Two warps; `warp`: lanes 0-15 of warp 0 wait at __syncwarp for lanes that have returned; else
 // warp 0 waits at __syncthreads for warp 1, which has returned. Both abort the process.
 void divergent_barrier(bool warp) {
@@ -115,5 +149,6 @@ void divergent_barrier(bool warp) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("products", &products);
   m.def("chained", &chained);
+  m.def("shared_products", &shared_products);
   m.def("divergent_barrier", &divergent_barrier);
 }
