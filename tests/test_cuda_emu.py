@@ -365,6 +365,32 @@ def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, ctas, gen)
             assert_close(name, x[written], ref[written], 1e-2, 1e-6)
 
 
+@pytest.mark.parametrize("descending", ["emu"], indirect=True)
+@pytest.mark.parametrize("shape,w_kind,cu,lr", [
+    ((2, 40, 2, 64, 64), "rwkv7", None, "rwkv"),       # RWKV-7's decays: factored pair matrices
+    ((1, 45, 1, 64, 64), "mixedinf", None, "rwkv"),    # -inf and strong decays: the exact pairs
+    ((1, 90, 1, 64, 64), "u5", [0, 7, 7, 40, 90], "rwkv"),  # varlen, an empty sequence
+    ((1, 48, 1, 64, 64), "zero", None, "repeated"),    # X from cancelling terms
+], ids=["rwkv7", "mixedinf", "varlen", "repeated"])
+def test_chunk_rwkv7_backward_chain(descending, shape, w_kind, cu, lr, gen):
+    """The backward kernel under construction (benchmarks/NOTES.md c67; dplr_chunk_fused_backward.cuh),
+    its first step: the reverse chain with D held transposed in registers and every product on
+    scaled fp16 tensor cores gives dv and dh0 within the bf16 tolerance of the CPU op's, warps in
+    descending order between barriers, outputs poisoned."""
+    N = len(cu) - 1 if cu else shape[0]
+    *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr=lr)
+    cu_t = torch.tensor(cu) if cu else None
+    xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
+    o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True, cu_seqlens=cu_t)
+    do = torch.randn(o.shape, generator=gen).to(torch.bfloat16)
+    dht = torch.randn(ht.shape, generator=gen)
+    dv, dh0 = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [xs[3], xs[6]])
+    cu_e = cu_t if cu else torch.empty(0, dtype=torch.int64)
+    edv, edh0 = descending.run_backward_chain(*ins, do, dht, 0.7, cu_e)
+    assert_close("dv", edv, dv, 1e-2, 1e-6)
+    assert_close("dh0", edh0, dh0, 1e-2, 1e-6)
+
+
 def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):
     B = shape[0]
     N = len(cu) - 1 if cu else B

@@ -5,6 +5,7 @@
 
 #include "emu_args.h"
 #include "dplr_chunk_fused.cuh"
+#include "dplr_chunk_fused_backward.cuh"
 #include "dplr_chunk_fused_reverse.cuh"
 #include "dplr_chunk_grad.cuh"
 #include "dplr_chunk_prep.cuh"
@@ -16,6 +17,7 @@ float4 sm4[16 * 1024];
 }  // namespace fla::dplr_chunk_detail
 namespace fla {
 float4 fused_sm4[(dplr_fused_detail::FusedSmem<2>::total + 3) / 4];  // the fused kernels'
+static_assert(dplr_fused_detail::ChainTiles::bytes() <= sizeof(fused_sm4), "the chain kernel's tiles fit");
 
 }  // namespace fla
 
@@ -321,6 +323,29 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
   return {o, hT};
 }
 
+// The backward kernel under construction (dplr_chunk_fused_backward.cuh: its chain), bf16, K = V =
+// 64: [dv, dh0] from dout and dht (empty: none), outputs poisoned.
+std::vector<Tensor> run_backward_chain(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor dout,
+                                       Tensor dht, double scale, Tensor cu) {
+  const bool varlen = cu.numel() > 0;
+  const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
+  TORCH_CHECK(K == 64 && V == 64 && r.scalar_type() == torch::kBFloat16, "bf16, K = V = 64");
+  const int N = varlen ? int(cu.numel()) - 1 : B;
+  DplrChunkPass p;
+  p.dtype = DType::bf16;
+  p.N = N, p.H = H, p.T = T, p.K = K, p.V = V, p.scale = scale;
+  p.cu_seqlens = varlen ? cu.data_ptr<int64_t>() : nullptr;
+  p.r = vec(r), p.w = vec(w), p.k = vec(k), p.v = vec(v), p.a = vec(a), p.b = vec(b), p.dout = vec(dout);
+  if (dht.numel()) p.dht = mat(dht);
+  Tensor dv = poison(v.sizes(), v.scalar_type()), dh0 = poison({N, H, K, V});
+  p.dv = vec(dv), p.dh0 = mat(dh0);
+  p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.dout);
+  emu::launch(dim3(unsigned(N * H)), NTF, [&] {
+    emu::poisoned_cta([&] { fused_backward_chain_kernel<__nv_bfloat16>(p); }, fused_sm4);
+  });
+  return {dv, dh0};
+}
+
 std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
   const int64_t K = r.size(3);  // the launch's constant-K builds (dplr_chunk_launch.cuh)
@@ -337,6 +362,7 @@ std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run);
   m.def("run_fused", &run_fused);
+  m.def("run_backward_chain", &run_backward_chain);
   m.def("set_warp_order", [](int order) { emu::warp_order = order; });
   m.def("set_fused_ctas", [](int ctas) { fused_ctas = ctas; });
 }
