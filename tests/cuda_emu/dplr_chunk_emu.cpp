@@ -16,8 +16,8 @@ float sm[64 * 1024];     // extern __shared__ of the kernels: one CTA at a time
 float4 sm4[16 * 1024];
 }  // namespace fla::dplr_chunk_detail
 namespace fla {
-float4 fused_sm4[(dplr_fused_detail::FusedSmem<2>::total + 3) / 4];  // the fused kernels'
-static_assert(dplr_fused_detail::ChainTiles::bytes() <= sizeof(fused_sm4), "the chain kernel's tiles fit");
+// the fused kernels' (the backward kernel under construction needs the most)
+float4 fused_sm4[(std::max(dplr_fused_detail::FusedSmem<2>::bytes(), dplr_fused_detail::GradSmem::bytes()) + 15) / 16];
 
 }  // namespace fla
 
@@ -323,10 +323,11 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
   return {o, hT};
 }
 
-// The backward kernel under construction (dplr_chunk_fused_backward.cuh: its chain), bf16, K = V =
-// 64: [dv, dh0] from dout and dht (empty: none), outputs poisoned.
+// The backward kernel under construction (dplr_chunk_fused_backward.cuh), bf16, K = V = 64: [dv,
+// dh0] from dout and dht (empty: none), and with hst (every chunk-start state, fp32, [slots, H,
+// K, V] at chunk_slot's slots) also [dr, dw, dk, da, db]; outputs poisoned.
 std::vector<Tensor> run_backward_chain(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor dout,
-                                       Tensor dht, double scale, Tensor cu) {
+                                       Tensor dht, Tensor hst, double scale, Tensor cu) {
   const bool varlen = cu.numel() > 0;
   const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
   TORCH_CHECK(K == 64 && V == 64 && r.scalar_type() == torch::kBFloat16, "bf16, K = V = 64");
@@ -339,11 +340,18 @@ std::vector<Tensor> run_backward_chain(Tensor r, Tensor w, Tensor k, Tensor v, T
   if (dht.numel()) p.dht = mat(dht);
   Tensor dv = poison(v.sizes(), v.scalar_type()), dh0 = poison({N, H, K, V});
   p.dv = vec(dv), p.dh0 = mat(dh0);
+  std::vector<Tensor> kgd;
+  if (hst.numel()) {
+    p.hst = hst.data_ptr();
+    for (int g = 0; g < kNumKGrads; ++g) kgd.push_back(poison(r.sizes(), r.scalar_type())), p.kgd[g] = vec(kgd.back());
+  }
   p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.dout);
   emu::launch(dim3(unsigned(N * H)), NTF, [&] {
     emu::poisoned_cta([&] { fused_backward_chain_kernel<__nv_bfloat16>(p); }, fused_sm4);
   });
-  return {dv, dh0};
+  std::vector<Tensor> out{dv, dh0};
+  out.insert(out.end(), kgd.begin(), kgd.end());
+  return out;
 }
 
 std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
