@@ -396,14 +396,16 @@ def test_chunk_rwkv7_backward_chain(descending, shape, w_kind, cu, lr, gen):
     ((2, 40, 2, 64, 64), "rwkv7", "rwkv"),    # RWKV-7's decays
     ((1, 48, 1, 64, 64), "u5", "rwkv"),       # decays in U(-5, 0): chunk totals near -40
     ((1, 48, 1, 64, 64), "zero", "repeated"),  # X from cancelling terms
-], ids=["rwkv7", "u5", "repeated"])
+    ((1, 45, 1, 64, 64), "mixedinf", "rwkv"),  # -inf and strong decays: the exact pair walks
+    ((1, 50, 1, 64, 64), "edge60", "rwkv"),    # chunk totals about the bound: both forms
+], ids=["rwkv7", "u5", "repeated", "mixedinf", "edge60"])
 def test_chunk_rwkv7_backward_kernel_gradients(descending, shape, w_kind, lr, gen):
     """The backward kernel under construction, its second step: given every chunk-start state
     (fp32, at chunk_slot's slots, from the CPU op run on each prefix), the state-side products,
     the sums over the value columns from each warp's partials and the K-vector gradients in the
     factored forms give every gradient within the bf16 tolerance of the CPU op's (dw at 5x, as
-    every chunk_rwkv7 test), warps descending, outputs poisoned. Regimes whose every chunk is
-    inside the factoring bound: the exact pair walks are not built yet."""
+    every chunk_rwkv7 test), warps descending, outputs poisoned; chunks past the factoring bound
+    (-inf decays, totals below -60) through the exact pair walks."""
     B, T, H, K, V = shape
     *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=B, lr=lr)
     xs = [t.clone().requires_grad_(True) for t in ins + [h0]]

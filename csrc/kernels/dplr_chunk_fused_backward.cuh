@@ -13,8 +13,8 @@
 //      the sums over the value columns (dR^, dK^, dB^, dW; dA_rk, dA_rb, dA_ak, dU M^T; zeta's
 //      rowsum(S * dS+)) from each warp's partials in a fixed order, then the chunk-wide rest in
 //      fp32 (dÂ, dX, dA_ab, the K-vector gradients in the factored forms, the dw scan).
-// Not yet: the exact pair walks of chunks past the factoring bound (their K-vector gradients are
-// left NaN), the states made in the kernel, the chunk-wide products on tensor cores, the shared
+// Chunks past the factoring bound take exact pair walks (SIMT) for the K-vector gradients.
+// Not yet: the states made in the kernel, the chunk-wide products on tensor cores, the shared
 // memory diet. Run by the emulator's tests only; the op's backward does not launch it yet.
 #pragma once
 #include <cuda_fp16.h>
@@ -335,35 +335,69 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, i
     gs.zeta_s[d] = z;
   }
   __syncthreads();
-  // The K-vector gradients in the factored forms (docs/algorithms.md §6.4; the pair factors
-  // e^(G_i - G_j) = e^G_i e^-G_j through K~ = k e^-G, B~ = b e^-G): dr, da, dk, db over dR^,
-  // dÂ, dK^, dB^ in place.
+  // The K-vector gradients (docs/algorithms.md §6.4), in the factored forms where the chunk is
+  // bounded (the pair factors e^(G_i - G_j) = e^G_i e^-G_j through K~ = k e^-G, B~ = b e^-G):
+  // dr, da, dk, db over dR^, dÂ, dK^, dB^ in place (each thread reads only its own elements).
   const float* const kt = at.wrow;  // K~ [C][LA]
   const float* const bt = at.btil;  // B~ [C][LA]
   const float* const fac = gs.fac;
   float* const dR = gs.big + GradSmem::kDR * C * K;
   float* const dK = gs.big + GradSmem::kDK * C * K;
   float* const dB = gs.big + GradSmem::kDB * C * K;
+  const float* const raw = gs.raw;
+  auto in = [&](int m, int i, int d) { return raw[m * C * K + i * K + d]; };
   for (int e = tid; e < C * K; e += NTF) {
     const int i = e / K, d = e % K;
-    float r = dR[e], a = gs.dahat[e], k = 0.f, b = 0.f;
-    for (int j = 0; j < C; ++j) {
-      r += dArk[i * C + j] * kt[j * LA + d] + dArb[i * C + j] * bt[j * LA + d];
-      a += dAak[i * C + j] * kt[j * LA + d] + gs.daab[i * C + j] * bt[j * LA + d];
-      k += dArk[j * C + i] * at.blk[B::rhat + j * LA + d] + dAak[j * C + i] * at.blk[B::ahat + j * LA + d];
-      b += dArb[j * C + i] * at.blk[B::rhat + j * LA + d] + gs.daab[j * C + i] * at.blk[B::ahat + j * LA + d];
+    const float eo = fac[GradSmem::kEO * C * K + e];
+    float r = 0.f, a = 0.f, k = 0.f, b = 0.f;
+    if (bounded) {
+      for (int j = 0; j < C; ++j) {
+        r += dArk[i * C + j] * kt[j * LA + d] + dArb[i * C + j] * bt[j * LA + d];
+        a += dAak[i * C + j] * kt[j * LA + d] + gs.daab[i * C + j] * bt[j * LA + d];
+        k += dArk[j * C + i] * at.blk[B::rhat + j * LA + d] + dAak[j * C + i] * at.blk[B::ahat + j * LA + d];
+        b += dArb[j * C + i] * at.blk[B::rhat + j * LA + d] + gs.daab[j * C + i] * at.blk[B::ahat + j * LA + d];
+      }
+      const float egi = fac[GradSmem::kEGinv * C * K + e];
+      r = fac[GradSmem::kEG * C * K + e] * (dR[e] + r), a = fac[GradSmem::kEE * C * K + e] * (gs.dahat[e] + a);
+      k = dK[e] * eo + egi * k, b = dB[e] * eo + egi * b;
+    } else {
+      // Past the bound: each pair's factor from its own segment sum of w (never positive; any w
+      // in [-inf, 0]), walked from the row outwards. e^(G_i - G_j) for j <= i and e^(E_i - G_j)
+      // = e^(G_(i-1) - G_j) for j < i (query-type rows), and the same pairs from the key side.
+      float seg = 0.f;  // G_i - G_j, then for j < i: E_i - G_j is the step before's
+      for (int j = i; j >= 0; --j) {
+        const float f = expf(seg);
+        r += f * (dArk[i * C + j] * in(GradSmem::kK, j, d) + dArb[i * C + j] * in(GradSmem::kB, j, d));
+        seg += in(GradSmem::kW, j, d);
+      }
+      seg = 0.f;  // E_i - G_j = sum of w over rows j + 1 .. i - 1
+      for (int j = i - 1; j >= 0; --j) {
+        const float f = expf(seg);
+        a += f * (dAak[i * C + j] * in(GradSmem::kK, j, d) + gs.daab[i * C + j] * in(GradSmem::kB, j, d));
+        seg += in(GradSmem::kW, j, d);
+      }
+      seg = 0.f;  // G_i' - G_i for i' >= i (and E_i' - G_i = G_(i'-1) - G_i: the step before's)
+      float prev = 0.f;
+      for (int i2 = i; i2 < C; ++i2) {
+        if (i2 > i) seg += in(GradSmem::kW, i2, d);
+        const float f = expf(seg);
+        k += f * dArk[i2 * C + i] * in(GradSmem::kR, i2, d);
+        b += f * dArb[i2 * C + i] * in(GradSmem::kR, i2, d);
+        if (i2 > i) {
+          k += prev * dAak[i2 * C + i] * in(GradSmem::kA, i2, d);
+          b += prev * gs.daab[i2 * C + i] * in(GradSmem::kA, i2, d);
+        }
+        prev = f;
+      }
+      r += fac[GradSmem::kEG * C * K + e] * dR[e], a += fac[GradSmem::kEE * C * K + e] * gs.dahat[e];
+      k += dK[e] * eo, b += dB[e] * eo;
     }
-    const float eo = fac[GradSmem::kEO * C * K + e], egi = fac[GradSmem::kEGinv * C * K + e];
-    dR[e] = fac[GradSmem::kEG * C * K + e] * r, gs.dahat[e] = fac[GradSmem::kEE * C * K + e] * a;
-    k = dK[e] * eo + egi * k, b = dB[e] * eo + egi * b;
-    dK[e] = k, dB[e] = b;
+    dR[e] = r, gs.dahat[e] = a, dK[e] = k, dB[e] = b;
   }
   __syncthreads();
   // dw by the reverse scan (docs/algorithms.md §6.4; exactly 0 where exp(w) == 0), a thread a
-  // channel, then all five to their outputs (rows of the sequence only). A chunk past the
-  // factoring bound has no exact pair walks here yet: its K-vector gradients are NaN.
+  // channel, then all five to their outputs (rows of the sequence only).
   const int64_t t0 = ci * C;
-  const float* const raw = gs.raw;
   if (tid < K) {
     const int d = tid;
     float acc = gs.zeta_s[d];
@@ -385,7 +419,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, i
     const int i = e / K, d = e % K;
     if (t0 + i >= s.len) continue;
     for (int gi = 0; gi < kNumKGrads; ++gi)
-      *vptr<T>(p.kgd[gi], s.b, s.bos + t0 + i, h, d) = from_f<T>(bounded ? src[gi][e] : NAN);
+      *vptr<T>(p.kgd[gi], s.b, s.bos + t0 + i, h, d) = from_f<T>(src[gi][e]);
   }
   __syncthreads();
 }
