@@ -365,6 +365,27 @@ def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, ctas, gen)
             assert_close(name, x[written], ref[written], 1e-2, 1e-6)
 
 
+def _rwkv7_backward_case(shape, w_kind, cu, lr, gen):
+    """bf16 inputs, h0, dO, dht, the CPU op's seven gradients (r, w, k, v, a, b, h0) and the
+    emulator's cu_seqlens argument for the backward kernel's tests."""
+    N = len(cu) - 1 if cu else shape[0]
+    *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr=lr)
+    cu_t = torch.tensor(cu) if cu else None
+    xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
+    o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True, cu_seqlens=cu_t)
+    do = torch.randn(o.shape, generator=gen).to(torch.bfloat16)
+    dht = torch.randn(ht.shape, generator=gen)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
+    return ins, h0, do, dht, grads, cu_t if cu else torch.empty(0, dtype=torch.int64)
+
+
+def _check_all_grads(got, grads):
+    """The kernel's [dv, dh0, dr, dw, dk, da, db] against the CPU op's, bf16 tolerance (dw 5x)."""
+    edv, edh0, edr, edw, edk, eda, edb = got
+    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], [edr, edw, edk, edv, eda, edb, edh0], grads):
+        assert_close(f"d{name}", x, y, 5e-2 if name == "w" else 1e-2, 1e-6)
+
+
 @pytest.mark.parametrize("descending", ["emu"], indirect=True)
 @pytest.mark.parametrize("shape,w_kind,cu,lr", [
     ((2, 40, 2, 64, 64), "rwkv7", None, "rwkv"),       # RWKV-7's decays: factored pair matrices
@@ -377,18 +398,10 @@ def test_chunk_rwkv7_backward_chain(descending, shape, w_kind, cu, lr, gen):
     its first step: the reverse chain with D held transposed in registers and every product on
     scaled fp16 tensor cores gives dv and dh0 within the bf16 tolerance of the CPU op's, warps in
     descending order between barriers, outputs poisoned."""
-    N = len(cu) - 1 if cu else shape[0]
-    *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr=lr)
-    cu_t = torch.tensor(cu) if cu else None
-    xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
-    o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True, cu_seqlens=cu_t)
-    do = torch.randn(o.shape, generator=gen).to(torch.bfloat16)
-    dht = torch.randn(ht.shape, generator=gen)
-    dv, dh0 = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [xs[3], xs[6]])
-    cu_e = cu_t if cu else torch.empty(0, dtype=torch.int64)
-    edv, edh0 = descending.run_backward_chain(*ins, do, dht, torch.empty(0), 0.7, cu_e)
-    assert_close("dv", edv, dv, 1e-2, 1e-6)
-    assert_close("dh0", edh0, dh0, 1e-2, 1e-6)
+    ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, lr, gen)
+    edv, edh0 = descending.run_backward_chain(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, False)
+    assert_close("dv", edv, grads[3], 1e-2, 1e-6)
+    assert_close("dh0", edh0, grads[6], 1e-2, 1e-6)
 
 
 @pytest.mark.parametrize("descending", ["emu"], indirect=True)
@@ -407,22 +420,30 @@ def test_chunk_rwkv7_backward_kernel_gradients(descending, shape, w_kind, lr, ge
     every chunk_rwkv7 test), warps descending, outputs poisoned; chunks past the factoring bound
     (-inf decays, totals below -60) through the exact pair walks."""
     B, T, H, K, V = shape
-    *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=B, lr=lr)
-    xs = [t.clone().requires_grad_(True) for t in ins + [h0]]
-    o, ht = chunk_rwkv7(*xs[:6], scale=0.7, initial_state=xs[6], output_final_state=True)
-    do = torch.randn(o.shape, generator=gen).to(torch.bfloat16)
-    dht = torch.randn(ht.shape, generator=gen)
-    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
+    ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, None, lr, gen)
     nch = (T + 15) // 16
     hst = torch.full((B, nch + 1, H, K, V), float("nan"))  # chunk_slot: n (nch + 1) + c
     with torch.no_grad():
         for c in range(nch):
             hst[:, c] = h0 if c == 0 else chunk_rwkv7(*(t[:, :16 * c] for t in ins), scale=0.7, initial_state=h0,
                                                       output_final_state=True)[1]
-    outs = descending.run_backward_chain(*ins, do, dht, hst.reshape(-1, H, K, V), 0.7, torch.empty(0, dtype=torch.int64))
-    edv, edh0, edr, edw, edk, eda, edb = outs
-    for name, x, y in zip(["r", "w", "k", "v", "a", "b", "h0"], [edr, edw, edk, edv, eda, edb, edh0], grads):
-        assert_close(f"d{name}", x, y, 5e-2 if name == "w" else 1e-2, 1e-6)
+    _check_all_grads(descending.run_backward_chain(*ins, h0, do, dht, hst.reshape(-1, H, K, V), 0.7, cu_e, False),
+                     grads)
+
+
+@pytest.mark.parametrize("descending", ["emu"], indirect=True)
+@pytest.mark.parametrize("shape,w_kind,cu,lr", [
+    ((2, 150, 2, 64, 64), "rwkv7", None, "rwkv"),      # 10 chunks: groups of 4, 4 and 2
+    ((1, 130, 1, 64, 64), "mixedinf", None, "rwkv"),   # the exact pair walks, 9 chunks
+    ((1, 200, 1, 64, 64), "u5", [0, 7, 7, 90, 200], "rwkv"),  # varlen, an empty sequence
+], ids=["rwkv7", "mixedinf", "varlen"])
+def test_chunk_rwkv7_backward_kernel_on_kept_states(descending, shape, w_kind, cu, lr, gen):
+    """The backward kernel under construction on the fused training forward's kept states (every
+    fourth chunk-start state, DplrKept::states): each group of four chunks' states made forward
+    in the kernel from the kept one, then walked back. Every gradient within the bf16 tolerance
+    of the CPU op's (dw at 5x), warps descending, outputs poisoned."""
+    ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, lr, gen)
+    _check_all_grads(descending.run_backward_chain(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, True), grads)
 
 
 def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):

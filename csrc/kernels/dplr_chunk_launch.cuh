@@ -53,6 +53,7 @@
 #include "device_sms.cuh"
 
 #include "dplr_chunk_fused.cuh"
+#include "dplr_chunk_fused_backward.cuh"
 #include "dplr_chunk_fused_reverse.cuh"
 #include "dplr_chunk_grad.cuh"
 #include "dplr_chunk_prep.cuh"
@@ -281,6 +282,15 @@ template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value) {
+    if (p.single_pass_backward) {  // (the op's checks: kept states, K = V = 64, no windows)
+      if (!p.backward() || p.kept != DplrKept::states || p.K != 64 || p.V != 64 || p.window_chunks > 0)
+        return cudaErrorInvalidValue;
+      static_assert(dplr_fused_detail::GradSmem::bytes() <= 227 * 1024, "one CTA an SM");
+      DplrChunkPass f = p;
+      f.paths.rows_16byte = input_rows_in_pieces<T>(p, p.dout);
+      return launch_with_smem(fused_backward_chain_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H)), kDplrFusedThreads,
+                              dplr_fused_detail::GradSmem::bytes(), f, stream);
+    }
     if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V))
       return p.hst ? launch_fused<T>(fused_forward_two_block_kernel<T, 1, DplrKept::states>, nullptr,
                                      fused_forward_kernel<T, 3, true>, fused_forward_kernel<T, 4, true>, p, p.v, stream)

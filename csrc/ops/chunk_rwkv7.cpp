@@ -60,6 +60,12 @@ bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
   return d.N * d.H >= (keeps ? kFusedTrainingMinTasks : kFusedMinTasks);
 }
 
+// FLA_EXT_RWKV7_SINGLE_PASS: 1 runs the single-pass backward under construction where it runs.
+bool single_pass_override() {
+  const char* force = std::getenv("FLA_EXT_RWKV7_SINGLE_PASS");
+  return force && force[0] == '1';
+}
+
 // Chunks of a sequence without cu_seqlens.
 int64_t sequence_chunks(const DiagArgs& d) { return (d.T + kDplrChunk - 1) / kDplrChunk; }
 
@@ -485,22 +491,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   // or the reverse sweep on the kept workspace, `ws_kept`)
   const bool two_kernel = two_kernel_strided(d, r, kind), ws_kept = two_kernel && saved_strided_ws(d, kept);
   const bool lean = two_kernel && !ws_kept;
-  int64_t window = backward_window_chunks(d, kind, lean, ws_kept);
+  // FLA_EXT_RWKV7_SINGLE_PASS=1: the single-pass backward under construction where it runs (the
+  // fused forward's kept states, K = V = 64, the gradients straight into the outputs), to
+  // measure it (benchmarks/NOTES.md c67); it needs no dS+ or matrix buffers, so no windows.
+  const bool single = r.is_cuda() && kind == DplrKept::states && !two_kernel && pair == 0 && d.K == 64 &&
+                      d.V == 64 && single_pass_override();
+  int64_t window = single ? 0 : backward_window_chunks(d, kind, lean, ws_kept);
   int windows = 1;
   // Two windows' buffers, so that the reverse pass of one window runs beside grad of the window
   // after it: windows of the pipeline's size, or half the memory budget's.
-  if (kind != DplrKept::nothing) {
+  if (kind != DplrKept::nothing && !single) {
     const int64_t stride = kind == DplrKept::states ? kDplrStateStride : 1;
     const int64_t pipeline = pipeline_window_chunks(d, true, kind == DplrKept::states && !two_kernel);
     const int64_t half = window > 0 ? std::max(stride, window / 2 / stride * stride) : pipeline;
     if (pipeline > 0 && half < sequence_chunks(d)) window = half, windows = 2;
   }
   Tensor dhst = window > 0 ? new_output({d.N * window * windows, d.H, d.K, d.V}, acc)
-                           : dplr_states(d, r, d.T > 0 && r.is_cuda());
+                           : dplr_states(d, r, d.T > 0 && r.is_cuda() && !single);
 
   if (d.T > 0) {
     Tensor ws, uo, carry;
-    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, kept, false, window, windows);
+    // (single: a one-chunk "window" keeps chunk_pass's matrix buffer to one chunk's; no window runs)
+    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, kept, false, single ? 1 : window, windows);
+    if (single) p.window_chunks = 0, p.single_pass_backward = true;
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);

@@ -324,10 +324,11 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
 }
 
 // The backward kernel under construction (dplr_chunk_fused_backward.cuh), bf16, K = V = 64: [dv,
-// dh0] from dout and dht (empty: none), and with hst (every chunk-start state, fp32, [slots, H,
-// K, V] at chunk_slot's slots) also [dr, dw, dk, da, db]; outputs poisoned.
-std::vector<Tensor> run_backward_chain(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor dout,
-                                       Tensor dht, Tensor hst, double scale, Tensor cu) {
+// dh0] from dout and dht (empty: none); with hst (every chunk-start state, fp32, [slots, H, K, V]
+// at chunk_slot's slots), or with `kept` on the states the fused training forward keeps (from h0,
+// DplrKept::states), also [dr, dw, dk, da, db]; outputs poisoned.
+std::vector<Tensor> run_backward_chain(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
+                                       Tensor dout, Tensor dht, Tensor hst, double scale, Tensor cu, bool kept) {
   const bool varlen = cu.numel() > 0;
   const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
   TORCH_CHECK(K == 64 && V == 64 && r.scalar_type() == torch::kBFloat16, "bf16, K = V = 64");
@@ -341,6 +342,16 @@ std::vector<Tensor> run_backward_chain(Tensor r, Tensor w, Tensor k, Tensor v, T
   Tensor dv = poison(v.sizes(), v.scalar_type()), dh0 = poison({N, H, K, V});
   p.dv = vec(dv), p.dh0 = mat(dh0);
   std::vector<Tensor> kgd;
+  if (kept) {
+    hst = poison({dplr_kept_state_slots(N, T, varlen), H, K, V});
+    Tensor o = poison(v.sizes(), v.scalar_type());
+    DplrChunkPass f = p;
+    if (h0.numel()) f.h0 = mat(h0);
+    f.o = vec(o), f.hst = hst.data_ptr(), f.fused = true;
+    f.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(f, f.v);
+    fused_training_forward(f);
+    p.kept = DplrKept::states;
+  }
   if (hst.numel()) {
     p.hst = hst.data_ptr();
     for (int g = 0; g < kNumKGrads; ++g) kgd.push_back(poison(r.sizes(), r.scalar_type())), p.kgd[g] = vec(kgd.back());

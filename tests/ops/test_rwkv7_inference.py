@@ -295,6 +295,21 @@ def test_fused_training_forward_matches_oracle(case, head_first, dtype, monkeypa
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", ["rwkv7", "mixedinf", "varlen", "repeated", "long"])
+@pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_single_pass_backward_matches_oracle(case, head_first, dtype, monkeypatch, gen):
+    """The single-pass backward under construction (FLA_EXT_RWKV7_SINGLE_PASS=1; benchmarks/NOTES.md
+    c67) on the fused training forward's kept states: o, the final state and every gradient
+    against the float64 oracle at the 16-bit tolerances."""
+    monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
+    monkeypatch.setenv("FLA_EXT_RWKV7_SINGLE_PASS", "1")
+    (r, w, k, v, a, b, h0), cu_t = fused_case(case, head_first, dtype, gen)
+    run_and_check(CHUNK, r, w, k, v, a, b, h0, scale=0.7, cu=cu_t, head_first=head_first, gen=gen)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("shape,cu,w_kind", [
     ((2, 100, 60, 64, 64), None, "rwkv7"),                      # 120 pairs
     ((1, 150, 32, 64, 64), [0, 7, 7, 40, 150], "mixedinf"),     # 128 pairs, an empty sequence

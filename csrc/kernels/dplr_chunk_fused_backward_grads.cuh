@@ -1,0 +1,243 @@
+// The RWKV7 single-pass backward's gradients of one chunk beyond its chain (dplr_chunk_fused_backward.cuh):
+// the state-side products, the sums over the value columns and the K-vector gradients.
+#pragma once
+#include "dplr_chunk_fused_backward_smem.cuh"
+
+namespace fla {
+namespace dplr_fused_detail {
+
+// Step 2 for chunk ci, whose start state is S ([K][V]): the state-side products and the sums over the value columns, then the
+// chunk-wide rest (fp32) and the five K-vector gradients to their outputs. dt: dS+ (before this
+// chunk's update), du, dm: dU^T, dM^T, each with its fp16 scale. Ends synchronised.
+template <typename T>
+__device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, const float* S, int h, int64_t ci,
+                                     const ChunkSteps& at, const ChainTiles& ct, const GradSmem& gs, const tile::F16A& dot,
+                                     const float (&dt)[K / 8][4], float sd, const float (&du)[2][4], float sdu,
+                                     const float (&dm)[2][4], float sdm, bool bounded, int tid) {
+  using tile::F16A;
+  using tile::F16B;
+  using CT = ChainTiles;
+  using B = ChunkBlock;
+  const int g = tid % 32 / 4, q = tid % 4, x0 = 16 * (tid / 32);
+  auto sc = [&](int t) { return ct.scale[t]; };
+  auto col = [&](int e) { return x0 + g + 8 * (e / 2); };
+  auto chan = [&](int t, int e) { return 8 * t + 2 * q + e % 2; };
+  // S^T at this warp's columns (as dt), from S ([K][V])
+  float st[K / 8][4];
+#pragma unroll
+  for (int t = 0; t < K / 8; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[t][e] = S[chan(t, e) * V + col(e)];
+  const float ss = tile::pow2_down_scale(warp_amax(st));
+  // M^T, U^T (state_products)
+  float mt[2][4] = {}, ut[2][4] = {};
+  state_products(ct, tile::a_from_km(ct.tile(CT::kV) + x0, kF16Row), sc(CT::kV), st, ss, mt, ut);
+  const float su = tile::pow2_down_scale(warp_amax(ut)), smt = tile::pow2_down_scale(warp_amax(mt));
+  // The 16 x 64 sums: A (16 rows x this warp's columns) times B (its columns x the channels).
+  const F16A va = tile::a_from_mk(ct.tile(CT::kV) + x0, kF16Row), doa = tile::a_from_mk(ct.tile(CT::kDout) + x0, kF16Row);
+  const F16A ua = tile::a_from_acc_t(ut[0], ut[1], su), dua = tile::a_from_acc_t(du[0], du[1], sdu);
+  const F16A dma = tile::a_from_acc_t(dm[0], dm[1], sdm);
+  auto big = [&](const F16A& a, float sa, const float (&bt)[K / 8][4], float sb, int which) {
+    float acc[K / 8][4] = {};
+#pragma unroll
+    for (int t = 0; t < K / 8; ++t) {
+      tile::mma_f16(acc[t], a, tile::b_from_acc(bt[t], sb));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][e] = unscale(acc[t][e], sa, sb);
+    }
+    sum_partials(gs, acc, 0, K, gs.big + which * C * K, C * K, tid);
+  };
+  big(doa, sc(CT::kDout), st, ss, GradSmem::kDR);  // dR^ = rho dO S^T
+  big(va, sc(CT::kV), dt, sd, GradSmem::kDK);      // dK^ = V dS+^T
+  big(ua, su, dt, sd, GradSmem::kDB);              // dB^ = U dS+^T
+  big(dua, sdu, st, ss, GradSmem::kDW);            // dW = dU S^T
+  // The 16 x 16 sums and zeta's rowsum(S * dS+), all four warps' partials, then one sum.
+  {
+    F16B vb[2];
+    tile::b_from_nk(vb, ct.tile(CT::kV) + x0, kF16Row);  // B(k = column, n = row j) = v[j][column]
+    float m4[4][2][4] = {};
+    for (int t = 0; t < 2; ++t) {
+      tile::mma_f16(m4[GradSmem::kDArk][t], doa, vb[t]);
+      tile::mma_f16(m4[GradSmem::kDArb][t], doa, tile::b_from_acc(ut[t], su));
+      tile::mma_f16(m4[GradSmem::kDAak][t], dma, vb[t]);
+      tile::mma_f16(m4[GradSmem::kDX1][t], dua, tile::b_from_acc(mt[t], smt));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        m4[GradSmem::kDArk][t][e] = unscale(m4[GradSmem::kDArk][t][e], sc(CT::kDout), sc(CT::kV));
+        m4[GradSmem::kDArb][t][e] = unscale(m4[GradSmem::kDArb][t][e], sc(CT::kDout), su);
+        m4[GradSmem::kDAak][t][e] = unscale(m4[GradSmem::kDAak][t][e], sdm, sc(CT::kV));
+        m4[GradSmem::kDX1][t][e] = unscale(m4[GradSmem::kDX1][t][e], sdu, smt);
+      }
+    }
+    for (int m = 0; m < 4; ++m) sum_partials(gs, m4[m], m * C * C, C, nullptr, 0, tid);
+    // rowsum(S * dS+) over this warp's columns: rows g and g + 8 of a lane share a channel, then
+    // the lanes of one q (g = 0..7) are summed
+    float* const mine = gs.part + tid / 32 * GradSmem::kPart + 4 * C * C;
+#pragma unroll
+    for (int t = 0; t < K / 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float z = st[t][e] * dt[t][e] + st[t][e + 2] * dt[t][e + 2];
+#pragma unroll
+        for (int o = 4; o < 32; o *= 2) z += __shfl_xor_sync(0xffffffffu, z, o);
+        if (g == 0) mine[chan(t, e)] = z;
+      }
+    __syncthreads();
+    for (int e = tid; e < 4 * C * C + K; e += NTF)
+      gs.small[e] = ((gs.part[e] + gs.part[GradSmem::kPart + e]) + gs.part[2 * GradSmem::kPart + e]) +
+                    gs.part[3 * GradSmem::kPart + e];
+    __syncthreads();
+  }
+  // Chunk-wide, fp32: the masks, dÂ = X^T dW, dX = dU M^T + dW Â^T, dA_ab = stril(X^T dX X^T)
+  const float* const X = at.blk + B::mats + kMatX * C * LM;
+  float* const dArk = gs.small + GradSmem::kDArk * C * C;
+  float* const dArb = gs.small + GradSmem::kDArb * C * C;
+  float* const dAak = gs.small + GradSmem::kDAak * C * C;
+  const float* const dX1 = gs.small + GradSmem::kDX1 * C * C;
+  const float* const dW = gs.big + GradSmem::kDW * C * K;
+  for (int e = tid; e < C * C; e += NTF) {
+    const int i = e / C, j = e % C;
+    if (j > i) dArk[e] = 0.f, dArb[e] = 0.f;
+    if (j >= i) dAak[e] = 0.f;
+    float x = dX1[e];
+    for (int d = 0; d < K; ++d) x += dW[i * K + d] * at.blk[B::ahat + j * LA + d];
+    gs.dx[e] = x;
+  }
+  for (int e = tid; e < C * K; e += NTF) {
+    const int i = e / K, d = e % K;
+    float x = 0.f;
+    for (int j = 0; j < C; ++j) x += X[j * LM + i] * dW[j * K + d];
+    gs.dahat[e] = x;
+  }
+  __syncthreads();
+  for (int e = tid; e < C * C; e += NTF) {
+    const int i = e / C, j = e % C;
+    float y = 0.f;
+    for (int pp = 0; pp < C; ++pp) y += X[pp * LM + i] * gs.dx[pp * C + j];
+    gs.y[e] = y;
+  }
+  __syncthreads();
+  for (int e = tid; e < C * C; e += NTF) {
+    const int i = e / C, j = e % C;
+    float z = 0.f;
+    if (j < i)
+      for (int qq = 0; qq < C; ++qq) z += gs.y[i * C + qq] * X[j * LM + qq];
+    gs.daab[e] = z;
+  }
+  // The decay factors per channel: e^G (inclusive), e^E (exclusive), e^Omega (the rows after)
+  // and e^-G = e^Omega / gamma (factor_keys' factor), every exponent an added-up sum.
+  if (tid < K) {
+    const int d = tid;
+    const float* const w = gs.raw + GradSmem::kW * C * K;
+    float ge = 0.f, oe = 0.f;
+    for (int i = 0; i < C; ++i) {
+      gs.fac[GradSmem::kEE * C * K + i * K + d] = expf(ge);
+      ge += w[i * K + d];
+      gs.fac[GradSmem::kEG * C * K + i * K + d] = expf(ge);
+    }
+    for (int i = C - 1; i >= 0; --i) {
+      const float eo = expf(oe);
+      gs.fac[GradSmem::kEO * C * K + i * K + d] = eo;
+      gs.fac[GradSmem::kEGinv * C * K + i * K + d] = eo * at.blk[B::ginv + d];
+      oe += w[i * K + d];
+    }
+    // zeta = rowsum(S+ * dS+) = gamma rowsum(S * dS+) + sum_j (K^ dK^ + B^ dB^) (dK^, dB^ before
+    // the K-vector gradients take their place below)
+    float z = at.blk[B::gam + d] * gs.zeta_s[d];
+    for (int j = 0; j < C; ++j)
+      z += at.blk[B::khat + j * LB + d] * gs.big[GradSmem::kDK * C * K + j * K + d] +
+           at.blk[B::bhat + j * LB + d] * gs.big[GradSmem::kDB * C * K + j * K + d];
+    gs.zeta_s[d] = z;
+  }
+  __syncthreads();
+  // The K-vector gradients (docs/algorithms.md §6.4), in the factored forms where the chunk is
+  // bounded (the pair factors e^(G_i - G_j) = e^G_i e^-G_j through K~ = k e^-G, B~ = b e^-G):
+  // dr, da, dk, db over dR^, dÂ, dK^, dB^ in place (each thread reads only its own elements).
+  const float* const kt = at.wrow;  // K~ [C][LA]
+  const float* const bt = at.btil;  // B~ [C][LA]
+  const float* const fac = gs.fac;
+  float* const dR = gs.big + GradSmem::kDR * C * K;
+  float* const dK = gs.big + GradSmem::kDK * C * K;
+  float* const dB = gs.big + GradSmem::kDB * C * K;
+  const float* const raw = gs.raw;
+  auto in = [&](int m, int i, int d) { return raw[m * C * K + i * K + d]; };
+  for (int e = tid; e < C * K; e += NTF) {
+    const int i = e / K, d = e % K;
+    const float eo = fac[GradSmem::kEO * C * K + e];
+    float r = 0.f, a = 0.f, k = 0.f, b = 0.f;
+    if (bounded) {
+      for (int j = 0; j < C; ++j) {
+        r += dArk[i * C + j] * kt[j * LA + d] + dArb[i * C + j] * bt[j * LA + d];
+        a += dAak[i * C + j] * kt[j * LA + d] + gs.daab[i * C + j] * bt[j * LA + d];
+        k += dArk[j * C + i] * at.blk[B::rhat + j * LA + d] + dAak[j * C + i] * at.blk[B::ahat + j * LA + d];
+        b += dArb[j * C + i] * at.blk[B::rhat + j * LA + d] + gs.daab[j * C + i] * at.blk[B::ahat + j * LA + d];
+      }
+      const float egi = fac[GradSmem::kEGinv * C * K + e];
+      r = fac[GradSmem::kEG * C * K + e] * (dR[e] + r), a = fac[GradSmem::kEE * C * K + e] * (gs.dahat[e] + a);
+      k = dK[e] * eo + egi * k, b = dB[e] * eo + egi * b;
+    } else {
+      // Past the bound: each pair's factor from its own segment sum of w (never positive; any w
+      // in [-inf, 0]), walked from the row outwards. e^(G_i - G_j) for j <= i and e^(E_i - G_j)
+      // = e^(G_(i-1) - G_j) for j < i (query-type rows), and the same pairs from the key side.
+      float seg = 0.f;  // G_i - G_j, then for j < i: E_i - G_j is the step before's
+      for (int j = i; j >= 0; --j) {
+        const float f = expf(seg);
+        r += f * (dArk[i * C + j] * in(GradSmem::kK, j, d) + dArb[i * C + j] * in(GradSmem::kB, j, d));
+        seg += in(GradSmem::kW, j, d);
+      }
+      seg = 0.f;  // E_i - G_j = sum of w over rows j + 1 .. i - 1
+      for (int j = i - 1; j >= 0; --j) {
+        const float f = expf(seg);
+        a += f * (dAak[i * C + j] * in(GradSmem::kK, j, d) + gs.daab[i * C + j] * in(GradSmem::kB, j, d));
+        seg += in(GradSmem::kW, j, d);
+      }
+      seg = 0.f;  // G_i' - G_i for i' >= i (and E_i' - G_i = G_(i'-1) - G_i: the step before's)
+      float prev = 0.f;
+      for (int i2 = i; i2 < C; ++i2) {
+        if (i2 > i) seg += in(GradSmem::kW, i2, d);
+        const float f = expf(seg);
+        k += f * dArk[i2 * C + i] * in(GradSmem::kR, i2, d);
+        b += f * dArb[i2 * C + i] * in(GradSmem::kR, i2, d);
+        if (i2 > i) {
+          k += prev * dAak[i2 * C + i] * in(GradSmem::kA, i2, d);
+          b += prev * gs.daab[i2 * C + i] * in(GradSmem::kA, i2, d);
+        }
+        prev = f;
+      }
+      r += fac[GradSmem::kEG * C * K + e] * dR[e], a += fac[GradSmem::kEE * C * K + e] * gs.dahat[e];
+      k += dK[e] * eo, b += dB[e] * eo;
+    }
+    dR[e] = r, gs.dahat[e] = a, dK[e] = k, dB[e] = b;
+  }
+  __syncthreads();
+  // dw by the reverse scan (docs/algorithms.md §6.4; exactly 0 where exp(w) == 0), a thread a
+  // channel, then all five to their outputs (rows of the sequence only).
+  const int64_t t0 = ci * C;
+  if (tid < K) {
+    const int d = tid;
+    float acc = gs.zeta_s[d];
+    for (int i = C - 1; i >= 0; --i) {
+      const int e = i * K + d;
+      const float x = raw[GradSmem::kR * C * K + e] * dR[e] - raw[GradSmem::kK * C * K + e] * dK[e] -
+                      raw[GradSmem::kB * C * K + e] * dB[e];
+      acc += x;
+      if (expf(raw[GradSmem::kW * C * K + e]) == 0.f) acc = 0.f;
+      const float y = raw[GradSmem::kA * C * K + e] * gs.dahat[e];
+      gs.raw[GradSmem::kW * C * K + e] = acc;
+      acc += y;
+    }
+  }
+  __syncthreads();
+  const float* const src[kNumKGrads] = {dR, gs.raw + GradSmem::kW * C * K, dK, gs.dahat, dB};
+  static_assert(kGradR == 0 && kGradW == 1 && kGradK == 2 && kGradA == 3 && kGradB == 4, "kGrad order");
+  for (int e = tid; e < C * K; e += NTF) {
+    const int i = e / K, d = e % K;
+    if (t0 + i >= s.len) continue;
+    for (int gi = 0; gi < kNumKGrads; ++gi)
+      *vptr<T>(p.kgd[gi], s.b, s.bos + t0 + i, h, d) = from_f<T>(src[gi][e]);
+  }
+  __syncthreads();
+}
+
+}  // namespace dplr_fused_detail
+}  // namespace fla

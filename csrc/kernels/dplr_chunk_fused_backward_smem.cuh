@@ -1,0 +1,239 @@
+// The shared memory and the small parts of the RWKV7 single-pass backward under construction
+// (dplr_chunk_fused_backward.cuh): the chunk's operand tiles as scaled fp16, the fp32 buffers of
+// the sums over the value columns, and the products that both the reverse walk and the making of
+// a group's states run.
+#pragma once
+#include <cuda_fp16.h>
+
+#include "dplr_chunk_fused_steps.cuh"
+
+namespace fla {
+namespace dplr_fused_detail {
+
+// The chunk's operand tiles as scaled fp16 (row strides in halves: 16-byte rows, conflict-free
+// ldmatrix), after FusedSmem<1>'s floats: R^, Â, K^, B^ and rho dO [C][kF16Row], the pair
+// matrices A_rk, A_rb, A_ak and X [C][kF16Mat], and each tile's scale. v comes from FusedSmem's
+// state rows, which this kernel does not use otherwise (D is in registers).
+constexpr int kF16Row = K + 8, kF16Mat = C + 8;
+struct ChainTiles {
+  enum { kRhat, kAhat, kKhat, kBhat, kDout, kV, kArk, kArb, kAak, kX, kTiles };
+  __half* rows;  // [6][C][kF16Row]
+  __half* mats;  // [4][C][kF16Mat]
+  float* scale;  // [kTiles]
+  __device__ explicit ChainTiles(float* sm)
+      : rows(reinterpret_cast<__half*>(sm + FusedSmem<1>::total)),
+        mats(rows + 6 * C * kF16Row),
+        scale(reinterpret_cast<float*>(mats + 4 * C * kF16Mat)) {}
+  __device__ const __half* tile(int t) const {
+    return t < kArk ? rows + t * C * kF16Row : mats + (t - kArk) * C * kF16Mat;
+  }
+  __device__ static int ld(int t) { return t < kArk ? kF16Row : kF16Mat; }
+  static constexpr size_t bytes() {
+    return size_t(FusedSmem<1>::total) * 4 + (6 * C * kF16Row + 4 * C * kF16Mat) * 2 + kTiles * 4;
+  }
+};
+
+// The fp32 source of chain tile t in the chunk's block, its row stride and columns.
+__device__ inline const float* chain_source(const float* blk, int t, int& ld, int& cols) {
+  using B = ChunkBlock;
+  const int at[] = {B::rhat, B::ahat, B::khat, B::bhat, B::crow};
+  const int mat[] = {kMatArk, kMatArb, kMatAak, kMatX};
+  if (t == ChainTiles::kV) {
+    ld = LB, cols = V;
+    return blk - FusedSmem<1>::block(0) + FusedSmem<1>::state;
+  }
+  if (t < ChainTiles::kArk) {
+    ld = t < ChainTiles::kKhat ? LA : LB, cols = K;
+    return blk + at[t];
+  }
+  ld = LM, cols = C;
+  return blk + B::mats + mat[t - ChainTiles::kArk] * C * LM;
+}
+
+// Every chain tile's scale (a warp per tile in turn: its largest magnitude), a barrier, then the
+// tiles times their scales as fp16. After X is made; ends synchronised.
+__device__ inline void make_chain_tiles(const float* blk, const ChainTiles& ct, int tid) {
+  const int warp = tid / 32, lane = tid % 32;
+  for (int t = warp; t < ChainTiles::kTiles; t += NTF / 32) {
+    int ld, cols;
+    const float* const src = chain_source(blk, t, ld, cols);
+    float m = 0.f;
+    for (int e = lane; e < C * cols; e += 32) m = fmaxf(m, fabsf(src[e / cols * ld + e % cols]));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) ct.scale[t] = tile::pow2_down_scale(m);
+  }
+  __syncthreads();
+  for (int t = 0; t < ChainTiles::kTiles; ++t) {
+    int ld, cols;
+    const float* const src = chain_source(blk, t, ld, cols);
+    const float s = ct.scale[t];
+    __half* const dst = const_cast<__half*>(ct.tile(t));
+    for (int e = tid; e < C * cols; e += NTF)
+      dst[e / cols * ChainTiles::ld(t) + e % cols] = __float2half_rn(s * src[e / cols * ld + e % cols]);
+  }
+  __syncthreads();
+}
+
+// The largest magnitude of a warp's accumulator tiles x[t][0..4) (every lane returns it).
+template <int n>
+__device__ inline float warp_amax(const float (&x)[n][4]) {
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < n; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(x[i][e]));
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// x * (1 / sa) * (1 / sb): a product's scales taken out one at a time (their product may overflow).
+__device__ __forceinline__ float unscale(float x, float sa, float sb) { return x * (1.f / sa) * (1.f / sb); }
+
+// Step 2's fp32 buffers (floats), after the chain tiles: each warp's partial sums over its
+// columns (part: the 16 x 64 one of the moment, or the four 16 x 16 ones and zeta's), their sums
+// (big: dR^, dK^, dB^, dW, then dr, dk, db in place; small: dA_rk, dA_rb, dA_ak, dU M^T,
+// rowsum(S * dS+)), the chunk-wide matrices, the decay factors, the raw rows and (stash) the
+// chunk-start states of a group of kept-state chunks, [K][V] each as hst holds them.
+struct GradSmem {
+  static constexpr int kPart = 4 * C * C + K;  // a warp's partials
+  enum { kDR, kDK, kDB, kDW };
+  enum { kDArk, kDArb, kDAak, kDX1 };
+  enum { kEG, kEE, kEO, kEGinv };
+  enum { kR, kW, kK, kA, kB };
+  float *part, *big, *small, *zeta_s, *dahat, *dx, *daab, *y, *fac, *raw, *stash;
+  __device__ explicit GradSmem(float* sm) {
+    part = sm + (ChainTiles::bytes() + 15) / 16 * 4;
+    big = part + 4 * kPart;
+    small = big + 4 * C * K;
+    zeta_s = small + 4 * C * C;
+    dahat = zeta_s + K;
+    dx = dahat + C * K;
+    daab = dx + C * C;
+    y = daab + C * C;
+    fac = y + C * C;
+    raw = fac + 4 * C * K;
+    stash = raw + 5 * C * K;
+  }
+  static constexpr size_t bytes() {
+    return (ChainTiles::bytes() + 15) / 16 * 16 + 4 * (4 * kPart + 4 * C * K + 4 * C * C + K + C * K + 3 * C * C +
+                                                       4 * C * K + 5 * C * K + kDplrStateStride * K * V);
+  }
+};
+
+// The chunk's raw rows r, w, k, a, b (fp32, 0 past the sequence) into gs.raw. Not synchronised.
+template <typename T>
+__device__ inline void load_raw_rows(const GradSmem& gs, const DplrChunkPass& p, const SeqSpan& s, int h, int64_t t0,
+                                     int tid) {
+  const VecArg* src[5] = {&p.r, &p.w, &p.k, &p.a, &p.b};
+  for (int m = 0; m < 5; ++m)
+    for (int e = tid; e < C * K; e += NTF) {
+      const int i = e / K, d = e % K;
+      gs.raw[m * C * K + e] = t0 + i < s.len ? to_f(*vptr<T>(*src[m], s.b, s.bos + t0 + i, h, d)) : 0.f;
+    }
+}
+
+// Every warp's accumulator partial (m: 16 rows, n: 16 x nt columns, element e of tile t at row
+// g + 8 (e / 2), column 8t + 2q + e % 2) into its part row-major with row stride ld, a barrier,
+// then the four warps' sums in warp order into out (n floats), a barrier.
+template <int nt>
+__device__ inline void sum_partials(const GradSmem& gs, const float (&acc)[nt][4], int off, int ld, float* out,
+                                    int n, int tid) {
+  const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+  float* const mine = gs.part + warp * GradSmem::kPart + off;
+#pragma unroll
+  for (int t = 0; t < nt; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mine[(g + 8 * (e / 2)) * ld + 8 * t + 2 * q + e % 2] = acc[t][e];
+  if (out == nullptr) return;  // (more partials to come before the sum)
+  __syncthreads();
+  const float* const pt = gs.part + off;
+  for (int e = tid; e < n; e += NTF)
+    out[e] = ((pt[e] + pt[GradSmem::kPart + e]) + pt[2 * GradSmem::kPart + e]) + pt[3 * GradSmem::kPart + e];
+  __syncthreads();
+}
+
+// acc (this warp's 16 columns x the chunk's 16 rows) += H^T R^T for a held H^T (ht, scale sh:
+// the columns by the channels) and a [C][K] chain tile R (t): a product over the channels, its
+// scales left in acc.
+__device__ inline void held_by_rows(const ChainTiles& ct, int t, const float (&ht)[K / 8][4], float sh,
+                                    float (&acc)[2][4]) {
+  tile::F16B b[2];
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    tile::b_from_nk(b, ct.tile(t) + 16 * kk, kF16Row);
+    const tile::F16A a = tile::a_from_acc(ht[2 * kk], ht[2 * kk + 1], sh);
+    tile::mma_f16(acc[0], a, b[0]), tile::mma_f16(acc[1], a, b[1]);
+  }
+}
+
+// ht (this warp's columns by the channels) <- ht gamma + A1 R1 + A2 R2 for two A operands (the
+// columns by the chunk's rows; scales s1, s2) and two [C][K] chain tiles R1, R2 (t1, t2; read as
+// [row][channel]): the form of both state updates, S+ = gamma S + K^^T V + B^^T U forward and
+// D <- gamma D + rho R^^T dO + Â^T dM in reverse, held transposed. gamma S exact.
+__device__ inline void update_held(const ChainTiles& ct, const float* gamma, float (&ht)[K / 8][4],
+                                   const tile::F16A& a1, float s1, int t1, const tile::F16A& a2, float s2, int t2) {
+  const int q = threadIdx.x % 4;
+#pragma unroll
+  for (int kt = 0; kt < K / 16; ++kt) {
+    float p1[2][4] = {}, p2[2][4] = {};
+    tile::F16B b[2];
+    tile::b_from_kn(b, ct.tile(t1) + 16 * kt, kF16Row);
+    tile::mma_f16(p1[0], a1, b[0]), tile::mma_f16(p1[1], a1, b[1]);
+    tile::b_from_kn(b, ct.tile(t2) + 16 * kt, kF16Row);
+    tile::mma_f16(p2[0], a2, b[0]), tile::mma_f16(p2[1], a2, b[1]);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 2 * kt + nt;
+        ht[t][e] = ht[t][e] * gamma[8 * t + 2 * q + e % 2] + unscale(p1[nt][e], s1, ct.scale[t1]) +
+                   unscale(p2[nt][e], s2, ct.scale[t2]);
+      }
+  }
+}
+
+// A staged chunk's steps (chunk_steps' decays, factored keys where bounded and pair matrices,
+// then X), returning whether the chunk is bounded. After the staging; ends synchronised.
+template <typename T>
+__device__ inline bool steps_with_x(const ChunkSteps& at, const DplrChunkPass& p, const SeqSpan& s, int h, int64_t ci,
+                                    int tid) {
+  __syncthreads();  // the staged rows
+  const bool bounded = __syncthreads_and(decay_scan(at, tid));
+  if (bounded) factor_keys(at, tid);
+  __syncthreads();
+  pair_matrices<T, true, 4>(at, bounded, p, s, h, ci, tid);
+  __syncthreads();
+  if (tid < 32) solve_x(at.blk, tid);
+  __syncthreads();  // X
+  return bounded;
+}
+
+// U^T = (S^T Â^T + M^T) X^T with M^T = V^T A_ak^T, at this warp's columns (m) by the chunk's rows
+// (n): S^T held (scale ss), V^T the A operand va (its tile's scale sv). mt gets M^T, ut U^T.
+__device__ inline void state_products(const ChainTiles& ct, const tile::F16A& va, float sv, const float (&st)[K / 8][4],
+                                      float ss, float (&mt)[2][4], float (&ut)[2][4]) {
+  using CT = ChainTiles;
+  float yt[2][4] = {};
+  tile::F16B b[2];
+  tile::b_from_nk(b, ct.tile(CT::kAak), kF16Mat);
+  tile::mma_f16(mt[0], va, b[0]), tile::mma_f16(mt[1], va, b[1]);
+  held_by_rows(ct, CT::kAhat, st, ss, yt);
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      mt[t][e] = unscale(mt[t][e], sv, ct.scale[CT::kAak]), yt[t][e] = unscale(yt[t][e], ss, ct.scale[CT::kAhat]) + mt[t][e];
+  const float sy = tile::pow2_down_scale(warp_amax(yt));
+  tile::b_from_nk(b, ct.tile(CT::kX), kF16Mat);
+  const tile::F16A ya = tile::a_from_acc(yt[0], yt[1], sy);
+  tile::mma_f16(ut[0], ya, b[0]), tile::mma_f16(ut[1], ya, b[1]);
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ut[t][e] = unscale(ut[t][e], sy, ct.scale[CT::kX]);
+}
+
+}  // namespace dplr_fused_detail
+}  // namespace fla
