@@ -399,7 +399,7 @@ def test_chunk_rwkv7_backward_chain(descending, shape, w_kind, cu, lr, gen):
     scaled fp16 tensor cores gives dv and dh0 within the bf16 tolerance of the CPU op's, warps in
     descending order between barriers, outputs poisoned."""
     ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, lr, gen)
-    edv, edh0 = descending.run_backward_chain(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, False)
+    edv, edh0 = descending.run_single_pass_backward(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, False)
     assert_close("dv", edv, grads[3], 1e-2, 1e-6)
     assert_close("dh0", edh0, grads[6], 1e-2, 1e-6)
 
@@ -427,7 +427,7 @@ def test_chunk_rwkv7_backward_kernel_gradients(descending, shape, w_kind, lr, ge
         for c in range(nch):
             hst[:, c] = h0 if c == 0 else chunk_rwkv7(*(t[:, :16 * c] for t in ins), scale=0.7, initial_state=h0,
                                                       output_final_state=True)[1]
-    _check_all_grads(descending.run_backward_chain(*ins, h0, do, dht, hst.reshape(-1, H, K, V), 0.7, cu_e, False),
+    _check_all_grads(descending.run_single_pass_backward(*ins, h0, do, dht, hst.reshape(-1, H, K, V), 0.7, cu_e, False),
                      grads)
 
 
@@ -443,7 +443,7 @@ def test_chunk_rwkv7_backward_kernel_on_kept_states(descending, shape, w_kind, c
     in the kernel from the kept one, then walked back. Every gradient within the bf16 tolerance
     of the CPU op's (dw at 5x), warps descending, outputs poisoned."""
     ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, lr, gen)
-    _check_all_grads(descending.run_backward_chain(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, True), grads)
+    _check_all_grads(descending.run_single_pass_backward(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, True), grads)
 
 
 def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):

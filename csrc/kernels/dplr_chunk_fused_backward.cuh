@@ -26,9 +26,10 @@
 
 namespace fla {
 
-// The chain over the chunks, latest first; dv and dh0 (and nothing else) written.
+// The backward over the chunks, latest first: dv and dh0, and with the chunk-start states (hst:
+// the fused forward's kept ones, or in the tests every chunk's) dr, dw, dk, da, db too.
 template <typename T>
-__global__ void __launch_bounds__(kDplrFusedThreads) fused_backward_chain_kernel(const DplrChunkPass p) {
+__global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using tile::F16A;
   using tile::F16B;

@@ -288,7 +288,7 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
       static_assert(dplr_fused_detail::GradSmem::bytes() <= 227 * 1024, "one CTA an SM");
       DplrChunkPass f = p;
       f.paths.rows_16byte = input_rows_in_pieces<T>(p, p.dout);
-      return launch_with_smem(fused_backward_chain_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H)), kDplrFusedThreads,
+      return launch_with_smem(single_pass_backward_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H)), kDplrFusedThreads,
                               dplr_fused_detail::GradSmem::bytes(), f, stream);
     }
     if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V))

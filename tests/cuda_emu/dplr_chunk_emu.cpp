@@ -327,7 +327,7 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
 // dh0] from dout and dht (empty: none); with hst (every chunk-start state, fp32, [slots, H, K, V]
 // at chunk_slot's slots), or with `kept` on the states the fused training forward keeps (from h0,
 // DplrKept::states), also [dr, dw, dk, da, db]; outputs poisoned.
-std::vector<Tensor> run_backward_chain(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
+std::vector<Tensor> run_single_pass_backward(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                                        Tensor dout, Tensor dht, Tensor hst, double scale, Tensor cu, bool kept) {
   const bool varlen = cu.numel() > 0;
   const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
@@ -358,7 +358,7 @@ std::vector<Tensor> run_backward_chain(Tensor r, Tensor w, Tensor k, Tensor v, T
   }
   p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.dout);
   emu::launch(dim3(unsigned(N * H)), NTF, [&] {
-    emu::poisoned_cta([&] { fused_backward_chain_kernel<__nv_bfloat16>(p); }, fused_sm4);
+    emu::poisoned_cta([&] { single_pass_backward_kernel<__nv_bfloat16>(p); }, fused_sm4);
   });
   std::vector<Tensor> out{dv, dh0};
   out.insert(out.end(), kgd.begin(), kgd.end());
@@ -381,7 +381,7 @@ std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run);
   m.def("run_fused", &run_fused);
-  m.def("run_backward_chain", &run_backward_chain);
+  m.def("run_single_pass_backward", &run_single_pass_backward);
   m.def("set_warp_order", [](int order) { emu::warp_order = order; });
   m.def("set_fused_ctas", [](int ctas) { fused_ctas = ctas; });
 }
