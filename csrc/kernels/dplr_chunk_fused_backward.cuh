@@ -36,22 +36,21 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
   using L = FusedSmem<1>;
   float* const sm = fused_smem();
   const auto [h, n, s, nch] = FusedTask(p);
-  const int tid = threadIdx.x, g = tid % 32 / 4, q = tid % 4, x0 = 16 * (tid / 32);
+  const int tid = threadIdx.x;
+  const HeldLane ln(tid);
+  const int x0 = ln.x0;
   const ChunkSteps at = ChunkSteps::at<L>(sm, 0);
   const ChainTiles ct(sm);
   const GradSmem gs(sm);
   const bool full = p.hst != nullptr;  // step 2: the K-vector gradients too
   ChunkRows<T> rows(p, p.dout, s, h, tid);
   using CT = ChainTiles;
-  // D^T at this warp's columns: tile t holds channels 8t .. 8t + 7; element e at column
-  // x0 + g + 8 (e / 2), channel 8t + 2q + e % 2.
+  // D^T at this warp's columns (HeldLane), dht or 0
   float dt[K / 8][4];
-  auto col = [&](int e) { return x0 + g + 8 * (e / 2); };
-  auto chan = [&](int t, int e) { return 8 * t + 2 * q + e % 2; };
 #pragma unroll
   for (int t = 0; t < K / 8; ++t)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dt[t][e] = p.dht.on() ? *mptr(p.dht, n, h, chan(t, e), col(e)) : 0.f;
+    for (int e = 0; e < 4; ++e) dt[t][e] = p.dht.on() ? *mptr(p.dht, n, h, ln.chan(t, e), ln.col(e)) : 0.f;
   // kept states (DplrKept::states): groups of kDplrStateStride chunks, latest first, each
   // group's states made first; else (the tests' hst of every chunk-start state) one chunk a group
   const bool strided = full && p.kept == DplrKept::states;
@@ -117,11 +116,11 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int j = 8 * nt + 2 * q + e % 2;
+            const int j = ln.chan(nt, e);  // (the row: n is the chunk's rows here)
             if (t0 + j >= s.len) continue;
             const float v = unscale(v1[nt][e], sc(CT::kDout), sc(CT::kArk)) + unscale(v2[nt][e], sd, sc(CT::kKhat)) +
                             unscale(v3[nt][e], sdm, sc(CT::kAak));
-            *vptr<T>(p.dv, s.b, s.bos + t0 + j, h, col(e)) = from_f<T>(v);
+            *vptr<T>(p.dv, s.b, s.bos + t0 + j, h, ln.col(e)) = from_f<T>(v);
           }
       }
       if (full) {
@@ -139,7 +138,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
 #pragma unroll
     for (int t = 0; t < K / 8; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) *mptr(p.dh0, n, h, chan(t, e), col(e)) = dt[t][e];
+      for (int e = 0; e < 4; ++e) *mptr(p.dh0, n, h, ln.chan(t, e), ln.col(e)) = dt[t][e];
 }
 
 }  // namespace fla

@@ -18,16 +18,11 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   using tile::F16B;
   using CT = ChainTiles;
   using B = ChunkBlock;
-  const int g = tid % 32 / 4, q = tid % 4, x0 = 16 * (tid / 32);
+  const HeldLane ln(tid);
+  const int x0 = ln.x0;
   auto sc = [&](int t) { return ct.scale[t]; };
-  auto col = [&](int e) { return x0 + g + 8 * (e / 2); };
-  auto chan = [&](int t, int e) { return 8 * t + 2 * q + e % 2; };
-  // S^T at this warp's columns (as dt), from S ([K][V])
-  float st[K / 8][4];
-#pragma unroll
-  for (int t = 0; t < K / 8; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st[t][e] = S[chan(t, e) * V + col(e)];
+  float st[K / 8][4];  // S^T at this warp's columns (as dt)
+  load_held(st, S, ln);
   const float ss = tile::pow2_down_scale(warp_amax(st));
   // M^T, U^T (state_products)
   float mt[2][4] = {}, ut[2][4] = {};
@@ -45,7 +40,8 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[t][e] = unscale(acc[t][e], sa, sb);
     }
-    sum_partials(gs, acc, 0, K, gs.big + which * C * K, C * K, tid);
+    put_partial(gs, acc, 0, K, tid);
+    sum_partials(gs, 0, C * K, gs.big + which * C * K, tid);
   };
   big(doa, sc(CT::kDout), st, ss, GradSmem::kDR);  // dR^ = rho dO S^T
   big(va, sc(CT::kV), dt, sd, GradSmem::kDK);      // dK^ = V dS+^T
@@ -69,7 +65,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
         m4[GradSmem::kDX1][t][e] = unscale(m4[GradSmem::kDX1][t][e], sdu, smt);
       }
     }
-    for (int m = 0; m < 4; ++m) sum_partials(gs, m4[m], m * C * C, C, nullptr, 0, tid);
+    for (int m = 0; m < 4; ++m) put_partial(gs, m4[m], m * C * C, C, tid);
     // rowsum(S * dS+) over this warp's columns: rows g and g + 8 of a lane share a channel, then
     // the lanes of one q (g = 0..7) are summed
     float* const mine = gs.part + tid / 32 * GradSmem::kPart + 4 * C * C;
@@ -80,13 +76,9 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
         float z = st[t][e] * dt[t][e] + st[t][e + 2] * dt[t][e + 2];
 #pragma unroll
         for (int o = 4; o < 32; o *= 2) z += __shfl_xor_sync(0xffffffffu, z, o);
-        if (g == 0) mine[chan(t, e)] = z;
+        if (ln.g == 0) mine[ln.chan(t, e)] = z;
       }
-    __syncthreads();
-    for (int e = tid; e < 4 * C * C + K; e += NTF)
-      gs.small[e] = ((gs.part[e] + gs.part[GradSmem::kPart + e]) + gs.part[2 * GradSmem::kPart + e]) +
-                    gs.part[3 * GradSmem::kPart + e];
-    __syncthreads();
+    sum_partials(gs, 0, 4 * C * C + K, gs.small, tid);
   }
   // Chunk-wide, fp32: the masks, dÂ = X^T dW, dX = dU M^T + dW Â^T, dA_ab = stril(X^T dX X^T)
   const float* const X = at.blk + B::mats + kMatX * C * LM;

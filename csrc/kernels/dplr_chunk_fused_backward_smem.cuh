@@ -91,6 +91,31 @@ __device__ inline float warp_amax(const float (&x)[n][4]) {
 // x * (1 / sa) * (1 / sb): a product's scales taken out one at a time (their product may overflow).
 __device__ __forceinline__ float unscale(float x, float sa, float sb) { return x * (1.f / sa) * (1.f / sb); }
 
+// Where a lane's elements of a held quantity sit: the warp's per-column quantities are held
+// transposed, as m16n8 accumulator tiles whose m is the warp's 16 value columns (x0 = 16 warp);
+// element e of tile t is at column col(e) and channel (or row) chan(t, e) = 8t + 2q + e % 2.
+struct HeldLane {
+  int g, q, x0;
+  __device__ explicit HeldLane(int tid) : g(tid % 32 / 4), q(tid % 4), x0(16 * (tid / 32)) {}
+  __device__ int col(int e) const { return x0 + g + 8 * (e / 2); }
+  __device__ int chan(int t, int e) const { return 8 * t + 2 * q + e % 2; }
+};
+
+// A [K][V] fp32 state (hst's layout) at this warp's columns, held transposed.
+__device__ inline void load_held(float (&ht)[K / 8][4], const float* S, const HeldLane& ln) {
+#pragma unroll
+  for (int t = 0; t < K / 8; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ht[t][e] = S[ln.chan(t, e) * V + ln.col(e)];
+}
+// ... and stored back.
+__device__ inline void store_held(const float (&ht)[K / 8][4], float* S, const HeldLane& ln) {
+#pragma unroll
+  for (int t = 0; t < K / 8; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) S[ln.chan(t, e) * V + ln.col(e)] = ht[t][e];
+}
+
 // Step 2's fp32 buffers (floats), after the chain tiles: each warp's partial sums over its
 // columns (part: the 16 x 64 one of the moment, or the four 16 x 16 ones and zeta's), their sums
 // (big: dR^, dK^, dB^, dW, then dr, dk, db in place; small: dA_rk, dA_rb, dA_ak, dU M^T,
@@ -134,19 +159,21 @@ __device__ inline void load_raw_rows(const GradSmem& gs, const DplrChunkPass& p,
     }
 }
 
-// Every warp's accumulator partial (m: 16 rows, n: 16 x nt columns, element e of tile t at row
-// g + 8 (e / 2), column 8t + 2q + e % 2) into its part row-major with row stride ld, a barrier,
-// then the four warps' sums in warp order into out (n floats), a barrier.
+// A warp's accumulator partial (m: 16 rows, n: 16 x nt columns, element e of tile t at row
+// g + 8 (e / 2), column 8t + 2q + e % 2) into its part at off, row-major with row stride ld. Not
+// synchronised.
 template <int nt>
-__device__ inline void sum_partials(const GradSmem& gs, const float (&acc)[nt][4], int off, int ld, float* out,
-                                    int n, int tid) {
-  const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
-  float* const mine = gs.part + warp * GradSmem::kPart + off;
+__device__ inline void put_partial(const GradSmem& gs, const float (&acc)[nt][4], int off, int ld, int tid) {
+  const HeldLane ln(tid);
+  float* const mine = gs.part + tid / 32 * GradSmem::kPart + off;
 #pragma unroll
   for (int t = 0; t < nt; ++t)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) mine[(g + 8 * (e / 2)) * ld + 8 * t + 2 * q + e % 2] = acc[t][e];
-  if (out == nullptr) return;  // (more partials to come before the sum)
+    for (int e = 0; e < 4; ++e) mine[(ln.g + 8 * (e / 2)) * ld + ln.chan(t, e)] = acc[t][e];
+}
+// A barrier, the four warps' partials at [off, off + n) summed in warp order into out (so the
+// sums are the same bits whatever the schedule), a barrier.
+__device__ inline void sum_partials(const GradSmem& gs, int off, int n, float* out, int tid) {
   __syncthreads();
   const float* const pt = gs.part + off;
   for (int e = tid; e < n; e += NTF)
@@ -174,7 +201,7 @@ __device__ inline void held_by_rows(const ChainTiles& ct, int t, const float (&h
 // D <- gamma D + rho R^^T dO + Â^T dM in reverse, held transposed. gamma S exact.
 __device__ inline void update_held(const ChainTiles& ct, const float* gamma, float (&ht)[K / 8][4],
                                    const tile::F16A& a1, float s1, int t1, const tile::F16A& a2, float s2, int t2) {
-  const int q = threadIdx.x % 4;
+  const HeldLane ln(threadIdx.x);
 #pragma unroll
   for (int kt = 0; kt < K / 16; ++kt) {
     float p1[2][4] = {}, p2[2][4] = {};
@@ -188,7 +215,7 @@ __device__ inline void update_held(const ChainTiles& ct, const float* gamma, flo
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 2 * kt + nt;
-        ht[t][e] = ht[t][e] * gamma[8 * t + 2 * q + e % 2] + unscale(p1[nt][e], s1, ct.scale[t1]) +
+        ht[t][e] = ht[t][e] * gamma[ln.chan(t, e)] + unscale(p1[nt][e], s1, ct.scale[t1]) +
                    unscale(p2[nt][e], s2, ct.scale[t2]);
       }
   }

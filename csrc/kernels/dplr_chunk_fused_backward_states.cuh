@@ -17,16 +17,13 @@ __device__ inline void make_group_states(const DplrChunkPass& p, const SeqSpan& 
                                          ChunkRows<T>& vrows, int tid) {
   using tile::F16A;
   using CT = ChainTiles;
-  const int g = tid % 32 / 4, q = tid % 4, x0 = 16 * (tid / 32);
-  auto col = [&](int e) { return x0 + g + 8 * (e / 2); };
-  auto chan = [&](int t, int e) { return 8 * t + 2 * q + e % 2; };
+  const HeldLane ln(tid);
+  const int x0 = ln.x0;
   const float* const kept =
       static_cast<const float*>(p.hst) + (dplr_kept_state_slot(p.cu_seqlens, n, p.T, g0 / kDplrStateStride) * p.H + h) * int64_t(K * V);
   float st[K / 8][4];
-#pragma unroll
-  for (int t = 0; t < K / 8; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st[t][e] = kept[chan(t, e) * V + col(e)], gs.stash[chan(t, e) * V + col(e)] = st[t][e];
+  load_held(st, kept, ln);
+  store_held(st, gs.stash, ln);
   for (int64_t c = g0; c + 1 < g1; ++c) {
     vrows.fetch(c);
     vrows.stage(at, 1.f);  // crow = v
@@ -40,11 +37,7 @@ __device__ inline void make_group_states(const DplrChunkPass& p, const SeqSpan& 
     const float su = tile::pow2_down_scale(warp_amax(ut));
     const F16A ua = tile::a_from_acc(ut[0], ut[1], su);
     update_held(ct, at.blk + ChunkBlock::gam, st, va, sv, CT::kKhat, ua, su, CT::kBhat);
-    float* const next = gs.stash + (c + 1 - g0) * K * V;
-#pragma unroll
-    for (int t = 0; t < K / 8; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) next[chan(t, e) * V + col(e)] = st[t][e];
+    store_held(st, gs.stash + (c + 1 - g0) * K * V, ln);
     __syncthreads();  // the block, before the next chunk's staging
   }
   __syncthreads();
