@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
   const GradSmem gs(sm);
   const bool full = p.hst != nullptr;  // step 2: the K-vector gradients too
   ChunkRows<T> rows(p, p.dout, s, h, tid);
+  T* const dv0 = vptr<T>(p.dv, s.b, s.bos, h, ln.col(0));  // (this lane's dv: rows t, columns col(e))
   using CT = ChainTiles;
   // D^T at this warp's columns (HeldLane), dht or 0
   float dt[K / 8][4];
@@ -60,15 +61,15 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
   for (int64_t g0 = (nch - 1) / stride * stride; nch > 0 && g0 >= 0; g0 -= stride) {
     const int64_t g1 = g0 + stride < nch ? g0 + stride : nch;
     if (strided) make_group_states<T>(p, s, n, h, g0, g1, at, ct, gs, vrows, tid);
+    // (v of the walk's chunks, one ahead, in vrows' column block: make_group_states used them all)
+    vrows.fetch_one(kColumnRows, g1 - 1);
     for (int64_t ci = g1 - 1; ci >= g0; --ci) {
       rows.stage(at, float(p.scale));
       const int64_t t0 = ci * C;
-      for (int e = tid; e < C * V; e += NTF) {  // v rows (the chain tiles' v), 0 past the sequence
-        const int i = e / V, x = e % V;
-        sm[L::state + i * LB + x] = t0 + i < s.len ? to_f(*vptr<T>(p.v, s.b, s.bos + t0 + i, h, x)) : 0.f;
-      }
-      if (full) load_raw_rows<T>(gs, p, s, h, t0, tid);
+      vrows.stage_one(kColumnRows, sm + L::state, LB);  // the chain tiles' v, 0 past the sequence
+      if (full) rows.stage_raw(gs.raw);
       if (ci > 0) rows.fetch(ci - 1);  // (the staged rows are in shared memory)
+      if (ci > g0) vrows.fetch_one(kColumnRows, ci - 1);
       const bool bounded = steps_with_x<T>(at, p, s, h, ci, tid);
       make_chain_tiles(at.blk, ct, tid);
       auto sc = [&](int t) { return ct.scale[t]; };
@@ -120,7 +121,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
             if (t0 + j >= s.len) continue;
             const float v = unscale(v1[nt][e], sc(CT::kDout), sc(CT::kArk)) + unscale(v2[nt][e], sd, sc(CT::kKhat)) +
                             unscale(v3[nt][e], sdm, sc(CT::kAak));
-            *vptr<T>(p.dv, s.b, s.bos + t0 + j, h, ln.col(e)) = from_f<T>(v);
+            dv0[(t0 + j) * p.dv.st + e / 2 * 8 * p.dv.sd] = from_f<T>(v);
           }
       }
       if (full) {

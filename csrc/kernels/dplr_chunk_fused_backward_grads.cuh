@@ -1,6 +1,8 @@
 // The RWKV7 single-pass backward's gradients of one chunk beyond its chain (dplr_chunk_fused_backward.cuh):
 // the state-side products, the sums over the value columns and the K-vector gradients.
 #pragma once
+#include <type_traits>
+
 #include "dplr_chunk_fused_backward_smem.cuh"
 
 namespace fla {
@@ -80,7 +82,15 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       }
     sum_partials(gs, 0, 4 * C * C + K, gs.small, tid);
   }
-  // Chunk-wide, fp32: the masks, dÂ = X^T dW, dX = dU M^T + dW Â^T, dA_ab = stril(X^T dX X^T)
+  // Chunk-wide, on TF32 tensor cores (fp32 operands in shared memory, rounded as the two-pass
+  // grad kernel's; 3xTF32 for fp32 inputs): the masks, dX = dU M^T + dW Â^T (warps 0, 1: a column
+  // tile each), dÂ = X^T dW (each warp its 16 channels), then on warp 0 Y = X^T dX and
+  // dA_ab = stril(Y X^T).
+  constexpr bool X3 = std::is_same<T, float>::value;
+  const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4, d0 = 16 * warp;
+  // element e of a warp's m16n8 accumulator: row g + 8 (e / 2), column 2q + e % 2 of its tile
+  auto row_of = [&](int e) { return g + 8 * (e / 2); };
+  auto col_of = [&](int e) { return 2 * q + e % 2; };
   const float* const X = at.blk + B::mats + kMatX * C * LM;
   float* const dArk = gs.small + GradSmem::kDArk * C * C;
   float* const dArb = gs.small + GradSmem::kDArb * C * C;
@@ -91,35 +101,48 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
     const int i = e / C, j = e % C;
     if (j > i) dArk[e] = 0.f, dArb[e] = 0.f;
     if (j >= i) dAak[e] = 0.f;
-    float x = dX1[e];
-    for (int d = 0; d < K; ++d) x += dW[i * K + d] * at.blk[B::ahat + j * LA + d];
-    gs.dx[e] = x;
   }
-  for (int e = tid; e < C * K; e += NTF) {
-    const int i = e / K, d = e % K;
-    float x = 0.f;
-    for (int j = 0; j < C; ++j) x += X[j * LM + i] * dW[j * K + d];
-    gs.dahat[e] = x;
+  if (warp < 2) {
+    float acc[4] = {};
+    tile::warp_mma_ld<false, true, false, false, X3>(acc, K, dW, K, at.blk + B::ahat + 8 * warp * LA, LA);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int at_ij = row_of(e) * C + 8 * warp + col_of(e);
+      gs.dx[at_ij] = dX1[at_ij] + acc[e];
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    float acc[4] = {};
+    tile::warp_mma_ld<true, false, false, false, X3>(acc, C, X, LM, dW + d0 + 8 * nt, K);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) gs.dahat[row_of(e) * K + d0 + 8 * nt + col_of(e)] = acc[e];
   }
   __syncthreads();
-  for (int e = tid; e < C * C; e += NTF) {
-    const int i = e / C, j = e % C;
-    float y = 0.f;
-    for (int pp = 0; pp < C; ++pp) y += X[pp * LM + i] * gs.dx[pp * C + j];
-    gs.y[e] = y;
-  }
-  __syncthreads();
-  for (int e = tid; e < C * C; e += NTF) {
-    const int i = e / C, j = e % C;
-    float z = 0.f;
-    if (j < i)
-      for (int qq = 0; qq < C; ++qq) z += gs.y[i * C + qq] * X[j * LM + qq];
-    gs.daab[e] = z;
+  if (warp == 0) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float acc[4] = {};
+      tile::warp_mma_ld<true, false, false, false, X3>(acc, C, X, LM, gs.dx + 8 * nt, C);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) gs.y[row_of(e) * C + 8 * nt + col_of(e)] = acc[e];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float acc[4] = {};
+      tile::warp_mma_ld<false, true, false, false, X3>(acc, C, gs.y, C, X + 8 * nt * LM, LM);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_of(e), j = 8 * nt + col_of(e);
+        gs.daab[i * C + j] = j < i ? acc[e] : 0.f;
+      }
+    }
   }
   // The decay factors per channel: e^G (inclusive), e^E (exclusive), e^Omega (the rows after)
   // and e^-G = e^Omega / gamma (factor_keys' factor), every exponent an added-up sum.
-  if (tid < K) {
-    const int d = tid;
+  if (tid >= NTF - K) {  // (the warps that warp 0's Y and dA_ab leave free)
+    const int d = tid - (NTF - K);
     const float* const w = gs.raw + GradSmem::kW * C * K;
     float ge = 0.f, oe = 0.f;
     for (int i = 0; i < C; ++i) {
@@ -153,21 +176,38 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   float* const dB = gs.big + GradSmem::kDB * C * K;
   const float* const raw = gs.raw;
   auto in = [&](int m, int i, int d) { return raw[m * C * K + i * K + d]; };
-  for (int e = tid; e < C * K; e += NTF) {
-    const int i = e / K, d = e % K;
-    const float eo = fac[GradSmem::kEO * C * K + e];
-    float r = 0.f, a = 0.f, k = 0.f, b = 0.f;
-    if (bounded) {
-      for (int j = 0; j < C; ++j) {
-        r += dArk[i * C + j] * kt[j * LA + d] + dArb[i * C + j] * bt[j * LA + d];
-        a += dAak[i * C + j] * kt[j * LA + d] + gs.daab[i * C + j] * bt[j * LA + d];
-        k += dArk[j * C + i] * at.blk[B::rhat + j * LA + d] + dAak[j * C + i] * at.blk[B::ahat + j * LA + d];
-        b += dArb[j * C + i] * at.blk[B::rhat + j * LA + d] + gs.daab[j * C + i] * at.blk[B::ahat + j * LA + d];
+  if (bounded) {
+    // dr = e^G (dR^ + dA_rk K~ + dA_rb B~), da = e^E (dÂ + dA_ak K~ + dA_ab B~), dk = dK^ e^Omega +
+    // e^-G (dA_rk^T R^ + dA_ak^T Â), db = dB^ e^Omega + e^-G (dA_rb^T R^ + dA_ab^T Â): each warp
+    // its 16 channels, a column tile at a time, the products on TF32 tensor cores.
+    const float* const rh = at.blk + B::rhat;
+    const float* const ah = at.blk + B::ahat;
+#pragma unroll 1
+    for (int nt = 0; nt < 2; ++nt) {
+      const int dn = d0 + 8 * nt;
+      float r[4] = {}, a[4] = {}, k[4] = {}, b[4] = {};
+      tile::warp_mma_ld<false, false, false, false, X3>(r, C, dArk, C, kt + dn, LA);
+      tile::warp_mma_ld<false, false, false, false, X3>(r, C, dArb, C, bt + dn, LA);
+      tile::warp_mma_ld<false, false, false, false, X3>(a, C, dAak, C, kt + dn, LA);
+      tile::warp_mma_ld<false, false, false, false, X3>(a, C, gs.daab, C, bt + dn, LA);
+      tile::warp_mma_ld<true, false, false, false, X3>(k, C, dArk, C, rh + dn, LA);
+      tile::warp_mma_ld<true, false, false, false, X3>(k, C, dAak, C, ah + dn, LA);
+      tile::warp_mma_ld<true, false, false, false, X3>(b, C, dArb, C, rh + dn, LA);
+      tile::warp_mma_ld<true, false, false, false, X3>(b, C, gs.daab, C, ah + dn, LA);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int x = row_of(e) * K + dn + col_of(e);
+        const float eo = fac[GradSmem::kEO * C * K + x], egi = fac[GradSmem::kEGinv * C * K + x];
+        dR[x] = fac[GradSmem::kEG * C * K + x] * (dR[x] + r[e]);
+        gs.dahat[x] = fac[GradSmem::kEE * C * K + x] * (gs.dahat[x] + a[e]);
+        dK[x] = dK[x] * eo + egi * k[e], dB[x] = dB[x] * eo + egi * b[e];
       }
-      const float egi = fac[GradSmem::kEGinv * C * K + e];
-      r = fac[GradSmem::kEG * C * K + e] * (dR[e] + r), a = fac[GradSmem::kEE * C * K + e] * (gs.dahat[e] + a);
-      k = dK[e] * eo + egi * k, b = dB[e] * eo + egi * b;
-    } else {
+    }
+  } else {
+    for (int e = tid; e < C * K; e += NTF) {
+      const int i = e / K, d = e % K;
+      const float eo = fac[GradSmem::kEO * C * K + e];
+      float r = 0.f, a = 0.f, k = 0.f, b = 0.f;
       // Past the bound: each pair's factor from its own segment sum of w (never positive; any w
       // in [-inf, 0]), walked from the row outwards. e^(G_i - G_j) for j <= i and e^(E_i - G_j)
       // = e^(G_(i-1) - G_j) for j < i (query-type rows), and the same pairs from the key side.
@@ -198,8 +238,8 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       }
       r += fac[GradSmem::kEG * C * K + e] * dR[e], a += fac[GradSmem::kEE * C * K + e] * gs.dahat[e];
       k += dK[e] * eo, b += dB[e] * eo;
+      dR[e] = r, gs.dahat[e] = a, dK[e] = k, dB[e] = b;
     }
-    dR[e] = r, gs.dahat[e] = a, dK[e] = k, dB[e] = b;
   }
   __syncthreads();
   // dw by the reverse scan (docs/algorithms.md §6.4; exactly 0 where exp(w) == 0), a thread a
@@ -222,11 +262,15 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   __syncthreads();
   const float* const src[kNumKGrads] = {dR, gs.raw + GradSmem::kW * C * K, dK, gs.dahat, dB};
   static_assert(kGradR == 0 && kGradW == 1 && kGradK == 2 && kGradA == 3 && kGradB == 4, "kGrad order");
-  for (int e = tid; e < C * K; e += NTF) {
-    const int i = e / K, d = e % K;
-    if (t0 + i >= s.len) continue;
-    for (int gi = 0; gi < kNumKGrads; ++gi)
-      *vptr<T>(p.kgd[gi], s.b, s.bos + t0 + i, h, d) = from_f<T>(src[gi][e]);
+  constexpr int kRowStep = NTF / K;  // (a thread's channel d, its rows i0, i0 + kRowStep, ...)
+  const int d = tid % K, i0 = tid / K;
+#pragma unroll 1
+  for (int gi = 0; gi < kNumKGrads; ++gi) {
+    T* out = vptr<T>(p.kgd[gi], s.b, s.bos + t0 + i0, h, d);
+    const int64_t step = kRowStep * p.kgd[gi].st;
+#pragma unroll
+    for (int i = i0; i < C; i += kRowStep, out += step)
+      if (t0 + i < s.len) *out = from_f<T>(src[gi][i * K + d]);
   }
   __syncthreads();
 }

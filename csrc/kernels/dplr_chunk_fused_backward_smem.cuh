@@ -50,27 +50,44 @@ __device__ inline const float* chain_source(const float* blk, int t, int& ld, in
   return blk + B::mats + mat[t - ChainTiles::kArk] * C * LM;
 }
 
-// Every chain tile's scale (a warp per tile in turn: its largest magnitude), a barrier, then the
-// tiles times their scales as fp16. After X is made; ends synchronised.
+// One warp: a [C][kCols] fp32 tile (row stride ld, rows 16-byte aligned) as scaled fp16 into dst
+// (row stride dld halves); returns the scale (every lane). The tile is read once, as float4s.
+template <int kCols>
+__device__ inline float warp_tile_to_f16(const float* src, int ld, __half* dst, int dld, int lane) {
+  constexpr int kRowPieces = kCols / 4, kPieces = C * kRowPieces / 32;
+  static_assert(kCols % 4 == 0 && (C * kRowPieces) % 32 == 0, "float4 pieces, as many a lane");
+  float4 x[kPieces];
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) {
+    const int e = lane + 32 * i, row = e / kRowPieces, col = 4 * (e % kRowPieces);
+    x[i] = *reinterpret_cast<const float4*>(src + row * ld + col);
+    m = fmaxf(m, fmaxf(fmaxf(fabsf(x[i].x), fabsf(x[i].y)), fmaxf(fabsf(x[i].z), fabsf(x[i].w))));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float s = tile::pow2_down_scale(m);
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) {
+    const int e = lane + 32 * i, row = e / kRowPieces, col = 4 * (e % kRowPieces);
+    *reinterpret_cast<uint2*>(dst + row * dld + col) =
+        make_uint2(tile::f16_pair(s * x[i].x, s * x[i].y), tile::f16_pair(s * x[i].z, s * x[i].w));
+  }
+  return s;
+}
+
+// Every chain tile as scaled fp16, a warp a tile (its largest magnitude, its scale, its halves),
+// then one barrier. After X is made; ends synchronised.
 __device__ inline void make_chain_tiles(const float* blk, const ChainTiles& ct, int tid) {
+  static_assert(K == V, "the row tiles share one shape");
   const int warp = tid / 32, lane = tid % 32;
   for (int t = warp; t < ChainTiles::kTiles; t += NTF / 32) {
     int ld, cols;
     const float* const src = chain_source(blk, t, ld, cols);
-    float m = 0.f;
-    for (int e = lane; e < C * cols; e += 32) m = fmaxf(m, fabsf(src[e / cols * ld + e % cols]));
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) ct.scale[t] = tile::pow2_down_scale(m);
-  }
-  __syncthreads();
-  for (int t = 0; t < ChainTiles::kTiles; ++t) {
-    int ld, cols;
-    const float* const src = chain_source(blk, t, ld, cols);
-    const float s = ct.scale[t];
     __half* const dst = const_cast<__half*>(ct.tile(t));
-    for (int e = tid; e < C * cols; e += NTF)
-      dst[e / cols * ChainTiles::ld(t) + e % cols] = __float2half_rn(s * src[e / cols * ld + e % cols]);
+    const float s = t < ChainTiles::kArk ? warp_tile_to_f16<K>(src, ld, dst, kF16Row, lane)
+                                         : warp_tile_to_f16<C>(src, ld, dst, kF16Mat, lane);
+    if (lane == 0) ct.scale[t] = s;
   }
   __syncthreads();
 }
@@ -89,7 +106,9 @@ __device__ inline float warp_amax(const float (&x)[n][4]) {
 }
 
 // x * (1 / sa) * (1 / sb): a product's scales taken out one at a time (their product may overflow).
-__device__ __forceinline__ float unscale(float x, float sa, float sb) { return x * (1.f / sa) * (1.f / sb); }
+__device__ __forceinline__ float unscale(float x, float sa, float sb) {
+  return x * tile::inverse_pow2(sa) * tile::inverse_pow2(sb);
+}
 
 // Where a lane's elements of a held quantity sit: the warp's per-column quantities are held
 // transposed, as m16n8 accumulator tiles whose m is the warp's 16 value columns (x0 = 16 warp);
@@ -146,18 +165,6 @@ struct GradSmem {
                                                        4 * C * K + 5 * C * K + kDplrStateStride * K * V);
   }
 };
-
-// The chunk's raw rows r, w, k, a, b (fp32, 0 past the sequence) into gs.raw. Not synchronised.
-template <typename T>
-__device__ inline void load_raw_rows(const GradSmem& gs, const DplrChunkPass& p, const SeqSpan& s, int h, int64_t t0,
-                                     int tid) {
-  const VecArg* src[5] = {&p.r, &p.w, &p.k, &p.a, &p.b};
-  for (int m = 0; m < 5; ++m)
-    for (int e = tid; e < C * K; e += NTF) {
-      const int i = e / K, d = e % K;
-      gs.raw[m * C * K + e] = t0 + i < s.len ? to_f(*vptr<T>(*src[m], s.b, s.bos + t0 + i, h, d)) : 0.f;
-    }
-}
 
 // A warp's accumulator partial (m: 16 rows, n: 16 x nt columns, element e of tile t at row
 // g + 8 (e / 2), column 8t + 2q + e % 2) into its part at off, row-major with row stride ld. Not

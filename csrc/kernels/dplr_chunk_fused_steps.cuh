@@ -102,6 +102,7 @@ struct ChunkSteps {
 
 // A chunk's six input row blocks move as 16-byte pieces, one of each block per thread of a group.
 constexpr int kPieceElems = 8, kPiecesPerRow = K / kPieceElems;
+constexpr int kColumnRows = 3;  // ChunkRows' block of the column side (v or dO)
 static_assert(NTF == C * kPiecesPerRow, "a piece of each block per thread");
 static_assert(LA % 4 == 0 && LB % 4 == 0, "rows of 16-byte aligned floats");
 
@@ -175,23 +176,25 @@ struct ChunkRows {
   __device__ ChunkRows(const DplrChunkPass& p, const VecArg& cols, const SeqSpan& s, int h, int tid)
       : prow(tid / kPiecesPerRow), pcol(kPieceElems * (tid % kPiecesPerRow)), len(s.len),
         vec(p.paths.rows_16byte) {
-    src[0] = &p.r, src[1] = &p.w, src[2] = &p.k, src[3] = &cols, src[4] = &p.a, src[5] = &p.b;
+    src[0] = &p.r, src[1] = &p.w, src[2] = &p.k, src[kColumnRows] = &cols, src[4] = &p.a, src[5] = &p.b;
 #pragma unroll
     for (int m = 0; m < 6; ++m) first[m] = vptr<T>(*src[m], s.b, s.bos + prow, h, pcol);
   }
   __device__ void fetch(int64_t ci) {
+#pragma unroll
+    for (int m = 0; m < 6; ++m) fetch_one(m, ci);
+  }
+  // Block m of chunk ci alone.
+  __device__ void fetch_one(int m, int64_t ci) {
+    const T* const at = first[m] + ci * C * src[m]->st;
     const bool on = prow < len - ci * C;
+    if (vec) {
+      piece[m] = on ? *reinterpret_cast<const uint4*>(at) : make_uint4(0, 0, 0, 0);
+    } else {
+      T e[kPieceElems];
 #pragma unroll
-    for (int m = 0; m < 6; ++m) {
-      const T* const at = first[m] + ci * C * src[m]->st;
-      if (vec) {
-        piece[m] = on ? *reinterpret_cast<const uint4*>(at) : make_uint4(0, 0, 0, 0);
-      } else {
-        T e[kPieceElems];
-#pragma unroll
-        for (int i = 0; i < kPieceElems; ++i) e[i] = on ? at[i * src[m]->sd] : from_f<T>(0.f);
-        memcpy(&piece[m], e, sizeof e);
-      }
+      for (int i = 0; i < kPieceElems; ++i) e[i] = on ? at[i * src[m]->sd] : from_f<T>(0.f);
+      memcpy(&piece[m], e, sizeof e);
     }
   }
   // r, a into R^, Â (scaled in place by decay_scan), k, b into K^, B^, w to the scratch and the
@@ -202,14 +205,22 @@ struct ChunkRows {
                            at.blk + B::bhat};
     const int ld[6] = {LA, K, LB, LB, LA, LB};
 #pragma unroll
-    for (int m = 0; m < 6; ++m) {
-      T e[kPieceElems];
-      memcpy(e, &piece[m], sizeof e);
-      const float f = m == 3 ? col_scale : 1.f;
-      float4* const d = reinterpret_cast<float4*>(dst[m] + prow * ld[m] + pcol);
-      d[0] = make_float4(f * to_f(e[0]), f * to_f(e[1]), f * to_f(e[2]), f * to_f(e[3]));
-      d[1] = make_float4(f * to_f(e[4]), f * to_f(e[5]), f * to_f(e[6]), f * to_f(e[7]));
-    }
+    for (int m = 0; m < 6; ++m) stage_one(m, dst[m], ld[m], m == kColumnRows ? col_scale : 1.f);
+  }
+  // Block m times f into dst, row stride ld.
+  __device__ void stage_one(int m, float* dst, int ld, float f = 1.f) const {
+    T e[kPieceElems];
+    memcpy(e, &piece[m], sizeof e);
+    float4* const d = reinterpret_cast<float4*>(dst + prow * ld + pcol);
+    d[0] = make_float4(f * to_f(e[0]), f * to_f(e[1]), f * to_f(e[2]), f * to_f(e[3]));
+    d[1] = make_float4(f * to_f(e[4]), f * to_f(e[5]), f * to_f(e[6]), f * to_f(e[7]));
+  }
+  // r, w, k, a, b as they came, into raw [5][C][K] (the single-pass backward's K-vector gradients
+  // read them where the staged block holds them decayed).
+  __device__ void stage_raw(float* raw) const {
+    const int from[5] = {0, 1, 2, 4, 5};
+#pragma unroll
+    for (int m = 0; m < 5; ++m) stage_one(from[m], raw + m * C * K, K);
   }
 };
 

@@ -259,16 +259,21 @@ __device__ __forceinline__ F16A a_from_acc_t(const float (&c0)[4], const float (
 }
 
 // The power of two s that takes a tile whose largest magnitude is amax into [0.5, 1) (1 where
-// amax is 0, not finite, or below 2^-126). x s then rounds to fp16 as TF32 rounds x (the same 10
-// stored bits, to nearest; ties to even where to_tf32 rounds them away) for every x down to
-// 2^-14 amax, keeps an absolute error under 2^-25 amax below that, and never overflows; a product
-// of operands scaled by sa and sb is the fp32 result times sa sb exactly (benchmarks/NOTES.md c57:
-// TF32's errors on the RWKV7 stress suite).
+// amax is 0, not finite, or below 2^-126; 2^-126 from amax >= 2^126, into [1, 4), so that s and
+// 1 / s stay normal). x s then rounds to fp16 as TF32 rounds x (the same 10 stored bits, to
+// nearest; ties to even where to_tf32 rounds them away) for every x down to 2^-14 amax, keeps an
+// absolute error under 2^-25 amax below that, and never overflows; a product of operands scaled
+// by sa and sb is the fp32 result times sa sb exactly (benchmarks/NOTES.md c57: TF32's errors on
+// the RWKV7 stress suite).
 __device__ __forceinline__ float pow2_down_scale(float amax) {
   if (!(amax >= 0x1p-126f) || !(amax <= 3.4028235e38f)) return 1.f;
-  const int e = int(__float_as_uint(amax) >> 23) - 126;  // amax in [2^(e-1), 2^e)
-  return ldexpf(1.f, -e);
+  const int x = int(__float_as_uint(amax) >> 23) - 126;  // amax in [2^(x-1), 2^x)
+  const int e = x < 126 ? x : 126;
+  return __uint_as_float(uint32_t(127 - e) << 23);
 }
+// 1 / s of a pow2_down_scale s, exactly, from its exponent bits (a division costs a dozen
+// instructions where this is one).
+__device__ __forceinline__ float inverse_pow2(float s) { return __uint_as_float(0x7f000000u - __float_as_uint(s)); }
 
 // mma_tf32 with fp32-accurate products (3xTF32): each operand split into hi, its leading 11
 // bits (truncated: one AND), and the exact remainder lo = x - hi (|lo| < 2^-10 |x|, passed raw:
