@@ -60,13 +60,13 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
   if (nch > 0) rows.fetch(nch - 1);
   for (int64_t g0 = (nch - 1) / stride * stride; nch > 0 && g0 >= 0; g0 -= stride) {
     const int64_t g1 = g0 + stride < nch ? g0 + stride : nch;
-    if (strided) make_group_states<T>(p, s, n, h, g0, g1, at, ct, gs, vrows, tid);
+    if (strided) make_group_states<T>(p, s, n, h, g0, g1, at, ct, vrows, tid);
     // (v of the walk's chunks, one ahead, in vrows' column block: make_group_states used them all)
     vrows.fetch_one(kColumnRows, g1 - 1);
     for (int64_t ci = g1 - 1; ci >= g0; --ci) {
       rows.stage(at, float(p.scale));
       const int64_t t0 = ci * C;
-      vrows.stage_one(kColumnRows, sm + L::state, LB);  // the chain tiles' v, 0 past the sequence
+      vrows.stage_one(kColumnRows, sm + kVRows, LB);  // the chain tiles' v, 0 past the sequence
       if (full) rows.stage_raw(gs.raw);
       if (ci > 0) rows.fetch(ci - 1);  // (the staged rows are in shared memory)
       if (ci > g0) vrows.fetch_one(kColumnRows, ci - 1);
@@ -125,10 +125,13 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
           }
       }
       if (full) {
-        const float* const S = strided ? gs.stash + (ci - g0) * K * V
-                                       : static_cast<const float*>(p.hst) +
-                                             (chunk_slot<C>(p.cu_seqlens, n, p.T, ci) * p.H + h) * int64_t(K * V);
-        kvector_grads<T>(p, s, S, h, ci, at, ct, gs, dot, dt, sd, du, sdu, dm, sdm, bounded, tid);
+        float st[K / 8][4];  // S^T at this warp's columns (as dt)
+        if (strided)
+          get_group_state(st, p, ci - g0, tid);
+        else
+          load_held(st, static_cast<const float*>(p.hst) + (chunk_slot<C>(p.cu_seqlens, n, p.T, ci) * p.H + h) * int64_t(K * V),
+                    ln);
+        kvector_grads<T>(p, s, st, h, ci, at, ct, gs, dot, dt, sd, du, sdu, dm, sdm, bounded, tid);
       }
       // D^T <- D^T gamma + rho dO^T R^ + dM^T Â
       update_held(ct, at.blk + ChunkBlock::gam, dt, dot, sc(CT::kDout), CT::kRhat, dma, sdm, CT::kAhat);

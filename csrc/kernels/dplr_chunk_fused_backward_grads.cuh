@@ -4,15 +4,18 @@
 #include <type_traits>
 
 #include "dplr_chunk_fused_backward_smem.cuh"
+#include "dplr_kvector_stores.cuh"
 
 namespace fla {
 namespace dplr_fused_detail {
 
-// Step 2 for chunk ci, whose start state is S ([K][V]): the state-side products and the sums over the value columns, then the
-// chunk-wide rest (fp32) and the five K-vector gradients to their outputs. dt: dS+ (before this
-// chunk's update), du, dm: dU^T, dM^T, each with its fp16 scale. Ends synchronised.
+// Step 2 for chunk ci, whose start state S^T this warp holds at its columns (st, as dt): the
+// state-side products and the sums over the value columns, then the chunk-wide rest and the five
+// K-vector gradients to their outputs. dt: dS+ (before this chunk's update), du, dm: dU^T, dM^T,
+// each with its fp16 scale. Ends synchronised.
 template <typename T>
-__device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, const float* S, int h, int64_t ci,
+__device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, const float (&st)[K / 8][4], int h,
+                                     int64_t ci,
                                      const ChunkSteps& at, const ChainTiles& ct, const GradSmem& gs, const tile::F16A& dot,
                                      const float (&dt)[K / 8][4], float sd, const float (&du)[2][4], float sdu,
                                      const float (&dm)[2][4], float sdm, bool bounded, int tid) {
@@ -23,8 +26,6 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   const HeldLane ln(tid);
   const int x0 = ln.x0;
   auto sc = [&](int t) { return ct.scale[t]; };
-  float st[K / 8][4];  // S^T at this warp's columns (as dt)
-  load_held(st, S, ln);
   const float ss = tile::pow2_down_scale(warp_amax(st));
   // M^T, U^T (state_products)
   float mt[2][4] = {}, ut[2][4] = {};
@@ -36,11 +37,12 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   const F16A dma = tile::a_from_acc_t(dm[0], dm[1], sdm);
   auto big = [&](const F16A& a, float sa, const float (&bt)[K / 8][4], float sb, int which) {
     float acc[K / 8][4] = {};
+    const Unscale un(sa, sb);
 #pragma unroll
     for (int t = 0; t < K / 8; ++t) {
       tile::mma_f16(acc[t], a, tile::b_from_acc(bt[t], sb));
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[t][e] = unscale(acc[t][e], sa, sb);
+      for (int e = 0; e < 4; ++e) acc[t][e] = un(acc[t][e]);
     }
     put_partial(gs, acc, 0, K, tid);
     sum_partials(gs, 0, C * K, gs.big + which * C * K, tid);
@@ -54,6 +56,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
     F16B vb[2];
     tile::b_from_nk(vb, ct.tile(CT::kV) + x0, kF16Row);  // B(k = column, n = row j) = v[j][column]
     float m4[4][2][4] = {};
+    const Unscale un_rk(sc(CT::kDout), sc(CT::kV)), un_rb(sc(CT::kDout), su), un_ak(sdm, sc(CT::kV)), un_x1(sdu, smt);
     for (int t = 0; t < 2; ++t) {
       tile::mma_f16(m4[GradSmem::kDArk][t], doa, vb[t]);
       tile::mma_f16(m4[GradSmem::kDArb][t], doa, tile::b_from_acc(ut[t], su));
@@ -61,10 +64,10 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       tile::mma_f16(m4[GradSmem::kDX1][t], dua, tile::b_from_acc(mt[t], smt));
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        m4[GradSmem::kDArk][t][e] = unscale(m4[GradSmem::kDArk][t][e], sc(CT::kDout), sc(CT::kV));
-        m4[GradSmem::kDArb][t][e] = unscale(m4[GradSmem::kDArb][t][e], sc(CT::kDout), su);
-        m4[GradSmem::kDAak][t][e] = unscale(m4[GradSmem::kDAak][t][e], sdm, sc(CT::kV));
-        m4[GradSmem::kDX1][t][e] = unscale(m4[GradSmem::kDX1][t][e], sdu, smt);
+        m4[GradSmem::kDArk][t][e] = un_rk(m4[GradSmem::kDArk][t][e]);
+        m4[GradSmem::kDArb][t][e] = un_rb(m4[GradSmem::kDArb][t][e]);
+        m4[GradSmem::kDAak][t][e] = un_ak(m4[GradSmem::kDAak][t][e]);
+        m4[GradSmem::kDX1][t][e] = un_x1(m4[GradSmem::kDX1][t][e]);
       }
     }
     for (int m = 0; m < 4; ++m) put_partial(gs, m4[m], m * C * C, C, tid);
@@ -139,22 +142,19 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       }
     }
   }
-  // The decay factors per channel: e^G (inclusive), e^E (exclusive), e^Omega (the rows after)
-  // and e^-G = e^Omega / gamma (factor_keys' factor), every exponent an added-up sum.
+  // The decay factors per channel: e^G (inclusive) and e^Omega (the rows after), every exponent
+  // an added-up sum; e^E (exclusive) is the row before's e^G (1 at row 0) and e^-G = e^Omega /
+  // gamma (factor_keys' factor), formed where read.
   if (tid >= NTF - K) {  // (the warps that warp 0's Y and dA_ab leave free)
     const int d = tid - (NTF - K);
-    const float* const w = gs.raw + GradSmem::kW * C * K;
     float ge = 0.f, oe = 0.f;
     for (int i = 0; i < C; ++i) {
-      gs.fac[GradSmem::kEE * C * K + i * K + d] = expf(ge);
-      ge += w[i * K + d];
+      ge += gs.in<T>(GradSmem::kW, i, d);
       gs.fac[GradSmem::kEG * C * K + i * K + d] = expf(ge);
     }
     for (int i = C - 1; i >= 0; --i) {
-      const float eo = expf(oe);
-      gs.fac[GradSmem::kEO * C * K + i * K + d] = eo;
-      gs.fac[GradSmem::kEGinv * C * K + i * K + d] = eo * at.blk[B::ginv + d];
-      oe += w[i * K + d];
+      gs.fac[GradSmem::kEO * C * K + i * K + d] = expf(oe);
+      oe += gs.in<T>(GradSmem::kW, i, d);
     }
     // zeta = rowsum(S+ * dS+) = gamma rowsum(S * dS+) + sum_j (K^ dK^ + B^ dB^) (dK^, dB^ before
     // the K-vector gradients take their place below)
@@ -174,8 +174,11 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   float* const dR = gs.big + GradSmem::kDR * C * K;
   float* const dK = gs.big + GradSmem::kDK * C * K;
   float* const dB = gs.big + GradSmem::kDB * C * K;
-  const float* const raw = gs.raw;
-  auto in = [&](int m, int i, int d) { return raw[m * C * K + i * K + d]; };
+  auto in = [&](int m, int i, int d) { return gs.in<T>(m, i, d); };
+  auto e_g = [&](int x) { return fac[GradSmem::kEG * C * K + x]; };                   // e^G_i at x = i K + d
+  auto e_e = [&](int x) { return x >= K ? fac[GradSmem::kEG * C * K + x - K] : 1.f; };  // e^E_i
+  auto e_o = [&](int x) { return fac[GradSmem::kEO * C * K + x]; };                   // e^Omega_i
+  auto e_ginv = [&](int x) { return e_o(x) * at.blk[B::ginv + x % K]; };               // e^-G_i
   if (bounded) {
     // dr = e^G (dR^ + dA_rk K~ + dA_rb B~), da = e^E (dÂ + dA_ak K~ + dA_ab B~), dk = dK^ e^Omega +
     // e^-G (dA_rk^T R^ + dA_ak^T Â), db = dB^ e^Omega + e^-G (dA_rb^T R^ + dA_ab^T Â): each warp
@@ -197,16 +200,16 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int x = row_of(e) * K + dn + col_of(e);
-        const float eo = fac[GradSmem::kEO * C * K + x], egi = fac[GradSmem::kEGinv * C * K + x];
-        dR[x] = fac[GradSmem::kEG * C * K + x] * (dR[x] + r[e]);
-        gs.dahat[x] = fac[GradSmem::kEE * C * K + x] * (gs.dahat[x] + a[e]);
+        const float eo = e_o(x), egi = e_ginv(x);
+        dR[x] = e_g(x) * (dR[x] + r[e]);
+        gs.dahat[x] = e_e(x) * (gs.dahat[x] + a[e]);
         dK[x] = dK[x] * eo + egi * k[e], dB[x] = dB[x] * eo + egi * b[e];
       }
     }
   } else {
     for (int e = tid; e < C * K; e += NTF) {
       const int i = e / K, d = e % K;
-      const float eo = fac[GradSmem::kEO * C * K + e];
+      const float eo = e_o(e);
       float r = 0.f, a = 0.f, k = 0.f, b = 0.f;
       // Past the bound: each pair's factor from its own segment sum of w (never positive; any w
       // in [-inf, 0]), walked from the row outwards. e^(G_i - G_j) for j <= i and e^(E_i - G_j)
@@ -236,7 +239,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
         }
         prev = f;
       }
-      r += fac[GradSmem::kEG * C * K + e] * dR[e], a += fac[GradSmem::kEE * C * K + e] * gs.dahat[e];
+      r += e_g(e) * dR[e], a += e_e(e) * gs.dahat[e];
       k += dK[e] * eo, b += dB[e] * eo;
       dR[e] = r, gs.dahat[e] = a, dK[e] = k, dB[e] = b;
     }
@@ -245,32 +248,37 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   // dw by the reverse scan (docs/algorithms.md §6.4; exactly 0 where exp(w) == 0), a thread a
   // channel, then all five to their outputs (rows of the sequence only).
   const int64_t t0 = ci * C;
+  float* const dw = gs.big + GradSmem::kDW * C * K;  // (over dW, which dX and dÂ have read)
   if (tid < K) {
     const int d = tid;
     float acc = gs.zeta_s[d];
     for (int i = C - 1; i >= 0; --i) {
       const int e = i * K + d;
-      const float x = raw[GradSmem::kR * C * K + e] * dR[e] - raw[GradSmem::kK * C * K + e] * dK[e] -
-                      raw[GradSmem::kB * C * K + e] * dB[e];
+      const float x = in(GradSmem::kR, i, d) * dR[e] - in(GradSmem::kK, i, d) * dK[e] - in(GradSmem::kB, i, d) * dB[e];
       acc += x;
-      if (expf(raw[GradSmem::kW * C * K + e]) == 0.f) acc = 0.f;
-      const float y = raw[GradSmem::kA * C * K + e] * gs.dahat[e];
-      gs.raw[GradSmem::kW * C * K + e] = acc;
+      if (expf(in(GradSmem::kW, i, d)) == 0.f) acc = 0.f;
+      const float y = in(GradSmem::kA, i, d) * gs.dahat[e];
+      dw[e] = acc;
       acc += y;
     }
   }
   __syncthreads();
-  const float* const src[kNumKGrads] = {dR, gs.raw + GradSmem::kW * C * K, dK, gs.dahat, dB};
+  const float* const src[kNumKGrads] = {dR, dw, dK, gs.dahat, dB};
   static_assert(kGradR == 0 && kGradW == 1 && kGradK == 2 && kGradA == 3 && kGradB == 4, "kGrad order");
-  constexpr int kRowStep = NTF / K;  // (a thread's channel d, its rows i0, i0 + kRowStep, ...)
-  const int d = tid % K, i0 = tid / K;
+  const int nrow = s.len - t0 < C ? int(s.len - t0) : C;
+  if (p.paths.grads_16byte) {
+    store_kvector_quads<T, NTF>(p, s.b, s.bos, t0, h, K, nrow, src, K);
+  } else {
+    constexpr int kRowStep = NTF / K;  // (a thread's channel d, its rows i0, i0 + kRowStep, ...)
+    const int d = tid % K, i0 = tid / K;
 #pragma unroll 1
-  for (int gi = 0; gi < kNumKGrads; ++gi) {
-    T* out = vptr<T>(p.kgd[gi], s.b, s.bos + t0 + i0, h, d);
-    const int64_t step = kRowStep * p.kgd[gi].st;
+    for (int gi = 0; gi < kNumKGrads; ++gi) {
+      T* out = vptr<T>(p.kgd[gi], s.b, s.bos + t0 + i0, h, d);
+      const int64_t step = kRowStep * p.kgd[gi].st;
 #pragma unroll
-    for (int i = i0; i < C; i += kRowStep, out += step)
-      if (t0 + i < s.len) *out = from_f<T>(src[gi][i * K + d]);
+      for (int i = i0; i < C; i += kRowStep, out += step)
+        if (i < nrow) *out = from_f<T>(src[gi][i * K + d]);
+    }
   }
   __syncthreads();
 }

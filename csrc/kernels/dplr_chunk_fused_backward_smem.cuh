@@ -11,25 +11,27 @@ namespace fla {
 namespace dplr_fused_detail {
 
 // The chunk's operand tiles as scaled fp16 (row strides in halves: 16-byte rows, conflict-free
-// ldmatrix), after FusedSmem<1>'s floats: R^, Â, K^, B^ and rho dO [C][kF16Row], the pair
-// matrices A_rk, A_rb, A_ak and X [C][kF16Mat], and each tile's scale. v comes from FusedSmem's
-// state rows, which this kernel does not use otherwise (D is in registers).
+// ldmatrix), after FusedSmem<1>'s block, its steps' scratch and the chunk's v rows (the first C
+// of FusedSmem<1>'s state rows: D is in registers here, and the rest of them unused): R^, Â, K^,
+// B^, rho dO and v [C][kF16Row], the pair matrices A_rk, A_rb, A_ak and X [C][kF16Mat], and each
+// tile's scale.
 constexpr int kF16Row = K + 8, kF16Mat = C + 8;
+constexpr int kVRows = FusedSmem<1>::state, kChainTilesAt = kVRows + C * LB;  // (floats)
 struct ChainTiles {
   enum { kRhat, kAhat, kKhat, kBhat, kDout, kV, kArk, kArb, kAak, kX, kTiles };
   __half* rows;  // [6][C][kF16Row]
   __half* mats;  // [4][C][kF16Mat]
   float* scale;  // [kTiles]
   __device__ explicit ChainTiles(float* sm)
-      : rows(reinterpret_cast<__half*>(sm + FusedSmem<1>::total)),
+      : rows(reinterpret_cast<__half*>(sm + kChainTilesAt)),
         mats(rows + 6 * C * kF16Row),
         scale(reinterpret_cast<float*>(mats + 4 * C * kF16Mat)) {}
   __device__ const __half* tile(int t) const {
     return t < kArk ? rows + t * C * kF16Row : mats + (t - kArk) * C * kF16Mat;
   }
   __device__ static int ld(int t) { return t < kArk ? kF16Row : kF16Mat; }
-  static constexpr size_t bytes() {
-    return size_t(FusedSmem<1>::total) * 4 + (6 * C * kF16Row + 4 * C * kF16Mat) * 2 + kTiles * 4;
+  static constexpr size_t bytes() {  // (with everything before it)
+    return size_t(kChainTilesAt) * 4 + (6 * C * kF16Row + 4 * C * kF16Mat) * 2 + kTiles * 4;
   }
 };
 
@@ -40,7 +42,7 @@ __device__ inline const float* chain_source(const float* blk, int t, int& ld, in
   const int mat[] = {kMatArk, kMatArb, kMatAak, kMatX};
   if (t == ChainTiles::kV) {
     ld = LB, cols = V;
-    return blk - FusedSmem<1>::block(0) + FusedSmem<1>::state;
+    return blk - FusedSmem<1>::block(0) + kVRows;
   }
   if (t < ChainTiles::kArk) {
     ld = t < ChainTiles::kKhat ? LA : LB, cols = K;
@@ -105,10 +107,14 @@ __device__ inline float warp_amax(const float (&x)[n][4]) {
   return m;
 }
 
-// x * (1 / sa) * (1 / sb): a product's scales taken out one at a time (their product may overflow).
-__device__ __forceinline__ float unscale(float x, float sa, float sb) {
-  return x * tile::inverse_pow2(sa) * tile::inverse_pow2(sb);
-}
+// A product's scales sa, sb taken out of its results: x (1 / sa) (1 / sb), one factor at a time
+// (their product may overflow), the reciprocals formed once.
+struct Unscale {
+  float ia, ib;
+  __device__ Unscale(float sa, float sb) : ia(tile::inverse_pow2(sa)), ib(tile::inverse_pow2(sb)) {}
+  __device__ float operator()(float x) const { return x * ia * ib; }
+};
+__device__ __forceinline__ float unscale(float x, float sa, float sb) { return Unscale(sa, sb)(x); }
 
 // Where a lane's elements of a held quantity sit: the warp's per-column quantities are held
 // transposed, as m16n8 accumulator tiles whose m is the warp's 16 value columns (x0 = 16 warp);
@@ -127,44 +133,68 @@ __device__ inline void load_held(float (&ht)[K / 8][4], const float* S, const He
 #pragma unroll
     for (int e = 0; e < 4; ++e) ht[t][e] = S[ln.chan(t, e) * V + ln.col(e)];
 }
-// ... and stored back.
-__device__ inline void store_held(const float (&ht)[K / 8][4], float* S, const HeldLane& ln) {
-#pragma unroll
-  for (int t = 0; t < K / 8; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) S[ln.chan(t, e) * V + ln.col(e)] = ht[t][e];
-}
-
-// Step 2's fp32 buffers (floats), after the chain tiles: each warp's partial sums over its
-// columns (part: the 16 x 64 one of the moment, or the four 16 x 16 ones and zeta's), their sums
-// (big: dR^, dK^, dB^, dW, then dr, dk, db in place; small: dA_rk, dA_rb, dA_ak, dU M^T,
-// rowsum(S * dS+)), the chunk-wide matrices, the decay factors, the raw rows and (stash) the
-// chunk-start states of a group of kept-state chunks, [K][V] each as hst holds them.
+// Step 2's buffers, after the chain tiles, sized for two CTAs an SM (c68): each warp's partial
+// sums over its columns (part: the 16 x 64 one of the moment, or the four 16 x 16 ones and
+// zeta's); their sums (big: dR^, dK^, dB^, dW, then dr, dk, db in place and dw over dW; small:
+// dA_rk, dA_rb, dA_ak, dU M^T, then zeta_s: rowsum(S * dS+)); the chunk's raw rows r, w, k, a, b
+// as they came (16-bit). Once the sums are taken, part's space holds the chunk-wide matrices and
+// the decay factors (chunk): dÂ, e^G, e^Omega [C][K], dX, dA_ab, Y [C][C].
 struct GradSmem {
   static constexpr int kPart = 4 * C * C + K;  // a warp's partials
+  static_assert(kPart % 4 == 0, "sum_partials reads float4s");
   enum { kDR, kDK, kDB, kDW };
   enum { kDArk, kDArb, kDAak, kDX1 };
-  enum { kEG, kEE, kEO, kEGinv };
+  enum { kEG, kEO };
   enum { kR, kW, kK, kA, kB };
-  float *part, *big, *small, *zeta_s, *dahat, *dx, *daab, *y, *fac, *raw, *stash;
+  static constexpr int kChunkFloats = 3 * C * K + 3 * C * C;
+  static_assert(kChunkFloats <= 4 * kPart, "the chunk-wide matrices in part's space");
+  float *part, *big, *small, *zeta_s, *dahat, *fac, *dx, *daab, *y;
+  uint16_t* raw;  // [5][C][K], the inputs' 16-bit elements
   __device__ explicit GradSmem(float* sm) {
     part = sm + (ChainTiles::bytes() + 15) / 16 * 4;
     big = part + 4 * kPart;
     small = big + 4 * C * K;
     zeta_s = small + 4 * C * C;
-    dahat = zeta_s + K;
-    dx = dahat + C * K;
+    raw = reinterpret_cast<uint16_t*>(zeta_s + K);
+    dahat = part;
+    fac = dahat + C * K;
+    dx = fac + 2 * C * K;
     daab = dx + C * C;
     y = daab + C * C;
-    fac = y + C * C;
-    raw = fac + 4 * C * K;
-    stash = raw + 5 * C * K;
   }
   static constexpr size_t bytes() {
-    return (ChainTiles::bytes() + 15) / 16 * 16 + 4 * (4 * kPart + 4 * C * K + 4 * C * C + K + C * K + 3 * C * C +
-                                                       4 * C * K + 5 * C * K + kDplrStateStride * K * V);
+    return (ChainTiles::bytes() + 15) / 16 * 16 + 4 * (4 * kPart + 4 * C * K + 4 * C * C + K) + 2 * 5 * C * K;
+  }
+  // raw row i, channel d of input m (kR ..) as fp32
+  template <typename T>
+  __device__ float in(int m, int i, int d) const {
+    T x;
+    memcpy(&x, raw + m * C * K + i * K + d, sizeof x);
+    return to_f(x);
   }
 };
+static_assert(2 * (GradSmem::bytes() + 1024) <= 228 * 1024, "two CTAs an SM");
+
+// The chunk-start states of a CTA's group of chunks in global scratch (DplrChunkPass::
+// group_states, [N H][kDplrStateStride][K V] fp32), each lane's held elements as 8 float4s at
+// consecutive lanes' addresses (coalesced; a lane reads back only what it wrote).
+__device__ inline float4* group_state(const DplrChunkPass& p, int64_t c, int tid) {
+  return static_cast<float4*>(p.group_states) + ((int64_t(blockIdx.x) * kDplrStateStride + c) * (K * V / 4 / NTF)) * NTF + tid;
+}
+__device__ inline void put_group_state(const float (&ht)[K / 8][4], const DplrChunkPass& p, int64_t c, int tid) {
+  float4* const at = group_state(p, c, tid);
+#pragma unroll
+  for (int t = 0; t < K / 8; ++t) at[t * NTF] = make_float4(ht[t][0], ht[t][1], ht[t][2], ht[t][3]);
+}
+__device__ inline void get_group_state(float (&ht)[K / 8][4], const DplrChunkPass& p, int64_t c, int tid) {
+  const float4* const at = group_state(p, c, tid);
+#pragma unroll
+  for (int t = 0; t < K / 8; ++t) {
+    const float4 x = at[t * NTF];
+    ht[t][0] = x.x, ht[t][1] = x.y, ht[t][2] = x.z, ht[t][3] = x.w;
+  }
+}
+static_assert(K * V / 4 == (K / 8) * NTF, "a state is 8 float4s a lane");
 
 // A warp's accumulator partial (m: 16 rows, n: 16 x nt columns, element e of tile t at row
 // g + 8 (e / 2), column 8t + 2q + e % 2) into its part at off, row-major with row stride ld. Not
@@ -183,8 +213,12 @@ __device__ inline void put_partial(const GradSmem& gs, const float (&acc)[nt][4]
 __device__ inline void sum_partials(const GradSmem& gs, int off, int n, float* out, int tid) {
   __syncthreads();
   const float* const pt = gs.part + off;
-  for (int e = tid; e < n; e += NTF)
-    out[e] = ((pt[e] + pt[GradSmem::kPart + e]) + pt[2 * GradSmem::kPart + e]) + pt[3 * GradSmem::kPart + e];
+  auto at = [&](int w, int e) { return *reinterpret_cast<const float4*>(pt + w * GradSmem::kPart + e); };
+  for (int e = 4 * tid; e < n; e += 4 * NTF) {  // (n, off and the part's stride multiples of 4)
+    const float4 a = at(0, e), b = at(1, e), c = at(2, e), d = at(3, e);
+    *reinterpret_cast<float4*>(out + e) = make_float4(((a.x + b.x) + c.x) + d.x, ((a.y + b.y) + c.y) + d.y,
+                                                      ((a.z + b.z) + c.z) + d.z, ((a.w + b.w) + c.w) + d.w);
+  }
   __syncthreads();
 }
 
@@ -209,6 +243,7 @@ __device__ inline void held_by_rows(const ChainTiles& ct, int t, const float (&h
 __device__ inline void update_held(const ChainTiles& ct, const float* gamma, float (&ht)[K / 8][4],
                                    const tile::F16A& a1, float s1, int t1, const tile::F16A& a2, float s2, int t2) {
   const HeldLane ln(threadIdx.x);
+  const Unscale un1(s1, ct.scale[t1]), un2(s2, ct.scale[t2]);
 #pragma unroll
   for (int kt = 0; kt < K / 16; ++kt) {
     float p1[2][4] = {}, p2[2][4] = {};
@@ -222,8 +257,7 @@ __device__ inline void update_held(const ChainTiles& ct, const float* gamma, flo
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = 2 * kt + nt;
-        ht[t][e] = ht[t][e] * gamma[ln.chan(t, e)] + unscale(p1[nt][e], s1, ct.scale[t1]) +
-                   unscale(p2[nt][e], s2, ct.scale[t2]);
+        ht[t][e] = ht[t][e] * gamma[ln.chan(t, e)] + un1(p1[nt][e]) + un2(p2[nt][e]);
       }
   }
 }

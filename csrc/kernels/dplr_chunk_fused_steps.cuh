@@ -215,12 +215,13 @@ struct ChunkRows {
     d[0] = make_float4(f * to_f(e[0]), f * to_f(e[1]), f * to_f(e[2]), f * to_f(e[3]));
     d[1] = make_float4(f * to_f(e[4]), f * to_f(e[5]), f * to_f(e[6]), f * to_f(e[7]));
   }
-  // r, w, k, a, b as they came, into raw [5][C][K] (the single-pass backward's K-vector gradients
-  // read them where the staged block holds them decayed).
-  __device__ void stage_raw(float* raw) const {
+  // r, w, k, a, b as they came (their 16-bit elements) into raw [5][C][K] (the single-pass
+  // backward's K-vector gradients read them where the staged block holds them decayed).
+  __device__ void stage_raw(uint16_t* raw) const {
+    static_assert(sizeof(T) == 2, "16-bit inputs");
     const int from[5] = {0, 1, 2, 4, 5};
 #pragma unroll
-    for (int m = 0; m < 5; ++m) stage_one(from[m], raw + m * C * K, K);
+    for (int m = 0; m < 5; ++m) *reinterpret_cast<uint4*>(raw + m * C * K + prow * K + pcol) = piece[from[m]];
   }
 };
 

@@ -7,6 +7,7 @@
 #include "dplr_chunk_loads.cuh"
 #include "dplr_chunk_pairs.cuh"
 #include "dplr_chunk_tiles.cuh"
+#include "dplr_kvector_stores.cuh"
 
 namespace fla {
 namespace dplr_chunk_detail {
@@ -260,37 +261,13 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
       }
     }
   }
-  // All five from shared memory, 4 channels per thread (dw in the w rows): one 16-byte shared
-  // read each (two per 16-byte piece would be two-way bank conflicts).
+  // All five from shared memory, 4 channels per thread (dw in the w rows).
   if (p.paths.grads_16byte) {
-    const int pk = K / 4;
     __syncthreads();
-    // A quad's row, channels and (grads_share_offsets: the five outputs share strides, as the op
-    // allocates them) its element offset once for all five: per (gradient, quad) the index
-    // split, the pick of the source rows and the output's 64-bit offsets would cost ~40
-    // instructions, more than the stores themselves.
     // in kGrad order: r, w, k, a, b
-    const int src[kNumKGrads] = {L.dr_rows, L.w, L.dk_rows, L.da_rows, L.db_rows};
+    const float* const src[kNumKGrads] = {sm + L.dr_rows, sm + L.w, sm + L.dk_rows, sm + L.da_rows, sm + L.db_rows};
     static_assert(kGradR == 0 && kGradW == 1 && kGradK == 2 && kGradA == 3 && kGradB == 4, "kGrad order");
-    for (int e = threadIdx.x; e < C * pk; e += NT) {
-      const int i = e / pk, ch = (e - i * pk) * 4;
-      if (i >= nrow) continue;
-      const int64_t t = c.s.bos + t0 + i, off = voff(p.kgd[0], c.s.b, t, c.h, ch);
-#pragma unroll
-      for (int gi = 0; gi < kNumKGrads; ++gi) {
-        const VecArg& o = p.kgd[gi];
-        const float4 f = ld4(sm + src[gi] + i * KP + ch);
-        T* const dst = static_cast<T*>(const_cast<void*>(o.ptr)) + (p.paths.grads_share_offsets ? off : voff(o, c.s.b, t, c.h, ch));
-        if constexpr (std::is_same<T, float>::value) {
-          *reinterpret_cast<float4*>(dst) = f;
-        } else {
-          const T v[4] = {from_f<T>(f.x), from_f<T>(f.y), from_f<T>(f.z), from_f<T>(f.w)};
-          uint2 raw;
-          memcpy(&raw, v, sizeof(raw));
-          *reinterpret_cast<uint2*>(dst) = raw;
-        }
-      }
-    }
+    store_kvector_quads<T, NT>(p, c.s.b, c.s.bos, t0, c.h, K, nrow, src, KP);
     return;
   }
   for (int i = threadIdx.x / 64; i < nrow; i += NT / 64) {

@@ -283,10 +283,11 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value) {
     if (p.single_pass_backward) {  // (the op's checks: kept states, K = V = 64, no windows)
-      if (!p.backward() || p.kept != DplrKept::states || p.K != 64 || p.V != 64 || p.window_chunks > 0)
+      if (!p.backward() || p.kept != DplrKept::states || p.K != 64 || p.V != 64 || p.window_chunks > 0 ||
+          !p.group_states)
         return cudaErrorInvalidValue;
-      static_assert(dplr_fused_detail::GradSmem::bytes() <= 227 * 1024, "one CTA an SM");
       DplrChunkPass f = p;
+      pick_paths<T>(f);  // (the stores' paths; its rows come as ChunkRows' pieces:)
       f.paths.rows_16byte = input_rows_in_pieces<T>(p, p.dout);
       return launch_with_smem(single_pass_backward_kernel<T>, dim3(unsigned(int64_t(p.N) * p.H)), kDplrFusedThreads,
                               dplr_fused_detail::GradSmem::bytes(), f, stream);

@@ -508,12 +508,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   }
   Tensor dhst = window > 0 ? new_output({d.N * window * windows, d.H, d.K, d.V}, acc)
                            : dplr_states(d, r, d.T > 0 && r.is_cuda() && !single);
+  // (single: each CTA's group of chunk-start states, DplrChunkPass::group_states)
+  Tensor group_states = single && d.T > 0 ? new_output({d.N * d.H, kDplrStateStride, d.K, d.V}, acc) : Tensor();
 
   if (d.T > 0) {
     Tensor ws, uo, carry;
     // (single: a one-chunk "window" keeps chunk_pass's matrix buffer to one chunk's; no window runs)
     DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, kept, false, single ? 1 : window, windows);
-    if (single) p.window_chunks = 0, p.single_pass_backward = true;
+    if (single) p.window_chunks = 0, p.single_pass_backward = true, p.group_states = group_states.data_ptr();
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);

@@ -356,7 +356,13 @@ std::vector<Tensor> run_single_pass_backward(Tensor r, Tensor w, Tensor k, Tenso
     p.hst = hst.data_ptr();
     for (int g = 0; g < kNumKGrads; ++g) kgd.push_back(poison(r.sizes(), r.scalar_type())), p.kgd[g] = vec(kgd.back());
   }
+  // the launch's paths, but on every chunk's states (hst) the scalar stores, so that the tests
+  // reach both
+  pick_paths<__nv_bfloat16>(p);
   p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.dout);
+  if (!kept) p.paths.grads_16byte = false;
+  Tensor group_states = poison({N * H, kDplrStateStride, K, V});
+  p.group_states = group_states.data_ptr();
   emu::launch(dim3(unsigned(N * H)), NTF, [&] {
     emu::poisoned_cta([&] { single_pass_backward_kernel<__nv_bfloat16>(p); }, fused_sm4);
   });
