@@ -6,20 +6,20 @@
 // per operand (tile_mma.cuh: a_from_acc, ldmatrix loads; TF32's rounding, docs/algorithms.md
 // §2.8). The chunk's own steps (decays, pair matrices, X) are the fused reverse pass's.
 //
-// Built so far (docs/algorithms.md §6.4):
+// Steps (docs/algorithms.md §6.4):
 //   1. the warp-local chain dU = rho A_rb^T dO + B^ D, dM = X^T dU, dV = rho A_rk^T dO + K^ D +
 //      A_ak^T dM, D <- gamma D + rho R^^T dO + Â^T dM: dv and dh0, no state read;
 //   2. given each chunk's start state: U^T, the sums over the value columns (dR^, dK^, dB^, dW;
 //      dA_rk, dA_rb, dA_ak, dU M^T; zeta's rowsum(S * dS+)) from each warp's partials in a fixed
-//      order, then the chunk-wide rest in fp32 (dÂ, dX, dA_ab, the K-vector gradients in the
-//      factored forms, or by exact pair walks past the factoring bound, the dw scan)
-//      (dplr_chunk_fused_backward_grads.cuh);
+//      order, then the chunk-wide rest on TF32 tensor cores (dÂ, dX, dA_ab, the K-vector
+//      gradients in the factored forms; exact fp32 pair walks past the factoring bound) and the
+//      dw scan (dplr_chunk_fused_backward_grads.cuh);
 //   3. the states: on the fused forward's kept ones (DplrKept::states: every fourth), the chunks
 //      in groups of four, latest first, each group's start states made forward in the kernel
-//      first (dplr_chunk_fused_backward_states.cuh); the tests may also give every chunk's (hst).
-// Not yet: the chunk-wide products on tensor cores, the shared memory diet (about 217 KB now: one
-// CTA an SM), a measurement. The op launches it only where FLA_EXT_RWKV7_SINGLE_PASS=1
-// (DplrChunkPass::single_pass_backward).
+//      first, into the global group scratch (dplr_chunk_fused_backward_states.cuh); the tests may
+//      also give every chunk's (hst).
+// 108.6 KB of shared memory, two CTAs an SM. Slower than the fused reverse pass + grad (c68), so
+// the op launches it only where FLA_EXT_RWKV7_SINGLE_PASS=1 (DplrChunkPass::single_pass_backward).
 #pragma once
 #include "dplr_chunk_fused_backward_grads.cuh"
 #include "dplr_chunk_fused_backward_states.cuh"
