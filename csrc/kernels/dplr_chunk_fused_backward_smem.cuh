@@ -138,7 +138,7 @@ __device__ inline void load_held(float (&ht)[K / 8][4], const float* S, const He
 // zeta's); their sums (big: dR^, dK^, dB^, dW, then dr, dk, db in place and dw over dW; small:
 // dA_rk, dA_rb, dA_ak, dU M^T, then zeta_s: rowsum(S * dS+)); the chunk's raw rows r, w, k, a, b
 // as they came (16-bit). Once the sums are taken, part's space holds the chunk-wide matrices and
-// the decay factors (chunk): dÂ, e^G, e^Omega [C][K], dX, dA_ab, Y [C][C].
+// the decay factors: dÂ, e^G, e^Omega [C][K], dX, dA_ab, Y [C][C].
 struct GradSmem {
   static constexpr int kPart = 4 * C * C + K;  // a warp's partials
   static_assert(kPart % 4 == 0, "sum_partials reads float4s");
