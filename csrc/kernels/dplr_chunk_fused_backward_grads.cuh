@@ -31,26 +31,33 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   float mt[2][4] = {}, ut[2][4] = {};
   state_products(ct, tile::a_from_km(ct.tile(CT::kV) + x0, kF16Row), sc(CT::kV), st, ss, mt, ut);
   const float su = tile::pow2_down_scale(warp_amax(ut)), smt = tile::pow2_down_scale(warp_amax(mt));
-  // The 16 x 64 sums: A (16 rows x this warp's columns) times B (its columns x the channels).
-  const F16A va = tile::a_from_mk(ct.tile(CT::kV) + x0, kF16Row), doa = tile::a_from_mk(ct.tile(CT::kDout) + x0, kF16Row);
+  // The 16 x 64 sums (column_sum), in two rounds through part's space: dR^ = rho dO S^T and dW =
+  // dU S^T, then dK^ = V dS+^T and dB^ = U dS+^T.
   const F16A ua = tile::a_from_acc_t(ut[0], ut[1], su), dua = tile::a_from_acc_t(du[0], du[1], sdu);
   const F16A dma = tile::a_from_acc_t(dm[0], dm[1], sdm);
-  auto big = [&](const F16A& a, float sa, const float (&bt)[K / 8][4], float sb, int which) {
-    float acc[K / 8][4] = {};
-    const Unscale un(sa, sb);
-#pragma unroll
-    for (int t = 0; t < K / 8; ++t) {
-      tile::mma_f16(acc[t], a, tile::b_from_acc(bt[t], sb));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[t][e] = un(acc[t][e]);
-    }
-    put_partial(gs, acc, 0, K, tid);
-    sum_partials(gs, 0, C * K, gs.big + which * C * K, tid);
-  };
-  big(doa, sc(CT::kDout), st, ss, GradSmem::kDR);  // dR^ = rho dO S^T
-  big(va, sc(CT::kV), dt, sd, GradSmem::kDK);      // dK^ = V dS+^T
-  big(ua, su, dt, sd, GradSmem::kDB);              // dB^ = U dS+^T
-  big(dua, sdu, st, ss, GradSmem::kDW);            // dW = dU S^T
+  const F16A doa = tile::a_from_mk(ct.tile(CT::kDout) + x0, kF16Row);
+  {
+    __half* const cols = reinterpret_cast<__half*>(gs.part);  // [V][kF16Row]: S^T, then dS+^T
+    __half* const rows = cols + V * kF16Row;                  // [C][kF16Row]: dU, then U
+    float* const scales = reinterpret_cast<float*>(rows + C * kF16Row);  // [4][4]: a row tile's, a column tile's, ...
+    static_assert((V + C) * kF16Row * 2 + 16 * 4 <= 4 * GradSmem::kPart * 4, "in part's space");
+    const int warp = tid / 32, d0 = 16 * warp;
+    float* const s_a = scales, *const s_b = scales + 4, *const s_row = scales + 8, *const s_col = scales + 12;
+    put_held_f16(st, ss, cols, ln);
+    put_a_f16(dua, rows, ln);
+    if (tid % 32 == 0) s_a[warp] = sc(CT::kDout), s_row[warp] = sdu, s_col[warp] = ss;
+    __syncthreads();
+    column_sum(ct.tile(CT::kDout), s_a, cols, s_col, d0, gs.big + GradSmem::kDR * C * K);
+    column_sum(rows, s_row, cols, s_col, d0, gs.big + GradSmem::kDW * C * K);
+    __syncthreads();
+    put_held_f16(dt, sd, cols, ln);
+    put_a_f16(ua, rows, ln);
+    if (tid % 32 == 0) s_b[warp] = sc(CT::kV), s_row[warp] = su, s_col[warp] = sd;
+    __syncthreads();
+    column_sum(ct.tile(CT::kV), s_b, cols, s_col, d0, gs.big + GradSmem::kDK * C * K);
+    column_sum(rows, s_row, cols, s_col, d0, gs.big + GradSmem::kDB * C * K);
+    __syncthreads();  // (part's space next holds the 16 x 16 partials)
+  }
   // The 16 x 16 sums and zeta's rowsum(S * dS+), all four warps' partials, then one sum.
   {
     F16B vb[2];

@@ -196,6 +196,56 @@ __device__ inline void get_group_state(float (&ht)[K / 8][4], const DplrChunkPas
 }
 static_assert(K * V / 4 == (K / 8) * NTF, "a state is 8 float4s a lane");
 
+// The 16 x 64 sums over the value columns without partials: each warp puts its column block of
+// the column-side operands into shared memory as the fp16 values its products would read (a
+// held H^T as a [V][kF16Row] tile, H^T's columns as its rows; an A operand of the chunk's rows by
+// its columns into a [C][kF16Row] tile), with its scale; then each warp takes every warp's block
+// for its own 16 channels (column_sum). The same products, scales and order of the sum as each
+// warp's partial summed in warp order, so the same bits, with fewer barriers and no partials.
+__device__ inline void put_held_f16(const float (&ht)[K / 8][4], float s, __half* tile, const HeldLane& ln) {
+#pragma unroll
+  for (int t = 0; t < K / 8; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)  // (elements 2h, 2h + 1: one column, two channels)
+      *reinterpret_cast<uint32_t*>(tile + ln.col(2 * h) * kF16Row + ln.chan(t, 0)) =
+          tile::f16_pair(s * ht[t][2 * h], s * ht[t][2 * h + 1]);
+}
+__device__ inline void put_a_f16(const tile::F16A& a, __half* tile, const HeldLane& ln) {
+  __half* const at = tile + ln.g * kF16Row + ln.x0 + 2 * ln.q;  // (mma_f16's A lane layout)
+  *reinterpret_cast<uint32_t*>(at) = a.r[0];
+  *reinterpret_cast<uint32_t*>(at + 8 * kF16Row) = a.r[1];
+  *reinterpret_cast<uint32_t*>(at + 8) = a.r[2];
+  *reinterpret_cast<uint32_t*>(at + 8 * kF16Row + 8) = a.r[3];
+}
+// out (the chunk's rows by channels d0 .. d0 + 15, row-major [C][K]) = sum over the column
+// blocks w = 0..3, in order, of A_w B_w / (sa[w] sb[w]): A_w columns 16w .. of a [C][kF16Row]
+// tile, B_w rows 16w .. of a [V][kF16Row] tile.
+__device__ inline void column_sum(const __half* a_tile, const float* sa, const __half* b_tile, const float* sb, int d0,
+                                  float* out) {
+  const HeldLane ln(threadIdx.x);
+  float acc[2][4] = {};
+#pragma unroll
+  for (int w = 0; w < NTF / 32; ++w) {
+    const tile::F16A a = tile::a_from_mk(a_tile + 16 * w, kF16Row);
+    tile::F16B b[2];
+    tile::b_from_kn(b, b_tile + 16 * w * kF16Row + d0, kF16Row);
+    const Unscale un(sa[w], sb[w]);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float part[4] = {};
+      tile::mma_f16(part, a, b[nt]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = w ? acc[nt][e] + un(part[e]) : un(part[e]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)  // (rows g, g + 8; two channels each)
+      *reinterpret_cast<float2*>(out + (ln.g + 8 * h) * K + d0 + 8 * nt + 2 * ln.q) =
+          make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+}
+
 // A warp's accumulator partial (m: 16 rows, n: 16 x nt columns, element e of tile t at row
 // g + 8 (e / 2), column 8t + 2q + e % 2) into its part at off, row-major with row stride ld. Not
 // synchronised.
