@@ -159,6 +159,23 @@ enum class DplrKept : int {
   // hst and ws hold the two-kernel forward's states and workspace (its prep also stored the pair
   // matrices and X): neither prep nor the forward sweep runs.
   states_and_workspace,
+  // hst holds every chunk-start state as scaled fp16 (DplrF16States), the fused training forward's
+  // where the single-pass backward (DplrChunkPass::single_pass_backward) is to read them; that
+  // backward alone reads this form. Set on the forward's pass too: it tells the fused forward to
+  // store them so.
+  f16_states,
+};
+
+// The chunk-start states of DplrKept::f16_states, K = V = 64: the state before chunk ci of
+// sequence n at chunk_slot<kDplrChunk>(n, ci), head h, as a record of kFloats floats (laid out in
+// kernels/dplr_f16_states.cuh: the K x V values as fp16 in the backward's lane order, then one
+// inverse power-of-two scale per 16 value columns). The slots after a sequence's chunks are not
+// written (no pass reads them).
+struct DplrF16States {
+  static constexpr int64_t kFloats = 64 * 64 / 2 + 64 / 16;
+  static FLA_HD int64_t floats(int N, int T, bool varlen, int H) {
+    return chunk_slots<kDplrChunk>(N, T, varlen) * H * kFloats;
+  }
 };
 
 // Chunks per state that a fused training forward keeps (DplrKept::states): the state before
@@ -198,7 +215,8 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // chunk-start states and, in the slot after a sequence's last chunk, its final state. A CUDA
   // forward stores them when set (the training forward keeps them for its backward).
   void* hst = nullptr;
-  // CUDA backward: what hst and ws hold of the training forward's.
+  // CUDA backward: what hst and ws hold of the training forward's; a fused training forward's
+  // f16_states: store them in that form.
   DplrKept kept = DplrKept::nothing;
   // CUDA workspaces (CPU: unused): [chunk_slots<kDplrChunk>(N, T, varlen), H,
   // DplrWorkspaceLayout::floats_per_chunk()] and [.., DplrWorkspaceLayout::uo_floats_per_chunk()]
@@ -217,8 +235,8 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // runs it as the two-block fused kernel that stores the same states and workspace
   // (dplr_chunk_launch.cuh), unless this is off (the op's FLA_EXT_RWKV7_FUSED=0).
   bool fused_may_keep = true;
-  // CUDA backward on the fused forward's kept states (kept == DplrKept::states), bf16 / fp16, K =
-  // V = 64, one pass (no windows): run the single-pass backward under construction
+  // CUDA backward on the fused forward's kept states (kept == DplrKept::f16_states, or states with
+  // group_states), bf16 / fp16, K = V = 64, one pass (no windows): run the single-pass backward under construction
   // (kernels/dplr_chunk_fused_backward.cuh) in place of the fused reverse pass and grad. The op
   // sets it only where FLA_EXT_RWKV7_SINGLE_PASS=1 (to measure it; not the default yet).
   bool single_pass_backward = false;

@@ -16,7 +16,7 @@
 // (tests/test_cuda_emu.py, tests/ops/test_rwkv7_inference.py). So o is close to, not bitwise
 // equal to, the two-kernel forward's.
 #pragma once
-#include "dplr_chunk_fused_steps.cuh"
+#include "dplr_f16_states.cuh"  // (and the steps: dplr_chunk_fused_steps.cuh)
 
 namespace fla {
 namespace dplr_fused_detail {
@@ -77,33 +77,42 @@ __device__ inline void write_state(float* S, const float (&next)[V / 8][4], int 
     for (int e = 0; e < 4; ++e) S[(d0 + g + 8 * (e / 2)) * LB + 8 * nt + 2 * q + e % 2] = next[nt][e];
 }
 
-// What a fused forward writes of its task: o, a training forward's chunk-start states (kStates)
-// and the final state. kStride: chunks per kept state. 1 (the two-kernel forward's states, as
-// the sweep stores them): slot chunk_slot(n, ci) of hst holds the state before chunk ci, the
-// slot after the last chunk the final state. kDplrStateStride (DplrKept::states): slot
-// dplr_kept_state_slot(n, g) the state before chunk kStride g, the slot after them the final
-// state (store_after).
-template <typename T, bool kStates, int kStride>
+// What a fused forward writes of its task: o, a training forward's chunk-start states (kKept)
+// and the final state. DplrKept::states_and_workspace (the two-kernel forward's states, as the
+// sweep stores them): slot chunk_slot(n, ci) of hst holds the state before chunk ci, the slot
+// after the last chunk the final state. DplrKept::states: slot dplr_kept_state_slot(n, g) the
+// state before chunk kStride g, the slot after them the final state (store_after).
+// DplrKept::f16_states: every chunk's start state as DplrF16States' records at chunk_slot(n, ci)
+// (store_before), nothing after them.
+template <typename T, DplrKept kKept>
 struct ForwardOut {
+  static constexpr bool kStates = kKept != DplrKept::nothing, kF16 = kKept == DplrKept::f16_states;
+  static constexpr int kStride = kKept == DplrKept::states ? kDplrStateStride : 1;
+  static constexpr int64_t kSlotFloats = kF16 ? DplrF16States::kFloats : K * V;
   int n, h;
   int64_t slot0, nch, slot_floats;
   float* hst;
   T* o0;
   __device__ ForwardOut(const DplrChunkPass& p, const FusedTask& t)
-      : n(t.n), h(t.h), slot0(chunk_slot<C * kStride>(p.cu_seqlens, t.n, p.T, 0)), nch(t.nch), slot_floats(int64_t(p.H) * K * V),
-        hst(kStates ? static_cast<float*>(p.hst) + (slot0 * p.H + t.h) * int64_t(K * V) : nullptr),
+      : n(t.n), h(t.h), slot0(chunk_slot<C * kStride>(p.cu_seqlens, t.n, p.T, 0)), nch(t.nch), slot_floats(p.H * kSlotFloats),
+        hst(kStates ? static_cast<float*>(p.hst) + (slot0 * p.H + t.h) * kSlotFloats : nullptr),
         o0(vptr<T>(p.o, t.s.b, t.s.bos, t.h, 0)) {}
   // The state before chunk kStride g's slot.
   __device__ float* slot(int64_t g) const { return hst + g * slot_floats; }
+  // Before chunk ci's update (S the state before chunk ci), after the barrier that wrote S, by
+  // the 128 threads of one group: its fp16 record (kF16). Not synchronised.
+  __device__ void store_before(int64_t ci, const float* S, int tid) const {
+    if constexpr (kF16) store_f16_state(slot(ci), S, tid);
+  }
   // After chunk ci's update (S the state before chunk ci + 1): store it where it is kept (the
   // start of a stride, or the final state). After a barrier; not synchronised.
   __device__ void store_after(int64_t ci, const float* S, int tid, int threads) const {
-    if (kStates && ((ci + 1) % kStride == 0 || ci + 1 == nch))
+    if (kStates && !kF16 && ((ci + 1) % kStride == 0 || ci + 1 == nch))
       store_state(slot((ci + kStride) / kStride), S, tid, threads);
   }
   // S from h0 (0 without it), and slot 0.
   __device__ void init(const DplrChunkPass& p, float* S, int tid, int threads) const {
-    load_state(S, p.h0, n, h, tid, threads, kStates ? hst : nullptr);
+    load_state(S, p.h0, n, h, tid, threads, kStates && !kF16 ? hst : nullptr);
   }
   // o = scale (R^ S + A_rk V + A_rb U) of chunk ci's rows, straight from the accumulators.
   __device__ void rows(const DplrChunkPass& p, int64_t ci, int64_t rem, const float* blk, const float* S, const float* u,
@@ -125,13 +134,14 @@ struct ForwardOut {
       }
     }
   }
-  // After the last chunk: a varlen training forward's gap slots (hst may be kept as an op
-  // output: they read 0) and the final state.
+  // After the last chunk: the slots no pass reads, 0 (hst may be kept as an op output): a varlen
+  // training forward's gaps, and the fp16 form's slot after the last chunk; then the final state.
   __device__ void finish(const DplrChunkPass& p, const float* S, int tid, int threads) const {
-    if (kStates && p.cu_seqlens) {
+    if (kStates && (kF16 || p.cu_seqlens)) {
       const int64_t next = dplr_slots_after<C * kStride>(p, n);
-      for (int64_t sl = slot0 + (nch + kStride - 1) / kStride + 1; sl < next; ++sl)
-        for (int e = tid; e < K * V; e += threads) slot(sl - slot0)[e] = 0.f;
+      for (int64_t sl = slot0 + (nch + kStride - 1) / kStride + (kF16 ? 0 : 1); sl < next; ++sl)
+        for (int e = tid; e < kSlotFloats / 4; e += threads)
+          reinterpret_cast<float4*>(slot(sl - slot0))[e] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     save_state(p.hT, n, h, S, tid, threads);
   }
@@ -206,11 +216,11 @@ struct KeptWorkspace {
 // One block (128 threads): each chunk's steps, then its chain. kCtas: the CTAs per SM the
 // register budget is cut for (3: up to 168 registers, 4: 128). Shared memory holds four. Three
 // give each CTA the shorter chunk step, so the launch takes four only where three per SM would
-// leave CTAs for a second wave. kStates: a training forward, which stores every
-// kDplrStateStride-th chunk-start state and the final state in p.hst (DplrKept::states; an
-// instantiation of its own: the stores' addresses cost the four-CTA budget spills that the
-// inference forward need not pay).
-template <typename T, int kCtas, bool kStates>
+// leave CTAs for a second wave. kKept: nothing (inference), or a training forward's states
+// (ForwardOut: DplrKept::states, every kDplrStateStride-th chunk-start state and the final one;
+// DplrKept::f16_states, every chunk's as fp16) in p.hst; each an instantiation of its own (the
+// stores' addresses cost the four-CTA budget spills that the inference forward need not pay).
+template <typename T, int kCtas, DplrKept kKept>
 __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using L = FusedSmem<1>;
@@ -219,7 +229,8 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
   const auto [h, n, s, nch] = task;
   const int tid = threadIdx.x;
   const ChunkSteps at = ChunkSteps::at<L>(sm, 0);
-  const ForwardOut<T, kStates, kDplrStateStride> out(p, task);
+  static_assert(kKept != DplrKept::states_and_workspace, "the two-block build keeps the workspace");
+  const ForwardOut<T, kKept> out(p, task);
   ChunkRows<T> rows(p, p.v, s, h, tid);
   float* const S = sm + L::state;
   out.init(p, S, tid, NTF);
@@ -228,6 +239,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
     rows.stage(at, 1.f);
     __syncthreads();
     if (ci + 1 < nch) rows.fetch(ci + 1);  // in flight during this chunk's work
+    out.store_before(ci, S, tid);
     chunk_steps<T, false>(at, p, s, h, ci);
     if (tid < 32) solve_x(at.blk, tid);
     forward_mp(at.blk, S, sm + L::scr0, tid);
@@ -257,9 +269,10 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_forward_kernel
 // as prep's). DplrKept::states (kStrided, kCtas = 1 only): every kDplrStateStride-th chunk-start
 // state and the final one, as the one-block training forward stores them, by the steps' warps
 // (the fused reverse pass then makes the pair matrices and X again); its two-CTA build was the
-// slower one (benchmarks/NOTES.md c32).
+// slower one (benchmarks/NOTES.md c32). DplrKept::f16_states (kF16, kCtas = 1 only): every
+// chunk-start state as fp16 records (DplrF16States), by the steps' warps.
 //   phase  chain (warps 0-3)          steps (warps 4-7)
-//   1      M + P                      X of ci; stage ci + 1; fetch ci + 2; kKeep, kStrided:
+//   1      M + P                      X of ci; stage ci + 1; fetch ci + 2; kKeep, kStrided, kF16:
 //                                     the state before ci (kStrided: at a stride's start)
 //   2      U                          decays of ci + 1; kKeep: ci's pair matrices and X
 //   3      o, S+ into registers       factored keys of ci + 1; kKeep: ci's W, Q~, K^, B^, gamma
@@ -268,14 +281,15 @@ template <typename T, int kCtas, DplrKept kKept>
 __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_two_block_kernel(const DplrChunkPass p) {
   using namespace dplr_fused_detail;
   using L = FusedSmem<2>;
-  constexpr bool kKeep = kKept == DplrKept::states_and_workspace, kStrided = kKept == DplrKept::states;
-  static_assert(!kStrided || kCtas == 1, "the strided states: the one-CTA-per-SM build");
+  constexpr bool kKeep = kKept == DplrKept::states_and_workspace, kStrided = kKept == DplrKept::states,
+                 kF16 = kKept == DplrKept::f16_states;
+  static_assert(!(kStrided || kF16) || kCtas == 1, "the kept states: the one-CTA-per-SM build");
   float* const sm = fused_smem();
   const FusedTask task(p);
   const auto [h, n, s, nch] = task;
   const bool chain = threadIdx.x < NTF;  // else the chunk steps
   const int tid = int(threadIdx.x) % NTF;
-  const ForwardOut<T, kKeep || kStrided, kStrided ? kDplrStateStride : 1> out(p, task);
+  const ForwardOut<T, kKept> out(p, task);
   const KeptWorkspace kept(p, task);  // (kKeep)
   ChunkRows<T> rows(p, p.v, s, h, tid);
   float* const S = sm + L::state;
@@ -307,6 +321,7 @@ __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_forward_tw
       if (ci + 2 < nch) rows.fetch(ci + 2);
       if (kKeep && ci > 0) store_state(out.slot(ci), S, tid, NTF);  // (slot 0: init)
       if (kStrided && ci > 0) out.store_after(ci - 1, S, tid, NTF);
+      out.store_before(ci, S, tid);  // (kF16)
     }
     __syncthreads();
     if (chain) forward_u(cur.blk, sm + L::scr0, sm + L::scr1, tid);

@@ -14,10 +14,11 @@
 //      order, then the chunk-wide rest on TF32 tensor cores (dÂ, dX, dA_ab, the K-vector
 //      gradients in the factored forms; exact fp32 pair walks past the factoring bound) and the
 //      dw scan (dplr_chunk_fused_backward_grads.cuh);
-//   3. the states: on the fused forward's kept ones (DplrKept::states: every fourth), the chunks
-//      in groups of four, latest first, each group's start states made forward in the kernel
-//      first, into the global group scratch (dplr_chunk_fused_backward_states.cuh); the tests may
-//      also give every chunk's (hst).
+//   3. the states: every chunk's as the fused forward stored them in fp16 (DplrKept::f16_states,
+//      dplr_f16_states.cuh), read straight into registers; or on its fp32 ones of every fourth
+//      chunk (DplrKept::states), the chunks in groups of four, latest first, each group's start
+//      states made forward in the kernel first, into the global group scratch
+//      (dplr_chunk_fused_backward_states.cuh); the tests may also give every chunk's fp32 (hst).
 // 108.6 KB of shared memory, two CTAs an SM. Slower than the fused reverse pass + grad (c68), so
 // the op launches it only where FLA_EXT_RWKV7_SINGLE_PASS=1 (DplrChunkPass::single_pass_backward).
 #pragma once
@@ -53,8 +54,9 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
 #pragma unroll
     for (int e = 0; e < 4; ++e) dt[t][e] = p.dht.on() ? *mptr(p.dht, n, h, ln.chan(t, e), ln.col(e)) : 0.f;
   // kept states (DplrKept::states): groups of kDplrStateStride chunks, latest first, each
-  // group's states made first; else (the tests' hst of every chunk-start state) one chunk a group
-  const bool strided = full && p.kept == DplrKept::states;
+  // group's states made first; else (every chunk's start state: DplrKept::f16_states' records,
+  // or the tests' fp32 hst) one chunk a group
+  const bool strided = full && p.kept == DplrKept::states, f16_states = p.kept == DplrKept::f16_states;
   const int64_t stride = strided ? kDplrStateStride : 1;
   ChunkRows<T> vrows(p, p.v, s, h, tid);
   if (nch > 0) rows.fetch(nch - 1);
@@ -128,6 +130,9 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
         float st[K / 8][4];  // S^T at this warp's columns (as dt)
         if (strided)
           get_group_state(st, p, ci - g0, tid);
+        else if (f16_states)
+          load_f16_state(st, static_cast<const float*>(p.hst) + (chunk_slot<C>(p.cu_seqlens, n, p.T, ci) * p.H + h) * DplrF16States::kFloats,
+                         tid);
         else
           load_held(st, static_cast<const float*>(p.hst) + (chunk_slot<C>(p.cu_seqlens, n, p.T, ci) * p.H + h) * int64_t(K * V),
                     ln);

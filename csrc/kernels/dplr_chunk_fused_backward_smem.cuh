@@ -5,7 +5,7 @@
 #pragma once
 #include <cuda_fp16.h>
 
-#include "dplr_chunk_fused_steps.cuh"
+#include "dplr_f16_states.cuh"
 
 namespace fla {
 namespace dplr_fused_detail {
@@ -94,19 +94,6 @@ __device__ inline void make_chain_tiles(const float* blk, const ChainTiles& ct, 
   __syncthreads();
 }
 
-// The largest magnitude of a warp's accumulator tiles x[t][0..4) (every lane returns it).
-template <int n>
-__device__ inline float warp_amax(const float (&x)[n][4]) {
-  float m = 0.f;
-#pragma unroll
-  for (int i = 0; i < n; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(x[i][e]));
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  return m;
-}
-
 // A product's scales sa, sb taken out of its results: x (1 / sa) (1 / sb), one factor at a time
 // (their product may overflow), the reciprocals formed once.
 struct Unscale {
@@ -115,16 +102,6 @@ struct Unscale {
   __device__ float operator()(float x) const { return x * ia * ib; }
 };
 __device__ __forceinline__ float unscale(float x, float sa, float sb) { return Unscale(sa, sb)(x); }
-
-// Where a lane's elements of a held quantity sit: the warp's per-column quantities are held
-// transposed, as m16n8 accumulator tiles whose m is the warp's 16 value columns (x0 = 16 warp);
-// element e of tile t is at column col(e) and channel (or row) chan(t, e) = 8t + 2q + e % 2.
-struct HeldLane {
-  int g, q, x0;
-  __device__ explicit HeldLane(int tid) : g(tid % 32 / 4), q(tid % 4), x0(16 * (tid / 32)) {}
-  __device__ int col(int e) const { return x0 + g + 8 * (e / 2); }
-  __device__ int chan(int t, int e) const { return 8 * t + 2 * q + e % 2; }
-};
 
 // A [K][V] fp32 state (hst's layout) at this warp's columns, held transposed.
 __device__ inline void load_held(float (&ht)[K / 8][4], const float* S, const HeldLane& ln) {

@@ -283,9 +283,8 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value) {
     if (p.single_pass_backward) {  // (the op's checks: kept states, K = V = 64, no windows)
-      if (!p.backward() || p.kept != DplrKept::states || p.K != 64 || p.V != 64 || p.window_chunks > 0 ||
-          !p.group_states)
-        return cudaErrorInvalidValue;
+      const bool kept_states = (p.kept == DplrKept::states && p.group_states) || p.kept == DplrKept::f16_states;
+      if (!p.backward() || !kept_states || p.K != 64 || p.V != 64 || p.window_chunks > 0) return cudaErrorInvalidValue;
       DplrChunkPass f = p;
       pick_paths<T>(f);  // (the stores' paths; its rows come as ChunkRows' pieces:)
       f.paths.rows_16byte = input_rows_in_pieces<T>(p, p.dout);
@@ -293,12 +292,17 @@ cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
                               dplr_fused_detail::GradSmem::bytes(), f, stream);
     }
     if (p.fused && !p.backward() && dplr_fused_forward(p.dtype, p.K, p.V))
-      return p.hst ? launch_fused<T>(fused_forward_two_block_kernel<T, 1, DplrKept::states>, nullptr,
-                                     fused_forward_kernel<T, 3, true>, fused_forward_kernel<T, 4, true>, p, p.v, stream)
-                   : launch_fused<T>(fused_forward_two_block_kernel<T, 1, DplrKept::nothing>,
-                                     fused_forward_two_block_kernel<T, 2, DplrKept::nothing>,
-                                     fused_forward_kernel<T, 3, false>, fused_forward_kernel<T, 4, false>, p, p.v,
-                                     stream);
+      return !p.hst ? launch_fused<T>(fused_forward_two_block_kernel<T, 1, DplrKept::nothing>,
+                                      fused_forward_two_block_kernel<T, 2, DplrKept::nothing>,
+                                      fused_forward_kernel<T, 3, DplrKept::nothing>,
+                                      fused_forward_kernel<T, 4, DplrKept::nothing>, p, p.v, stream)
+             : p.kept == DplrKept::f16_states
+                 ? launch_fused<T>(fused_forward_two_block_kernel<T, 1, DplrKept::f16_states>, nullptr,
+                                   fused_forward_kernel<T, 3, DplrKept::f16_states>,
+                                   fused_forward_kernel<T, 4, DplrKept::f16_states>, p, p.v, stream)
+                 : launch_fused<T>(fused_forward_two_block_kernel<T, 1, DplrKept::states>, nullptr,
+                                   fused_forward_kernel<T, 3, DplrKept::states>,
+                                   fused_forward_kernel<T, 4, DplrKept::states>, p, p.v, stream);
     if (fused_keeps_workspace(p)) {
       DplrChunkPass f = p;
       f.paths.rows_16byte = input_rows_in_pieces<T>(p, p.v);

@@ -136,7 +136,17 @@ int64_t saved_states_floats(const DiagArgs& d, bool strided) {
   return ((strided ? kept_state_floats(d) : dplr_state_floats(d)) + 3) / 4 * 4;
 }
 bool keeps_strided(const DiagArgs& d, const Tensor& r) { return fused_forward(d, r, true) || sweep_strided(d, r); }
+// Where the single-pass backward is to run (FLA_EXT_RWKV7_SINGLE_PASS=1, the fused forward's
+// shapes: K = V = 64, 16-bit), the fused training forward keeps every chunk-start state as fp16
+// instead (DplrKept::f16_states, DplrF16States; benchmarks/NOTES.md c69).
+bool keeps_f16_states(const DiagArgs& d, const Tensor& r) {
+  return single_pass_override() && fused_forward(d, r, true) && d.K == 64 && d.V == 64;
+}
+int64_t f16_states_floats(const DiagArgs& d) {
+  return DplrF16States::floats(int(d.N), int(d.T), d.cu.defined(), int(d.H));
+}
 int64_t saved_floats(const DiagArgs& d, const Tensor& r) {
+  if (keeps_f16_states(d, r)) return f16_states_floats(d);
   if (!keeps_strided(d, r)) return saved_states_floats(d, false) + dplr_ws_floats(d);
   return saved_states_floats(d, true) + (strided_keeps_ws(d, r) ? dplr_ws_floats(d) : 0);
 }
@@ -151,6 +161,9 @@ bool saved_strided_ws(const DiagArgs& d, const Tensor* saved) {
 // it does not have.
 DplrKept saved_kind(const DiagArgs& d, const Tensor& r, const Tensor* saved) {
   if (!saved) return DplrKept::nothing;
+  // (the fp16 states only where the settings now would keep them: with the single pass off their
+  // length matches no form a backward reads, and kept_workspace refuses it)
+  if (keeps_f16_states(d, r) && saved->numel() == f16_states_floats(d)) return DplrKept::f16_states;
   const bool strided = dplr_strided_states(kernel_dtype(r), int(d.K), int(d.V)) &&
                        (saved->numel() == saved_states_floats(d, true) || saved_strided_ws(d, saved));
   return strided ? DplrKept::states : DplrKept::states_and_workspace;
@@ -186,11 +199,18 @@ DplrChunkPass chunk_pass(const DiagArgs& d, const Tensor& r, const Tensor& w, co
   if (!r.is_cuda()) return p;
   if (saved) p.hst = saved->data_ptr();
   p.fused = sweep && fused_forward(d, r, saved != nullptr);
-  if (p.fused) return p;
+  if (p.fused) {
+    if (saved && keeps_f16_states(d, r)) p.kept = DplrKept::f16_states;  // (tells the kernel the form)
+    return p;
+  }
   // (a backward on the fused forward's states, DplrKept::states, runs the fused reverse pass:
   // kernels/dplr_chunk_fused_reverse.cuh, whose support is the fused forward's; on strided states
   // where the fused kernels do not run, the two-kernel path's, sweep_strided_states)
   const DplrKept kind = saved_kind(d, r, saved);
+  if (kind == DplrKept::f16_states) {  // (the single pass: no workspace, no U0 / O0)
+    p.kept = kind;
+    return p;
+  }
   p.sweep_strided_states = two_kernel_strided(d, r, kind);
   p.strided_ws_kept = p.sweep_strided_states && saved_strided_ws(d, saved);
   const bool remade = p.sweep_strided_states && !p.strided_ws_kept;  // (prep's workspace, not kept)
@@ -439,10 +459,10 @@ std::tuple<Tensor, Tensor, Tensor> chunk_rwkv7_fwd(
   // workspace with the pair matrices (kernels' DplrKept); every float is written (gap slots 0:
   // an op output).
   Tensor saved = new_output({keep ? saved_floats(d, r) : 0}, r.options().dtype(at::kFloat));
-  const bool strided = keep && keeps_strided(d, r);
+  const bool strided = keep && keeps_strided(d, r), f16 = keep && keeps_f16_states(d, r);  // (f16: no padding)
   const int64_t states = strided ? kept_state_floats(d) : dplr_state_floats(d),
                 pad = saved_states_floats(d, strided) - states;
-  if (keep && pad > 0) saved.narrow(0, states, pad).zero_();  // no kernel writes the padding
+  if (keep && !f16 && pad > 0) saved.narrow(0, states, pad).zero_();  // no kernel writes the padding
   forward_pass(d, r, w, k, v, a, b, initial_state, o, output_final_state ? &hT : nullptr,
                keep ? &saved : nullptr, run);
   return {o, hT, saved};
@@ -480,7 +500,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   // Any form saved_floats gives, whatever the settings now: the strided states where a backward
   // reads them (dplr_strided_states' shapes), alone or with the workspace, else every state and
   // the workspace.
-  const bool strided_in = has(saved_in) && saved_kind(d, r, &*saved_in) == DplrKept::states;
+  const DplrKept kind_in = has(saved_in) ? saved_kind(d, r, &*saved_in) : DplrKept::nothing;
+  const bool strided_in = kind_in == DplrKept::states || kind_in == DplrKept::f16_states;
   const int64_t saved_len = strided_in ? saved_in->numel() : saved_states_floats(d, false) + dplr_ws_floats(d);
   const Tensor* kept = r.is_cuda() && d.T > 0
                            ? kept_workspace(saved_in, {saved_len}, r.options().dtype(at::kFloat), "saved")
@@ -492,10 +513,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   const bool two_kernel = two_kernel_strided(d, r, kind), ws_kept = two_kernel && saved_strided_ws(d, kept);
   const bool lean = two_kernel && !ws_kept;
   // FLA_EXT_RWKV7_SINGLE_PASS=1: the single-pass backward under construction where it runs (the
-  // fused forward's kept states, K = V = 64, the gradients straight into the outputs), to
-  // measure it (benchmarks/NOTES.md c67); it needs no dS+ or matrix buffers, so no windows.
-  const bool single = r.is_cuda() && kind == DplrKept::states && !two_kernel && pair == 0 && d.K == 64 &&
-                      d.V == 64 && single_pass_override();
+  // fused forward's kept states, fp16 every chunk or fp32 every fourth, K = V = 64, the gradients
+  // straight into the outputs), to measure it (benchmarks/NOTES.md c67, c69); it needs no dS+ or
+  // matrix buffers, so no windows. The fp16 states are its alone.
+  const bool single = r.is_cuda() && (kind == DplrKept::f16_states || (kind == DplrKept::states && !two_kernel)) &&
+                      pair == 0 && d.K == 64 && d.V == 64 && single_pass_override();
+  TORCH_CHECK(single || kind != DplrKept::f16_states, "chunk_rwkv7: fp16 states without the single-pass backward");
   int64_t window = single ? 0 : backward_window_chunks(d, kind, lean, ws_kept);
   int windows = 1;
   // Two windows' buffers, so that the reverse pass of one window runs beside grad of the window
@@ -509,13 +532,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   Tensor dhst = window > 0 ? new_output({d.N * window * windows, d.H, d.K, d.V}, acc)
                            : dplr_states(d, r, d.T > 0 && r.is_cuda() && !single);
   // (single: each CTA's group of chunk-start states, DplrChunkPass::group_states)
-  Tensor group_states = single && d.T > 0 ? new_output({d.N * d.H, kDplrStateStride, d.K, d.V}, acc) : Tensor();
+  Tensor group_states = single && kind == DplrKept::states && d.T > 0
+                           ? new_output({d.N * d.H, kDplrStateStride, d.K, d.V}, acc)
+                           : Tensor();
 
   if (d.T > 0) {
     Tensor ws, uo, carry;
     // (single: a one-chunk "window" keeps chunk_pass's matrix buffer to one chunk's; no window runs)
     DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, kept, false, single ? 1 : window, windows);
-    if (single) p.window_chunks = 0, p.single_pass_backward = true, p.group_states = group_states.data_ptr();
+    if (single) p.window_chunks = 0, p.single_pass_backward = true;
+    if (group_states.defined()) p.group_states = group_states.data_ptr();
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);

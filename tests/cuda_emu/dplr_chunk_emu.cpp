@@ -41,20 +41,24 @@ int fused_ctas = 4;
 using dplr_fused_detail::NTF;
 
 // kCtas = 0 here: the two-block kernel keeping the two-kernel forward's states and workspace (a
-// training forward at few pairs); 1: the two-block kernel storing the strided states.
+// training forward at few pairs); 1: the two-block kernel storing the kept states (p.kept:
+// DplrKept::f16_states, else the strided ones).
 template <int kCtas>
 void fused_forward(const DplrChunkPass& p) {
+  const bool f16 = p.kept == DplrKept::f16_states;
   emu::launch(dim3(unsigned(p.N * p.H)), kCtas <= 2 ? 2 * NTF : NTF, [&] {
     emu::poisoned_cta([&] {
       if constexpr (kCtas == 0) {
         fused_forward_two_block_kernel<__nv_bfloat16, 1, DplrKept::states_and_workspace>(p);
       } else if constexpr (kCtas == 1) {
-        fused_forward_two_block_kernel<__nv_bfloat16, 1, DplrKept::states>(p);
+        if (f16) fused_forward_two_block_kernel<__nv_bfloat16, 1, DplrKept::f16_states>(p);
+        else fused_forward_two_block_kernel<__nv_bfloat16, 1, DplrKept::states>(p);
       } else if constexpr (kCtas == 2) {
         fused_forward_two_block_kernel<__nv_bfloat16, 2, DplrKept::nothing>(p);  // (inference)
       } else {
-        if (p.hst) fused_forward_kernel<__nv_bfloat16, kCtas, true>(p);
-        else fused_forward_kernel<__nv_bfloat16, kCtas, false>(p);
+        if (!p.hst) fused_forward_kernel<__nv_bfloat16, kCtas, DplrKept::nothing>(p);
+        else if (f16) fused_forward_kernel<__nv_bfloat16, kCtas, DplrKept::f16_states>(p);
+        else fused_forward_kernel<__nv_bfloat16, kCtas, DplrKept::states>(p);
       }
     }, fused_sm4);
   });
@@ -325,10 +329,10 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
 
 // The backward kernel under construction (dplr_chunk_fused_backward.cuh), bf16, K = V = 64: [dv,
 // dh0] from dout and dht (empty: none); with hst (every chunk-start state, fp32, [slots, H, K, V]
-// at chunk_slot's slots), or with `kept` on the states the fused training forward keeps (from h0,
-// DplrKept::states), also [dr, dw, dk, da, db]; outputs poisoned.
+// at chunk_slot's slots), or with `kept` on the states the fused training forward keeps (from h0;
+// 1: DplrKept::states, 2: DplrKept::f16_states), also [dr, dw, dk, da, db]; outputs poisoned.
 std::vector<Tensor> run_single_pass_backward(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
-                                       Tensor dout, Tensor dht, Tensor hst, double scale, Tensor cu, bool kept) {
+                                       Tensor dout, Tensor dht, Tensor hst, double scale, Tensor cu, int64_t kept) {
   const bool varlen = cu.numel() > 0;
   const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
   TORCH_CHECK(K == 64 && V == 64 && r.scalar_type() == torch::kBFloat16, "bf16, K = V = 64");
@@ -343,14 +347,17 @@ std::vector<Tensor> run_single_pass_backward(Tensor r, Tensor w, Tensor k, Tenso
   p.dv = vec(dv), p.dh0 = mat(dh0);
   std::vector<Tensor> kgd;
   if (kept) {
-    hst = poison({dplr_kept_state_slots(N, T, varlen), H, K, V});
+    const DplrKept kind = kept == 2 ? DplrKept::f16_states : DplrKept::states;
+    hst = kept == 2 ? poison({DplrF16States::floats(N, T, varlen, H)})
+                    : poison({dplr_kept_state_slots(N, T, varlen), H, K, V});
     Tensor o = poison(v.sizes(), v.scalar_type());
     DplrChunkPass f = p;
     if (h0.numel()) f.h0 = mat(h0);
-    f.o = vec(o), f.hst = hst.data_ptr(), f.fused = true;
+    f.o = vec(o), f.hst = hst.data_ptr(), f.fused = true, f.kept = kind;
     f.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(f, f.v);
     fused_training_forward(f);
-    p.kept = DplrKept::states;
+    TORCH_CHECK(!hst.isnan().any().item<bool>(), "the fused forward left a float of hst unwritten");
+    p.kept = kind;
   }
   if (hst.numel()) {
     p.hst = hst.data_ptr();
