@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
   const ChainTiles ct(sm);
   const GradSmem gs(sm);
   const bool full = p.hst != nullptr;  // step 2: the K-vector gradients too
-  ChunkRows<T> rows(p, p.dout, s, h, tid);
+  ChunkRows<T, false> rows(p, p.dout, s, h, tid);
   T* const dv0 = vptr<T>(p.dv, s.b, s.bos, h, ln.col(0));  // (this lane's dv: rows t, columns col(e))
   using CT = ChainTiles;
   // D^T at this warp's columns (HeldLane), dht or 0
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
   // or the tests' fp32 hst) one chunk a group
   const bool strided = full && p.kept == DplrKept::states, f16_states = p.kept == DplrKept::f16_states;
   const int64_t stride = strided ? kDplrStateStride : 1;
-  ChunkRows<T> vrows(p, p.v, s, h, tid);
+  ChunkRows<T, false> vrows(p, p.v, s, h, tid);
   if (nch > 0) rows.fetch(nch - 1);
   for (int64_t g0 = (nch - 1) / stride * stride; nch > 0 && g0 >= 0; g0 -= stride) {
     const int64_t g1 = g0 + stride < nch ? g0 + stride : nch;

@@ -13,7 +13,7 @@ namespace dplr_fused_detail {
 // again on its dO rows. Ends synchronised.
 template <typename T>
 __device__ inline void make_group_states(const DplrChunkPass& p, const SeqSpan& s, int n, int h, int64_t g0, int64_t g1,
-                                         const ChunkSteps& at, const ChainTiles& ct, ChunkRows<T>& vrows,
+                                         const ChunkSteps& at, const ChainTiles& ct, ChunkRows<T, false>& vrows,
                                          int tid) {
   using tile::F16A;
   using CT = ChainTiles;

@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kDplrFusedThreads, kCtas) fused_reverse_kernel
   if (walk.idle) return;
   const int tid = threadIdx.x;
   const ChunkSteps at = ChunkSteps::at<L>(sm, 0);
-  ChunkRows<T> rows(p, p.dout, s, h, tid);
+  ChunkRows<T, false> rows(p, p.dout, s, h, tid);
   float* const D = sm + L::state;
   walk.init(p, n, h, D, tid, NTF);
   if (walk.hi > walk.lo) rows.fetch(walk.hi - 1);
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(2 * kDplrFusedThreads, kCtas) fused_reverse_tw
   if (walk.idle) return;
   const bool chain = threadIdx.x < NTF;  // else the chunk steps
   const int tid = int(threadIdx.x) % NTF, all = threadIdx.x;
-  ChunkRows<T> rows(p, p.dout, s, h, tid);
+  ChunkRows<T, false> rows(p, p.dout, s, h, tid);
   float* const D = sm + L::state;
   const float rho = float(p.scale);
   if (chain) {

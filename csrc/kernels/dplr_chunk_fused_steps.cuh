@@ -163,22 +163,25 @@ __device__ inline void save_state(const MatArg& to, int n, int h, const float* s
 // chunk ci's into registers (0 past the sequence: w = 0 keeps the state, k = v = b = 0 add
 // nothing, dO = 0 sends nothing back), stage() puts them into a chunk's block and the steps'
 // scratch. With `vec` (the launch's input_rows_in_pieces: rows in whole aligned pieces) a piece
-// is one load, else one per element. Addresses step from this thread's piece of the sequence's
-// first rows: the batch, head and channel terms stay out of the chunk loop.
-template <typename T>
+// is one load, else one per element. kHeld: each block's first-row address is held through the
+// chunk loop (the forwards: fewer instructions a fetch), else each fetch forms it from the
+// kernel's arguments (the backwards: six held pointers were what they spilled, each fetch then
+// waiting on their reloads; benchmarks/NOTES.md c69).
+template <typename T, bool kHeld = true>
 struct ChunkRows {
   const VecArg* src[6];
-  const T* first[6];
+  const T* first[kHeld ? 6 : 1];
   uint4 piece[6];
-  int prow, pcol;
-  int64_t len;
+  int prow, pcol, h;
+  int64_t b, row0, len;
   bool vec;
   __device__ ChunkRows(const DplrChunkPass& p, const VecArg& cols, const SeqSpan& s, int h, int tid)
-      : prow(tid / kPiecesPerRow), pcol(kPieceElems * (tid % kPiecesPerRow)), len(s.len),
-        vec(p.paths.rows_16byte) {
+      : prow(tid / kPiecesPerRow), pcol(kPieceElems * (tid % kPiecesPerRow)), h(h), b(s.b), row0(s.bos + prow),
+        len(s.len), vec(p.paths.rows_16byte) {
     src[0] = &p.r, src[1] = &p.w, src[2] = &p.k, src[kColumnRows] = &cols, src[4] = &p.a, src[5] = &p.b;
+    if constexpr (kHeld)
 #pragma unroll
-    for (int m = 0; m < 6; ++m) first[m] = vptr<T>(*src[m], s.b, s.bos + prow, h, pcol);
+      for (int m = 0; m < 6; ++m) first[m] = vptr<T>(*src[m], b, row0, h, pcol);
   }
   __device__ void fetch(int64_t ci) {
 #pragma unroll
@@ -186,7 +189,9 @@ struct ChunkRows {
   }
   // Block m of chunk ci alone.
   __device__ void fetch_one(int m, int64_t ci) {
-    const T* const at = first[m] + ci * C * src[m]->st;
+    const T* at;
+    if constexpr (kHeld) at = first[m] + ci * C * src[m]->st;
+    else at = vptr<T>(*src[m], b, row0 + ci * C, h, pcol);
     const bool on = prow < len - ci * C;
     if (vec) {
       piece[m] = on ? *reinterpret_cast<const uint4*>(at) : make_uint4(0, 0, 0, 0);
