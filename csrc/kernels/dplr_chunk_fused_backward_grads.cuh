@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "dplr_chunk_fused_backward_smem.cuh"
+#include "dplr_dw_scan.cuh"
 #include "dplr_kvector_stores.cuh"
 
 namespace fla {
@@ -149,16 +150,21 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       }
     }
   }
-  // The decay factors per channel: e^G (inclusive) and e^Omega (the rows after), every exponent
-  // an added-up sum; e^E (exclusive) is the row before's e^G (1 at row 0) and e^-G = e^Omega /
-  // gamma (factor_keys' factor), formed where read.
-  if (tid >= NTF - K) {  // (the warps that warp 0's Y and dA_ab leave free)
-    const int d = tid - (NTF - K);
-    float ge = 0.f, oe = 0.f;
+  // The decay factors per channel: e^G (inclusive; warps 0, 1, warp 0 after Y and dA_ab) and
+  // e^Omega (the rows after; warps 2, 3, then zeta), every exponent an added-up sum; e^E
+  // (exclusive) is the row before's e^G (1 at row 0) and e^-G = e^Omega / gamma (factor_keys'
+  // factor), formed where read.
+  static_assert(NTF == 2 * K, "a thread a channel and direction");
+  if (tid < K) {
+    const int d = tid;
+    float ge = 0.f;
     for (int i = 0; i < C; ++i) {
       ge += gs.in<T>(GradSmem::kW, i, d);
       gs.fac[GradSmem::kEG * C * K + i * K + d] = expf(ge);
     }
+  } else {
+    const int d = tid - K;
+    float oe = 0.f;
     for (int i = C - 1; i >= 0; --i) {
       gs.fac[GradSmem::kEO * C * K + i * K + d] = expf(oe);
       oe += gs.in<T>(GradSmem::kW, i, d);
@@ -252,21 +258,42 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
     }
   }
   __syncthreads();
-  // dw by the reverse scan (docs/algorithms.md §6.4; exactly 0 where exp(w) == 0), a thread a
-  // channel, then all five to their outputs (rows of the sequence only).
+  // dw by the reverse scan (dplr_dw_scan.cuh; exactly 0 where exp(w) == 0) on all four warps:
+  // warp w the rows 4w .. 4w + 3 of channels lane and lane + 32 (a warp's loads on 32 channels:
+  // conflict-free), each group's map through fac's space (read above, free now), then its rows
+  // from zeta carried through the later groups' maps; then all five to their outputs (rows of the
+  // sequence only).
   const int64_t t0 = ci * C;
   float* const dw = gs.big + GradSmem::kDW * C * K;  // (over dW, which dX and dÂ have read)
-  if (tid < K) {
-    const int d = tid;
-    float acc = gs.zeta_s[d];
-    for (int i = C - 1; i >= 0; --i) {
-      const int e = i * K + d;
-      const float x = in(GradSmem::kR, i, d) * dR[e] - in(GradSmem::kK, i, d) * dK[e] - in(GradSmem::kB, i, d) * dB[e];
-      acc += x;
-      if (expf(in(GradSmem::kW, i, d)) == 0.f) acc = 0.f;
-      const float y = in(GradSmem::kA, i, d) * gs.dahat[e];
-      dw[e] = acc;
-      acc += y;
+  {
+    const int w = tid / 32, lane = tid % 32;
+    float* const map_c = gs.fac, *const map_keep = gs.fac + 4 * K;  // [4][K] each
+    float x[2][4], y[2][4];
+    bool z[2][4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int d = lane + 32 * half;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = 4 * w + r, e = i * K + d;
+        x[half][r] = in(GradSmem::kR, i, d) * dR[e] - in(GradSmem::kK, i, d) * dK[e] - in(GradSmem::kB, i, d) * dB[e];
+        y[half][r] = in(GradSmem::kA, i, d) * gs.dahat[e];
+        z[half][r] = expf(in(GradSmem::kW, i, d)) == 0.f;
+      }
+      float c;
+      bool keep;
+      dw_group_map(x[half], y[half], z[half], c, keep);
+      map_c[w * K + d] = c, map_keep[w * K + d] = keep ? 1.f : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int d = lane + 32 * half;
+      float acc = gs.zeta_s[d], out[4];
+      for (int q = 3; q > w; --q) acc = dw_through(acc, map_c[q * K + d], map_keep[q * K + d] != 0.f);
+      dw_group_scan(acc, x[half], y[half], z[half], out);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) dw[(4 * w + r) * K + lane + 32 * half] = out[r];
     }
   }
   __syncthreads();

@@ -7,6 +7,7 @@
 #include "dplr_chunk_loads.cuh"
 #include "dplr_chunk_pairs.cuh"
 #include "dplr_chunk_tiles.cuh"
+#include "dplr_dw_scan.cuh"
 #include "dplr_kvector_stores.cuh"
 
 namespace fla {
@@ -220,8 +221,8 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
       const int d = d0 + threadIdx.x / 4;
       const bool on = d < K;
       const int sw = part & 2;  // rows in the order r ^ 2 (swap_halves_if)
-      float x[4], y[4], cg = 0.f;
-      bool z[4], keep = true;  // keep: no reset in this row group
+      float x[4], y[4], cg;
+      bool z[4], keep;  // keep: no reset in this row group
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int at = (r0 + (r ^ sw)) * KP + d;
@@ -233,24 +234,17 @@ __device__ __forceinline__ void store_kvector_grads(float* sm, const Smem& L, co
         z[r] = live && sm[L.w + at] == 0.f;  // exp(w), set above
       }
       swap_halves_if(x, sw), swap_halves_if(y, sw), swap_halves_if(z, sw);  // to row order
-#pragma unroll
-      for (int r = 3; r >= 0; --r) cg = z[r] ? y[r] : cg + x[r] + y[r], keep = keep && !z[r];
+      dw_group_map(x, y, z, cg, keep);
       float acc = 0.f;  // zeta = gamma rowsum(S * dS+) + its two state-part sums (put_state_part)
       if (on) acc = sm[L.zgam + d] * sm[L.zeta + d] + sm[L.zparts + d] + sm[L.zparts + K + d];
 #pragma unroll
       for (int q = 3; q >= 0; --q) {
         const float cq = __shfl_sync(0xffffffffu, cg, q, 4);
         const float kq = __shfl_sync(0xffffffffu, keep ? 1.f : 0.f, q, 4);
-        if (q > part) acc = kq != 0.f ? acc + cq : cq;
+        if (q > part) acc = dw_through(acc, cq, kq != 0.f);
       }
       float dw[4];
-#pragma unroll
-      for (int r = 3; r >= 0; --r) {
-        acc += x[r];
-        if (z[r]) acc = 0.f;
-        dw[r] = acc;
-        acc += y[r];
-      }
+      dw_group_scan(acc, x, y, z, dw);
       swap_halves_if(dw, sw);  // to the loads' order
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
