@@ -399,7 +399,7 @@ def test_chunk_rwkv7_backward_chain(descending, shape, w_kind, cu, lr, gen):
     scaled fp16 tensor cores gives dv and dh0 within the bf16 tolerance of the CPU op's, warps in
     descending order between barriers, outputs poisoned."""
     ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, lr, gen)
-    edv, edh0 = descending.run_single_pass_backward(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, 0)
+    edv, edh0 = descending.run_single_pass_backward(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, False)
     assert_close("dv", edv, grads[3], 1e-2, 1e-6)
     assert_close("dh0", edh0, grads[6], 1e-2, 1e-6)
 
@@ -427,25 +427,23 @@ def test_chunk_rwkv7_backward_kernel_gradients(descending, shape, w_kind, lr, ge
         for c in range(nch):
             hst[:, c] = h0 if c == 0 else chunk_rwkv7(*(t[:, :16 * c] for t in ins), scale=0.7, initial_state=h0,
                                                       output_final_state=True)[1]
-    _check_all_grads(descending.run_single_pass_backward(*ins, h0, do, dht, hst.reshape(-1, H, K, V), 0.7, cu_e, 0),
+    _check_all_grads(descending.run_single_pass_backward(*ins, h0, do, dht, hst.reshape(-1, H, K, V), 0.7, cu_e, False),
                      grads)
 
 
 @pytest.mark.parametrize("descending", ["emu"], indirect=True)
 @pytest.mark.parametrize("shape,w_kind,cu,lr", [
-    ((2, 150, 2, 64, 64), "rwkv7", None, "rwkv"),      # 10 chunks: groups of 4, 4 and 2
+    ((2, 150, 2, 64, 64), "rwkv7", None, "rwkv"),      # 10 chunks
     ((1, 130, 1, 64, 64), "mixedinf", None, "rwkv"),   # the exact pair walks, 9 chunks
     ((1, 200, 1, 64, 64), "u5", [0, 7, 7, 90, 200], "rwkv"),  # varlen, an empty sequence
 ], ids=["rwkv7", "mixedinf", "varlen"])
-@pytest.mark.parametrize("kept", [1, 2], ids=["strided", "f16"])
-def test_chunk_rwkv7_backward_kernel_on_kept_states(descending, shape, w_kind, cu, lr, kept, gen):
-    """The backward kernel under construction on the fused training forward's kept states: every
-    fourth chunk-start state in fp32 (DplrKept::states; each group of four chunks' states made
-    forward in the kernel from the kept one, then walked back), or every chunk's as scaled fp16
-    (DplrKept::f16_states, read as they are; every float of them written). Every gradient within
-    the bf16 tolerance of the CPU op's (dw at 5x), warps descending, outputs poisoned."""
+def test_chunk_rwkv7_backward_kernel_on_kept_states(descending, shape, w_kind, cu, lr, gen):
+    """The backward kernel under construction on the states the fused training forward keeps for
+    it: every chunk's start state as scaled fp16 (DplrKept::f16_states; every float of them
+    written), read as they are. Every gradient within the bf16 tolerance of the CPU op's (dw at
+    5x), warps descending, outputs poisoned."""
     ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, lr, gen)
-    _check_all_grads(descending.run_single_pass_backward(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, kept), grads)
+    _check_all_grads(descending.run_single_pass_backward(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, True), grads)
 
 
 def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):

@@ -235,15 +235,11 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // runs it as the two-block fused kernel that stores the same states and workspace
   // (dplr_chunk_launch.cuh), unless this is off (the op's FLA_EXT_RWKV7_FUSED=0).
   bool fused_may_keep = true;
-  // CUDA backward on the fused forward's kept states (kept == DplrKept::f16_states, or states with
-  // group_states), bf16 / fp16, K = V = 64, one pass (no windows): run the single-pass backward under construction
+  // CUDA backward on the fused forward's fp16 states (kept == DplrKept::f16_states), bf16 / fp16,
+  // K = V = 64, one pass (no windows): run the single-pass backward under construction
   // (kernels/dplr_chunk_fused_backward.cuh) in place of the fused reverse pass and grad. The op
   // sets it only where FLA_EXT_RWKV7_SINGLE_PASS=1 (to measure it; not the default yet).
   bool single_pass_backward = false;
-  // single_pass_backward on kept states: [N H][kDplrStateStride][K V] fp32 scratch, each CTA's
-  // chunk-start states of the group of chunks it walks (dplr_chunk_fused_backward_smem.cuh:
-  // put_group_state); in global memory (L2) so that two CTAs fit an SM.
-  void* group_states = nullptr;
   // CUDA, no cu_seqlens: the pass in windows of the chunk index when window_chunks > 0 (the
   // launch walks them, dplr_chunk_launch.cuh; window_begin is its cursor: each window's kernels
   // take chunks [window_begin, window_begin + window_chunks) of every sequence).

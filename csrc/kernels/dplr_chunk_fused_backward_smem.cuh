@@ -152,27 +152,6 @@ struct GradSmem {
 };
 static_assert(2 * (GradSmem::bytes() + 1024) <= 228 * 1024, "two CTAs an SM");
 
-// The chunk-start states of a CTA's group of chunks in global scratch (DplrChunkPass::
-// group_states, [N H][kDplrStateStride][K V] fp32), each lane's held elements as 8 float4s at
-// consecutive lanes' addresses (coalesced; a lane reads back only what it wrote).
-__device__ inline float4* group_state(const DplrChunkPass& p, int64_t c, int tid) {
-  return static_cast<float4*>(p.group_states) + ((int64_t(blockIdx.x) * kDplrStateStride + c) * (K * V / 4 / NTF)) * NTF + tid;
-}
-__device__ inline void put_group_state(const float (&ht)[K / 8][4], const DplrChunkPass& p, int64_t c, int tid) {
-  float4* const at = group_state(p, c, tid);
-#pragma unroll
-  for (int t = 0; t < K / 8; ++t) at[t * NTF] = make_float4(ht[t][0], ht[t][1], ht[t][2], ht[t][3]);
-}
-__device__ inline void get_group_state(float (&ht)[K / 8][4], const DplrChunkPass& p, int64_t c, int tid) {
-  const float4* const at = group_state(p, c, tid);
-#pragma unroll
-  for (int t = 0; t < K / 8; ++t) {
-    const float4 x = at[t * NTF];
-    ht[t][0] = x.x, ht[t][1] = x.y, ht[t][2] = x.z, ht[t][3] = x.w;
-  }
-}
-static_assert(K * V / 4 == (K / 8) * NTF, "a state is 8 float4s a lane");
-
 // The 16 x 64 sums over the value columns without partials: each warp puts its column block of
 // the column-side operands into shared memory as the fp16 values its products would read (a
 // held H^T as a [V][kF16Row] tile, H^T's columns as its rows; an A operand of the chunk's rows by
@@ -290,7 +269,10 @@ __device__ inline void update_held(const ChainTiles& ct, const float* gamma, flo
 }
 
 // A staged chunk's steps (chunk_steps' decays, factored keys where bounded and pair matrices,
-// then X), returning whether the chunk is bounded. After the staging; ends synchronised.
+// then X), returning whether the chunk is bounded. The pair matrices on single TF32 for 16-bit
+// inputs, as the fused forward's (the chain reads them as scaled fp16 tiles; the gradients' errors
+// on the stress cases were the same to three digits as on 3xTF32's: benchmarks/NOTES.md c69),
+// 3xTF32 for fp32. After the staging; ends synchronised.
 template <typename T>
 __device__ inline bool steps_with_x(const ChunkSteps& at, const DplrChunkPass& p, const SeqSpan& s, int h, int64_t ci,
                                     int tid) {

@@ -282,9 +282,9 @@ template <typename T>
 cudaError_t launch(const DplrChunkPass& p, cudaStream_t stream) {
   if (int64_t(p.N) * p.H == 0) return cudaSuccess;
   if constexpr (!std::is_same<T, float>::value) {
-    if (p.single_pass_backward) {  // (the op's checks: kept states, K = V = 64, no windows)
-      const bool kept_states = (p.kept == DplrKept::states && p.group_states) || p.kept == DplrKept::f16_states;
-      if (!p.backward() || !kept_states || p.K != 64 || p.V != 64 || p.window_chunks > 0) return cudaErrorInvalidValue;
+    if (p.single_pass_backward) {  // (the op's checks: the fp16 states, K = V = 64, no windows)
+      if (!p.backward() || p.kept != DplrKept::f16_states || p.K != 64 || p.V != 64 || p.window_chunks > 0)
+        return cudaErrorInvalidValue;
       DplrChunkPass f = p;
       pick_paths<T>(f);  // (the stores' paths; its rows come as ChunkRows' pieces:)
       f.paths.rows_16byte = input_rows_in_pieces<T>(p, p.dout);

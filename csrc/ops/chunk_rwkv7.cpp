@@ -512,12 +512,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   // or the reverse sweep on the kept workspace, `ws_kept`)
   const bool two_kernel = two_kernel_strided(d, r, kind), ws_kept = two_kernel && saved_strided_ws(d, kept);
   const bool lean = two_kernel && !ws_kept;
-  // FLA_EXT_RWKV7_SINGLE_PASS=1: the single-pass backward under construction where it runs (the
-  // fused forward's kept states, fp16 every chunk or fp32 every fourth, K = V = 64, the gradients
-  // straight into the outputs), to measure it (benchmarks/NOTES.md c67, c69); it needs no dS+ or
-  // matrix buffers, so no windows. The fp16 states are its alone.
-  const bool single = r.is_cuda() && (kind == DplrKept::f16_states || (kind == DplrKept::states && !two_kernel)) &&
-                      pair == 0 && d.K == 64 && d.V == 64 && single_pass_override();
+  // FLA_EXT_RWKV7_SINGLE_PASS=1: the single-pass backward under construction, on the fp16 states
+  // the fused forward then keeps (K = V = 64, the gradients straight into the outputs), to measure
+  // it (benchmarks/NOTES.md c67, c69); it needs no dS+ or matrix buffers, so no windows. A forward
+  // run with it off kept other states: the default paths take those.
+  const bool single = r.is_cuda() && kind == DplrKept::f16_states && pair == 0;
   TORCH_CHECK(single || kind != DplrKept::f16_states, "chunk_rwkv7: fp16 states without the single-pass backward");
   int64_t window = single ? 0 : backward_window_chunks(d, kind, lean, ws_kept);
   int windows = 1;
@@ -531,17 +530,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   }
   Tensor dhst = window > 0 ? new_output({d.N * window * windows, d.H, d.K, d.V}, acc)
                            : dplr_states(d, r, d.T > 0 && r.is_cuda() && !single);
-  // (single: each CTA's group of chunk-start states, DplrChunkPass::group_states)
-  Tensor group_states = single && kind == DplrKept::states && d.T > 0
-                           ? new_output({d.N * d.H, kDplrStateStride, d.K, d.V}, acc)
-                           : Tensor();
 
   if (d.T > 0) {
     Tensor ws, uo, carry;
-    // (single: a one-chunk "window" keeps chunk_pass's matrix buffer to one chunk's; no window runs)
-    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, kept, false, single ? 1 : window, windows);
-    if (single) p.window_chunks = 0, p.single_pass_backward = true;
-    if (group_states.defined()) p.group_states = group_states.data_ptr();
+    // (single: chunk_pass makes no workspace for the fp16 states)
+    DplrChunkPass p = chunk_pass(d, r, w, k, v, a, b, initial_state, ws, uo, kept, false, window, windows);
+    p.single_pass_backward = single;
     p.dout = d.L.vec(grad_o), p.dv = d.L.vec(dv);
     if (has_dht) p.dht = mat(*grad_final_state);
     if (has_h0) p.dh0 = mat(dh0);

@@ -329,10 +329,10 @@ std::vector<Tensor> run_fused(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, 
 
 // The backward kernel under construction (dplr_chunk_fused_backward.cuh), bf16, K = V = 64: [dv,
 // dh0] from dout and dht (empty: none); with hst (every chunk-start state, fp32, [slots, H, K, V]
-// at chunk_slot's slots), or with `kept` on the states the fused training forward keeps (from h0;
-// 1: DplrKept::states, 2: DplrKept::f16_states), also [dr, dw, dk, da, db]; outputs poisoned.
+// at chunk_slot's slots), or with `kept` on the fp16 states the fused training forward keeps for
+// it (from h0, DplrKept::f16_states), also [dr, dw, dk, da, db]; outputs poisoned.
 std::vector<Tensor> run_single_pass_backward(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
-                                       Tensor dout, Tensor dht, Tensor hst, double scale, Tensor cu, int64_t kept) {
+                                       Tensor dout, Tensor dht, Tensor hst, double scale, Tensor cu, bool kept) {
   const bool varlen = cu.numel() > 0;
   const int B = r.size(0), T = r.size(1), H = r.size(2), K = r.size(3), V = v.size(3);
   TORCH_CHECK(K == 64 && V == 64 && r.scalar_type() == torch::kBFloat16, "bf16, K = V = 64");
@@ -347,9 +347,8 @@ std::vector<Tensor> run_single_pass_backward(Tensor r, Tensor w, Tensor k, Tenso
   p.dv = vec(dv), p.dh0 = mat(dh0);
   std::vector<Tensor> kgd;
   if (kept) {
-    const DplrKept kind = kept == 2 ? DplrKept::f16_states : DplrKept::states;
-    hst = kept == 2 ? poison({DplrF16States::floats(N, T, varlen, H)})
-                    : poison({dplr_kept_state_slots(N, T, varlen), H, K, V});
+    const DplrKept kind = DplrKept::f16_states;
+    hst = poison({DplrF16States::floats(N, T, varlen, H)});
     Tensor o = poison(v.sizes(), v.scalar_type());
     DplrChunkPass f = p;
     if (h0.numel()) f.h0 = mat(h0);
@@ -368,8 +367,6 @@ std::vector<Tensor> run_single_pass_backward(Tensor r, Tensor w, Tensor k, Tenso
   pick_paths<__nv_bfloat16>(p);
   p.paths.rows_16byte = input_rows_in_pieces<__nv_bfloat16>(p, p.dout);
   if (!kept) p.paths.grads_16byte = false;
-  Tensor group_states = poison({N * H, kDplrStateStride, K, V});
-  p.group_states = group_states.data_ptr();
   emu::launch(dim3(unsigned(N * H)), NTF, [&] {
     emu::poisoned_cta([&] { single_pass_backward_kernel<__nv_bfloat16>(p); }, fused_sm4);
   });
