@@ -3,6 +3,7 @@ CPU (tests/cuda_emu: a fiber per CUDA thread, a barrier per __syncthreads, NaN-p
 and workspaces), against fla_ext's CPU ops: forward and every gradient, fp32 and bf16. CI has no GPU; this is where it executes the
 kernels' indexing, workspace layout and algebra (not their speed, nor races the barrier order
 hides on the CPU). Needs the CUDA headers (CUDA_HOME) and a C++20 compiler."""
+import math
 import os
 import subprocess
 import sys
@@ -444,6 +445,36 @@ def test_chunk_rwkv7_backward_kernel_on_kept_states(descending, shape, w_kind, c
     5x), warps descending, outputs poisoned."""
     ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, lr, gen)
     _check_all_grads(descending.run_single_pass_backward(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, True), grads)
+
+
+def test_f16_state_record_roundtrip(emu, gen):
+    """The single pass's fp16 chunk-start states (dplr_f16_states.cuh): each 16-column block is
+    stored as fp16 times the power of two that puts its largest magnitude in [2^14, 2^15) and
+    loaded back exactly as those values: blocks of very different magnitudes (1e-30, 1, 1e30),
+    an all-zero block, and one whose largest magnitude is an exact power of two (the scale's
+    edge); elements down to 2^-24 of their block's largest keep fp16's 11 bits."""
+    S = torch.randn(64, 64, generator=gen)
+    S[:, 0:16] *= 1e-30
+    S[:, 16:32] = 0.0
+    S[:, 32:48] *= 1e30
+    S[:, 48:64] /= S[:, 48:64].abs().max()
+    S[5, 50] = -1.0  # the block's largest is exactly 2^0
+    S[7, 51] = 2.0 ** -20  # 2^-20 of it: still a normal fp16 after the scale
+    back, inv = emu.f16_state_roundtrip(S)
+    for blk in range(4):
+        cols = slice(16 * blk, 16 * blk + 16)
+        amax = S[:, cols].abs().max().item()
+        if amax == 0.0:
+            assert inv[blk].item() == 1.0 and (back[:, cols] == 0).all()
+            continue
+        scale = 2.0 ** (14 - math.floor(math.log2(amax)))
+        assert inv[blk].item() == 1.0 / scale, f"block {blk}: scale"
+        expect = ((S[:, cols].double() * scale).half().double() / scale).float()
+        assert torch.equal(back[:, cols], expect), f"block {blk}: values"
+        small = S[:, cols].abs() >= amax * 2.0 ** -24
+        rel = ((back[:, cols] - S[:, cols]).abs() / S[:, cols].abs())[small]
+        assert rel.max().item() <= 2.0 ** -11, f"block {blk}: 11 bits"
+    assert back[7, 51].item() == 2.0 ** -20 and back[5, 50].item() == -1.0
 
 
 def check(emu, shape, w_kind, cu, gen, dtype, tol, lr="rwkv", strided=False):

@@ -375,6 +375,31 @@ std::vector<Tensor> run_single_pass_backward(Tensor r, Tensor w, Tensor k, Tenso
   return out;
 }
 
+// A [K][V] fp32 state through the single pass's fp16 record (dplr_f16_states.cuh): stored by the
+// 128 threads of a CTA from a [K][LB] shared-memory copy, loaded back by them into their held
+// elements: [the state as loaded, [K][V]; the record's four inverse scales].
+std::vector<Tensor> f16_state_roundtrip(Tensor state) {
+  using namespace dplr_fused_detail;
+  TORCH_CHECK(state.sizes() == torch::IntArrayRef({K, V}) && state.scalar_type() == torch::kFloat, "[64, 64] fp32");
+  Tensor staged = torch::zeros({K, LB});
+  staged.narrow(1, 0, V).copy_(state);
+  Tensor record = poison({DplrF16States::kFloats}), back = poison({K, V});
+  float* const rec = record.data_ptr<float>();
+  const float* const S = staged.data_ptr<float>();
+  float* const out = back.data_ptr<float>();
+  emu::launch(dim3(1), NTF, [&] {
+    const int tid = int(threadIdx.x);
+    store_f16_state(rec, S, tid);
+    __syncthreads();
+    float ht[K / 8][4];
+    load_f16_state(ht, rec, tid);
+    const HeldLane ln(tid);
+    for (int t = 0; t < K / 8; ++t)
+      for (int e = 0; e < 4; ++e) out[ln.chan(t, e) * V + ln.col(e)] = ht[t][e];
+  });
+  return {back, record.narrow(0, kF16StateScales, V / 16).clone()};
+}
+
 std::vector<Tensor> run(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, Tensor h0,
                         Tensor dout, Tensor dht, double scale, Tensor cu, int64_t keep) {
   const int64_t K = r.size(3);  // the launch's constant-K builds (dplr_chunk_launch.cuh)
@@ -392,6 +417,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run);
   m.def("run_fused", &run_fused);
   m.def("run_single_pass_backward", &run_single_pass_backward);
+  m.def("f16_state_roundtrip", &f16_state_roundtrip);
   m.def("set_warp_order", [](int order) { emu::warp_order = order; });
   m.def("set_fused_ctas", [](int ctas) { fused_ctas = ctas; });
 }
