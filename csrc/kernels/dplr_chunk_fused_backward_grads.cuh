@@ -44,20 +44,20 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
     static_assert((V + C) * kF16Row * 2 + 16 * 4 <= 4 * GradSmem::kPart * 4, "in part's space");
     const int warp = tid / 32, d0 = 16 * warp;
     float* const s_a = scales, *const s_b = scales + 4, *const s_row = scales + 8, *const s_col = scales + 12;
-    put_held_f16(st, ss, cols, ln);
-    put_a_f16(dua, rows, ln);
-    if (tid % 32 == 0) s_a[warp] = sc(CT::kDout), s_row[warp] = sdu, s_col[warp] = ss;
-    __syncthreads();
-    column_sum(ct.tile(CT::kDout), s_a, cols, s_col, d0, gs.big + GradSmem::kDR * C * K);
-    column_sum(rows, s_row, cols, s_col, d0, gs.big + GradSmem::kDW * C * K);
-    __syncthreads();
-    put_held_f16(dt, sd, cols, ln);
-    put_a_f16(ua, rows, ln);
-    if (tid % 32 == 0) s_b[warp] = sc(CT::kV), s_row[warp] = su, s_col[warp] = sd;
-    __syncthreads();
-    column_sum(ct.tile(CT::kV), s_b, cols, s_col, d0, gs.big + GradSmem::kDK * C * K);
-    column_sum(rows, s_row, cols, s_col, d0, gs.big + GradSmem::kDB * C * K);
-    __syncthreads();  // (part's space next holds the 16 x 16 partials)
+    // One round: the held block h (scale sh) the column side, against the chain tile `tile` (its
+    // scales at s_tile) into out_tile and the A operand ra (scale sr) into out_rows.
+    auto round = [&](const float(&h)[K / 8][4], float sh, const F16A& ra, float sr, int tile, float* s_tile,
+                     int out_tile, int out_rows) {
+      put_held_f16(h, sh, cols, ln);
+      put_a_f16(ra, rows, ln);
+      if (tid % 32 == 0) s_tile[warp] = sc(tile), s_row[warp] = sr, s_col[warp] = sh;
+      __syncthreads();
+      column_sum(ct.tile(tile), s_tile, cols, s_col, d0, gs.big + out_tile * C * K);
+      column_sum(rows, s_row, cols, s_col, d0, gs.big + out_rows * C * K);
+      __syncthreads();
+    };
+    round(st, ss, dua, sdu, CT::kDout, s_a, GradSmem::kDR, GradSmem::kDW);
+    round(dt, sd, ua, su, CT::kV, s_b, GradSmem::kDK, GradSmem::kDB);  // (then part's space: the 16 x 16 partials)
   }
   // The 16 x 16 sums and zeta's rowsum(S * dS+), all four warps' partials, then one sum.
   {
