@@ -169,8 +169,8 @@ enum class DplrKept : int {
 // The chunk-start states of DplrKept::f16_states, K = V = 64: the state before chunk ci of
 // sequence n at chunk_slot<kDplrChunk>(n, ci), head h, as a record of kFloats floats (laid out in
 // kernels/dplr_f16_states.cuh: the K x V values as fp16 in the backward's lane order, then one
-// inverse power-of-two scale per 16 value columns). The slots after a sequence's chunks are not
-// written (no pass reads them).
+// inverse power-of-two scale per 16 value columns). The slots after a sequence's chunks, which
+// no pass reads, hold zeros (`saved` is an op output).
 struct DplrF16States {
   static constexpr int64_t kFloats = 64 * 64 / 2 + 64 / 16;
   static FLA_HD int64_t floats(int N, int T, bool varlen, int H) {

@@ -19,8 +19,9 @@
 //      dplr_f16_states.cuh), read straight into registers; the tests may also give every chunk's
 //      fp32 (hst, no kept kind). (Its first form walked the fused forward's fp32 states of every
 //      fourth chunk, making each group's states again first: slower, removed; NOTES c69.)
-// 108.6 KB of shared memory, two CTAs an SM. Slower than the fused reverse pass + grad (c68), so
-// the op launches it only where FLA_EXT_RWKV7_SINGLE_PASS=1 (DplrChunkPass::single_pass_backward).
+// 108.6 KB of shared memory, two CTAs an SM. Level with the fused reverse pass + grad, not faster
+// (benchmarks/NOTES.md c69), so the op launches it only where FLA_EXT_RWKV7_SINGLE_PASS=1
+// (DplrChunkPass::single_pass_backward).
 #pragma once
 #include "dplr_chunk_fused_backward_grads.cuh"
 

@@ -110,12 +110,12 @@ __device__ inline void load_held(float (&ht)[K / 8][4], const float* S, const He
 #pragma unroll
     for (int e = 0; e < 4; ++e) ht[t][e] = S[ln.chan(t, e) * V + ln.col(e)];
 }
-// Step 2's buffers, after the chain tiles, sized for two CTAs an SM (c68): each warp's partial
-// sums over its columns (part: the 16 x 64 one of the moment, or the four 16 x 16 ones and
-// zeta's); their sums (big: dR^, dK^, dB^, dW, then dr, dk, db in place and dw over dW; small:
-// dA_rk, dA_rb, dA_ak, dU M^T, then zeta_s: rowsum(S * dS+)); the chunk's raw rows r, w, k, a, b
-// as they came (16-bit). Once the sums are taken, part's space holds the chunk-wide matrices and
-// the decay factors: dÂ, e^G, e^Omega [C][K], dX, dA_ab, Y [C][C].
+// Step 2's buffers, after the chain tiles, sized for two CTAs an SM (c68): part (the column
+// blocks of the 16 x 64 sums, column_sum's, then each warp's four 16 x 16 partials and zeta's);
+// the sums (big: dR^, dK^, dB^, dW, then dr, dk, db in place and dw over dW; small: dA_rk, dA_rb,
+// dA_ak, dU M^T, then zeta_s: rowsum(S * dS+)); the chunk's raw rows r, w, k, a, b as they came
+// (16-bit). Once the sums are taken, part's space holds the chunk-wide matrices and the decay
+// factors: dÂ, e^G, e^Omega [C][K] (then the dw scan's group maps), dX, dA_ab, Y [C][C].
 struct GradSmem {
   static constexpr int kPart = 4 * C * C + K;  // a warp's partials
   static_assert(kPart % 4 == 0, "sum_partials reads float4s");

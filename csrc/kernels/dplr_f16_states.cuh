@@ -45,15 +45,6 @@ __device__ inline float warp_amax(const float (&x)[n][4]) {
 static_assert(DplrF16States::kFloats == K * V / 2 + V / 16, "the record's size");
 constexpr int kF16StateScales = K * V / 2;
 
-// The power of two that puts amax in [2^14, 2^15) (1 for 0, a subnormal, inf or NaN), kept
-// within 2^+-126 so that its inverse is a normal float too.
-__device__ __forceinline__ float f16_state_scale(float amax) {
-  if (!(amax >= 0x1p-126f) || !(amax <= 3.4028235e38f)) return 1.f;
-  const int x = int(__float_as_uint(amax) >> 23) - 127;  // amax in [2^x, 2^(x+1))
-  const int e = 14 - x < -126 ? -126 : 14 - x > 126 ? 126 : 14 - x;
-  return __uint_as_float(uint32_t(127 + e) << 23);
-}
-
 // The forward's state S ([K][LB] fp32 in shared memory) into `record`, by 128 threads (tid), each
 // its own HeldLane elements. Reads S alone: after the barrier that wrote it.
 __device__ inline void store_f16_state(float* record, const float* S, int tid) {
@@ -63,7 +54,7 @@ __device__ inline void store_f16_state(float* record, const float* S, int tid) {
   for (int t = 0; t < K / 8; ++t)
 #pragma unroll
     for (int e = 0; e < 4; ++e) ht[t][e] = S[ln.chan(t, e) * LB + ln.col(e)];
-  const float s = f16_state_scale(warp_amax(ht));
+  const float s = tile::pow2_scale<15>(warp_amax(ht));  // (the largest magnitude into [2^14, 2^15))
   uint4* const out = reinterpret_cast<uint4*>(record) + tid;
 #pragma unroll
   for (int i = 0; i < K / 16; ++i) {

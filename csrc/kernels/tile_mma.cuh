@@ -258,6 +258,18 @@ __device__ __forceinline__ F16A a_from_acc_t(const float (&c0)[4], const float (
            movmatrix_trans(f16_pair(s * c0[2], s * c0[3])), movmatrix_trans(f16_pair(s * c1[2], s * c1[3]))}};
 }
 
+// The power of two s that takes amax into [2^(kTop-1), 2^kTop) (1 where amax is 0, not finite,
+// or below 2^-126), kept within 2^+-126 so that s and 1 / s stay normal: pow2_down_scale's with
+// kTop = 0; the single pass's fp16 states' with kTop = 15 (dplr_f16_states.cuh).
+template <int kTop>
+__device__ __forceinline__ float pow2_scale(float amax) {
+  if (!(amax >= 0x1p-126f) || !(amax <= 3.4028235e38f)) return 1.f;
+  const int x = int(__float_as_uint(amax) >> 23) - 126;  // amax in [2^(x-1), 2^x), x >= -125
+  int xc = x < kTop + 126 ? x : kTop + 126;               // s >= 2^-126
+  if (kTop > 0 && xc < kTop - 126) xc = kTop - 126;       // s <= 2^126 (kTop <= 0: already)
+  return __uint_as_float(uint32_t(127 + kTop - xc) << 23);  // s = 2^(kTop - xc)
+}
+
 // The power of two s that takes a tile whose largest magnitude is amax into [0.5, 1) (1 where
 // amax is 0, not finite, or below 2^-126; 2^-126 from amax >= 2^126, into [1, 4), so that s and
 // 1 / s stay normal). x s then rounds to fp16 as TF32 rounds x (the same 10 stored bits, to
@@ -265,13 +277,8 @@ __device__ __forceinline__ F16A a_from_acc_t(const float (&c0)[4], const float (
 // absolute error under 2^-25 amax below that, and never overflows; a product of operands scaled
 // by sa and sb is the fp32 result times sa sb exactly (benchmarks/NOTES.md c57: TF32's errors on
 // the RWKV7 stress suite).
-__device__ __forceinline__ float pow2_down_scale(float amax) {
-  if (!(amax >= 0x1p-126f) || !(amax <= 3.4028235e38f)) return 1.f;
-  const int x = int(__float_as_uint(amax) >> 23) - 126;  // amax in [2^(x-1), 2^x)
-  const int e = x < 126 ? x : 126;
-  return __uint_as_float(uint32_t(127 - e) << 23);
-}
-// 1 / s of a pow2_down_scale s, exactly, from its exponent bits (a division costs a dozen
+__device__ __forceinline__ float pow2_down_scale(float amax) { return pow2_scale<0>(amax); }
+// 1 / s of a pow2_scale s, exactly, from its exponent bits (a division costs a dozen
 // instructions where this is one).
 __device__ __forceinline__ float inverse_pow2(float s) { return __uint_as_float(0x7f000000u - __float_as_uint(s)); }
 

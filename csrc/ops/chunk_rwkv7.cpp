@@ -498,11 +498,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   // Only CUDA keeps them (chunk_rwkv7_train); the CPU engine makes its own.
   if (has(saved_in)) check_device(*saved_in, "saved", r.device());
   // Any form saved_floats gives, whatever the settings now: the strided states where a backward
-  // reads them (dplr_strided_states' shapes), alone or with the workspace, else every state and
-  // the workspace.
+  // reads them (dplr_strided_states' shapes), alone or with the workspace, or the fp16 states
+  // (saved_kind: told by their lengths), else every state and the workspace.
   const DplrKept kind_in = has(saved_in) ? saved_kind(d, r, &*saved_in) : DplrKept::nothing;
-  const bool strided_in = kind_in == DplrKept::states || kind_in == DplrKept::f16_states;
-  const int64_t saved_len = strided_in ? saved_in->numel() : saved_states_floats(d, false) + dplr_ws_floats(d);
+  const bool own_length = kind_in == DplrKept::states || kind_in == DplrKept::f16_states;
+  const int64_t saved_len = own_length ? saved_in->numel() : saved_states_floats(d, false) + dplr_ws_floats(d);
   const Tensor* kept = r.is_cuda() && d.T > 0
                            ? kept_workspace(saved_in, {saved_len}, r.options().dtype(at::kFloat), "saved")
                            : nullptr;
