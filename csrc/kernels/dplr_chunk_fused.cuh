@@ -83,7 +83,7 @@ __device__ inline void write_state(float* S, const float (&next)[V / 8][4], int 
 // after the last chunk the final state. DplrKept::states: slot dplr_kept_state_slot(n, g) the
 // state before chunk kStride g, the slot after them the final state (store_after).
 // DplrKept::f16_states: every chunk's start state as DplrF16States' records at chunk_slot(n, ci)
-// (store_before), nothing after them.
+// (store_before), no final state after them (that slot 0, finish).
 template <typename T, DplrKept kKept>
 struct ForwardOut {
   static constexpr bool kStates = kKept != DplrKept::nothing, kF16 = kKept == DplrKept::f16_states;
@@ -94,7 +94,8 @@ struct ForwardOut {
   float* hst;
   T* o0;
   __device__ ForwardOut(const DplrChunkPass& p, const FusedTask& t)
-      : n(t.n), h(t.h), slot0(chunk_slot<C * kStride>(p.cu_seqlens, t.n, p.T, 0)), nch(t.nch), slot_floats(p.H * kSlotFloats),
+      : n(t.n), h(t.h), slot0(chunk_slot<C * kStride>(p.cu_seqlens, t.n, p.T, 0)), nch(t.nch),
+        slot_floats(p.H * kSlotFloats),
         hst(kStates ? static_cast<float*>(p.hst) + (slot0 * p.H + t.h) * kSlotFloats : nullptr),
         o0(vptr<T>(p.o, t.s.b, t.s.bos, t.h, 0)) {}
   // The state before chunk kStride g's slot.

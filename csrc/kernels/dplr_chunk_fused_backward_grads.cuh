@@ -16,8 +16,8 @@ namespace dplr_fused_detail {
 // each with its fp16 scale. Ends synchronised.
 template <typename T>
 __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, const float (&st)[K / 8][4], int h,
-                                     int64_t ci,
-                                     const ChunkSteps& at, const ChainTiles& ct, const GradSmem& gs, const tile::F16A& dot,
+                                     int64_t ci, const ChunkSteps& at, const ChainTiles& ct, const GradSmem& gs,
+                                     const tile::F16A& dot,
                                      const float (&dt)[K / 8][4], float sd, const float (&du)[2][4], float sdu,
                                      const float (&dm)[2][4], float sdm, bool bounded, int tid) {
   using tile::F16A;
