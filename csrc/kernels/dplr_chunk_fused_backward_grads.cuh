@@ -26,6 +26,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   using B = ChunkBlock;
   const HeldLane ln(tid);
   const int x0 = ln.x0;
+  constexpr int kRow = GradSmem::kRow, kMatRow = GradSmem::kMatRow;  // (the buffers' row strides)
   auto sc = [&](int t) { return ct.scale[t]; };
   const float ss = tile::pow2_down_scale(warp_amax(st));
   // M^T, U^T (state_products)
@@ -52,8 +53,8 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       put_a_f16(ra, rows, ln);
       if (tid % 32 == 0) s_tile[warp] = sc(tile), s_row[warp] = sr, s_col[warp] = sh;
       __syncthreads();
-      column_sum(ct.tile(tile), s_tile, cols, s_col, d0, gs.big + out_tile * C * K);
-      column_sum(rows, s_row, cols, s_col, d0, gs.big + out_rows * C * K);
+      column_sum(ct.tile(tile), s_tile, cols, s_col, d0, gs.big + out_tile * C * kRow);
+      column_sum(rows, s_row, cols, s_col, d0, gs.big + out_rows * C * kRow);
       __syncthreads();
     };
     round(st, ss, dua, sdu, CT::kDout, s_a, GradSmem::kDR, GradSmem::kDW);
@@ -91,7 +92,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
         for (int o = 4; o < 32; o *= 2) z += __shfl_xor_sync(0xffffffffu, z, o);
         if (ln.g == 0) mine[ln.chan(t, e)] = z;
       }
-    sum_partials(gs, 0, 4 * C * C + K, gs.small, tid);
+    sum_partials(gs, tid);
   }
   // Chunk-wide, on TF32 tensor cores (fp32 operands in shared memory, rounded as the two-pass
   // grad kernel's; 3xTF32 for fp32 inputs): the masks, dX = dU M^T + dW Â^T (warps 0, 1: a column
@@ -103,50 +104,52 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   auto row_of = [&](int e) { return g + 8 * (e / 2); };
   auto col_of = [&](int e) { return 2 * q + e % 2; };
   const float* const X = at.blk + B::mats + kMatX * C * LM;
-  float* const dArk = gs.small + GradSmem::kDArk * C * C;
-  float* const dArb = gs.small + GradSmem::kDArb * C * C;
-  float* const dAak = gs.small + GradSmem::kDAak * C * C;
-  const float* const dX1 = gs.small + GradSmem::kDX1 * C * C;
-  const float* const dW = gs.big + GradSmem::kDW * C * K;
+  float* const dArk = gs.small + GradSmem::kDArk * C * kMatRow;
+  float* const dArb = gs.small + GradSmem::kDArb * C * kMatRow;
+  float* const dAak = gs.small + GradSmem::kDAak * C * kMatRow;
+  const float* const dX1 = gs.small + GradSmem::kDX1 * C * kMatRow;
+  const float* const dW = gs.big + GradSmem::kDW * C * kRow;
   for (int e = tid; e < C * C; e += NTF) {
-    const int i = e / C, j = e % C;
-    if (j > i) dArk[e] = 0.f, dArb[e] = 0.f;
-    if (j >= i) dAak[e] = 0.f;
+    const int i = e / C, j = e % C, x = i * kMatRow + j;
+    if (j > i) dArk[x] = 0.f, dArb[x] = 0.f;
+    if (j >= i) dAak[x] = 0.f;
   }
   if (warp < 2) {
     float acc[4] = {};
-    tile::warp_mma_ld<false, true, false, false, X3>(acc, K, dW, K, at.blk + B::ahat + 8 * warp * LA, LA);
+    tile::warp_mma_ld<false, true, false, false, X3>(acc, K, dW, kRow, at.blk + B::ahat + 8 * warp * LA, LA);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int at_ij = row_of(e) * C + 8 * warp + col_of(e);
+      const int at_ij = row_of(e) * kMatRow + 8 * warp + col_of(e);
       gs.dx[at_ij] = dX1[at_ij] + acc[e];
     }
   }
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     float acc[4] = {};
-    tile::warp_mma_ld<true, false, false, false, X3>(acc, C, X, LM, dW + d0 + 8 * nt, K);
+    tile::warp_mma_ld<true, false, false, false, X3>(acc, C, X, LM, dW + d0 + 8 * nt, kRow);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) gs.dahat[row_of(e) * K + d0 + 8 * nt + col_of(e)] = acc[e];
+    for (int h2 = 0; h2 < 2; ++h2)  // (elements 2 h2, 2 h2 + 1: row g + 8 h2, two channels)
+      *reinterpret_cast<float2*>(gs.dahat + (g + 8 * h2) * kRow + d0 + 8 * nt + 2 * q) =
+          make_float2(acc[2 * h2], acc[2 * h2 + 1]);
   }
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       float acc[4] = {};
-      tile::warp_mma_ld<true, false, false, false, X3>(acc, C, X, LM, gs.dx + 8 * nt, C);
+      tile::warp_mma_ld<true, false, false, false, X3>(acc, C, X, LM, gs.dx + 8 * nt, kMatRow);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) gs.y[row_of(e) * C + 8 * nt + col_of(e)] = acc[e];
+      for (int e = 0; e < 4; ++e) gs.y[row_of(e) * kMatRow + 8 * nt + col_of(e)] = acc[e];
     }
     __syncwarp();
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       float acc[4] = {};
-      tile::warp_mma_ld<false, true, false, false, X3>(acc, C, gs.y, C, X + 8 * nt * LM, LM);
+      tile::warp_mma_ld<false, true, false, false, X3>(acc, C, gs.y, kMatRow, X + 8 * nt * LM, LM);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = row_of(e), j = 8 * nt + col_of(e);
-        gs.daab[i * C + j] = j < i ? acc[e] : 0.f;
+        gs.daab[i * kMatRow + j] = j < i ? acc[e] : 0.f;
       }
     }
   }
@@ -160,21 +163,21 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
     float ge = 0.f;
     for (int i = 0; i < C; ++i) {
       ge += gs.in<T>(GradSmem::kW, i, d);
-      gs.fac[GradSmem::kEG * C * K + i * K + d] = expf(ge);
+      gs.fac[GradSmem::kEG * C * kRow + i * kRow + d] = expf(ge);
     }
   } else {
     const int d = tid - K;
     float oe = 0.f;
     for (int i = C - 1; i >= 0; --i) {
-      gs.fac[GradSmem::kEO * C * K + i * K + d] = expf(oe);
+      gs.fac[GradSmem::kEO * C * kRow + i * kRow + d] = expf(oe);
       oe += gs.in<T>(GradSmem::kW, i, d);
     }
     // zeta = rowsum(S+ * dS+) = gamma rowsum(S * dS+) + sum_j (K^ dK^ + B^ dB^) (dK^, dB^ before
     // the K-vector gradients take their place below)
     float z = at.blk[B::gam + d] * gs.zeta_s[d];
     for (int j = 0; j < C; ++j)
-      z += at.blk[B::khat + j * LB + d] * gs.big[GradSmem::kDK * C * K + j * K + d] +
-           at.blk[B::bhat + j * LB + d] * gs.big[GradSmem::kDB * C * K + j * K + d];
+      z += at.blk[B::khat + j * LB + d] * gs.big[GradSmem::kDK * C * kRow + j * kRow + d] +
+           at.blk[B::bhat + j * LB + d] * gs.big[GradSmem::kDB * C * kRow + j * kRow + d];
     gs.zeta_s[d] = z;
   }
   __syncthreads();
@@ -184,14 +187,13 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   const float* const kt = at.wrow;  // K~ [C][LA]
   const float* const bt = at.btil;  // B~ [C][LA]
   const float* const fac = gs.fac;
-  float* const dR = gs.big + GradSmem::kDR * C * K;
-  float* const dK = gs.big + GradSmem::kDK * C * K;
-  float* const dB = gs.big + GradSmem::kDB * C * K;
+  float* const dR = gs.big + GradSmem::kDR * C * kRow;
+  float* const dK = gs.big + GradSmem::kDK * C * kRow;
+  float* const dB = gs.big + GradSmem::kDB * C * kRow;
   auto in = [&](int m, int i, int d) { return gs.in<T>(m, i, d); };
-  auto e_g = [&](int x) { return fac[GradSmem::kEG * C * K + x]; };                   // e^G_i at x = i K + d
-  auto e_e = [&](int x) { return x >= K ? fac[GradSmem::kEG * C * K + x - K] : 1.f; };  // e^E_i
-  auto e_o = [&](int x) { return fac[GradSmem::kEO * C * K + x]; };                   // e^Omega_i
-  auto e_ginv = [&](int x) { return e_o(x) * at.blk[B::ginv + x % K]; };               // e^-G_i
+  const float* const eg = fac + GradSmem::kEG * C * kRow;  // e^G_i at x = i kRow + d
+  const float* const eo = fac + GradSmem::kEO * C * kRow;  // e^Omega_i
+  auto e_e = [&](int x) { return x >= kRow ? eg[x - kRow] : 1.f; };  // e^E_i
   if (bounded) {
     // dr = e^G (dR^ + dA_rk K~ + dA_rb B~), da = e^E (dÂ + dA_ak K~ + dA_ab B~), dk = dK^ e^Omega +
     // e^-G (dA_rk^T R^ + dA_ak^T Â), db = dB^ e^Omega + e^-G (dA_rb^T R^ + dA_ab^T Â): each warp
@@ -202,27 +204,41 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
     for (int nt = 0; nt < 2; ++nt) {
       const int dn = d0 + 8 * nt;
       float r[4] = {}, a[4] = {}, k[4] = {}, b[4] = {};
-      tile::warp_mma_ld<false, false, false, false, X3>(r, C, dArk, C, kt + dn, LA);
-      tile::warp_mma_ld<false, false, false, false, X3>(r, C, dArb, C, bt + dn, LA);
-      tile::warp_mma_ld<false, false, false, false, X3>(a, C, dAak, C, kt + dn, LA);
-      tile::warp_mma_ld<false, false, false, false, X3>(a, C, gs.daab, C, bt + dn, LA);
-      tile::warp_mma_ld<true, false, false, false, X3>(k, C, dArk, C, rh + dn, LA);
-      tile::warp_mma_ld<true, false, false, false, X3>(k, C, dAak, C, ah + dn, LA);
-      tile::warp_mma_ld<true, false, false, false, X3>(b, C, dArb, C, rh + dn, LA);
-      tile::warp_mma_ld<true, false, false, false, X3>(b, C, gs.daab, C, ah + dn, LA);
+      tile::warp_mma_ld<false, false, false, false, X3>(r, C, dArk, kMatRow, kt + dn, LA);
+      tile::warp_mma_ld<false, false, false, false, X3>(r, C, dArb, kMatRow, bt + dn, LA);
+      tile::warp_mma_ld<false, false, false, false, X3>(a, C, dAak, kMatRow, kt + dn, LA);
+      tile::warp_mma_ld<false, false, false, false, X3>(a, C, gs.daab, kMatRow, bt + dn, LA);
+      tile::warp_mma_ld<true, false, false, false, X3>(k, C, dArk, kMatRow, rh + dn, LA);
+      tile::warp_mma_ld<true, false, false, false, X3>(k, C, dAak, kMatRow, ah + dn, LA);
+      tile::warp_mma_ld<true, false, false, false, X3>(b, C, dArb, kMatRow, rh + dn, LA);
+      tile::warp_mma_ld<true, false, false, false, X3>(b, C, gs.daab, kMatRow, ah + dn, LA);
+      // 8-byte accesses, elements 2 h2 and 2 h2 + 1 (row g + 8 h2, channels dn + 2q, + 1)
+      auto ld2 = [](const float* x) { return *reinterpret_cast<const float2*>(x); };
+      auto pick = [](const float2& f, int c) { return c ? f.y : f.x; };
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int x = row_of(e) * K + dn + col_of(e);
-        const float eo = e_o(x), egi = e_ginv(x);
-        dR[x] = e_g(x) * (dR[x] + r[e]);
-        gs.dahat[x] = e_e(x) * (gs.dahat[x] + a[e]);
-        dK[x] = dK[x] * eo + egi * k[e], dB[x] = dB[x] * eo + egi * b[e];
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int x = (g + 8 * h2) * kRow + dn + 2 * q;
+        const float2 fo = ld2(eo + x), fg = ld2(eg + x), gi = ld2(at.blk + B::ginv + dn + 2 * q);
+        const float2 fe = x >= kRow ? ld2(eg + x - kRow) : make_float2(1.f, 1.f);
+        const float2 vr = ld2(dR + x), va = ld2(gs.dahat + x), vk = ld2(dK + x), vb = ld2(dB + x);
+        float out[4][2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int e = 2 * h2 + c;
+          const float o = pick(fo, c), egi = o * pick(gi, c);  // e^Omega, e^-G
+          out[0][c] = pick(fg, c) * (pick(vr, c) + r[e]);
+          out[1][c] = pick(fe, c) * (pick(va, c) + a[e]);
+          out[2][c] = pick(vk, c) * o + egi * k[e];
+          out[3][c] = pick(vb, c) * o + egi * b[e];
+        }
+        float* const dst[4] = {dR + x, gs.dahat + x, dK + x, dB + x};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) *reinterpret_cast<float2*>(dst[m]) = make_float2(out[m][0], out[m][1]);
       }
     }
   } else {
     for (int e = tid; e < C * K; e += NTF) {
-      const int i = e / K, d = e % K;
-      const float eo = e_o(e);
+      const int i = e / K, d = e % K, x = i * kRow + d;
       float r = 0.f, a = 0.f, k = 0.f, b = 0.f;
       // Past the bound: each pair's factor from its own segment sum of w (never positive; any w
       // in [-inf, 0]), walked from the row outwards. e^(G_i - G_j) for j <= i and e^(E_i - G_j)
@@ -230,13 +246,13 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       float seg = 0.f;  // G_i - G_j, then for j < i: E_i - G_j is the step before's
       for (int j = i; j >= 0; --j) {
         const float f = expf(seg);
-        r += f * (dArk[i * C + j] * in(GradSmem::kK, j, d) + dArb[i * C + j] * in(GradSmem::kB, j, d));
+        r += f * (dArk[i * kMatRow + j] * in(GradSmem::kK, j, d) + dArb[i * kMatRow + j] * in(GradSmem::kB, j, d));
         seg += in(GradSmem::kW, j, d);
       }
       seg = 0.f;  // E_i - G_j = sum of w over rows j + 1 .. i - 1
       for (int j = i - 1; j >= 0; --j) {
         const float f = expf(seg);
-        a += f * (dAak[i * C + j] * in(GradSmem::kK, j, d) + gs.daab[i * C + j] * in(GradSmem::kB, j, d));
+        a += f * (dAak[i * kMatRow + j] * in(GradSmem::kK, j, d) + gs.daab[i * kMatRow + j] * in(GradSmem::kB, j, d));
         seg += in(GradSmem::kW, j, d);
       }
       seg = 0.f;  // G_i' - G_i for i' >= i (and E_i' - G_i = G_(i'-1) - G_i: the step before's)
@@ -244,17 +260,17 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       for (int i2 = i; i2 < C; ++i2) {
         if (i2 > i) seg += in(GradSmem::kW, i2, d);
         const float f = expf(seg);
-        k += f * dArk[i2 * C + i] * in(GradSmem::kR, i2, d);
-        b += f * dArb[i2 * C + i] * in(GradSmem::kR, i2, d);
+        k += f * dArk[i2 * kMatRow + i] * in(GradSmem::kR, i2, d);
+        b += f * dArb[i2 * kMatRow + i] * in(GradSmem::kR, i2, d);
         if (i2 > i) {
-          k += prev * dAak[i2 * C + i] * in(GradSmem::kA, i2, d);
-          b += prev * gs.daab[i2 * C + i] * in(GradSmem::kA, i2, d);
+          k += prev * dAak[i2 * kMatRow + i] * in(GradSmem::kA, i2, d);
+          b += prev * gs.daab[i2 * kMatRow + i] * in(GradSmem::kA, i2, d);
         }
         prev = f;
       }
-      r += e_g(e) * dR[e], a += e_e(e) * gs.dahat[e];
-      k += dK[e] * eo, b += dB[e] * eo;
-      dR[e] = r, gs.dahat[e] = a, dK[e] = k, dB[e] = b;
+      r += eg[x] * dR[x], a += e_e(x) * gs.dahat[x];
+      k += dK[x] * eo[x], b += dB[x] * eo[x];
+      dR[x] = r, gs.dahat[x] = a, dK[x] = k, dB[x] = b;
     }
   }
   __syncthreads();
@@ -264,7 +280,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   // from zeta carried through the later groups' maps; then all five to their outputs (rows of the
   // sequence only).
   const int64_t t0 = ci * C;
-  float* const dw = gs.big + GradSmem::kDW * C * K;  // (over dW, which dX and dÂ have read)
+  float* const dw = gs.big + GradSmem::kDW * C * kRow;  // (over dW, which dX and dÂ have read)
   {
     const int w = tid / 32, lane = tid % 32;
     float* const map_c = gs.fac, *const map_keep = gs.fac + 4 * K;  // [4][K] each
@@ -275,7 +291,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       const int d = lane + 32 * half;
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int i = 4 * w + r, e = i * K + d;
+        const int i = 4 * w + r, e = i * kRow + d;
         x[half][r] = in(GradSmem::kR, i, d) * dR[e] - in(GradSmem::kK, i, d) * dK[e] - in(GradSmem::kB, i, d) * dB[e];
         y[half][r] = in(GradSmem::kA, i, d) * gs.dahat[e];
         z[half][r] = expf(in(GradSmem::kW, i, d)) == 0.f;
@@ -293,7 +309,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       for (int q = 3; q > w; --q) acc = dw_through(acc, map_c[q * K + d], map_keep[q * K + d] != 0.f);
       dw_group_scan(acc, x[half], y[half], z[half], out);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) dw[(4 * w + r) * K + lane + 32 * half] = out[r];
+      for (int r = 0; r < 4; ++r) dw[(4 * w + r) * kRow + lane + 32 * half] = out[r];
     }
   }
   __syncthreads();
@@ -301,7 +317,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
   static_assert(kGradR == 0 && kGradW == 1 && kGradK == 2 && kGradA == 3 && kGradB == 4, "kGrad order");
   const int nrow = s.len - t0 < C ? int(s.len - t0) : C;
   if (p.paths.grads_16byte) {
-    store_kvector_quads<T, NTF>(p, s.b, s.bos, t0, h, K, nrow, src, K);
+    store_kvector_quads<T, NTF>(p, s.b, s.bos, t0, h, K, nrow, src, kRow);
   } else {
     constexpr int kRowStep = NTF / K;  // (a thread's channel d, its rows i0, i0 + kRowStep, ...)
     const int d = tid % K, i0 = tid / K;
@@ -311,7 +327,7 @@ __device__ inline void kvector_grads(const DplrChunkPass& p, const SeqSpan& s, c
       const int64_t step = kRowStep * p.kgd[gi].st;
 #pragma unroll
       for (int i = i0; i < C; i += kRowStep, out += step)
-        if (i < nrow) *out = from_f<T>(src[gi][i * K + d]);
+        if (i < nrow) *out = from_f<T>(src[gi][i * kRow + d]);
     }
   }
   __syncthreads();

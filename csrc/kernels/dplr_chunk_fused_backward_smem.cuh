@@ -1,7 +1,6 @@
-// The shared memory and the small parts of the RWKV7 single-pass backward under construction
+// The shared memory and the small parts of the RWKV7 single-pass backward
 // (dplr_chunk_fused_backward.cuh): the chunk's operand tiles as scaled fp16, the fp32 buffers of
-// the sums over the value columns, and the products that both the reverse walk and the making of
-// a group's states run.
+// the sums over the value columns, and the small products and sums the kernel's steps share.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -115,32 +114,37 @@ __device__ inline void load_held(float (&ht)[K / 8][4], const float* S, const He
 // the sums (big: dR^, dK^, dB^, dW, then dr, dk, db in place and dw over dW; small: dA_rk, dA_rb,
 // dA_ak, dU M^T, then zeta_s: rowsum(S * dS+)); the chunk's raw rows r, w, k, a, b as they came
 // (16-bit). Once the sums are taken, part's space holds the chunk-wide matrices and the decay
-// factors: dÂ, e^G, e^Omega [C][K] (then the dw scan's group maps), dX, dA_ab, Y [C][C].
+// factors: dÂ, e^G, e^Omega [C][K] (then the dw scan's group maps), dX, dA_ab, Y [C][C]. Their
+// rows are padded to 8 mod 32 floats (kRow, kMatRow; the partials stay dense): then a half warp's
+// 8-byte accesses at accumulator positions (rows g, columns 2q, 2q + 1) and the TF32 fragment
+// loads with k along the rows (B, transposed A) fall on distinct banks, where rows of K or C
+// floats put four or eight rows on one bank (benchmarks/NOTES.md c70).
 struct GradSmem {
+  static constexpr int kRow = K + 8, kMatRow = C + 8;
   static constexpr int kPart = 4 * C * C + K;  // a warp's partials
   static_assert(kPart % 4 == 0, "sum_partials reads float4s");
   enum { kDR, kDK, kDB, kDW };
   enum { kDArk, kDArb, kDAak, kDX1 };
   enum { kEG, kEO };
   enum { kR, kW, kK, kA, kB };
-  static constexpr int kChunkFloats = 3 * C * K + 3 * C * C;
-  static_assert(kChunkFloats <= 4 * kPart, "the chunk-wide matrices in part's space");
+  static constexpr int kChunkFloats = 3 * C * kRow + 3 * C * kMatRow;
+  static constexpr int kPartSpace = 4 * kPart > kChunkFloats ? 4 * kPart : kChunkFloats;  // (floats)
   float *part, *big, *small, *zeta_s, *dahat, *fac, *dx, *daab, *y;
   uint16_t* raw;  // [5][C][K], the inputs' 16-bit elements
   __device__ explicit GradSmem(float* sm) {
     part = sm + (ChainTiles::bytes() + 15) / 16 * 4;
-    big = part + 4 * kPart;
-    small = big + 4 * C * K;
-    zeta_s = small + 4 * C * C;
+    big = part + kPartSpace;
+    small = big + 4 * C * kRow;
+    zeta_s = small + 4 * C * kMatRow;
     raw = reinterpret_cast<uint16_t*>(zeta_s + K);
     dahat = part;
-    fac = dahat + C * K;
-    dx = fac + 2 * C * K;
-    daab = dx + C * C;
-    y = daab + C * C;
+    fac = dahat + C * kRow;
+    dx = fac + 2 * C * kRow;
+    daab = dx + C * kMatRow;
+    y = daab + C * kMatRow;
   }
   static constexpr size_t bytes() {
-    return (ChainTiles::bytes() + 15) / 16 * 16 + 4 * (4 * kPart + 4 * C * K + 4 * C * C + K) + 2 * 5 * C * K;
+    return (ChainTiles::bytes() + 15) / 16 * 16 + 4 * (kPartSpace + 4 * C * kRow + 4 * C * kMatRow + K) + 2 * 5 * C * K;
   }
   // raw row i, channel d of input m (kR ..) as fp32
   template <typename T>
@@ -173,7 +177,7 @@ __device__ inline void put_a_f16(const tile::F16A& a, __half* tile, const HeldLa
   *reinterpret_cast<uint32_t*>(at + 8) = a.r[2];
   *reinterpret_cast<uint32_t*>(at + 8 * kF16Row + 8) = a.r[3];
 }
-// out (the chunk's rows by channels d0 .. d0 + 15, row-major [C][K]) = sum over the column
+// out (the chunk's rows by channels d0 .. d0 + 15, rows of GradSmem::kRow) = sum over the column
 // blocks w = 0..3, in order, of A_w B_w / (sa[w] sb[w]): A_w columns 16w .. of a [C][kF16Row]
 // tile, B_w rows 16w .. of a [V][kF16Row] tile.
 __device__ inline void column_sum(const __half* a_tile, const float* sa, const __half* b_tile, const float* sb, int d0,
@@ -198,7 +202,7 @@ __device__ inline void column_sum(const __half* a_tile, const float* sa, const _
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int h = 0; h < 2; ++h)  // (rows g, g + 8; two channels each)
-      *reinterpret_cast<float2*>(out + (ln.g + 8 * h) * K + d0 + 8 * nt + 2 * ln.q) =
+      *reinterpret_cast<float2*>(out + (ln.g + 8 * h) * GradSmem::kRow + d0 + 8 * nt + 2 * ln.q) =
           make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
 }
 
@@ -214,16 +218,18 @@ __device__ inline void put_partial(const GradSmem& gs, const float (&acc)[nt][4]
 #pragma unroll
     for (int e = 0; e < 4; ++e) mine[(ln.g + 8 * (e / 2)) * ld + ln.chan(t, e)] = acc[t][e];
 }
-// A barrier, the four warps' partials at [off, off + n) summed in warp order into out (so the
-// sums are the same bits whatever the schedule), a barrier.
-__device__ inline void sum_partials(const GradSmem& gs, int off, int n, float* out, int tid) {
+// A barrier, the four warps' partials (the four [C][C] matrices dense, then zeta's K) summed in
+// warp order (so the sums are the same bits whatever the schedule) into small's matrices (rows
+// of kMatRow) and zeta_s, a barrier.
+__device__ inline void sum_partials(const GradSmem& gs, int tid) {
+  constexpr int kMats = 4 * C * C;
   __syncthreads();
-  const float* const pt = gs.part + off;
-  auto at = [&](int w, int e) { return *reinterpret_cast<const float4*>(pt + w * GradSmem::kPart + e); };
-  for (int e = 4 * tid; e < n; e += 4 * NTF) {  // (n, off and the part's stride multiples of 4)
+  auto at = [&](int w, int e) { return *reinterpret_cast<const float4*>(gs.part + w * GradSmem::kPart + e); };
+  for (int e = 4 * tid; e < kMats + K; e += 4 * NTF) {  // (the part's stride a multiple of 4)
     const float4 a = at(0, e), b = at(1, e), c = at(2, e), d = at(3, e);
-    *reinterpret_cast<float4*>(out + e) = make_float4(((a.x + b.x) + c.x) + d.x, ((a.y + b.y) + c.y) + d.y,
-                                                      ((a.z + b.z) + c.z) + d.z, ((a.w + b.w) + c.w) + d.w);
+    float* const out = e < kMats ? gs.small + e / C * GradSmem::kMatRow + e % C : gs.zeta_s + (e - kMats);
+    *reinterpret_cast<float4*>(out) = make_float4(((a.x + b.x) + c.x) + d.x, ((a.y + b.y) + c.y) + d.y,
+                                                  ((a.z + b.z) + c.z) + d.z, ((a.w + b.w) + c.w) + d.w);
   }
   __syncthreads();
 }
