@@ -236,9 +236,9 @@ struct DplrChunkPass : DplrArgs {  // dplr.h: the operands, outputs and gradient
   // (dplr_chunk_launch.cuh), unless this is off (the op's FLA_EXT_RWKV7_FUSED=0).
   bool fused_may_keep = true;
   // CUDA backward on the fused forward's fp16 states (kept == DplrKept::f16_states), bf16 / fp16,
-  // K = V = 64, one pass (no windows): run the single-pass backward under construction
-  // (kernels/dplr_chunk_fused_backward.cuh) in place of the fused reverse pass and grad. The op
-  // sets it only where FLA_EXT_RWKV7_SINGLE_PASS=1 (to measure it; not the default yet).
+  // K = V = 64, one pass (no windows): run the single-pass backward
+  // (kernels/dplr_chunk_fused_backward.cuh) in place of the fused reverse pass and grad; the op
+  // sets it wherever the forward kept those states (keeps_f16_states).
   bool single_pass_backward = false;
   // CUDA, no cu_seqlens: the pass in windows of the chunk index when window_chunks > 0 (the
   // launch walks them, dplr_chunk_launch.cuh; window_begin is its cursor: each window's kernels

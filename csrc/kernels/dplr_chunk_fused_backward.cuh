@@ -1,6 +1,6 @@
-// Issue 28's backward kernel for the chunked RWKV7 engine, under construction (benchmarks/NOTES.md
-// c67): one CTA of four warps per (sequence, head) walks the chunks latest first, warp w owning
-// the value columns 16w .. 16w + 15, each warp's quantities held transposed in registers (D^T:
+// The single-pass backward of the chunked RWKV7 engine (benchmarks/NOTES.md c67-c70): one CTA
+// of four warps per (sequence, head) walks the chunks latest first, warp w owning the value
+// columns 16w .. 16w + 15, each warp's quantities held transposed in registers (D^T:
 // m = its columns, n = the channels) so that every warp-local product reads the previous one's
 // accumulators as its left operand, all products on fp16 tensor cores with a power-of-two scale
 // per operand (tile_mma.cuh: a_from_acc, ldmatrix loads; TF32's rounding, docs/algorithms.md
@@ -19,8 +19,8 @@
 //      dplr_f16_states.cuh), read straight into registers; the tests may also give every chunk's
 //      fp32 (hst, no kept kind). (Its first form walked the fused forward's fp32 states of every
 //      fourth chunk, making each group's states again first: slower, removed; NOTES c69.)
-// 108.6 KB of shared memory, two CTAs an SM. Level with the fused reverse pass + grad, not faster
-// (benchmarks/NOTES.md c69), so the op launches it only where FLA_EXT_RWKV7_SINGLE_PASS=1
+// 113.7 KB of shared memory, two CTAs an SM. 22 % faster than the fused reverse pass + grad at
+// (8, 64, 64) (benchmarks/NOTES.md c70): the op's default where the fused training forward runs
 // (DplrChunkPass::single_pass_backward).
 #pragma once
 #include "dplr_chunk_fused_backward_grads.cuh"

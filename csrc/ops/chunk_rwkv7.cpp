@@ -40,7 +40,7 @@ int64_t dplr_state_floats(const DiagArgs& d) { return dplr_chunk_slots(d) * d.H 
 // sequential walk, where the two-kernel forward spreads every chunk over the GPU. An inference
 // forward takes it from kFusedMinTasks pairs (on an H200's 132 SMs the faster one at 128 pairs
 // and the slower at 32: benchmarks/NOTES.md c25). A training forward (`keeps`) takes it from
-// kFusedTrainingMinTasks: its backward then runs the fused reverse pass, making the pair
+// kFusedTrainingMinTasks: its backward then runs the single pass (or the fused reverse pass), making the pair
 // matrices and X again where the two-kernel forward kept them, and both fused walks are
 // latency-bound at few pairs. At 128 pairs the fused fwd + bwd is still the slower one, though
 // its forward (there the two-block build storing the strided states) is the faster and keeps
@@ -60,10 +60,10 @@ bool fused_forward(const DiagArgs& d, const Tensor& r, bool keeps) {
   return d.N * d.H >= (keeps ? kFusedTrainingMinTasks : kFusedMinTasks);
 }
 
-// FLA_EXT_RWKV7_SINGLE_PASS: 1 runs the single-pass backward under construction where it runs.
-bool single_pass_override() {
+// FLA_EXT_RWKV7_SINGLE_PASS: 0 / 1 force the single-pass backward off / on where it can run.
+int single_pass_override() {
   const char* force = std::getenv("FLA_EXT_RWKV7_SINGLE_PASS");
-  return force && force[0] == '1';
+  return force && *force ? force[0] == '1' : -1;
 }
 
 // Chunks of a sequence without cu_seqlens.
@@ -136,11 +136,16 @@ int64_t saved_states_floats(const DiagArgs& d, bool strided) {
   return ((strided ? kept_state_floats(d) : dplr_state_floats(d)) + 3) / 4 * 4;
 }
 bool keeps_strided(const DiagArgs& d, const Tensor& r) { return fused_forward(d, r, true) || sweep_strided(d, r); }
-// Where the single-pass backward is to run (FLA_EXT_RWKV7_SINGLE_PASS=1, the fused forward's
-// shapes: K = V = 64, 16-bit), the fused training forward keeps every chunk-start state as fp16
-// instead (DplrKept::f16_states, DplrF16States; benchmarks/NOTES.md c69).
+// Where the single-pass backward is to run (the fused training forward's shapes, K = V = 64,
+// 16-bit; by default from the fused training forward's own threshold of pairs up, where it is
+// 17-24 % faster than the fused reverse pass and grad: benchmarks/NOTES.md c70), the fused
+// training forward keeps every chunk-start state as fp16 instead (DplrKept::f16_states,
+// DplrF16States). FLA_EXT_RWKV7_SINGLE_PASS=0 keeps the strided states and the two-kernel
+// backward; 1 takes it wherever the fused training forward runs (forced at fewer pairs too).
 bool keeps_f16_states(const DiagArgs& d, const Tensor& r) {
-  return single_pass_override() && fused_forward(d, r, true) && d.K == 64 && d.V == 64;
+  if (!fused_forward(d, r, true) || d.K != 64 || d.V != 64) return false;
+  const int force = single_pass_override();
+  return force >= 0 ? force == 1 : d.N * d.H >= kFusedTrainingMinTasks;
 }
 int64_t f16_states_floats(const DiagArgs& d) {
   return DplrF16States::floats(int(d.N), int(d.T), d.cu.defined(), int(d.H));
@@ -512,10 +517,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> chunk_rwkv7_b
   // or the reverse sweep on the kept workspace, `ws_kept`)
   const bool two_kernel = two_kernel_strided(d, r, kind), ws_kept = two_kernel && saved_strided_ws(d, kept);
   const bool lean = two_kernel && !ws_kept;
-  // FLA_EXT_RWKV7_SINGLE_PASS=1: the single-pass backward under construction, on the fp16 states
-  // the fused forward then keeps (K = V = 64, the gradients straight into the outputs), to measure
-  // it (benchmarks/NOTES.md c67, c69); it needs no dS+ or matrix buffers, so no windows. A forward
-  // run with it off kept other states: the default paths take those.
+  // The single-pass backward, on the fp16 states the fused forward keeps where keeps_f16_states
+  // (K = V = 64, the gradients straight into the outputs; benchmarks/NOTES.md c67, c69, c70); it
+  // needs no dS+ or matrix buffers, so no windows. A forward run with other settings kept other
+  // states: the two-kernel paths take those.
   const bool single = r.is_cuda() && kind == DplrKept::f16_states && pair == 0;
   TORCH_CHECK(single || kind != DplrKept::f16_states, "chunk_rwkv7: fp16 states without the single-pass backward");
   int64_t window = single ? 0 : backward_window_chunks(d, kind, lean, ws_kept);

@@ -281,8 +281,10 @@ def test_fused_training_forward_matches_oracle(case, head_first, dtype, monkeypa
     (kDplrStateStride), and the backward runs the fused reverse pass and grad on them
     (DplrKept::states: grad makes the states between): o, the final state and every gradient
     against the float64 oracle (bf16 / fp16 tolerances), `saved` holding those states alone,
-    every float written."""
+    every float written. (The single pass off: from 256 pairs it would take the backward, on
+    fp16 states.)"""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
+    monkeypatch.setenv("FLA_EXT_RWKV7_SINGLE_PASS", "0")
     (r, w, k, v, a, b, h0), cu_t = fused_case(case, head_first, dtype, gen)
     _, _, saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 0.7, h0, True, cu_t, head_first)
     N, T = h0.shape[0], r.shape[-2 if head_first else -3]
@@ -299,13 +301,35 @@ def test_fused_training_forward_matches_oracle(case, head_first, dtype, monkeypa
 @pytest.mark.parametrize("head_first", [False, True], ids=["bthd", "head_first"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_single_pass_backward_matches_oracle(case, head_first, dtype, monkeypatch, gen):
-    """The single-pass backward under construction (FLA_EXT_RWKV7_SINGLE_PASS=1; benchmarks/NOTES.md
-    c67) on the fused training forward's kept states: o, the final state and every gradient
-    against the float64 oracle at the 16-bit tolerances."""
+    """The single-pass backward (the default from 256 pairs; forced here with
+    FLA_EXT_RWKV7_SINGLE_PASS=1 on every shape; benchmarks/NOTES.md c67, c70) on the fused training
+    forward's fp16 states: o, the final state and every gradient against the float64 oracle at
+    the 16-bit tolerances."""
     monkeypatch.setenv("FLA_EXT_RWKV7_FUSED", "1")
     monkeypatch.setenv("FLA_EXT_RWKV7_SINGLE_PASS", "1")
     (r, w, k, v, a, b, h0), cu_t = fused_case(case, head_first, dtype, gen)
     run_and_check(CHUNK, r, w, k, v, a, b, h0, scale=0.7, cu=cu_t, head_first=head_first, gen=gen)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_single_pass_is_the_default_from_256_pairs(monkeypatch, gen):
+    """With no setting, a 16-bit K = V = 64 training forward at 256 or more (sequence, head) pairs
+    keeps every chunk's start state as fp16 (DplrF16States: 2052 floats a slot and head) for the
+    single-pass backward; FLA_EXT_RWKV7_SINGLE_PASS=0 gives the fp32 state of every fourth chunk
+    (the two-kernel backward). Both backwards against the float64 oracle."""
+    monkeypatch.delenv("FLA_EXT_RWKV7_FUSED", raising=False)
+    (r, w, k, v, a, b, h0), _ = fused_case("wide3", False, torch.bfloat16, gen)  # 300 pairs
+    N, T, H = h0.shape[0], r.shape[1], r.shape[2]
+    for setting, floats in [(None, N * ((T + 15) // 16 + 1) * H * 2052),
+                            ("0", (N * ((T + 63) // 64 + 1) * H * 64 * 64 + 3) // 4 * 4)]:
+        if setting is None:
+            monkeypatch.delenv("FLA_EXT_RWKV7_SINGLE_PASS", raising=False)
+        else:
+            monkeypatch.setenv("FLA_EXT_RWKV7_SINGLE_PASS", setting)
+        _, _, saved = torch.ops.fla.chunk_rwkv7_train(r, w, k, v, a, b, 0.7, h0, True, None, False)
+        assert saved.numel() == floats
+        run_and_check(CHUNK, r, w, k, v, a, b, h0, scale=0.7, gen=gen)
 
 
 @pytest.mark.cuda
