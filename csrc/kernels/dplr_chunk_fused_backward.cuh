@@ -63,6 +63,10 @@ __global__ void __launch_bounds__(kDplrFusedThreads) single_pass_backward_kernel
     vrows.stage_one(kColumnRows, sm + kVRows, LB);  // the chain tiles' v, 0 past the sequence
     if (full) rows.stage_raw(gs.raw);
     if (ci > 0) rows.fetch(ci - 1), vrows.fetch_one(kColumnRows, ci - 1);  // (the staged rows are in shared memory)
+    if (full && f16_states && ci > 0)  // (the next chunk's state record into L2)
+      prefetch_f16_state(static_cast<const float*>(p.hst) +
+                             (chunk_slot<C>(p.cu_seqlens, n, p.T, ci - 1) * p.H + h) * DplrF16States::kFloats,
+                         tid);
     const bool bounded = steps_with_x<T>(at, p, s, h, ci, tid);
     make_chain_tiles(at.blk, ct, tid);
     auto sc = [&](int t) { return ct.scale[t]; };

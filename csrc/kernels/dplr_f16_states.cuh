@@ -11,6 +11,8 @@
 #pragma once
 #include <cuda_fp16.h>
 
+#include "async_copy.cuh"  // prefetch_l2
+
 #include "dplr_chunk_fused_steps.cuh"
 
 namespace fla {
@@ -66,6 +68,17 @@ __device__ inline void store_f16_state(float* record, const float* S, int tid) {
 }
 
 // store_f16_state's record back as this thread's held elements (exact: fp16 times a power of two).
+// The record's 128-byte lines asked of L2 by threads 0 .. kF16StateLines - 1, a chunk before
+// load_f16_state reads them: that load then waits on L2 instead of DRAM (benchmarks/NOTES.md c70).
+// Every address stays inside the record (the last line's at its last float).
+constexpr int kF16StateBytes = int(DplrF16States::kFloats) * 4, kF16StateLines = (kF16StateBytes + 127) / 128 + 1;
+__device__ inline void prefetch_f16_state(const float* record, int tid) {
+  if (tid < kF16StateLines) {
+    const int at = tid * 128 < kF16StateBytes ? tid * 128 : kF16StateBytes - 4;
+    prefetch_l2(reinterpret_cast<const char*>(record) + at);
+  }
+}
+
 __device__ inline void load_f16_state(float (&ht)[K / 8][4], const float* record, int tid) {
   const uint4* const in = reinterpret_cast<const uint4*>(record) + tid;
   const float inv = record[kF16StateScales + tid / 32];
