@@ -67,7 +67,6 @@ __device__ inline void store_f16_state(float* record, const float* S, int tid) {
   if (tid % 32 == 0) record[kF16StateScales + tid / 32] = tile::inverse_pow2(s);
 }
 
-// store_f16_state's record back as this thread's held elements (exact: fp16 times a power of two).
 // The record's 128-byte lines asked of L2 by threads 0 .. kF16StateLines - 1, a chunk before
 // load_f16_state reads them: that load then waits on L2 instead of DRAM (benchmarks/NOTES.md c70).
 // Every address stays inside the record (the last line's at its last float).
@@ -79,6 +78,7 @@ __device__ inline void prefetch_f16_state(const float* record, int tid) {
   }
 }
 
+// store_f16_state's record back as this thread's held elements (exact: fp16 times a power of two).
 __device__ inline void load_f16_state(float (&ht)[K / 8][4], const float* record, int tid) {
   const uint4* const in = reinterpret_cast<const uint4*>(record) + tid;
   const float inv = record[kF16StateScales + tid / 32];
