@@ -19,9 +19,9 @@
 //      dplr_f16_states.cuh), read straight into registers; the tests may also give every chunk's
 //      fp32 (hst, no kept kind). (Its first form walked the fused forward's fp32 states of every
 //      fourth chunk, making each group's states again first: slower, removed; NOTES c69.)
-// 113.7 KB of shared memory, two CTAs an SM. 22 % faster than the fused reverse pass + grad at
-// (8, 64, 64) (benchmarks/NOTES.md c70): the op's default where the fused training forward runs
-// (DplrChunkPass::single_pass_backward).
+// 113.7 KB of shared memory, two CTAs an SM. The faster backward wherever the fused training
+// forward runs (it reads no workspace and makes no state again; benchmarks/NOTES.md c70), so the
+// op's default there (DplrChunkPass::single_pass_backward).
 #pragma once
 #include "dplr_chunk_fused_backward_grads.cuh"
 
