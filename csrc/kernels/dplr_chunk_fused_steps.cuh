@@ -297,10 +297,25 @@ __device__ inline void pair_matrices(const ChunkSteps& at, bool bounded, const D
     const float* const rows = at.blk + (m < 2 ? B::rhat : B::ahat);
     const float* const cols = m % 2 ? at.btil : at.wrow;
     const bool incl = m < 2;
+    if constexpr (!kX3) {
+      // Single TF32 by k-contiguous 16-byte fragment loads (warp_mma_nt_tiles: a quarter of
+      // warp_mma_ld's loads, the k sum in another order; benchmarks/NOTES.md c70), both of the
+      // warp's column tiles at once where kWarps == 4 (tiles n0 and n0 + 8), one where 8.
+      constexpr int kTiles = kWarps == 4 ? 2 : 1;
+      const int n0 = 8 * (warp / 4);
+      float acc[kTiles][4] = {};
+      tile::warp_mma_nt_tiles<false, false, kTiles>(acc, kTiles, K, rows, LA, cols + n0 * LA, LA);
 #pragma unroll
-    for (int n0 = 8 * (warp / 4); n0 < C; n0 += 8 * (kWarps / 4)) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      if (kX3) {
+      for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = tile::nt_row(0, e), j = tile::nt_col(n0 + 8 * t, e);
+          mats[m * C * LM + i * LM + j] = (incl ? j <= i : j < i) ? acc[t][e] : 0.f;
+        }
+    } else {
+#pragma unroll
+      for (int n0 = 8 * (warp / 4); n0 < C; n0 += 8 * (kWarps / 4)) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
         const float* pa = rows + g * LA + q;
         const float* pb = cols + (n0 + g) * LA + q;
 #pragma unroll 4
@@ -308,13 +323,11 @@ __device__ inline void pair_matrices(const ChunkSteps& at, bool bounded, const D
           const float av[4] = {pa[0], pa[8 * LA], pa[4], pa[8 * LA + 4]}, bv[2] = {pb[0], pb[4]};
           tile::mma_tf32x3(acc, av, bv);
         }
-      } else {
-        warp_mma_ld<false, true>(acc, K, rows, LA, cols + n0 * LA, LA);
-      }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = g + 8 * (e / 2), j = n0 + 2 * q + e % 2;
-        mats[m * C * LM + i * LM + j] = (incl ? j <= i : j < i) ? acc[e] : 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const int i = g + 8 * (e / 2), j = n0 + 2 * q + e % 2;
+          mats[m * C * LM + i * LM + j] = (incl ? j <= i : j < i) ? acc[e] : 0.f;
+        }
       }
     }
   } else {

@@ -52,10 +52,18 @@ constexpr int kF16StateScales = K * V / 2;
 __device__ inline void store_f16_state(float* record, const float* S, int tid) {
   const HeldLane ln(tid);
   float ht[K / 8][4];
+  // Elements c and c + 2 share a channel, columns col(0) and col(0) + 8. Lanes with q >= 2 read the
+  // second first: rows 2q + c of LB (8 mod 32) floats put q and q + 2 on one bank, and the swap
+  // moves one of them 8 banks on, so every load's lanes fall on 32 banks (benchmarks/NOTES.md c70).
+  const bool swap = ln.q >= 2;
 #pragma unroll
   for (int t = 0; t < K / 8; ++t)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) ht[t][e] = S[ln.chan(t, e) * LB + ln.col(e)];
+    for (int c = 0; c < 2; ++c) {
+      const float* const at = S + ln.chan(t, c) * LB + ln.col(0);
+      const float first = at[swap ? 8 : 0], second = at[swap ? 0 : 8];
+      ht[t][c] = swap ? second : first, ht[t][c + 2] = swap ? first : second;
+    }
   const float s = tile::pow2_scale<15>(warp_amax(ht));  // (the largest magnitude into [2^14, 2^15))
   uint4* const out = reinterpret_cast<uint4*>(record) + tid;
 #pragma unroll
