@@ -286,7 +286,7 @@ __device__ inline bool steps_with_x(const ChunkSteps& at, const DplrChunkPass& p
   const bool bounded = __syncthreads_and(decay_scan(at, tid));
   if (bounded) factor_keys(at, tid);
   __syncthreads();
-  pair_matrices<T, std::is_same<T, float>::value, 4>(at, bounded, p, s, h, ci, tid);
+  pair_matrices<T, std::is_same<T, float>::value, 4, false>(at, bounded, p, s, h, ci, tid);
   __syncthreads();
   if (tid < 32) solve_x(at.blk, tid);
   __syncthreads();  // X

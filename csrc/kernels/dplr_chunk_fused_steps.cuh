@@ -283,9 +283,12 @@ __device__ inline void factor_keys(const ChunkSteps& at, int tid, int threads = 
 // matrix m % 4's 8-column tiles m / 4, m / 4 + kWarps / 4, ... as 16 x 16 tensor-core products
 // over K of the factored rows, single TF32 (kX3 = false: the forward, whose inputs are 16-bit
 // and whose o stays within their tolerance) or fp32-accurate 3xTF32 (kX3: the reverse pass,
-// whose matrices grad reads, as prep's). Else every pair's factor from its own segment sum (w
-// still in the scratch), the raw rows re-read (a rare path). Not synchronised.
-template <typename T, bool kX3, int kWarps>
+// whose matrices grad reads, as prep's). Single TF32 loads its fragments in 16-byte pieces along
+// k (kVectorLoads) or one float at a time: the single pass runs at its register limit, where the
+// wider fragments spill and cost more than the loads they save (benchmarks/NOTES.md c71). Else
+// every pair's factor from its own segment sum (w still in the scratch), the raw rows re-read (a
+// rare path). Not synchronised.
+template <typename T, bool kX3, int kWarps, bool kVectorLoads = true>
 __device__ inline void pair_matrices(const ChunkSteps& at, bool bounded, const DplrChunkPass& p, const SeqSpan& s,
                                      int h, int64_t ci, int tid) {
   static_assert(kWarps == 4 || kWarps == 8, "a warp per matrix, or per matrix and column tile");
@@ -297,10 +300,10 @@ __device__ inline void pair_matrices(const ChunkSteps& at, bool bounded, const D
     const float* const rows = at.blk + (m < 2 ? B::rhat : B::ahat);
     const float* const cols = m % 2 ? at.btil : at.wrow;
     const bool incl = m < 2;
-    if constexpr (!kX3) {
-      // Single TF32 by k-contiguous 16-byte fragment loads (warp_mma_nt_tiles: a quarter of
-      // warp_mma_ld's loads, the k sum in another order; benchmarks/NOTES.md c70), both of the
-      // warp's column tiles at once where kWarps == 4 (tiles n0 and n0 + 8), one where 8.
+    if constexpr (!kX3 && kVectorLoads) {
+      // warp_mma_nt_tiles: a quarter of warp_mma_ld's loads, the k sum in another order
+      // (benchmarks/NOTES.md c70), both of the warp's column tiles at once where kWarps == 4
+      // (tiles n0 and n0 + 8), one where 8.
       constexpr int kTiles = kWarps == 4 ? 2 : 1;
       const int n0 = 8 * (warp / 4);
       float acc[kTiles][4] = {};
@@ -316,12 +319,16 @@ __device__ inline void pair_matrices(const ChunkSteps& at, bool bounded, const D
 #pragma unroll
       for (int n0 = 8 * (warp / 4); n0 < C; n0 += 8 * (kWarps / 4)) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        const float* pa = rows + g * LA + q;
-        const float* pb = cols + (n0 + g) * LA + q;
+        if (kX3) {
+          const float* pa = rows + g * LA + q;
+          const float* pb = cols + (n0 + g) * LA + q;
 #pragma unroll 4
-        for (int c0 = 0; c0 < K; c0 += 8, pa += 8, pb += 8) {
-          const float av[4] = {pa[0], pa[8 * LA], pa[4], pa[8 * LA + 4]}, bv[2] = {pb[0], pb[4]};
-          tile::mma_tf32x3(acc, av, bv);
+          for (int c0 = 0; c0 < K; c0 += 8, pa += 8, pb += 8) {
+            const float av[4] = {pa[0], pa[8 * LA], pa[4], pa[8 * LA + 4]}, bv[2] = {pb[0], pb[4]};
+            tile::mma_tf32x3(acc, av, bv);
+          }
+        } else {
+          warp_mma_ld<false, true>(acc, K, rows, LA, cols + n0 * LA, LA);
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
