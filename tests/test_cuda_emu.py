@@ -437,13 +437,21 @@ def test_chunk_rwkv7_backward_kernel_gradients(descending, shape, w_kind, lr, ge
     ((2, 150, 2, 64, 64), "rwkv7", None, "rwkv"),      # 10 chunks
     ((1, 130, 1, 64, 64), "mixedinf", None, "rwkv"),   # the exact pair walks, 9 chunks
     ((1, 200, 1, 64, 64), "u5", [0, 7, 7, 90, 200], "rwkv"),  # varlen, an empty sequence
-], ids=["rwkv7", "mixedinf", "varlen"])
+    # w every other element of a wider tensor: its strides are not r's, so each row block forms
+    # its own element offset (rows_share_offsets off), and every row takes the element loads
+    ((1, 70, 2, 64, 64), "rwkv7", None, "strided"),
+], ids=["rwkv7", "mixedinf", "varlen", "strided"])
 def test_chunk_rwkv7_backward_kernel_on_kept_states(descending, shape, w_kind, cu, lr, gen):
-    """The backward kernel under construction on the states the fused training forward keeps for
-    it: every chunk's start state as scaled fp16 (DplrKept::f16_states; every float of them
-    written), read as they are. Every gradient within the bf16 tolerance of the CPU op's (dw at
-    5x), warps descending, outputs poisoned."""
-    ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, lr, gen)
+    """The single-pass backward on the states the fused training forward keeps for it: every
+    chunk's start state as scaled fp16 (DplrKept::f16_states; every float of them written), read
+    as they are. Every gradient within the bf16 tolerance of the CPU op's (dw at 5x), warps
+    descending, outputs poisoned."""
+    strided = lr == "strided"
+    ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, "rwkv" if strided else lr, gen)
+    if strided:
+        wide = torch.zeros(*ins[1].shape[:-1], 2 * ins[1].shape[-1], dtype=ins[1].dtype)
+        wide[..., ::2] = ins[1]
+        ins[1] = wide[..., ::2]
     _check_all_grads(descending.run_single_pass_backward(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, True), grads)
 
 
