@@ -325,6 +325,14 @@ def test_chunk_rwkv7_kernels_descending_warps(descending, shape, dtype, tol, gen
     check(descending, shape, "mixedinf", None, gen, dtype, tol)
 
 
+def _every_other_element(t):
+    """t's values as every other element of a tensor twice as wide: its strides are not its
+    siblings', and its rows are not whole 16-byte pieces (the kernels' element loads)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
 @pytest.mark.parametrize("descending", ["emu"], indirect=True)
 @pytest.mark.parametrize("shape,w_kind,cu,lr", [
     ((2, 40, 2, 64, 64), "rwkv7", None, "rwkv"),       # RWKV-7's decays: factored pair matrices
@@ -349,9 +357,7 @@ def test_chunk_rwkv7_fused_forward(descending, shape, w_kind, cu, lr, ctas, gen)
     strided = lr == "strided"
     *ins, h0 = make(*shape, torch.bfloat16, "cpu", gen, w_kind=w_kind, N=N, lr="rwkv" if strided else lr)
     if strided:
-        wide = torch.zeros(*ins[1].shape[:-1], 2 * ins[1].shape[-1], dtype=ins[1].dtype)
-        wide[..., ::2] = ins[1]
-        ins[1] = wide[..., ::2]
+        ins[1] = _every_other_element(ins[1])
     cu_t = torch.tensor(cu) if cu else None
     o, ht = chunk_rwkv7(*ins, scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
     cu_e = cu_t if cu else torch.empty(0, dtype=torch.int64)
@@ -437,8 +443,7 @@ def test_chunk_rwkv7_backward_kernel_gradients(descending, shape, w_kind, lr, ge
     ((2, 150, 2, 64, 64), "rwkv7", None, "rwkv"),      # 10 chunks
     ((1, 130, 1, 64, 64), "mixedinf", None, "rwkv"),   # the exact pair walks, 9 chunks
     ((1, 200, 1, 64, 64), "u5", [0, 7, 7, 90, 200], "rwkv"),  # varlen, an empty sequence
-    # w every other element of a wider tensor: its strides are not r's, so each row block forms
-    # its own element offset (rows_share_offsets off), and every row takes the element loads
+    # w every other element of a wider tensor: strides not r's, and the element loads
     ((1, 70, 2, 64, 64), "rwkv7", None, "strided"),
 ], ids=["rwkv7", "mixedinf", "varlen", "strided"])
 def test_chunk_rwkv7_backward_kernel_on_kept_states(descending, shape, w_kind, cu, lr, gen):
@@ -449,9 +454,7 @@ def test_chunk_rwkv7_backward_kernel_on_kept_states(descending, shape, w_kind, c
     strided = lr == "strided"
     ins, h0, do, dht, grads, cu_e = _rwkv7_backward_case(shape, w_kind, cu, "rwkv" if strided else lr, gen)
     if strided:
-        wide = torch.zeros(*ins[1].shape[:-1], 2 * ins[1].shape[-1], dtype=ins[1].dtype)
-        wide[..., ::2] = ins[1]
-        ins[1] = wide[..., ::2]
+        ins[1] = _every_other_element(ins[1])
     _check_all_grads(descending.run_single_pass_backward(*ins, h0, do, dht, torch.empty(0), 0.7, cu_e, True), grads)
 
 
