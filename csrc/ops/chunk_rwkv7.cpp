@@ -42,11 +42,11 @@ int64_t dplr_state_floats(const DiagArgs& d) { return dplr_chunk_slots(d) * d.H 
 // and the slower at 32: benchmarks/NOTES.md c25). A training forward (`keeps`) takes it from
 // kFusedTrainingMinTasks: its backward then runs the single pass (or the fused reverse pass),
 // making the pair matrices and X again where the two-kernel forward kept them, and both fused
-// walks are latency-bound at few pairs. At 128 pairs the fused fwd + bwd is still the slower one, though
-// its forward (there the two-block build storing the strided states) is the faster and keeps
-// only the strided states (NOTES c38); there the launch may run the two-kernel forward's work as one
-// fused kernel that keeps the same states and workspace (DplrChunkPass::fused_may_keep; NOTES
-// c33). FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice (benchmarks compare the two; 0 also
+// walks are latency-bound at few pairs. At 128 pairs the fused fwd + bwd is still the slower
+// one, though its forward (there the two-block build storing the strided states) is the faster
+// and keeps only the strided states (NOTES c38); there the launch may run the two-kernel
+// forward's work as one fused kernel that keeps the same states and workspace
+// (DplrChunkPass::fused_may_keep; NOTES c33). FLA_EXT_RWKV7_FUSED=0 / 1 overrides the choice (benchmarks compare the two; 0 also
 // keeps the launch to the two kernels; 1 is the lean choice for training at few pairs).
 constexpr int64_t kFusedMinTasks = 128, kFusedTrainingMinTasks = 256;
 // FLA_EXT_RWKV7_FUSED: 1 or 0 (forced on or off), else -1.
@@ -138,9 +138,8 @@ int64_t saved_states_floats(const DiagArgs& d, bool strided) {
 bool keeps_strided(const DiagArgs& d, const Tensor& r) { return fused_forward(d, r, true) || sweep_strided(d, r); }
 // Where the single-pass backward is to run (the fused training forward's shapes, K = V = 64,
 // 16-bit; by default from the fused training forward's own threshold of pairs up, where it is
-// the faster backward: benchmarks/NOTES.md c70), the fused
-// training forward keeps every chunk-start state as fp16 instead (DplrKept::f16_states,
-// DplrF16States). FLA_EXT_RWKV7_SINGLE_PASS=0 keeps the strided states and the two-kernel
+// the faster backward: benchmarks/NOTES.md c70), the fused training forward keeps every
+// chunk-start state as fp16 instead (DplrKept::f16_states, DplrF16States). FLA_EXT_RWKV7_SINGLE_PASS=0 keeps the strided states and the two-kernel
 // backward; 1 takes it wherever the fused training forward runs (forced at fewer pairs too).
 bool keeps_f16_states(const DiagArgs& d, const Tensor& r) {
   if (!fused_forward(d, r, true) || d.K != 64 || d.V != 64) return false;
